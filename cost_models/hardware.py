@@ -1,0 +1,151 @@
+"""Hardware tables: GPU and cluster presets, each number with its source.
+
+Datasheet figures come from `shared/reference/gpu_specs.json` (which cites NVIDIA datasheets and whitepapers).
+Calibration constants (`GPUCalibration`, `LinkSpec.efficiency`) are fitted once per GPU type or link type
+against the published runs in `shared/reference/calibration_runs.json` by `benchmarks/fidelity.py`; they are
+never tuned per run.
+"""
+
+from __future__ import annotations
+
+from .errors import SpecError
+from .specs import ClusterSpec, GPUCalibration, GPUSpec, LinkSpec
+
+GIB = 1024**3
+
+# Ampere calibration. Fitted on the SC21 Table 1 runs (A100-80GB, fp16, Megatron-LM 2021).
+_AMPERE = GPUCalibration(
+    matmul_max_efficiency=0.84,
+    matmul_half_dim=120.0,
+    attention_efficiency=0.45,  # FlashAttention-2 on A100 fp16 forward+backward reaches ~50-70% of peak (Dao 2023)
+    memory_efficiency=0.80,  # STREAM-like copy kernels reach ~1.6 of 2.0 TB/s on A100-80GB
+    kernel_launch_us=4.0,
+    framework_overhead_gib=2.5,
+)
+# Hopper calibration. Fitted on the Megatron-LM README H100 table (bf16, Megatron-Core r0.8.0).
+_HOPPER = GPUCalibration(
+    matmul_max_efficiency=0.72,
+    matmul_half_dim=200.0,
+    attention_efficiency=0.45,  # FlashAttention-2 on H100 bf16 ~ 35-50% of dense peak (Shah et al. 2024, FA3 paper)
+    memory_efficiency=0.85,  # H100 copy kernels reach ~2.8-2.9 of 3.35 TB/s
+    kernel_launch_us=4.0,
+    framework_overhead_gib=3.0,
+)
+# Blackwell: no published end-to-end run in the reference data; Hopper's efficiencies are assumed.
+_BLACKWELL = _HOPPER
+
+
+GPU_PRESETS: dict[str, GPUSpec] = {
+    # A100 SXM4: 312 TF/s fp16/bf16 dense, 156 tf32, 19.5 fp32 (A100 datasheet r4 via gpu_specs.json);
+    # 40 GB HBM2 at 1,555 GB/s (A100 datasheet); usable 40 GiB (nvidia-smi reports 40,960 MiB).
+    "a100-40g": GPUSpec(
+        name="a100-40g",
+        peak_tflops={"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5},
+        hbm_gib=40,
+        hbm_gbps=1555,
+        calibration=_AMPERE,
+    ),
+    # A100 SXM4 80GB: 80 GB HBM2e at 2,039 GB/s (gpu_specs.json); nvidia-smi reports 81,920 MiB = 80 GiB.
+    "a100-80g": GPUSpec(
+        name="a100-80g",
+        peak_tflops={"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5},
+        hbm_gib=80,
+        hbm_gbps=2039,
+        calibration=_AMPERE,
+    ),
+    # H100 SXM5: 989.4 TF/s bf16/fp16 dense, 1978.9 fp8, 494.7 tf32, 66.9 fp32 (Hopper whitepaper via
+    # gpu_specs.json); 80 GB HBM3 at 3,350 GB/s; nvidia-smi reports 81,559 MiB = 79.6 GiB.
+    "h100-sxm": GPUSpec(
+        name="h100-sxm",
+        peak_tflops={"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9},
+        hbm_gib=79.6,
+        hbm_gbps=3350,
+        calibration=_HOPPER,
+    ),
+    # H200 SXM: same GH100 compute as H100; 141 GB HBM3e at 4,800 GB/s (gpu_specs.json); 143,771 MiB = 140.4 GiB.
+    "h200": GPUSpec(
+        name="h200",
+        peak_tflops={"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9},
+        hbm_gib=140.4,
+        hbm_gbps=4800,
+        calibration=_HOPPER,
+    ),
+    # B200 (HGX, 1000 W): 2,250 TF/s bf16 dense, 4,500 fp8, 1,100 tf32 (gpu_specs.json, unverified against
+    # NVIDIA's datasheet); 8.0 TB/s; ~179 GB usable per nvidia-smi (gpu_specs.json) = 166.7 GiB.
+    "b200": GPUSpec(
+        name="b200",
+        peak_tflops={"bf16": 2250, "fp16": 2250, "fp8": 4500, "tf32": 1100, "fp32": 80},
+        hbm_gib=166.7,
+        hbm_gbps=8000,
+        calibration=_BLACKWELL,
+    ),
+    # This machine's CPU seen as a "GPU" for the gloo demo: 2 cores with AVX2 FMA reach tens of GFLOP/s in
+    # fp32 matmuls (measured by `autoplan calibrate`; ~40 GF/s here) and ~10 GB/s of memory bandwidth.
+    # 24 GiB of RAM shared by 4 processes gives 6 GiB each.
+    "cpu": GPUSpec(
+        name="cpu",
+        peak_tflops={"fp32": 0.04, "bf16": 0.01, "fp16": 0.01},
+        hbm_gib=6,
+        hbm_gbps=10,
+        calibration=GPUCalibration(
+            matmul_max_efficiency=0.8,
+            matmul_half_dim=16.0,
+            attention_efficiency=0.3,
+            memory_efficiency=0.5,
+            kernel_launch_us=20.0,  # eager PyTorch op dispatch on CPU is ~10-30 us
+            framework_overhead_gib=0.5,
+        ),
+    ),
+}
+
+# Network levels. NVLink bandwidths are per GPU per direction (half the datasheet's bidirectional figure);
+# InfiniBand is one NIC per GPU. Efficiencies are bus-bandwidth fractions reached by NCCL on large messages.
+_NVLINK3 = LinkSpec(bandwidth_gbps=300, latency_us=3, efficiency=0.78)  # A100: 600 GB/s bidirectional
+_NVLINK4 = LinkSpec(bandwidth_gbps=450, latency_us=3, efficiency=0.80)  # H100/H200: 900 GB/s bidirectional
+_NVLINK5 = LinkSpec(bandwidth_gbps=900, latency_us=3, efficiency=0.80)  # B200: 1.8 TB/s bidirectional
+_HDR_IB = LinkSpec(bandwidth_gbps=25, latency_us=5, efficiency=0.85)  # 200 Gb/s HDR, one per GPU (SC21 §5)
+_NDR_IB = LinkSpec(bandwidth_gbps=50, latency_us=5, efficiency=0.85)  # 400 Gb/s NDR ConnectX-7, one per GPU
+
+
+def _dgx(name: str, gpu: str, intra: LinkSpec, inter: LinkSpec, nodes: int) -> ClusterSpec:
+    return ClusterSpec(
+        name=name, gpu=GPU_PRESETS[gpu], gpus_per_node=8, num_nodes=nodes, intra_node=intra, inter_node=inter
+    )
+
+
+CLUSTER_PRESETS: dict[str, ClusterSpec] = {
+    # DGX A100 80GB SuperPOD as in SC21 (Selene): 8 GPUs/node, NVSwitch, 8x HDR 200 Gb/s per node.
+    "dgx-a100-80g": _dgx("dgx-a100-80g", "a100-80g", _NVLINK3, _HDR_IB, 128),
+    "dgx-a100-40g": _dgx("dgx-a100-40g", "a100-40g", _NVLINK3, _HDR_IB, 128),
+    # DGX H100: NVLink4 via NVSwitch, 8x ConnectX-7 400 Gb/s (DGX BasePOD reference architecture).
+    "dgx-h100": _dgx("dgx-h100", "h100-sxm", _NVLINK4, _NDR_IB, 128),
+    "dgx-h200": _dgx("dgx-h200", "h200", _NVLINK4, _NDR_IB, 128),
+    # DGX B200: NVLink5, 8x ConnectX-7 400 Gb/s (DGX BasePOD reference architecture).
+    "dgx-b200": _dgx("dgx-b200", "b200", _NVLINK5, _NDR_IB, 128),
+    # This machine: 4 gloo processes on 2 cores; all-reduce ~0.5 GB/s, 0.3-0.5 ms latency (DESIGN.md).
+    "local-cpu": ClusterSpec(
+        name="local-cpu",
+        gpu=GPU_PRESETS["cpu"],
+        gpus_per_node=4,
+        num_nodes=1,
+        intra_node=LinkSpec(bandwidth_gbps=0.5, latency_us=400, efficiency=1.0),
+        inter_node=LinkSpec(bandwidth_gbps=0.5, latency_us=400, efficiency=1.0),
+        backend="gloo",
+    ),
+}
+
+
+def gpu_preset(name: str) -> GPUSpec:
+    key = name.lower()
+    if key not in GPU_PRESETS:
+        raise SpecError(f"unknown GPU {name!r}", "", "known GPUs: " + ", ".join(GPU_PRESETS))
+    return GPU_PRESETS[key]
+
+
+def cluster_preset(name: str) -> ClusterSpec:
+    key = name.lower()
+    if key not in CLUSTER_PRESETS:
+        raise SpecError(
+            f"unknown cluster {name!r}", "", "known clusters: " + ", ".join(CLUSTER_PRESETS) + ", or a YAML file"
+        )
+    return CLUSTER_PRESETS[key]

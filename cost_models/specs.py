@@ -1,0 +1,486 @@
+"""The data the whole project speaks: model, hardware, training and parallel-configuration specs.
+
+These are frozen pydantic models. They live in `cost_models` because the cost model may import nothing
+else of ours; `autoplan.specs` re-exports them and adds the loaders (files, presets, Hugging Face configs).
+The parallel configuration string of DESIGN.md (`tp=8,pp=8,dp=16,...`) is parsed and printed here, and
+`check_config` validates a configuration against a model, cluster and training setup with one typed error
+per rule.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .errors import ConfigError, SpecError
+
+Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+
+# Bytes per element of each training dtype (fp8 keeps weights in bf16 in practice; the matmul inputs are 1 byte).
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+class MoESpec(_Frozen):
+    """Mixture-of-experts feed-forward layers."""
+
+    num_experts: int = Field(gt=1, description="Experts per MoE layer.")
+    top_k: int = Field(default=2, ge=1, description="Experts each token is routed to.")
+    expert_ffn_hidden_size: int | None = Field(
+        default=None, gt=0, description="Hidden size of one expert's FFN (defaults to the dense ffn_hidden_size)."
+    )
+    every_n_layers: int = Field(default=1, ge=1, description="Every n-th layer is MoE; the others stay dense.")
+    capacity_factor: float = Field(
+        default=1.0, gt=0, description="Tokens an expert accepts relative to a perfectly balanced load."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> MoESpec:
+        if self.top_k > self.num_experts:
+            raise SpecError(
+                "moe.top_k must not exceed moe.num_experts",
+                f"top_k={self.top_k}, num_experts={self.num_experts}",
+                "route to at most num_experts experts",
+            )
+        return self
+
+
+class ModelSpec(_Frozen):
+    """A decoder-only transformer, described by the fields of DESIGN.md's model spec."""
+
+    name: str = Field(description="Model name, shown in plans and tables.")
+    num_layers: int = Field(gt=0, description="Transformer blocks.")
+    hidden_size: int = Field(gt=0, description="Model width h.")
+    num_attention_heads: int = Field(gt=0, description="Query heads a.")
+    num_kv_heads: int | None = Field(
+        default=None, gt=0, description="Key/value heads; fewer than the query heads means GQA/MQA."
+    )
+    head_dim: int | None = Field(default=None, gt=0, description="Per-head size (defaults to h / a).")
+    ffn_hidden_size: int | None = Field(default=None, gt=0, description="MLP hidden size (defaults to 4h).")
+    vocab_size: int = Field(gt=0, description="Vocabulary size V.")
+    max_seq_length: int = Field(gt=0, description="Longest sequence the positions support.")
+    activation: Literal["gelu", "swiglu", "relu"] = Field(default="gelu", description="MLP activation.")
+    norm: Literal["layernorm", "rmsnorm"] = Field(default="layernorm", description="Normalisation layer.")
+    position: Literal["learned", "rope"] = Field(default="learned", description="Position encoding.")
+    tie_embeddings: bool = Field(default=False, description="LM head shares the input embedding's weight.")
+    bias: bool | None = Field(
+        default=None, description="Linear layers carry biases (defaults to true for GeLU/LayerNorm GPTs)."
+    )
+    moe: MoESpec | None = Field(default=None, description="Mixture-of-experts settings, or null for dense.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        kv = self.kv_heads
+        if self.num_attention_heads % kv:
+            raise SpecError(
+                "num_attention_heads must be a multiple of num_kv_heads",
+                f"{self.name}: heads={self.num_attention_heads}, kv_heads={kv}",
+                "choose num_kv_heads that divides num_attention_heads",
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise SpecError(
+                "hidden_size must be a multiple of num_attention_heads (or give head_dim)",
+                f"{self.name}: hidden={self.hidden_size}, heads={self.num_attention_heads}",
+                "set head_dim explicitly or fix the sizes",
+            )
+        return self
+
+    # Derived sizes, used everywhere; keep them here so there is one definition.
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def dhead(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias if self.bias is not None else (self.norm == "layernorm" and self.activation != "swiglu")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer i (0-based) is a MoE layer (Megatron/Mixtral convention: layers n-1, 2n-1, ... for every_n)."""
+        return self.moe is not None and (i + 1) % self.moe.every_n_layers == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+
+# ------------------------------------------------------------------------------------------ hardware
+
+
+class GPUCalibration(_Frozen):
+    """Efficiency constants of one accelerator type; fitted per GPU type, never per run."""
+
+    matmul_max_efficiency: float = Field(
+        default=0.80, gt=0, le=1, description="Fraction of dense peak a large, well-shaped GEMM reaches."
+    )
+    matmul_half_dim: float = Field(
+        default=256.0,
+        ge=0,
+        description="GEMM size (harmonic mean of M, N, K) at which efficiency falls to half of the maximum.",
+    )
+    attention_efficiency: float = Field(
+        default=0.55, gt=0, le=1, description="Fraction of peak a fused (flash) attention kernel reaches."
+    )
+    memory_efficiency: float = Field(
+        default=0.80, gt=0, le=1, description="Fraction of HBM bandwidth a memory-bound kernel reaches."
+    )
+    kernel_launch_us: float = Field(default=4.0, ge=0, description="Fixed cost per kernel launch, microseconds.")
+    framework_overhead_gib: float = Field(
+        default=2.0, ge=0, description="Memory the CUDA context, allocator fragmentation and workspaces take."
+    )
+
+
+class GPUSpec(_Frozen):
+    """One accelerator: dense peak FLOP/s by dtype, HBM size and bandwidth, and its calibration."""
+
+    name: str = Field(description="GPU name.")
+    peak_tflops: dict[str, float] = Field(description="Dense tensor-core TFLOP/s by dtype (bf16, fp16, fp8, fp32...).")
+    hbm_gib: float = Field(gt=0, description="Usable device memory, GiB.")
+    hbm_gbps: float = Field(gt=0, description="Device memory bandwidth, GB/s.")
+    calibration: GPUCalibration = Field(default_factory=GPUCalibration, description="Efficiency constants.")
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for `dtype`; fp8 falls back to bf16 on GPUs without fp8 tensor cores."""
+        table = self.peak_tflops
+        for key in (dtype, "bf16" if dtype in ("fp8", "fp16") else dtype, "fp16", "fp32"):
+            if key in table and table[key]:
+                return table[key] * 1e12
+        raise SpecError(f"GPU {self.name} has no peak for dtype {dtype}", str(table), "add it to peak_tflops")
+
+
+class LinkSpec(_Frozen):
+    """A level of the network as one GPU sees it."""
+
+    bandwidth_gbps: float = Field(gt=0, description="GB/s per GPU per direction.")
+    latency_us: float = Field(default=5.0, ge=0, description="One-way latency of a message, microseconds.")
+    efficiency: float = Field(
+        default=0.80, gt=0, le=1, description="Fraction of the bandwidth large collectives reach (bus bandwidth)."
+    )
+
+
+class ClusterSpec(_Frozen):
+    """Nodes of identical GPUs: a fast level inside a node, a slower one between nodes."""
+
+    name: str = Field(description="Cluster name.")
+    gpu: GPUSpec = Field(description="The accelerator of every node.")
+    gpus_per_node: int = Field(gt=0, description="GPUs per node (the NVLink domain).")
+    num_nodes: int = Field(gt=0, description="Nodes.")
+    intra_node: LinkSpec = Field(description="Link between GPUs of a node (NVLink/NVSwitch).")
+    inter_node: LinkSpec = Field(description="Link between nodes, per GPU (InfiniBand/RoCE).")
+    backend: Literal["nccl", "gloo"] = Field(default="nccl", description="torch.distributed backend it runs.")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpus_per_node * self.num_nodes
+
+    def with_gpus(self, n: int) -> ClusterSpec:
+        """The same cluster resized to `n` GPUs (whole nodes, or part of one node)."""
+        if n <= 0:
+            raise SpecError("--gpus must be positive", f"got {n}", "pass a positive GPU count")
+        if n <= self.gpus_per_node:
+            return self.model_copy(update={"num_nodes": 1, "gpus_per_node": n})
+        if n % self.gpus_per_node:
+            raise SpecError(
+                "--gpus must be whole nodes",
+                f"{n} GPUs with {self.gpus_per_node} per node",
+                f"use a multiple of {self.gpus_per_node}, e.g. {(n // self.gpus_per_node + 1) * self.gpus_per_node}",
+            )
+        return self.model_copy(update={"num_nodes": n // self.gpus_per_node})
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+class TrainingSpec(_Frozen):
+    """What is trained, and how the runtime behaves (which overlaps and kernels it has)."""
+
+    global_batch_size: int = Field(gt=0, description="Sequences per optimizer step.")
+    seq_length: int = Field(gt=0, description="Tokens per sequence.")
+    dtype: Dtype = Field(default="bf16", description="Compute dtype of matmuls and activations.")
+    grad_reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32", description="Dtype gradients are reduced and accumulated in (fp32 main grads)."
+    )
+    flash_attention: bool = Field(
+        default=True, description="Attention is one fused kernel (flash); false = explicit softmax and masks."
+    )
+    overlap_grad_reduce: bool = Field(
+        default=True, description="Data-parallel gradient reduction overlaps the backward pass."
+    )
+    overlap_param_gather: bool = Field(
+        default=True, description="ZeRO parameter all-gathers overlap the forward pass."
+    )
+    tp_comm_overlap: bool = Field(
+        default=False, description="Tensor-parallel collectives overlap the GEMMs (Megatron userbuffers)."
+    )
+    fused_kernels: bool = Field(
+        default=True, description="Norms, activations, RoPE and cross-entropy use fused kernels."
+    )
+
+
+# ------------------------------------------------------------------------------ parallel configuration
+
+_INT_KEYS = ("tp", "pp", "dp", "cp", "ep", "vp", "mbs", "zero")
+_ALIASES = {"recomp": "recompute", "micro_batch": "mbs", "vpp": "vp"}
+
+
+class ParallelConfig(_Frozen):
+    """How the work is split. Printed and parsed as `tp=8,pp=8,dp=16,cp=1,ep=1,vp=3,mbs=1,...`."""
+
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel degree (innermost, inside a node).")
+    pp: int = Field(default=1, ge=1, description="Pipeline-parallel stages.")
+    dp: int | None = Field(default=None, ge=1, description="Data-parallel degree; None = derived from world size.")
+    cp: int = Field(default=1, ge=1, description="Context-parallel degree (sequence split across ranks).")
+    ep: int = Field(default=1, ge=1, description="Expert-parallel degree; carved out of dp as in Megatron-LM.")
+    vp: int = Field(default=1, ge=1, description="Virtual pipeline stages per rank (interleaved schedule).")
+    mbs: int = Field(default=1, ge=1, description="Micro-batch size in sequences.")
+    sp: bool = Field(default=False, description="Megatron sequence parallelism for norms/dropout inside TP.")
+    zero: int = Field(default=0, ge=0, le=3, description="ZeRO stage: 1 optimizer, 2 +gradients, 3 +weights sharded.")
+    recompute: Recompute = Field(default="none", description="Activation recomputation.")
+    recompute_layers: int | None = Field(
+        default=None, ge=0, description="With full recompute: layers per stage recomputed (None = all)."
+    )
+    schedule: Schedule = Field(default="1f1b", description="Pipeline schedule.")
+
+    @model_validator(mode="after")
+    def _schedule_vs_vp(self) -> ParallelConfig:
+        if self.vp > 1 and self.schedule != "interleaved":
+            object.__setattr__(self, "schedule", "interleaved")
+        return self
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelConfig:
+        """Parse `tp=8,pp=2,sp=1,recompute=selective`; unknown keys and bad values raise ConfigError."""
+        values: dict[str, object] = {}
+        for raw in text.replace(" ", "").split(","):
+            if not raw:
+                continue
+            if "=" not in raw:
+                raise ConfigError(
+                    "parallel configuration items are key=value", f"got {raw!r} in {text!r}", "write e.g. tp=8,pp=2"
+                )
+            key, val = raw.split("=", 1)
+            key = _ALIASES.get(key.lower(), key.lower())
+            if key not in cls.model_fields:
+                raise ConfigError(
+                    f"unknown parallel configuration key {key!r}",
+                    f"in {text!r}",
+                    "valid keys: " + ",".join(k for k in cls.model_fields),
+                )
+            values[key] = _parse_value(key, val)
+        try:
+            return cls(**values)
+        except SpecError:
+            raise
+        except Exception as e:  # pydantic.ValidationError: turn into one line
+            raise ConfigError("invalid parallel configuration", f"{text!r}: {_first_error(e)}") from None
+
+    def to_string(self) -> str:
+        """The canonical string: every key, in DESIGN.md's order."""
+        d = self.as_dict()
+        return ",".join(f"{k}={v}" for k, v in d.items() if v is not None)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "cp": self.cp,
+            "ep": self.ep,
+            "vp": self.vp,
+            "mbs": self.mbs,
+            "sp": int(self.sp),
+            "zero": self.zero,
+            "recompute": self.recompute,
+            "recompute_layers": self.recompute_layers,
+            "schedule": self.schedule,
+        }
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def resolve(self, world_size: int) -> ParallelConfig:
+        """Fill in dp from the world size, checking that the degrees multiply to it."""
+        mp = self.model_parallel_size()
+        if self.dp is None:
+            if world_size % mp:
+                raise ConfigError(
+                    "world size must be a multiple of tp*pp*cp",
+                    f"world={world_size}, tp*pp*cp={self.tp}*{self.pp}*{self.cp}={mp}",
+                    "change tp/pp/cp or the GPU count",
+                )
+            return self.model_copy(update={"dp": world_size // mp})
+        if mp * self.dp != world_size:
+            raise ConfigError(
+                "tp*pp*cp*dp must equal the world size",
+                f"{self.tp}*{self.pp}*{self.cp}*{self.dp}={mp * self.dp} but the cluster has {world_size} GPUs",
+                f"omit dp to derive it, or use --gpus {mp * self.dp}",
+            )
+        return self
+
+
+def _parse_value(key: str, val: str) -> object:
+    if key in _INT_KEYS or key == "recompute_layers":
+        try:
+            return int(val)
+        except ValueError:
+            raise ConfigError(f"{key} must be an integer", f"got {key}={val}", f"write e.g. {key}=2") from None
+    if key == "sp":
+        low = val.lower()
+        if low in ("1", "true", "on", "yes"):
+            return True
+        if low in ("0", "false", "off", "no"):
+            return False
+        raise ConfigError("sp must be 0 or 1", f"got sp={val}", "write sp=1 or sp=0")
+    if key == "recompute":
+        low = val.lower()
+        if low in ("off", "0", "false"):
+            return "none"
+        if low not in ("none", "selective", "full"):
+            raise ConfigError("recompute must be none|selective|full", f"got recompute={val}", "write recompute=full")
+        return low
+    if key == "schedule":
+        low = val.lower().replace("-", "").replace("_", "")
+        table = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved", "interleaved1f1b": "interleaved"}
+        if low not in table:
+            raise ConfigError("schedule must be gpipe|1f1b|interleaved", f"got schedule={val}", "write schedule=1f1b")
+        return table[low]
+    return val
+
+
+def _first_error(e: Exception) -> str:
+    errs = getattr(e, "errors", None)
+    if callable(errs):
+        first = errs()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        return f"{loc}: {first.get('msg')}"
+    return str(e)
+
+
+# ----------------------------------------------------------------------------------------- validation
+
+
+def check_config(
+    cfg: ParallelConfig, model: ModelSpec, cluster: ClusterSpec, train: TrainingSpec, *, stage_layers: bool = True
+) -> ParallelConfig:
+    """Validate `cfg` against the model, cluster and training setup; returns it with dp resolved.
+
+    Every rule raises a ConfigError naming the rule, the values and a way out. `stage_layers=False` skips the
+    rule that layers divide evenly into pp*vp (plans with uneven stages check their own layout).
+    """
+    cfg = cfg.resolve(cluster.num_gpus)
+    tp, pp, cp, dp, ep, vp = cfg.tp, cfg.pp, cfg.cp, cfg.dp, cfg.ep, cfg.vp
+    assert dp is not None
+    if tp > cluster.gpus_per_node:
+        raise ConfigError(
+            "tp must stay inside a node",
+            f"tp={tp} but a node of {cluster.name} has {cluster.gpus_per_node} GPUs",
+            f"use tp<={cluster.gpus_per_node} and add pp or dp",
+        )
+    if model.num_attention_heads % tp:
+        raise ConfigError(
+            "attention heads must divide by tp",
+            f"{model.name} has {model.num_attention_heads} heads, tp={tp}",
+            "choose tp among the divisors of the head count",
+        )
+    if model.kv_heads % tp:
+        raise ConfigError(
+            "KV heads must divide by tp",
+            f"{model.name} has {model.kv_heads} KV heads, tp={tp}",
+            f"use tp<= {model.kv_heads} dividing it",
+        )
+    if model.ffn % tp:
+        raise ConfigError(
+            "ffn_hidden_size must divide by tp", f"ffn={model.ffn}, tp={tp}", "choose tp dividing the FFN size"
+        )
+    if stage_layers and model.num_layers % (pp * vp):
+        raise ConfigError(
+            "layers must divide evenly into pp*vp stages",
+            f"{model.num_layers} layers, pp={pp}, vp={vp}",
+            "pick pp*vp dividing the layer count, or let `autoplan search` place uneven stages",
+        )
+    if pp * vp > model.num_layers:
+        raise ConfigError(
+            "more pipeline stages than layers", f"pp*vp={pp * vp} > {model.num_layers} layers", "lower pp or vp"
+        )
+    if vp > 1 and pp == 1:
+        raise ConfigError("virtual stages need pp>1", f"vp={vp}, pp=1", "set vp=1 or pp>1")
+    if cfg.schedule == "interleaved" and vp == 1:
+        raise ConfigError("the interleaved schedule needs vp>1", f"vp={vp}", "set vp>=2 or schedule=1f1b")
+    seq = train.seq_length
+    if seq > model.max_seq_length and model.position == "learned":
+        raise ConfigError(
+            "sequence longer than the learned positions",
+            f"seq={seq} > max_seq_length={model.max_seq_length}",
+            "shorten --seq-len or raise max_seq_length",
+        )
+    if cp > 1 and seq % (2 * cp):
+        raise ConfigError(
+            "sequence must divide by 2*cp (load-balanced causal chunks)",
+            f"seq={seq}, cp={cp}",
+            "choose cp so that seq % (2*cp) == 0",
+        )
+    if cfg.sp and (seq // cp) % tp:
+        raise ConfigError(
+            "with sp, the sequence per cp rank must divide by tp",
+            f"seq/cp={seq // cp}, tp={tp}",
+            "choose tp dividing the sequence, or sp=0",
+        )
+    if cfg.sp and tp == 1:
+        raise ConfigError("sequence parallelism needs tp>1", "sp=1 with tp=1", "set sp=0 or tp>1")
+    if train.global_batch_size % (dp * cfg.mbs):
+        raise ConfigError(
+            "global batch must divide by dp*mbs",
+            f"batch={train.global_batch_size}, dp={dp}, mbs={cfg.mbs}",
+            f"use a batch that is a multiple of {dp * cfg.mbs}, or lower mbs/dp",
+        )
+    if ep > 1:
+        if not model.is_moe:
+            raise ConfigError("ep>1 needs a MoE model", f"{model.name} is dense, ep={ep}", "set ep=1")
+        if model.moe.num_experts % ep:
+            raise ConfigError(
+                "experts must divide by ep", f"{model.moe.num_experts} experts, ep={ep}", "choose ep dividing it"
+            )
+        if dp % ep:
+            raise ConfigError(
+                "ep must divide dp (expert parallelism is carved out of data parallelism)",
+                f"dp={dp}, ep={ep}",
+                "choose ep dividing dp",
+            )
+    if cfg.recompute_layers is not None and cfg.recompute != "full":
+        raise ConfigError(
+            "recompute_layers applies to full recomputation only",
+            f"recompute={cfg.recompute}",
+            "set recompute=full or drop recompute_layers",
+        )
+    if cfg.recompute_layers is not None and cfg.recompute_layers > model.num_layers // (pp * vp) * vp:
+        raise ConfigError(
+            "recompute_layers exceeds the layers of a stage",
+            f"recompute_layers={cfg.recompute_layers}, layers per rank={model.num_layers // pp}",
+            "lower recompute_layers",
+        )
+    if cfg.zero > 0 and dp * cp == 1:
+        raise ConfigError("ZeRO needs dp>1", f"zero={cfg.zero}, dp={dp}", "set zero=0 or dp>1")
+    return cfg

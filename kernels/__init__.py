@@ -1,0 +1,1 @@
+"""Fused Triton kernels with autograd wrappers and plain-torch references, behind a registry."""
