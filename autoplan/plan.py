@@ -1,0 +1,155 @@
+"""The Plan: what the search chose, as data. Codegen and the runtime read this, never the search's internals.
+
+A plan is JSON with a `schema_version` and a `content_hash` over everything else, so a plan that was edited
+by hand or truncated is rejected on load with a message saying what is wrong. `autoplan schema` prints the
+JSON Schema.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cost_models.errors import PlanError
+from cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, Recompute, TrainingSpec
+
+SCHEMA_VERSION = 1
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class MemoryBreakdown(_Frozen):
+    """Predicted memory of one pipeline rank, GiB."""
+
+    weights: float = Field(description="Parameters held (after TP/PP/EP and ZeRO-3 sharding).")
+    gradients: float = Field(description="Gradient buffers (after ZeRO-2/3 sharding).")
+    optimizer: float = Field(description="fp32 master weights and Adam moments (after ZeRO-1+ sharding).")
+    activations: float = Field(description="Activations of the micro-batches in flight, logits included.")
+    other: float = Field(description="Framework overhead, communication buffers and workspaces.")
+    total: float = Field(description="Sum of the above.")
+
+
+class StagePlan(_Frozen):
+    """One (virtual) pipeline stage: which layers it runs, on which pipeline rank, recomputing what."""
+
+    index: int = Field(ge=0, description="Stage index in model order (0 .. pp*vp-1).")
+    pp_rank: int = Field(ge=0, description="Pipeline rank that runs it (index % pp).")
+    layers: tuple[int, int] = Field(description="Transformer blocks [start, stop) of this stage.")
+    has_embedding: bool = Field(description="Stage holds the input embedding.")
+    has_head: bool = Field(description="Stage holds the final norm, LM head and loss.")
+    recompute: Recompute = Field(description="Recomputation of this stage's layers.")
+    recompute_layers: int = Field(ge=0, description="With full recompute: how many of its layers recompute.")
+    forward_s: float = Field(ge=0, description="Predicted forward time of one micro-batch, seconds.")
+    backward_s: float = Field(ge=0, description="Predicted backward time (recompute included), seconds.")
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+class Prediction(_Frozen):
+    """The cost model's prediction for a configuration (DESIGN.md's JSON fields)."""
+
+    step_time_s: float = Field(description="Predicted time of one optimizer step.")
+    tflops_per_gpu: float = Field(description="Model TFLOP/s per GPU (Korthikanti eq. 7 FLOPs).")
+    mfu: float = Field(description="Model FLOPs utilisation against the dtype's dense peak.")
+    hfu: float = Field(description="Hardware FLOPs (recompute included) utilisation.")
+    tokens_per_s: float = Field(description="Tokens per second, whole cluster.")
+    memory_gib: dict[str, object] = Field(description='{"per_stage": [GiB per pipeline rank], "peak": GiB}.')
+    memory_breakdown: list[MemoryBreakdown] = Field(description="Memory per pipeline rank by component.")
+    breakdown: dict[str, float] = Field(description="Seconds per component of the step.")
+    fits: bool = Field(description="Peak memory is within the GPU's capacity.")
+
+
+class RunnerUp(_Frozen):
+    parallel: dict[str, object] = Field(description="The configuration as a mapping.")
+    step_time_s: float
+    mfu: float
+    peak_memory_gib: float
+    note: str = Field(default="", description="Why it lost, in words.")
+
+
+class Provenance(_Frozen):
+    autoplan_version: str
+    python_version: str
+    inputs_hash: str = Field(description="sha256 of model, cluster, training and search options.")
+    search_time_s: float | None = None
+    command: str = ""
+
+
+class Plan(_Frozen):
+    """A complete, runnable parallel training plan."""
+
+    schema_version: int = Field(default=SCHEMA_VERSION, description="Bumped on incompatible changes.")
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    parallel: ParallelConfig = Field(description="The chosen configuration, dp resolved.")
+    stages: list[StagePlan] = Field(description="pp*vp stages in model order.")
+    kernels: Literal["fused", "torch"] = Field(default="fused", description="Fused Triton kernels or torch ops.")
+    prediction: Prediction
+    runners_up: list[RunnerUp] = Field(default_factory=list)
+    provenance: Provenance
+    content_hash: str = Field(default="", description="sha256 of the plan without this field.")
+
+    # ---- hashing and files
+    def compute_hash(self) -> str:
+        body = self.model_dump(mode="json", exclude={"content_hash"})
+        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    def sealed(self) -> Plan:
+        return self.model_copy(update={"content_hash": self.compute_hash()})
+
+    def to_json(self) -> str:
+        plan = self if self.content_hash else self.sealed()
+        return json.dumps(plan.model_dump(mode="json"), indent=1, sort_keys=False) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)  # atomic: a crash never leaves half a plan behind
+        return path
+
+    @property
+    def short_hash(self) -> str:
+        return (self.content_hash or self.compute_hash())[:12]
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.num_gpus
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and verify a plan file; raises PlanError naming what is wrong."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise PlanError(f"cannot read plan {path}", e.strerror or str(e), "check the path") from None
+    except json.JSONDecodeError as e:
+        raise PlanError(f"plan {path} is not valid JSON", str(e), "re-create it with `autoplan search -o`") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"plan {path} is not a JSON object", "", "re-create it with `autoplan search -o`")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise PlanError(f"plan {path} has schema_version {version!r}", f"this autoplan reads {SCHEMA_VERSION}",
+                        "re-run `autoplan search` with this version")
+    try:
+        plan = Plan.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise PlanError(f"plan {path} does not match the schema", f"{loc}: {first['msg']}",
+                        "re-create it with `autoplan search -o`") from None
+    if plan.content_hash != plan.compute_hash():
+        raise PlanError(f"plan {path} was modified after it was made",
+                        f"content hash {plan.content_hash[:12] or '(missing)'} != {plan.compute_hash()[:12]}",
+                        "re-create it with `autoplan search -o` (or `autoplan estimate -o`) instead of editing it")
+    return plan
