@@ -6,10 +6,13 @@ from cost_models.specs import ModelSpec, MoESpec
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, *, seq: int = 2048, vocab: int = 51200,
-         ffn: int | None = None) -> ModelSpec:
-    """A GPT-3-style model: learned positions, LayerNorm, GeLU 4h MLP, biases, untied embeddings."""
+         ffn: int | None = None, dropout: float = 0.1, tied: bool = True) -> ModelSpec:
+    """A GPT-3-style model: learned positions, LayerNorm, GeLU 4h MLP, biases, untied embeddings, and
+    Megatron-LM's default hidden/attention dropout of 0.1 (arguments.py defaults, used by SC21). Embeddings
+    are tied by default as in Megatron-LM's GPT (and SC21 eq. 2, which counts V*h once)."""
     return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                     ffn_hidden_size=ffn or 4 * hidden, vocab_size=vocab, max_seq_length=seq)
+                     ffn_hidden_size=ffn or 4 * hidden, vocab_size=vocab, max_seq_length=seq,
+                     dropout=dropout, tie_embeddings=tied)
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seq: int) -> ModelSpec:
@@ -44,15 +47,15 @@ _PRESETS: list[ModelSpec] = [
     _gpt("sc21-529.6b", 105, 20480, 128),
     _gpt("sc21-1t", 128, 25600, 160),
     # Megatron-LM README H100 table (calibration_runs.json): seq 4096, vocab 131,072, GeLU ffn 4h, untied.
-    _gpt("mlm-h100-1.7b", 24, 2048, 16, seq=4096, vocab=131072),
-    _gpt("mlm-h100-7.1b", 30, 4096, 32, seq=4096, vocab=131072),
-    _gpt("mlm-h100-16b", 32, 6144, 48, seq=4096, vocab=131072),
-    _gpt("mlm-h100-32b", 48, 7168, 56, seq=4096, vocab=131072),
-    _gpt("mlm-h100-70b", 84, 8192, 64, seq=4096, vocab=131072),
-    _gpt("mlm-h100-119b", 92, 10240, 80, seq=4096, vocab=131072),
-    _gpt("mlm-h100-177b", 96, 12288, 96, seq=4096, vocab=131072),
-    _gpt("mlm-h100-314b", 96, 16384, 128, seq=4096, vocab=131072),
-    _gpt("mlm-h100-462b", 112, 18432, 144, seq=4096, vocab=131072),
+    _gpt("mlm-h100-1.7b", 24, 2048, 16, seq=4096, vocab=131072, tied=False),
+    _gpt("mlm-h100-7.1b", 30, 4096, 32, seq=4096, vocab=131072, tied=False),
+    _gpt("mlm-h100-16b", 32, 6144, 48, seq=4096, vocab=131072, tied=False),
+    _gpt("mlm-h100-32b", 48, 7168, 56, seq=4096, vocab=131072, tied=False),
+    _gpt("mlm-h100-70b", 84, 8192, 64, seq=4096, vocab=131072, tied=False),
+    _gpt("mlm-h100-119b", 92, 10240, 80, seq=4096, vocab=131072, tied=False),
+    _gpt("mlm-h100-177b", 96, 12288, 96, seq=4096, vocab=131072, tied=False),
+    _gpt("mlm-h100-314b", 96, 16384, 128, seq=4096, vocab=131072, tied=False),
+    _gpt("mlm-h100-462b", 112, 18432, 144, seq=4096, vocab=131072, tied=False),
     # Llama 2: Touvron et al. 2023 (Table 1 and the released config.json files): vocab 32,000, context 4,096.
     _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
     _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
@@ -70,7 +73,7 @@ _PRESETS: list[ModelSpec] = [
               moe=MoESpec(num_experts=8, top_k=2, expert_ffn_hidden_size=14336, every_n_layers=1)),
     # Tiny models for this machine: the demo, the tests and the parity runs. Sizes are chosen so that every
     # parallel layout of the tests divides them (heads, KV heads, layers by pp*vp=4, sequence by tp*cp*2).
-    _gpt("tiny-gpt", 4, 64, 4, seq=64, vocab=128),
+    _gpt("tiny-gpt", 4, 64, 4, seq=64, vocab=128, dropout=0.0),
     _llama("tiny-llama", 4, 64, 4, 2, 176, 128, 64),
     ModelSpec(name="tiny-moe", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
               ffn_hidden_size=128, vocab_size=128, max_seq_length=64, activation="swiglu", norm="rmsnorm",

@@ -75,6 +75,9 @@ class ModelSpec(_Frozen):
     bias: bool | None = Field(
         default=None, description="Linear layers carry biases (defaults to true for GeLU/LayerNorm GPTs)."
     )
+    dropout: float = Field(
+        default=0.0, ge=0, lt=1, description="Hidden and attention dropout probability (Megatron GPTs use 0.1)."
+    )
     moe: MoESpec | None = Field(default=None, description="Mixture-of-experts settings, or null for dense.")
 
     @model_validator(mode="after")

@@ -1,0 +1,181 @@
+"""Per-layer cost inputs: what one layer computes, stores and communicates, per token, before sharding.
+
+A `LayerProfile` is the boundary between "what the model is" and "what it costs": the analytic path
+(`profile_from_spec`) and the captured-graph path (`autoplan.capture`) both produce a list of them, and every
+cost function below works on that list. So a heterogeneous model (MoE every other layer, different widths)
+is costed layer by layer, and a capture of a spec-built model gives the same estimate as the spec.
+
+Quantities are per token of one sequence (the sequence length enters through the attention term), in
+elements or bytes as named, for the *unsharded* layer; the cost model divides by tp/cp/ep as the roles say.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .specs import ModelSpec
+
+TpRole = Literal["col", "row", "vocab", "replicated"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Gemm(_Frozen):
+    """A weight matmul y = x W^T with W of shape [n, k], applied to `tokens_per_token` rows per input token."""
+
+    name: str
+    n: int = Field(description="Output features.")
+    k: int = Field(description="Input features.")
+    tp: TpRole = Field(description="How tensor parallelism splits it: col splits n, row splits k, vocab splits n.")
+    expert: bool = Field(default=False, description="An expert's weight: split across ep, not replicated.")
+    tokens_per_token: float = Field(default=1.0, description="Rows per input token (top_k for experts).")
+    count: int = Field(default=1, description="Identical copies of the weight held (experts per layer).")
+
+    @property
+    def flops_per_token(self) -> float:
+        return 2.0 * self.n * self.k * self.tokens_per_token
+
+    @property
+    def params(self) -> int:
+        return self.n * self.k * self.count
+
+
+class Attention(_Frozen):
+    """The attention core (scores, softmax, context) of one layer."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool = True
+    dropout: bool = Field(default=False, description="Dropout on the attention probabilities.")
+
+    def flops_per_token(self, seq: int) -> float:
+        """Model FLOPs per token, forward: QK^T and AV, causal counted in full (Korthikanti eq. 7)."""
+        return 4.0 * seq * self.heads * self.head_dim
+
+
+class LayerProfile(_Frozen):
+    """One layer (a transformer block, the embedding, or the head with its loss)."""
+
+    name: str
+    kind: Literal["embedding", "block", "head"]
+    gemms: list[Gemm] = Field(default_factory=list)
+    attention: Attention | None = None
+    hidden: int = Field(description="Width of the residual stream h.")
+    params_replicated: int = Field(default=0, description="Parameters copied on every tp rank (norms, biases of row layers).")
+    params_sharded: int = Field(default=0, description="Non-GEMM parameters split across tp (col biases, embeddings).")
+    # Memory-bound work, elements read+written per token in the forward pass, split by where it runs.
+    elementwise_tp: float = Field(default=0.0, description="Inside the TP region (divided by tp).")
+    elementwise_seq: float = Field(default=0.0, description="On the residual stream (divided by tp only with sp).")
+    kernels_fwd: int = Field(default=0, description="Kernel launches in the forward pass (eager).")
+    # Activations saved for backward, bytes per token at 2-byte activations, no recompute.
+    act_tp: float = Field(default=0.0, description="Saved inside the TP region (divided by tp).")
+    act_seq: float = Field(default=0.0, description="Saved on the residual stream (divided by tp only with sp).")
+    act_scores_per_seq: float = Field(
+        default=0.0, description="Attention-score bytes per token per sequence position (x seq; unfused attention)."
+    )
+    act_input: float = Field(default=0.0, description="Bytes of the layer input (what full recompute keeps).")
+    tp_allreduces: int = Field(default=0, description="h-wide activation all-reduces per forward (2 per block).")
+    moe_top_k: int = Field(default=0, description="Experts per token (0 = dense).")
+    moe_experts: int = Field(default=0, description="Experts in the layer.")
+    logits_per_token: int = Field(default=0, description="Vocabulary size of the logits (head only).")
+
+    @property
+    def params(self) -> int:
+        return sum(g.params for g in self.gemms) + self.params_replicated + self.params_sharded
+
+    def model_flops_per_token(self, seq: int) -> float:
+        """Forward model FLOPs per token (no recompute)."""
+        f = sum(g.flops_per_token for g in self.gemms)
+        if self.attention is not None:
+            f += self.attention.flops_per_token(seq)
+        return f
+
+
+def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
+    h, a, kv, d = model.hidden_size, model.num_attention_heads, model.kv_heads, model.dhead
+    bias = model.has_bias
+    moe = model.is_moe_layer(i)
+    ffn = (model.moe.expert_ffn_hidden_size or model.ffn) if moe else model.ffn
+    gated = model.activation == "swiglu"
+    gemms = [
+        Gemm(name="wq", n=a * d, k=h, tp="col"),
+        Gemm(name="wk", n=kv * d, k=h, tp="col"),
+        Gemm(name="wv", n=kv * d, k=h, tp="col"),
+        Gemm(name="wo", n=h, k=a * d, tp="row"),
+    ]
+    top_k = model.moe.top_k if moe else 0
+    n_exp = model.moe.num_experts if moe else 0
+    mlp_kw = dict(expert=True, tokens_per_token=float(top_k), count=n_exp) if moe else {}
+    if gated:
+        gemms += [Gemm(name="w1", n=ffn, k=h, tp="col", **mlp_kw), Gemm(name="w3", n=ffn, k=h, tp="col", **mlp_kw)]
+    else:
+        gemms += [Gemm(name="w1", n=ffn, k=h, tp="col", **mlp_kw)]
+    gemms += [Gemm(name="w2", n=h, k=ffn, tp="row", **mlp_kw)]
+    if moe:
+        gemms.insert(4, Gemm(name="router", n=n_exp, k=h, tp="replicated"))
+    qkv_out = (a + 2 * kv) * d
+    mult = max(top_k, 1)
+    ffn_tot = ffn * mult * (2 if gated else 1)  # fc1 output elements per token
+    # Parameters outside GEMMs: two norms (weight, +bias for LayerNorm); biases of col layers are sharded,
+    # biases of row layers replicated.
+    norm_p = 2 * h * (2 if model.norm == "layernorm" else 1)
+    col_bias = (qkv_out + (ffn * (2 if gated else 1)) * (n_exp or 1)) if bias else 0
+    row_bias = (h + h * (n_exp or 1)) if bias else 0
+    # Elementwise traffic (elements per token, forward), counting what eager Megatron-style kernels read and
+    # write: 2 norms (read x, write y), 2 bias+dropout+residual adds (read 2, write 1, +mask), activation
+    # (read fc1 output, write fc2 input), RoPE on q and k (read+write).
+    ew_seq = 2 * 2 * h + 2 * (3 * h + (0.5 * h if dropout else 0))
+    ew_tp = ffn_tot + ffn * mult  # activation: read fc1 out(s), write its result
+    if model.position == "rope":
+        ew_tp += 2 * (a + kv) * d
+    if moe:
+        ew_tp += 2 * h * top_k  # dispatch and combine permutations
+    # Saved activations (Korthikanti et al. 2022, sec. 4.1, generalised to GQA, SwiGLU and no-dropout):
+    # norm inputs 2*2h, QKV input 2h, MLP input 2h, dropout masks 1 byte each: replicated across TP w/o SP.
+    act_seq = 2 * 2 * h + 2 * h + 2 * h + (2 * h if dropout else 0)
+    act_tp = 2 * qkv_out + 2 * a * d + 2 * ffn_tot * 1 + 2 * ffn * mult  # Q,K,V; proj input; fc1 out; fc2 in
+    if moe:
+        act_tp += 2 * h * top_k + 4 * n_exp  # dispatched tokens, router probabilities (fp32)
+    # Unfused attention stores softmax output (2 bytes), dropout mask (1) and dropout output (2) per score.
+    scores = a * (2 + (3 if dropout else 0))
+    return LayerProfile(
+        name=f"layers.{i}", kind="block", gemms=gemms,
+        attention=Attention(heads=a, kv_heads=kv, head_dim=d, causal=True, dropout=dropout),
+        hidden=h, params_replicated=norm_p + row_bias, params_sharded=col_bias,
+        elementwise_tp=ew_tp, elementwise_seq=ew_seq,
+        kernels_fwd=14 + (4 if moe else 0) + (2 if model.position == "rope" else 0),
+        act_tp=act_tp, act_seq=act_seq, act_scores_per_seq=scores, act_input=2 * h,
+        tp_allreduces=2, moe_top_k=top_k, moe_experts=n_exp,
+    )
+
+
+def profile_from_spec(model: ModelSpec, dropout: bool | None = None) -> list[LayerProfile]:
+    """Embedding, the blocks, and the head (final norm, LM head, loss) of a ModelSpec."""
+    h, v = model.hidden_size, model.vocab_size
+    drop = model.dropout > 0 if dropout is None else dropout
+    emb_params = v * h + (model.max_seq_length * h if model.position == "learned" else 0)
+    embedding = LayerProfile(
+        name="embedding", kind="embedding", hidden=h,
+        params_sharded=v * h, params_replicated=emb_params - v * h,
+        elementwise_seq=2 * h + (0.5 * h if drop else 0), kernels_fwd=3,
+        act_seq=(1 * h if drop else 0), tp_allreduces=1,  # vocab-parallel lookup ends in an all-reduce
+    )
+    head_gemm = Gemm(name="output", n=v, k=h, tp="vocab")
+    norm_p = h * (2 if model.norm == "layernorm" else 1)
+    head = LayerProfile(
+        name="head", kind="head", gemms=[head_gemm], hidden=h,
+        params_replicated=norm_p,
+        # final norm (read, write h), cross-entropy over fp32 logits (read logits, write softmax/grad)
+        elementwise_seq=2 * h, elementwise_tp=3 * v, kernels_fwd=8,
+        act_seq=2 * h + 2 * h,  # final-norm input and LM-head input
+        act_tp=4 * v,  # fp32 softmax of the vocab-parallel cross-entropy (Megatron keeps it for backward)
+        logits_per_token=v,
+    )
+    if model.tie_embeddings:
+        head = head.model_copy(update={"gemms": [head_gemm.model_copy(update={"count": 0})]})
+    return [embedding] + [_block(model, i, drop) for i in range(model.num_layers)] + [head]
