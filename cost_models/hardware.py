@@ -9,7 +9,7 @@ never tuned per run.
 from __future__ import annotations
 
 from .errors import SpecError
-from .specs import ClusterSpec, GPUCalibration, GPUSpec, LinkSpec
+from .specs import ClusterSpec, GPUCalibration, GPUSpec, LinkSpec, PeakTFlops
 
 GIB = 1024**3
 
@@ -40,7 +40,7 @@ GPU_PRESETS: dict[str, GPUSpec] = {
     # 40 GB HBM2 at 1,555 GB/s (A100 datasheet); usable 40 GiB (nvidia-smi reports 40,960 MiB).
     "a100-40g": GPUSpec(
         name="a100-40g",
-        peak_tflops={"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5},
+        peak_tflops=PeakTFlops(**{"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
         hbm_gib=40,
         hbm_gbps=1555,
         calibration=_AMPERE,
@@ -48,7 +48,7 @@ GPU_PRESETS: dict[str, GPUSpec] = {
     # A100 SXM4 80GB: 80 GB HBM2e at 2,039 GB/s (gpu_specs.json); nvidia-smi reports 81,920 MiB = 80 GiB.
     "a100-80g": GPUSpec(
         name="a100-80g",
-        peak_tflops={"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5},
+        peak_tflops=PeakTFlops(**{"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
         hbm_gib=80,
         hbm_gbps=2039,
         calibration=_AMPERE,
@@ -57,7 +57,7 @@ GPU_PRESETS: dict[str, GPUSpec] = {
     # gpu_specs.json); 80 GB HBM3 at 3,350 GB/s; nvidia-smi reports 81,559 MiB = 79.6 GiB.
     "h100-sxm": GPUSpec(
         name="h100-sxm",
-        peak_tflops={"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9},
+        peak_tflops=PeakTFlops(**{"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9}),
         hbm_gib=79.6,
         hbm_gbps=3350,
         calibration=_HOPPER,
@@ -65,7 +65,7 @@ GPU_PRESETS: dict[str, GPUSpec] = {
     # H200 SXM: same GH100 compute as H100; 141 GB HBM3e at 4,800 GB/s (gpu_specs.json); 143,771 MiB = 140.4 GiB.
     "h200": GPUSpec(
         name="h200",
-        peak_tflops={"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9},
+        peak_tflops=PeakTFlops(**{"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9}),
         hbm_gib=140.4,
         hbm_gbps=4800,
         calibration=_HOPPER,
@@ -74,7 +74,7 @@ GPU_PRESETS: dict[str, GPUSpec] = {
     # NVIDIA's datasheet); 8.0 TB/s; ~179 GB usable per nvidia-smi (gpu_specs.json) = 166.7 GiB.
     "b200": GPUSpec(
         name="b200",
-        peak_tflops={"bf16": 2250, "fp16": 2250, "fp8": 4500, "tf32": 1100, "fp32": 80},
+        peak_tflops=PeakTFlops(**{"bf16": 2250, "fp16": 2250, "fp8": 4500, "tf32": 1100, "fp32": 80}),
         hbm_gib=166.7,
         hbm_gbps=8000,
         calibration=_BLACKWELL,
@@ -84,7 +84,7 @@ GPU_PRESETS: dict[str, GPUSpec] = {
     # 24 GiB of RAM shared by 4 processes gives 6 GiB each.
     "cpu": GPUSpec(
         name="cpu",
-        peak_tflops={"fp32": 0.04, "bf16": 0.01, "fp16": 0.01},
+        peak_tflops=PeakTFlops(**{"fp32": 0.04, "bf16": 0.01, "fp16": 0.01}),
         hbm_gib=6,
         hbm_gbps=10,
         calibration=GPUCalibration(

@@ -63,7 +63,7 @@ class LayerProfile(_Frozen):
 
     name: str
     kind: Literal["embedding", "block", "head"]
-    gemms: list[Gemm] = Field(default_factory=list)
+    gemms: tuple[Gemm, ...] = Field(default=())
     attention: Attention | None = None
     hidden: int = Field(description="Width of the residual stream h.")
     params_replicated: int = Field(default=0, description="Parameters copied on every tp rank (norms, biases of row layers).")
@@ -144,7 +144,7 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
     # Unfused attention stores softmax output (2 bytes), dropout mask (1) and dropout output (2) per score.
     scores = a * (2 + (3 if dropout else 0))
     return LayerProfile(
-        name=f"layers.{i}", kind="block", gemms=gemms,
+        name=f"layers.{i}", kind="block", gemms=tuple(gemms),
         attention=Attention(heads=a, kv_heads=kv, head_dim=d, causal=True, dropout=dropout),
         hidden=h, params_replicated=norm_p + row_bias, params_sharded=col_bias,
         elementwise_tp=ew_tp, elementwise_seq=ew_seq,
@@ -168,7 +168,7 @@ def profile_from_spec(model: ModelSpec, dropout: bool | None = None) -> list[Lay
     head_gemm = Gemm(name="output", n=v, k=h, tp="vocab")
     norm_p = h * (2 if model.norm == "layernorm" else 1)
     head = LayerProfile(
-        name="head", kind="head", gemms=[head_gemm], hidden=h,
+        name="head", kind="head", gemms=(head_gemm,), hidden=h,
         params_replicated=norm_p,
         # final norm (read, write h), cross-entropy over fp32 logits (read logits, write softmax/grad)
         elementwise_seq=2 * h, elementwise_tp=3 * v, kernels_fwd=8,
@@ -177,5 +177,5 @@ def profile_from_spec(model: ModelSpec, dropout: bool | None = None) -> list[Lay
         logits_per_token=v,
     )
     if model.tie_embeddings:
-        head = head.model_copy(update={"gemms": [head_gemm.model_copy(update={"count": 0})]})
+        head = head.model_copy(update={"gemms": (head_gemm.model_copy(update={"count": 0}),)})
     return [embedding] + [_block(model, i, drop) for i in range(model.num_layers)] + [head]

@@ -153,11 +153,21 @@ class GPUCalibration(_Frozen):
     )
 
 
+class PeakTFlops(_Frozen):
+    """Dense tensor-core TFLOP/s by dtype (no sparsity)."""
+
+    bf16: float | None = Field(default=None, gt=0, description="bf16 dense TFLOP/s.")
+    fp16: float | None = Field(default=None, gt=0, description="fp16 dense TFLOP/s.")
+    fp8: float | None = Field(default=None, gt=0, description="fp8 dense TFLOP/s.")
+    tf32: float | None = Field(default=None, gt=0, description="tf32 dense TFLOP/s.")
+    fp32: float | None = Field(default=None, gt=0, description="fp32 (non-tensor-core) TFLOP/s.")
+
+
 class GPUSpec(_Frozen):
     """One accelerator: dense peak FLOP/s by dtype, HBM size and bandwidth, and its calibration."""
 
     name: str = Field(description="GPU name.")
-    peak_tflops: dict[str, float] = Field(description="Dense tensor-core TFLOP/s by dtype (bf16, fp16, fp8, fp32...).")
+    peak_tflops: PeakTFlops = Field(description="Dense tensor-core TFLOP/s by dtype (bf16, fp16, fp8, fp32...).")
     hbm_gib: float = Field(gt=0, description="Usable device memory, GiB.")
     hbm_gbps: float = Field(gt=0, description="Device memory bandwidth, GB/s.")
     calibration: GPUCalibration = Field(default_factory=GPUCalibration, description="Efficiency constants.")
@@ -166,8 +176,9 @@ class GPUSpec(_Frozen):
         """Dense peak FLOP/s for `dtype`; fp8 falls back to bf16 on GPUs without fp8 tensor cores."""
         table = self.peak_tflops
         for key in (dtype, "bf16" if dtype in ("fp8", "fp16") else dtype, "fp16", "fp32"):
-            if key in table and table[key]:
-                return table[key] * 1e12
+            value = getattr(table, key, None)
+            if value:
+                return value * 1e12
         raise SpecError(f"GPU {self.name} has no peak for dtype {dtype}", str(table), "add it to peak_tflops")
 
 

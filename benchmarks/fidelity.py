@@ -1,0 +1,113 @@
+"""Cost-model fidelity: predicted vs published step time and TFLOP/s per GPU for every calibration run.
+
+    python benchmarks/fidelity.py [--json] [--reference PATH]
+
+Runs come from shared/reference/calibration_runs.json. SC21 rows use the published configuration with full
+recomputation, fp16 and Megatron-LM 2021's runtime (unfused softmax attention, no overlap of the gradient
+all-reduce, no distributed optimizer). Megatron-LM README H100 rows do not publish micro-batch, recomputation
+or sequence parallelism: we assume mbs=1, sp=1, zero=1 (distributed optimizer), recompute=selective, bf16,
+and Megatron-Core r0.8.0's runtime (flash attention, --overlap-grad-reduce, --overlap-param-gather,
+--tp-comm-overlap), as the issue prescribes. Errors are signed: (predicted - published) / published.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autoplan.estimate_api import estimate_config  # noqa: E402
+from autoplan.specs import ModelSpec, ParallelConfig, TrainingSpec, load_cluster  # noqa: E402
+
+DEFAULT_REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "calibration_runs.json"
+
+
+def run_setting(run: dict) -> tuple[ModelSpec, str, TrainingSpec, ParallelConfig, str]:
+    """Model, cluster preset, training and configuration of one published run."""
+    m = run["model"]
+    sc21 = "SC21" in run["source"]
+    model = ModelSpec(name=m["name"], num_layers=m["layers"], hidden_size=m["hidden"],
+                      num_attention_heads=m["heads"], ffn_hidden_size=m["ffn"], vocab_size=m["vocab"],
+                      max_seq_length=m["seq"], dropout=0.1, tie_embeddings=sc21)
+    p, b = run["parallel"], run["batch"]
+    if sc21:
+        cluster = "dgx-a100-80g"
+        training = TrainingSpec(global_batch_size=b["global"], seq_length=m["seq"], dtype="fp16",
+                                flash_attention=False, overlap_grad_reduce=False, overlap_param_gather=False,
+                                tp_comm_overlap=False, fused_kernels=False)
+        vp = p.get("vp") or 1
+        cfg = ParallelConfig(tp=p["tp"], pp=p["pp"], dp=p["dp"], vp=vp, mbs=b["micro"], recompute="full",
+                             schedule="interleaved" if vp > 1 else "1f1b")
+        table = "SC21 (A100)"
+    else:
+        cluster = "dgx-h100"
+        training = TrainingSpec(global_batch_size=b["global"], seq_length=m["seq"], dtype="bf16",
+                                flash_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                                tp_comm_overlap=True, fused_kernels=False)
+        cfg = ParallelConfig(tp=p["tp"], pp=p["pp"], dp=p["dp"], mbs=1, sp=p["tp"] > 1, zero=1,
+                             recompute="selective")
+        table = "Megatron-LM H100"
+    return model, cluster, training, cfg, table
+
+
+def evaluate(ref_path: Path) -> list[dict]:
+    runs = json.loads(ref_path.read_text())["runs"]
+    rows = []
+    for run in runs:
+        model, cluster_name, training, cfg, table = run_setting(run)
+        cluster = load_cluster(cluster_name, gpus=run["cluster"]["num_gpus"])
+        est = estimate_config(model, cluster, training, cfg)
+        published_t = run["derived"]["iter_time_s"]
+        sc21 = table.startswith("SC21")
+        pred_tflops = est.hfu * est.peak_flops / 1e12 if sc21 else est.tflops_per_gpu
+        rows.append({
+            "table": table, "model": model.name, "gpus": cluster.num_gpus, "config": cfg.to_string(),
+            "published_step_s": published_t, "predicted_step_s": est.step_time_s,
+            "step_error": (est.step_time_s - published_t) / published_t,
+            "published_tflops": run["reported"]["tflops_per_gpu"], "predicted_tflops": pred_tflops,
+            "peak_memory_gib": est.peak_memory_gib, "fits": est.fits,
+            "breakdown": {k: round(v, 4) for k, v in est.breakdown.items()},
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reference", type=Path, default=DEFAULT_REF)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows = evaluate(args.reference)
+    summary = {}
+    for table in sorted({r["table"] for r in rows}):
+        errs = [abs(r["step_error"]) for r in rows if r["table"] == table]
+        summary[table] = {"mean_abs_error": statistics.mean(errs), "worst_abs_error": max(errs), "runs": len(errs)}
+    allerr = [abs(r["step_error"]) for r in rows]
+    summary["all"] = {"mean_abs_error": statistics.mean(allerr), "worst_abs_error": max(allerr), "runs": len(allerr)}
+    if args.json:
+        print(json.dumps({"rows": rows, "summary": summary}, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="Cost-model fidelity: predicted vs published")
+    for col in ("table", "model", "GPUs", "config", "step pub", "step pred", "err", "TF/s pub", "TF/s pred",
+                "mem GiB"):
+        t.add_column(col, justify="right" if col not in ("table", "model", "config") else "left")
+    for r in rows:
+        t.add_row(r["table"], r["model"], str(r["gpus"]), r["config"].split(",schedule")[0].replace(",cp=1,ep=1", ""),
+                  f"{r['published_step_s']:.2f}", f"{r['predicted_step_s']:.2f}", f"{100 * r['step_error']:+.1f}%",
+                  f"{r['published_tflops']:.0f}", f"{r['predicted_tflops']:.0f}",
+                  f"{r['peak_memory_gib']:.1f}" + ("" if r["fits"] else " !"))
+    Console(width=170).print(t)
+    for k, v in summary.items():
+        print(f"{k:18s} mean |err| {100 * v['mean_abs_error']:.2f}%  worst {100 * v['worst_abs_error']:.2f}%  "
+              f"({v['runs']} runs)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""Communication: alpha-beta models of collectives, and the bandwidth a group sees from where its ranks sit.
+
+Ranks are laid out with tp innermost, then cp, then dp, then pp (Megatron-LM's order), so a group's members
+that share a node talk over NVLink and the rest over the network. A group that spans nodes runs a
+hierarchical collective: a reduce-scatter inside the node, the inter-node collective on 1/g of the data over
+each of the g NICs in parallel (one NIC per GPU), and an all-gather inside the node.
+
+All sizes are bytes, all times seconds. Bus-bandwidth conventions follow nccl-tests (PERFORMANCE.md):
+ring all-reduce moves 2(n-1)/n of the data per rank, reduce-scatter and all-gather (n-1)/n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .specs import ClusterSpec, LinkSpec
+
+
+@dataclass(frozen=True)
+class Group:
+    """A communication group: `size` ranks, `per_node` of them in each node they occupy."""
+
+    size: int
+    per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.size // self.per_node)
+
+
+def group_of(cluster: ClusterSpec, size: int, stride: int) -> Group:
+    """The placement of a group of `size` ranks whose members are `stride` ranks apart.
+
+    With tp innermost, a tp group has stride 1, cp stride tp, dp stride tp*cp, pp stride tp*cp*dp.
+    """
+    g = cluster.gpus_per_node
+    if size <= 1:
+        return Group(1, 1)
+    per_node = max(1, min(size, g // stride)) if stride < g else 1
+    return Group(size, per_node)
+
+
+def _bw(link: LinkSpec) -> float:
+    return link.bandwidth_gbps * 1e9 * link.efficiency
+
+
+def _alpha(link: LinkSpec) -> float:
+    return link.latency_us * 1e-6
+
+
+def _ring(n: int, nbytes: float, link: LinkSpec, factor: float) -> float:
+    """One ring collective moving factor*(n-1)/n of `nbytes` per rank, with n-1 (x factor) latency hops."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return factor * (n - 1) / n * nbytes / _bw(link) + factor * (n - 1) * _alpha(link)
+
+
+def _hierarchical(cluster: ClusterSpec, grp: Group, nbytes: float, factor: float) -> float:
+    """factor=2 for all-reduce, 1 for reduce-scatter / all-gather."""
+    if grp.size <= 1:
+        return 0.0
+    intra = _ring(grp.per_node, nbytes, cluster.intra_node, factor)
+    inter = _ring(grp.nodes, nbytes / grp.per_node, cluster.inter_node, factor)
+    return intra + inter
+
+
+def all_reduce(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
+    return _hierarchical(cluster, grp, nbytes, 2.0)
+
+
+def reduce_scatter(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
+    """`nbytes` is the full (unscattered) buffer."""
+    return _hierarchical(cluster, grp, nbytes, 1.0)
+
+
+def all_gather(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
+    """`nbytes` is the full (gathered) buffer."""
+    return _hierarchical(cluster, grp, nbytes, 1.0)
+
+
+def all_to_all(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
+    """Each rank sends (n-1)/n of its `nbytes` to the others; peers off the node go over its NIC."""
+    n = grp.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    on_node = (grp.per_node - 1) / n * nbytes
+    off_node = (n - grp.per_node) / n * nbytes
+    t_intra = on_node / _bw(cluster.intra_node) + (grp.per_node - 1) * _alpha(cluster.intra_node)
+    t_inter = off_node / _bw(cluster.inter_node) + (grp.nodes - 1) * _alpha(cluster.inter_node)
+    return max(t_intra, t_inter)
+
+
+def p2p(cluster: ClusterSpec, nbytes: float, cross_node: bool) -> float:
+    """One point-to-point message between neighbouring pipeline stages."""
+    if nbytes <= 0:
+        return 0.0
+    link = cluster.inter_node if cross_node else cluster.intra_node
+    return nbytes / _bw(link) + _alpha(link)

@@ -1,0 +1,236 @@
+"""Compute and per-layer cost: time of one layer for one micro-batch on one GPU, and what it stores.
+
+Time is a roofline per kind of work:
+- GEMMs at `peak * efficiency(m, n, k)`, where efficiency saturates with the GEMM's size: small matmuls and
+  thin tensor-parallel shards reach less of the peak (`GPUCalibration.matmul_half_dim`);
+- the attention core either as one fused flash kernel (executed FLOPs at `attention_efficiency`; causal
+  blocks above the diagonal skipped; backward recomputes the scores, 2.5x the forward's matmuls) or, unfused,
+  as two batched GEMMs plus a memory-bound softmax/dropout over the s x s scores;
+- elementwise work (norms, activations, bias/dropout/residual, RoPE) as bytes over HBM bandwidth;
+- a fixed cost per kernel launch.
+Tensor-parallel collectives are added where they sit on the critical path (exposed), or hidden behind the
+GEMMs they are chunked with when the runtime overlaps them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import comm
+from .profile import LayerProfile
+from .specs import DTYPE_BYTES, ClusterSpec, TrainingSpec
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything about a configuration that a single layer's cost depends on."""
+
+    cluster: ClusterSpec
+    training: TrainingSpec
+    tp: int
+    cp: int
+    sp: bool
+    ep: int
+    mbs: int
+
+    @property
+    def seq(self) -> int:
+        return self.training.seq_length
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on one GPU (the sequence is split across cp)."""
+        return self.mbs * self.seq // self.cp
+
+    @property
+    def act_bytes(self) -> int:
+        return DTYPE_BYTES[self.training.dtype] if self.training.dtype != "fp8" else 2
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer, one micro-batch, one GPU."""
+
+    fwd_s: float  # forward compute, exposed TP/CP/EP communication included
+    bwd_s: float  # backward, without recomputation
+    recompute_selective_s: float  # extra backward time when the attention core is recomputed
+    recompute_full_s: float  # extra backward time when the whole layer is recomputed
+    comm_fwd_s: float  # exposed communication inside fwd_s (for the breakdown)
+    comm_bwd_s: float
+    act_none: float  # bytes kept for backward, no recomputation
+    act_selective: float  # ... attention core recomputed
+    act_full: float  # ... only the layer input kept
+    params_local: float  # parameters held on this GPU (after tp and ep sharding)
+    expert_params_local: float  # the expert part of params_local
+    model_flops: float  # forward model FLOPs of this layer on this GPU
+    recompute_flops_selective: float
+    recompute_flops_full: float
+
+
+def gemm_efficiency(cluster: ClusterSpec, m: float, n: float, k: float) -> float:
+    """Fraction of peak a GEMM of shape (m x k) @ (k x n) reaches.
+
+    Saturating in the harmonic mean of its dimensions: a GEMM is as good as its thinnest side allows
+    (tile quantisation and too few tiles to fill the SMs; cf. NVIDIA's "Matrix multiplication background"
+    guide). Fitted per GPU type.
+    """
+    cal = cluster.gpu.calibration
+    if min(m, n, k) <= 0:
+        return cal.matmul_max_efficiency
+    size = 3.0 / (1.0 / m + 1.0 / n + 1.0 / k)
+    return cal.matmul_max_efficiency * size / (size + cal.matmul_half_dim)
+
+
+def _gemm_time(ctx: Context, flops: float, m: float, n: float, k: float) -> float:
+    peak = ctx.cluster.gpu.peak_flops(ctx.training.dtype)
+    return flops / (peak * gemm_efficiency(ctx.cluster, m, n, k))
+
+
+def _mem_time(ctx: Context, nbytes: float) -> float:
+    gpu = ctx.cluster.gpu
+    return nbytes / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
+
+
+def _gemms(p: LayerProfile, ctx: Context) -> tuple[float, float]:
+    """Forward GEMM time and FLOPs on this GPU."""
+    t, total_t, total_f = ctx.tp, 0.0, 0.0
+    for g in p.gemms:
+        n, k = g.n, g.k
+        if g.tp in ("col", "vocab"):
+            n = -(-n // t)
+        elif g.tp == "row":
+            k = -(-k // t)
+        rows = ctx.tokens * g.tokens_per_token
+        flops = 2.0 * rows * n * k
+        m = rows
+        if g.expert and g.count:
+            local_experts = max(1, g.count // ctx.ep)
+            # each local expert sees an equal share of the tokens routed to this rank (balanced routing)
+            m = rows / local_experts
+        total_t += _gemm_time(ctx, flops, m, n, k)
+        total_f += flops
+    return total_t, total_f
+
+
+def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
+    """(forward time, backward time, forward model FLOPs) of the attention core on this GPU."""
+    a = p.attention
+    if a is None:
+        return 0.0, 0.0, 0.0
+    heads = a.heads / ctx.tp
+    b, s, d = ctx.mbs, ctx.seq, a.head_dim
+    model_flops = 4.0 * b * s * s * heads * d / ctx.cp  # QK^T and AV, causal counted in full (eq. 7)
+    cal = ctx.cluster.gpu.calibration
+    peak = ctx.cluster.gpu.peak_flops(ctx.training.dtype)
+    if ctx.training.flash_attention:
+        executed = model_flops * (0.5 if a.causal else 1.0)
+        fwd = executed / (peak * cal.attention_efficiency)
+        return fwd, 2.5 * fwd, model_flops
+    # Unfused: batched GEMMs [s x d] @ [d x s] and [s x s] @ [s x d] per head, causal computed in full,
+    # plus scale-mask-softmax and dropout over b*heads*s*s scores (read + write, 2-byte, 1-byte masks).
+    sq = s / ctx.cp
+    gemm = _gemm_time(ctx, model_flops, sq, s, d)
+    e = ctx.act_bytes
+    scores = b * heads * sq * s
+    soft_bytes = scores * (2 * e + (2 * e + 1 if a.dropout else 0))
+    fwd = gemm + _mem_time(ctx, soft_bytes)
+    bwd = 2 * gemm + _mem_time(ctx, 1.5 * soft_bytes + scores * e)
+    return fwd, bwd, model_flops
+
+
+def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, float]:
+    """Exposed tensor-parallel communication (forward, backward) for one micro-batch."""
+    if ctx.tp <= 1 or p.tp_allreduces == 0:
+        return 0.0, 0.0
+    grp = comm.group_of(ctx.cluster, ctx.tp, 1)
+    nbytes = ctx.tokens * p.hidden * ctx.act_bytes
+    # With sp, each all-reduce becomes a reduce-scatter + all-gather pair: the same bytes on the wire.
+    one = comm.all_reduce(ctx.cluster, grp, nbytes)
+    n_fwd = p.tp_allreduces if p.kind != "head" else 0
+    n_bwd = p.tp_allreduces if p.kind != "embedding" else 0
+    fwd, bwd = n_fwd * one, n_bwd * one
+    if ctx.training.tp_comm_overlap:
+        # Chunked overlap (Megatron userbuffers): only the first of tp chunks is exposed, plus whatever
+        # the GEMMs it pipelines with cannot hide.
+        fwd = fwd / ctx.tp + max(0.0, fwd * (1 - 1 / ctx.tp) - gemm_fwd)
+        bwd = bwd / ctx.tp + max(0.0, bwd * (1 - 1 / ctx.tp) - 2 * gemm_fwd)
+    return fwd, bwd
+
+
+def _cp_comm(p: LayerProfile, ctx: Context, attn_fwd: float) -> tuple[float, float]:
+    """Ring attention: K and V travel around the cp ring, overlapped with the attention of each step."""
+    if ctx.cp <= 1 or p.attention is None:
+        return 0.0, 0.0
+    a = p.attention
+    grp = comm.group_of(ctx.cluster, ctx.cp, ctx.tp)
+    kv_bytes = 2 * ctx.tokens * (a.kv_heads / min(ctx.tp, a.kv_heads)) * a.head_dim * ctx.act_bytes
+    link = ctx.cluster.intra_node if grp.nodes == 1 else ctx.cluster.inter_node
+    step = comm.p2p(ctx.cluster, kv_bytes, cross_node=link is ctx.cluster.inter_node)
+    fwd = max(step, (ctx.cp - 1) * step - attn_fwd * (ctx.cp - 1) / ctx.cp)
+    bwd = max(step, 2 * (ctx.cp - 1) * step - 2.5 * attn_fwd * (ctx.cp - 1) / ctx.cp)
+    return fwd, bwd
+
+
+def _ep_comm(p: LayerProfile, ctx: Context) -> tuple[float, float]:
+    """Token dispatch and combine all-to-alls of a MoE layer."""
+    if not p.moe_top_k or ctx.ep <= 1:
+        return 0.0, 0.0
+    grp = comm.group_of(ctx.cluster, ctx.ep, ctx.tp * ctx.cp)
+    nbytes = ctx.tokens * p.moe_top_k * p.hidden * ctx.act_bytes / (ctx.tp if ctx.sp else 1)
+    one = comm.all_to_all(ctx.cluster, grp, nbytes)
+    return 2 * one, 2 * one
+
+
+def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
+    """Time, memory and FLOPs of layer `p` for one micro-batch on one GPU."""
+    cal = ctx.cluster.gpu.calibration
+    t, e = ctx.tp, ctx.act_bytes
+    gemm_fwd, gemm_flops = _gemms(p, ctx)
+    attn_fwd, attn_bwd, attn_flops = _attention(p, ctx)
+    seq_div = t if ctx.sp else 1
+    ew_elems = ctx.tokens * (p.elementwise_tp / t + p.elementwise_seq / seq_div)
+    ew_fwd = _mem_time(ctx, ew_elems * e)
+    launch = p.kernels_fwd * cal.kernel_launch_us * 1e-6
+    tp_f, tp_b = _tp_comm(p, ctx, gemm_fwd)
+    cp_f, cp_b = _cp_comm(p, ctx, attn_fwd)
+    ep_f, ep_b = _ep_comm(p, ctx)
+    comm_f, comm_b = tp_f + cp_f + ep_f, tp_b + cp_b + ep_b
+    compute_f = gemm_fwd + attn_fwd + ew_fwd + launch
+    fwd = compute_f + comm_f
+    bwd = 2 * gemm_fwd + attn_bwd + 2 * ew_fwd + 2 * launch + comm_b
+    # Selective recomputation re-runs the attention core (and its softmax) in backward; a flash kernel
+    # recomputes its scores anyway, so there is nothing extra to do.
+    sel = 0.0 if ctx.training.flash_attention else attn_fwd
+    full = fwd  # the whole forward, its TP communication included
+    # Activations (bytes) of one micro-batch: Korthikanti et al. 2022 Table 2 generalised.
+    tok = ctx.tokens
+    scale = e / 2.0  # profiles count 2-byte activations
+    base = tok * (p.act_tp / t + p.act_seq / seq_div) * scale
+    scores = 0.0
+    if p.attention is not None and not ctx.training.flash_attention:
+        scores = tok * p.act_scores_per_seq * (ctx.seq) / t * scale
+    elif p.attention is not None:
+        scores = tok * p.attention.heads / t * 4.0  # flash keeps the fp32 log-sum-exp per row and head
+    if p.kind == "head" and ctx.training.fused_kernels:
+        base -= tok * p.act_tp / t * scale  # chunked cross-entropy never materialises the fp32 softmax
+    act_none = base + scores
+    act_sel = base + (scores if ctx.training.flash_attention else 0.0)
+    act_full = tok * p.act_input / seq_div * scale if p.kind == "block" else act_none
+    params = 0.0
+    expert = 0.0
+    for g in p.gemms:
+        n = g.params / (ctx.ep if g.expert else 1)
+        n = n if g.tp == "replicated" else n / t
+        params += n
+        if g.expert:
+            expert += n
+    params += p.params_replicated + p.params_sharded / t
+    rec_sel_flops = 0.0 if ctx.training.flash_attention else attn_flops
+    return LayerCost(
+        fwd_s=fwd, bwd_s=bwd, recompute_selective_s=sel, recompute_full_s=full,
+        comm_fwd_s=comm_f, comm_bwd_s=comm_b,
+        act_none=act_none, act_selective=act_sel, act_full=act_full,
+        params_local=params, expert_params_local=expert,
+        model_flops=gemm_flops + attn_flops, recompute_flops_selective=rec_sel_flops,
+        recompute_flops_full=gemm_flops + attn_flops,
+    )

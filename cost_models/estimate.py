@@ -1,0 +1,349 @@
+"""The step: per-stage costs, memory per GPU, the simulated pipeline, data-parallel sync and the optimizer.
+
+`estimate()` is the one entry point: a model (as layer profiles), a cluster, a training setup and a resolved
+parallel configuration (optionally with an explicit, possibly uneven, stage layout and per-stage
+recomputation) give the predicted step time with its breakdown, memory per pipeline rank with its
+breakdown, and MFU/HFU. The search calls the same pieces (`stage_costs`, `memory_of_rank`) many times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from . import comm
+from .compute import Context, LayerCost, layer_cost
+from .pipeline import Timeline, closed_form_makespan, in_flight, simulate
+from .profile import LayerProfile
+from .specs import DTYPE_BYTES, ClusterSpec, ParallelConfig, TrainingSpec
+
+GIB = 1024**3
+# Adam step bytes per parameter: read fp32 master, m, v and the fp32 grad, write master, m, v and the
+# 16-bit copy (4*4 + 3*4 + 2 = 30), plus reading the grad again for the clipping norm (4).
+_ADAM_BYTES_PER_PARAM = 34.0
+# Megatron-LM's DDP bucket: max(40M, 1M * dp) parameters (distributed.py, bucket_size default).
+_BUCKET_PARAMS = 40e6
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Stage i holds blocks [start, stop); recompute mode and, for full, how many of its blocks recompute."""
+
+    layers: tuple[int, int]
+    recompute: str = "none"
+    recompute_layers: int = 0
+
+
+@dataclass
+class MemoryParts:
+    """Bytes on one pipeline rank."""
+
+    weights: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    other: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.other
+
+    def gib(self) -> dict[str, float]:
+        d = {k: getattr(self, k) / GIB for k in ("weights", "gradients", "optimizer", "activations", "other")}
+        d["total"] = self.total / GIB
+        return d
+
+
+@dataclass
+class StageCost:
+    index: int
+    layout: StageLayout
+    has_embedding: bool
+    has_head: bool
+    fwd_s: float
+    bwd_s: float  # recomputation included
+    recompute_s: float
+    comm_s: float  # exposed TP/CP/EP communication in fwd+bwd
+    act_per_mb: float  # activation bytes of one micro-batch
+    act_peak_extra: float  # transient bytes during one backward (a recomputed layer's activations)
+    params: float
+    expert_params: float
+    model_flops: float  # per micro-batch forward
+    recompute_flops: float
+
+
+@dataclass
+class Estimate:
+    config: ParallelConfig
+    stages: list[StageCost]
+    memory: list[MemoryParts]
+    step_time_s: float
+    breakdown: dict[str, float]
+    model_flops: float
+    hardware_flops: float
+    num_gpus: int
+    peak_flops: float
+    tokens: int
+    capacity_bytes: float
+    timeline: Timeline | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_time_s / self.num_gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.step_time_s / self.num_gpus / self.peak_flops
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops / self.step_time_s / self.num_gpus / self.peak_flops
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time_s
+
+    @property
+    def peak_memory_gib(self) -> float:
+        return max(m.total for m in self.memory) / GIB
+
+    @property
+    def fits(self) -> bool:
+        return max(m.total for m in self.memory) <= self.capacity_bytes
+
+    def as_dict(self) -> dict:
+        return {
+            "step_time_s": self.step_time_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "tokens_per_s": self.tokens_per_s,
+            "memory_gib": {"per_stage": [m.total / GIB for m in self.memory], "peak": self.peak_memory_gib},
+            "breakdown": dict(self.breakdown),
+            "parallel": self.config.as_dict(),
+            "fits": self.fits,
+        }
+
+
+def num_microbatches(cfg: ParallelConfig, training: TrainingSpec) -> int:
+    return training.global_batch_size // (cfg.dp * cfg.mbs)
+
+
+def context(cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig) -> Context:
+    return Context(cluster=cluster, training=training, tp=cfg.tp, cp=cfg.cp, sp=cfg.sp, ep=cfg.ep, mbs=cfg.mbs)
+
+
+@lru_cache(maxsize=200_000)
+def cached_layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
+    return layer_cost(p, ctx)
+
+
+def even_layout(num_layers: int, cfg: ParallelConfig) -> list[StageLayout]:
+    n = cfg.pp * cfg.vp
+    base, extra = divmod(num_layers, n)
+    out, start = [], 0
+    for i in range(n):
+        stop = start + base + (1 if i < extra else 0)
+        nrec = stop - start if cfg.recompute == "full" else 0
+        if cfg.recompute == "full" and cfg.recompute_layers is not None:
+            nrec = min(stop - start, -(-cfg.recompute_layers // cfg.vp))
+        out.append(StageLayout((start, stop), cfg.recompute, nrec))
+        start = stop
+    return out
+
+
+def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ctx: Context,
+               n_stages: int) -> StageCost:
+    """Cost of one (virtual) stage for one micro-batch."""
+    blocks = profiles[1:-1]
+    parts: list[tuple[LayerCost, bool]] = []  # (cost, is a block)
+    has_emb, has_head = index == 0, index == n_stages - 1
+    if has_emb:
+        parts.append((cached_layer_cost(profiles[0], ctx), False))
+    start, stop = layout.layers
+    for i in range(start, stop):
+        parts.append((cached_layer_cost(blocks[i], ctx), True))
+    if has_head:
+        parts.append((cached_layer_cost(profiles[-1], ctx), False))
+    fwd = sum(c.fwd_s for c, _ in parts)
+    bwd = sum(c.bwd_s for c, _ in parts)
+    comm_s = sum(c.comm_fwd_s + c.comm_bwd_s for c, _ in parts)
+    rec, rec_flops, act, extra = 0.0, 0.0, 0.0, 0.0
+    n_full = layout.recompute_layers if layout.recompute == "full" else 0
+    k = 0
+    for c, is_block in parts:
+        if is_block and k < n_full:
+            rec += c.recompute_full_s
+            rec_flops += c.recompute_flops_full
+            act += c.act_full
+            extra = max(extra, c.act_none)
+            k += 1
+        elif is_block and layout.recompute in ("selective", "full"):
+            rec += c.recompute_selective_s
+            rec_flops += c.recompute_flops_selective
+            act += c.act_selective
+        else:
+            act += c.act_none
+    return StageCost(
+        index=index, layout=layout, has_embedding=has_emb, has_head=has_head, fwd_s=fwd, bwd_s=bwd + rec,
+        recompute_s=rec, comm_s=comm_s, act_per_mb=act, act_peak_extra=extra,
+        params=sum(c.params_local for c, _ in parts), expert_params=sum(c.expert_params_local for c, _ in parts),
+        model_flops=sum(c.model_flops for c, _ in parts), recompute_flops=rec_flops,
+    )
+
+
+def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelConfig, cluster: ClusterSpec,
+                   training: TrainingSpec) -> MemoryParts:
+    """Memory of one pipeline rank holding `stages` (its virtual stages) with `rank_inflight` micro-batches."""
+    dense = sum(s.params - s.expert_params for s in stages)
+    expert = sum(s.expert_params for s in stages)
+    shard_d = cfg.dp * cfg.cp
+    shard_e = max(1, shard_d // cfg.ep)
+    w_bytes = 4 if training.dtype in ("fp32", "tf32") else 2
+    g_bytes = 4 if training.dtype in ("fp32", "tf32") else DTYPE_BYTES[training.grad_reduce_dtype]
+    master = 0 if training.dtype in ("fp32", "tf32") else 4
+    opt_bytes = master + 8  # fp32 master copy + Adam first and second moments
+    params_eff = dense + expert
+    sharded = dense / shard_d + expert / shard_e
+    m = MemoryParts()
+    m.weights = (sharded if cfg.zero >= 3 else params_eff) * w_bytes
+    m.gradients = (sharded if cfg.zero >= 2 else params_eff) * g_bytes
+    m.optimizer = (sharded if cfg.zero >= 1 else params_eff) * opt_bytes
+    per_mb = sum(s.act_per_mb for s in stages) / max(1, len(stages))  # one chunk's worth, averaged
+    chunks = len(stages)
+    m.activations = rank_inflight * per_mb * chunks + max((s.act_peak_extra for s in stages), default=0.0)
+    other = cluster.gpu.calibration.framework_overhead_gib * GIB
+    if cfg.zero >= 3:  # all-gathered weights of the current and the prefetched layer
+        biggest = max((s.params / max(1, s.layout.layers[1] - s.layout.layers[0]) for s in stages), default=0.0)
+        other += 2 * biggest * w_bytes
+    m.other = other
+    return m
+
+
+def _dp_sync(stages: list[StageCost], cfg: ParallelConfig, cluster: ClusterSpec,
+             training: TrainingSpec) -> tuple[float, float, float]:
+    """(gradient reduction, parameter all-gather after the step, last-bucket tail) for one pipeline rank."""
+    n = cfg.dp * cfg.cp
+    if n <= 1:
+        return 0.0, 0.0, 0.0
+    dense = sum(s.params - s.expert_params for s in stages)
+    expert = sum(s.expert_params for s in stages)
+    g_bytes = 4 if training.dtype in ("fp32", "tf32") else DTYPE_BYTES[training.grad_reduce_dtype]
+    w_bytes = 4 if training.dtype in ("fp32", "tf32") else 2
+    grp_d = comm.group_of(cluster, n, cfg.tp)
+    grp_e = comm.group_of(cluster, max(1, n // cfg.ep), cfg.tp * cfg.ep)
+    if cfg.zero == 0:
+        red = comm.all_reduce(cluster, grp_d, dense * g_bytes) + comm.all_reduce(cluster, grp_e, expert * g_bytes)
+        gather = 0.0
+    else:
+        red = comm.reduce_scatter(cluster, grp_d, dense * g_bytes) + comm.reduce_scatter(cluster, grp_e,
+                                                                                          expert * g_bytes)
+        gather = 0.0 if cfg.zero >= 3 else (
+            comm.all_gather(cluster, grp_d, dense * w_bytes) + comm.all_gather(cluster, grp_e, expert * w_bytes))
+    bucket = max(_BUCKET_PARAMS, 1e6 * cfg.dp)
+    tail = red * min(1.0, bucket / max(dense + expert, 1.0))
+    return red, gather, tail
+
+
+def _zero3_exposed(stage: StageCost, cfg: ParallelConfig, cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """ZeRO-3 gathers the stage's weights in forward and backward and reduce-scatters its grads, per micro-batch,
+    prefetched behind compute: only what compute cannot hide is exposed."""
+    grp = comm.group_of(cluster, cfg.dp * cfg.cp, cfg.tp)
+    w_bytes = 4 if training.dtype in ("fp32", "tf32") else 2
+    g_bytes = 4 if training.dtype in ("fp32", "tf32") else DTYPE_BYTES[training.grad_reduce_dtype]
+    ag = comm.all_gather(cluster, grp, stage.params * w_bytes)
+    rs = comm.reduce_scatter(cluster, grp, stage.params * g_bytes)
+    return max(0.0, ag - stage.fwd_s) + max(0.0, ag + rs - stage.bwd_s)
+
+
+def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig,
+             layout: list[StageLayout] | None = None, *, simulate_pipeline: bool = True,
+             keep_timeline: bool = False) -> Estimate:
+    """Predict one optimizer step of `cfg` (dp resolved) on `cluster`."""
+    assert cfg.dp is not None, "resolve the configuration first (check_config)"
+    n_blocks = len(profiles) - 2
+    layout = layout or even_layout(n_blocks, cfg)
+    ctx = context(cluster, training, cfg)
+    n_stages = cfg.pp * cfg.vp
+    stages = [stage_cost(i, lay, profiles, ctx, n_stages) for i, lay in enumerate(layout)]
+    m = num_microbatches(cfg, training)
+    # ZeRO-3 per-micro-batch traffic lengthens each stage's slot.
+    if cfg.zero >= 3:
+        for s in stages:
+            s.bwd_s += _zero3_exposed(s, cfg, cluster, training)
+    e = ctx.act_bytes
+    hidden = profiles[0].hidden
+    p2p_bytes = ctx.tokens * hidden * e / cfg.tp
+    cross = cfg.tp * cfg.cp * cfg.dp >= cluster.gpus_per_node and cluster.num_nodes > 1
+    p2p_s = comm.p2p(cluster, p2p_bytes, cross) if cfg.pp > 1 else 0.0
+    fwd = [s.fwd_s for s in stages]
+    bwd = [s.bwd_s for s in stages]
+    timeline = None
+    if simulate_pipeline and cfg.pp > 1:
+        timeline = simulate(cfg.schedule, cfg.pp, m, cfg.vp, fwd, bwd, p2p_s, keep_slices=keep_timeline)
+        no_comm = simulate(cfg.schedule, cfg.pp, m, cfg.vp, fwd, bwd, 0.0).makespan
+        rank_end, last_b, busy = timeline.rank_end, timeline.last_backward_start, timeline.busy
+        makespan = timeline.makespan
+    else:
+        per_rank = [0.0] * cfg.pp
+        for s in stages:
+            per_rank[s.index % cfg.pp] += s.fwd_s + s.bwd_s
+        no_comm = closed_form_makespan(fwd, bwd, cfg.pp, m, cfg.vp, 0.0)
+        makespan = closed_form_makespan(fwd, bwd, cfg.pp, m, cfg.vp, p2p_s)
+        busy = [m * t for t in per_rank]
+        rank_end = [makespan] * cfg.pp
+        last_b = [makespan - (stages[-1].bwd_s if cfg.pp == 1 else per_rank[r] / 2 / cfg.vp) for r in range(cfg.pp)]
+    # Data-parallel gradient sync and the optimizer, per pipeline rank.
+    by_rank: list[list[StageCost]] = [[] for _ in range(cfg.pp)]
+    for s in stages:
+        by_rank[s.index % cfg.pp].append(s)
+    finish, dp_exposed, opt_time, gather_exposed = [], [], [], []
+    gpu = cluster.gpu
+    for r in range(cfg.pp):
+        red, gather, tail = _dp_sync(by_rank[r], cfg, cluster, training)
+        if training.overlap_grad_reduce:
+            done = max(rank_end[r] + tail, last_b[r] + red)
+        else:
+            done = rank_end[r] + red
+        opt_params = sum(s.params for s in by_rank[r]) / (cfg.dp * cfg.cp if cfg.zero >= 1 else 1)
+        opt = opt_params * _ADAM_BYTES_PER_PARAM / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
+        g_exp = gather * (0.1 if training.overlap_param_gather else 1.0)
+        finish.append(done + opt + g_exp)
+        dp_exposed.append(done - rank_end[r])
+        opt_time.append(opt)
+        gather_exposed.append(g_exp)
+    step = max(finish)
+    crit = max(range(cfg.pp), key=lambda r: finish[r])
+    rank_stages = by_rank[crit]
+    compute = m * sum(s.fwd_s + s.bwd_s - s.recompute_s - s.comm_s for s in rank_stages)
+    recompute = m * sum(s.recompute_s for s in rank_stages)
+    exposed_comm = m * sum(s.comm_s for s in rank_stages)
+    breakdown = {
+        "compute": compute,
+        "recompute": recompute,
+        "tp_cp_ep_comm": exposed_comm,
+        "pp_comm": max(0.0, makespan - no_comm),
+        "bubble": max(0.0, no_comm - busy[crit]),
+        "dp_comm": dp_exposed[crit] + gather_exposed[crit],
+        "optimizer": opt_time[crit],
+    }
+    # Attribute any rounding remainder to the bubble so the parts add up to the step.
+    breakdown["bubble"] += step - sum(breakdown.values())
+    # FLOPs for the whole step, all GPUs (model: no recompute; hardware: recompute added).
+    per_mb_model = sum(s.model_flops for s in stages)
+    per_mb_rec = sum(s.recompute_flops for s in stages)
+    gpus_per_replica = cfg.tp * cfg.cp  # model FLOPs above are per GPU of a tp x cp group
+    model_flops = 3.0 * per_mb_model * gpus_per_replica * m * cfg.dp
+    hw_flops = model_flops + per_mb_rec * gpus_per_replica * m * cfg.dp
+    memory = []
+    fl = in_flight(cfg.schedule, cfg.pp, m, cfg.vp)
+    for r in range(cfg.pp):
+        memory.append(memory_of_rank(by_rank[r], fl[r], cfg, cluster, training))
+    return Estimate(
+        config=cfg, stages=stages, memory=memory, step_time_s=step, breakdown=breakdown,
+        model_flops=model_flops, hardware_flops=hw_flops, num_gpus=cluster.num_gpus,
+        peak_flops=cluster.gpu.peak_flops(training.dtype),
+        tokens=training.global_batch_size * training.seq_length,
+        capacity_bytes=cluster.gpu.hbm_gib * GIB, timeline=timeline,
+    )

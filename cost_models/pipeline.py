@@ -1,0 +1,180 @@
+"""Pipeline schedules as lists of actions, and a simulator that times them with per-stage costs.
+
+A schedule is, for every pipeline rank, the ordered list of actions it runs: `Action(stage, "F"|"B", mb)`,
+printed `2F0` (stage 2, forward, micro-batch 0) as in `torch.distributed.pipelining`. Stage s runs on rank
+s % pp (virtual stages for the interleaved schedule). The simulator executes every rank's list in order; an
+action starts when its rank is free and its input has arrived (forward from stage s-1, backward from stage
+s+1, plus the point-to-point time), so uneven stages, the bubble and exposed communication come out of the
+timeline rather than a formula. `bubble_fraction` is the closed form (p-1)/m, or (p-1)/(v*m) interleaved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Action:
+    stage: int
+    kind: str  # "F" or "B"
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.mb}"
+
+
+def bubble_fraction(pp: int, m: int, vp: int = 1) -> float:
+    """Idle fraction of an ideal pipeline relative to its busy time: (p-1)/(v*m) (Narayanan et al. 2021)."""
+    return (pp - 1) / (vp * m)
+
+
+def schedule_actions(schedule: str, pp: int, m: int, vp: int = 1) -> list[list[Action]]:
+    """Per-rank action lists of GPipe, 1F1B or interleaved 1F1B (Megatron-LM's orders)."""
+    if schedule == "gpipe":
+        return [[Action(r, "F", j) for j in range(m)] + [Action(r, "B", j) for j in range(m)] for r in range(pp)]
+    if schedule == "1f1b" or vp == 1:
+        out = []
+        for r in range(pp):
+            warm = min(pp - r - 1, m)
+            acts = [Action(r, "F", j) for j in range(warm)]
+            f, b = warm, 0
+            while f < m:
+                acts.append(Action(r, "F", f))
+                f += 1
+                acts.append(Action(r, "B", b))
+                b += 1
+            acts += [Action(r, "B", j) for j in range(b, m)]
+            out.append(acts)
+        return out
+    return _interleaved(pp, m, vp)
+
+
+def _interleaved(pp: int, m: int, vp: int) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B: micro-batches in groups of pp run through each model chunk in turn."""
+    total = m * vp
+
+    def fwd_of(r: int, k: int) -> Action:
+        chunk = (k // pp) % vp
+        mb = (k // (pp * vp)) * pp + k % pp
+        return Action(chunk * pp + r, "F", mb)
+
+    def bwd_of(r: int, k: int) -> Action:
+        chunk = vp - 1 - (k // pp) % vp
+        mb = (k // (pp * vp)) * pp + k % pp
+        return Action(chunk * pp + r, "B", mb)
+
+    out = []
+    for r in range(pp):
+        warm = min((pp - r - 1) * 2 + (vp - 1) * pp, total)
+        acts = [fwd_of(r, k) for k in range(warm)]
+        f, b = warm, 0
+        while f < total:
+            acts.append(fwd_of(r, f))
+            f += 1
+            acts.append(bwd_of(r, b))
+            b += 1
+        acts += [bwd_of(r, k) for k in range(b, total)]
+        out.append(acts)
+    return out
+
+
+def in_flight(schedule: str, pp: int, m: int, vp: int = 1) -> list[float]:
+    """Peak micro-batches whose activations a rank holds at once, in units of one rank's full layer set.
+
+    GPipe holds all m; 1F1B holds min(p - r, m) on rank r; interleaved holds its warm-up chunks plus one,
+    each 1/v of the rank's layers (so rank 0 holds about p * (1 + (p-1)/(p*v)), Korthikanti et al. 2022).
+    """
+    if schedule == "gpipe":
+        return [float(m)] * pp
+    if schedule == "1f1b" or vp == 1:
+        return [float(min(pp - r, m)) for r in range(pp)]
+    return [min((pp - r - 1) * 2 + (vp - 1) * pp + 1, m * vp) / vp for r in range(pp)]
+
+
+@dataclass
+class Timeline:
+    """The simulated step: per-rank slices (action, start, end) and summary numbers."""
+
+    slices: list[list[tuple[Action, float, float]]] = field(default_factory=list)
+    rank_end: list[float] = field(default_factory=list)
+    last_backward_start: list[float] = field(default_factory=list)
+    busy: list[float] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return max(self.rank_end) if self.rank_end else 0.0
+
+    def grid(self) -> list[list[str]]:
+        """Step x rank grid of action names (`2F0`), one column per rank, for the terminal."""
+        depth = max(len(s) for s in self.slices)
+        return [[str(s[i][0]) if i < len(s) else "" for s in self.slices] for i in range(depth)]
+
+
+def simulate(
+    schedule: str,
+    pp: int,
+    m: int,
+    vp: int,
+    fwd: list[float],
+    bwd: list[float],
+    p2p_s: float = 0.0,
+    keep_slices: bool = False,
+) -> Timeline:
+    """Run the schedule with per-stage forward/backward times (lists of pp*vp entries, backward including
+    recomputation). `p2p_s` is the time a stage's output takes to reach the next rank."""
+    n_stages = pp * vp
+    acts = schedule_actions(schedule, pp, m, vp)
+    done: dict[tuple[int, str, int], float] = {}
+    ptr = [0] * pp
+    free = [0.0] * pp
+    busy = [0.0] * pp
+    last_b = [0.0] * pp
+    slices: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
+    waiting: dict[tuple[int, str, int], list[int]] = {}
+    work = list(range(pp))
+    remaining = sum(len(a) for a in acts)
+    while work:
+        r = work.pop()
+        while ptr[r] < len(acts[r]):
+            a = acts[r][ptr[r]]
+            if a.kind == "F":
+                dep = (a.stage - 1, "F", a.mb) if a.stage > 0 else None
+            else:
+                dep = (a.stage + 1, "B", a.mb) if a.stage < n_stages - 1 else (a.stage, "F", a.mb)
+            ready = 0.0
+            if dep is not None:
+                if dep not in done:
+                    waiting.setdefault(dep, []).append(r)
+                    break
+                ready = done[dep] + (p2p_s if dep[0] != a.stage else 0.0)
+            start = max(free[r], ready)
+            dur = fwd[a.stage] if a.kind == "F" else bwd[a.stage]
+            end = start + dur
+            free[r] = end
+            busy[r] += dur
+            if a.kind == "B":
+                last_b[r] = start
+            key = (a.stage, a.kind, a.mb)
+            done[key] = end
+            if keep_slices:
+                slices[r].append((a, start, end))
+            ptr[r] += 1
+            remaining -= 1
+            for other in waiting.pop(key, ()):
+                if other != r:
+                    work.append(other)
+    if remaining:
+        raise RuntimeError(f"pipeline schedule {schedule} deadlocked with {remaining} actions left")
+    return Timeline(slices=slices if keep_slices else [], rank_end=free, last_backward_start=last_b, busy=busy)
+
+
+def closed_form_makespan(fwd: list[float], bwd: list[float], pp: int, m: int, vp: int = 1,
+                         p2p_s: float = 0.0) -> float:
+    """Fast estimate used by the search: (m-1) * max stage + the sum of all stages, with the interleaved
+    schedule's bubble shrunk by v (exact for even stages with no communication)."""
+    per_rank = [0.0] * pp
+    for s, (f, b) in enumerate(zip(fwd, bwd, strict=True)):
+        per_rank[s % pp] += f + b
+    worst = max(per_rank)
+    fill = sum(f + b for f, b in zip(fwd, bwd, strict=True)) / vp
+    return (m - 1 / vp) * worst + fill + 2 * (pp - 1) * p2p_s

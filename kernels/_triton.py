@@ -1,0 +1,187 @@
+"""Access to Triton for the kernel files: a lazy `jit`, interpreter selection, and launch capture.
+
+Why this exists instead of plain `@triton.jit`:
+
+* `triton.jit` decides between the compiler and the CPU interpreter when the decorator runs, i.e.
+  when a kernel file is imported. The registry's rule is decided per call ("Triton on CPU tensors
+  when TRITON_INTERPRET=1"), and a kernel file may have been imported before a test sets the
+  variable. `jit` below keeps the Python function and builds the interpreted or the compiled
+  kernel at launch time, from the environment as it is then.
+* The kernel files stay importable without Triton installed (it is the optional `kernels` extra),
+  so the torch references next to the kernels always work. Launching a kernel then raises
+  `KernelUnavailableError` with the way out.
+* `capture_launches()` records launches instead of running them. The tests use it to compile
+  every launch the real launchers make, with their real block sizes, for an H100 (sm_90) on a
+  machine without a GPU.
+
+Kernels written with this `jit` must not call other jit functions (the compiler only inlines
+real `JITFunction`s), so shared math is written out in each kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+try:  # Triton is optional: the references must work without it.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised by a subprocess test that hides triton
+    HAS_TRITON = False
+
+    class _Constexpr:  # stands in for `tl.constexpr` in annotations, which run at import
+        pass
+
+    class _MissingLanguage:
+        constexpr = _Constexpr
+
+    class _MissingTriton:
+        @staticmethod
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+        @staticmethod
+        def next_power_of_2(n: int) -> int:
+            return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+    triton = _MissingTriton()  # type: ignore[assignment]
+    tl = _MissingLanguage()  # type: ignore[assignment]
+
+
+class KernelUnavailableError(RuntimeError):
+    """A Triton kernel was asked to run where it cannot (no Triton, or CPU without the interpreter)."""
+
+
+_TRUE = ("1", "true", "yes", "on", "y")  # the spellings triton.knobs accepts for a true env_bool
+
+
+def interpret_enabled() -> bool:
+    """True when TRITON_INTERPRET asks for the CPU interpreter (read now, not at import)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
+
+
+def triton_installed() -> bool:
+    """True when Triton can be imported; does not import it."""
+    return HAS_TRITON or importlib.util.find_spec("triton") is not None
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def num_warps_for(block_elems: int) -> int:
+    """Warps for a program that holds `block_elems` fp32 values live.
+
+    16 values per thread (512 per 32-lane warp) keeps a row in registers without spilling on
+    sm_80/sm_90 (255 registers per thread); clamped to [1, 16] warps, 16 being the most a CTA
+    of 512 threads gets while leaving room for 4 CTAs per SM.
+    """
+    return max(1, min(16, block_elems // 512))
+
+
+def persistent_programs(device, work_items: int) -> int:
+    """How many programs a grid-stride (persistent) kernel launches over `work_items` items.
+
+    On CUDA: 4 per SM, enough resident CTAs to hide HBM latency while the per-program partial
+    buffers stay small (4 x 132 SMs x hidden x 4 B = 35 MB at hidden 16384 on an H100). In the
+    interpreter each program costs ~2 ms of Python, so 8 programs keep tests fast while still
+    exercising the cross-program reduction.
+    """
+    if getattr(device, "type", str(device)) == "cuda":
+        import torch
+
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(work_items, 4 * sms))
+    return max(1, min(work_items, 8))
+
+
+@dataclass
+class Launch:
+    """One recorded kernel launch (see `capture_launches`)."""
+
+    kernel: Kernel
+    grid: tuple
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+
+
+_CAPTURE: list[Launch] | None = None
+
+
+@contextlib.contextmanager
+def capture_launches():
+    """Record kernel launches instead of running them; yields the list they are appended to.
+
+    Used with meta tensors to see the exact grids, block sizes and argument types a launcher
+    would use at realistic shapes, without memory or a GPU.
+    """
+    global _CAPTURE
+    previous, _CAPTURE = _CAPTURE, []
+    try:
+        yield _CAPTURE
+    finally:
+        _CAPTURE = previous
+
+
+class Kernel:
+    """A Triton kernel whose compiled/interpreted form is chosen at launch time."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+        self._compiled = None
+        self._interpreted = None
+
+    def __repr__(self) -> str:
+        return f"<kernels Triton kernel {self.fn.__module__}.{self.fn.__name__}>"
+
+    def compiled(self):
+        """The `triton.JITFunction` (compiler path)."""
+        self._require_triton()
+        if self._compiled is None:
+            from triton.runtime.jit import JITFunction
+
+            self._compiled = JITFunction(self.fn)
+        return self._compiled
+
+    def interpreted(self):
+        """The interpreter's function (CPU path, TRITON_INTERPRET=1)."""
+        self._require_triton()
+        if self._interpreted is None:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            self._interpreted = InterpretedFunction(self.fn)
+        return self._interpreted
+
+    def _require_triton(self) -> None:
+        if not HAS_TRITON:
+            raise KernelUnavailableError(
+                f"Triton kernel {self.fn.__name__!r} needs the triton package, which is not installed; "
+                "install it with `pip install 'autoplan[kernels]'` or use the torch reference "
+                "(kernels.get(name, impl='torch'))."
+            )
+
+    def __getitem__(self, grid):
+        def launch(*args: Any, **kwargs: Any):
+            if _CAPTURE is not None:
+                _CAPTURE.append(Launch(self, tuple(grid), args, kwargs))
+                return None
+            impl = self.interpreted() if interpret_enabled() else self.compiled()
+            return impl[grid](*args, **kwargs)
+
+        return launch
+
+
+def jit(fn) -> Kernel:
+    """Decorator for the kernels in this package (see the module docstring)."""
+    return Kernel(fn)
