@@ -5,48 +5,72 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import platform
 
+from cost_models.estimate import GIB, Estimate, StageLayout, even_layout
+from cost_models.profile import LayerProfile
 from cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec, check_config
 
 from . import __version__
-from .plan import MemoryBreakdown, Plan, Prediction, Provenance, StagePlan
+from .estimate_api import estimate_config
+from .plan import MemoryBreakdown, Plan, Prediction, Provenance, RunnerUp, StagePlan
 
 
-def even_stages(model: ModelSpec, cfg: ParallelConfig) -> list[tuple[int, int]]:
-    """Layer ranges [start, stop) of pp*vp stages, as even as possible (earlier stages get the remainder)."""
-    n = cfg.pp * cfg.vp
-    base, extra = divmod(model.num_layers, n)
-    bounds, start = [], 0
-    for i in range(n):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+def inputs_hash(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, extra: dict | None = None) -> str:
+    body = {"model": model.model_dump(mode="json"), "cluster": cluster.model_dump(mode="json"),
+            "training": training.model_dump(mode="json"), "extra": extra or {}}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def prediction_of(est: Estimate) -> Prediction:
+    mem = [MemoryBreakdown(**{k: round(v, 6) for k, v in m.gib().items()}) for m in est.memory]
+    d = est.as_dict()
+    return Prediction(
+        step_time_s=est.step_time_s, tflops_per_gpu=est.tflops_per_gpu, mfu=est.mfu, hfu=est.hfu,
+        tokens_per_s=est.tokens_per_s, memory_gib=d["memory_gib"], memory_breakdown=mem,
+        breakdown=d["breakdown"], fits=est.fits,
+    )
+
+
+def plan_from_estimate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, est: Estimate, *,
+                       kernels: str = "fused", runners_up: list[RunnerUp] | None = None,
+                       search_time_s: float | None = None, command: str = "", extra: dict | None = None) -> Plan:
+    cfg = est.config
+    n = len(est.stages)
+    stages = [
+        StagePlan(index=s.index, pp_rank=s.index % cfg.pp, layers=s.layout.layers, has_embedding=s.index == 0,
+                  has_head=s.index == n - 1, recompute=s.layout.recompute,
+                  recompute_layers=s.layout.recompute_layers, forward_s=s.fwd_s, backward_s=s.bwd_s)
+        for s in est.stages
+    ]
+    prov = Provenance(autoplan_version=__version__, python_version=platform.python_version(),
+                      inputs_hash=inputs_hash(model, cluster, training, extra), search_time_s=search_time_s,
+                      command=command)
+    return Plan(model=model, cluster=cluster, training=training, parallel=cfg, stages=stages, kernels=kernels,
+                prediction=prediction_of(est), runners_up=runners_up or [], provenance=prov).sealed()
 
 
 def make_plan(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, parallel: ParallelConfig | str,
-              *, kernels: str = "fused", stage_layers: list[tuple[int, int]] | None = None) -> Plan:
-    """A Plan for exactly this configuration, with the cost model's prediction.
-
-    TEMPORARY (until the cost model lands): predictions are zeros. The stage layout and configuration are final.
-    """
+              *, kernels: str = "fused", stage_layers: list[tuple[int, int]] | None = None,
+              profiles: list[LayerProfile] | None = None) -> Plan:
+    """A Plan for exactly this configuration (even stages unless `stage_layers` is given), with the cost
+    model's prediction."""
     if isinstance(parallel, str):
         parallel = ParallelConfig.parse(parallel)
     cfg = check_config(parallel, model, cluster, training, stage_layers=stage_layers is None)
-    ranges = stage_layers or even_stages(model, cfg)
-    n = len(ranges)
-    stages = [
-        StagePlan(index=i, pp_rank=i % cfg.pp, layers=r, has_embedding=i == 0, has_head=i == n - 1,
-                  recompute=cfg.recompute,
-                  recompute_layers=(r[1] - r[0]) if cfg.recompute == "full" else 0,
-                  forward_s=0.0, backward_s=0.0)
-        for i, r in enumerate(ranges)
-    ]
-    zero_mem = MemoryBreakdown(weights=0, gradients=0, optimizer=0, activations=0, other=0, total=0)
-    pred = Prediction(step_time_s=0, tflops_per_gpu=0, mfu=0, hfu=0, tokens_per_s=0,
-                      memory_gib={"per_stage": [0.0] * cfg.pp, "peak": 0.0},
-                      memory_breakdown=[zero_mem] * cfg.pp, breakdown={}, fits=True)
-    prov = Provenance(autoplan_version=__version__, python_version=platform.python_version(), inputs_hash="")
-    return Plan(model=model, cluster=cluster, training=training, parallel=cfg, stages=stages, kernels=kernels,
-                prediction=pred, provenance=prov).sealed()
+    layout = None
+    if stage_layers is not None:
+        base = even_layout(model.num_layers, cfg)
+        if len(stage_layers) != len(base):
+            from cost_models.errors import ConfigError
+            raise ConfigError("stage_layers must list pp*vp stages", f"got {len(stage_layers)}, need {len(base)}",
+                              "give one (start, stop) per stage")
+        layout = [StageLayout(tuple(r), cfg.recompute, (r[1] - r[0]) if cfg.recompute == "full" else 0)
+                  for r in stage_layers]
+    est = estimate_config(model, cluster, training, cfg, profiles=profiles, layout=layout)
+    return plan_from_estimate(model, cluster, training, est, kernels=kernels)
+
+
+__all__ = ["make_plan", "plan_from_estimate", "prediction_of", "inputs_hash", "GIB"]

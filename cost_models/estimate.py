@@ -15,7 +15,7 @@ from . import comm
 from .compute import Context, LayerCost, layer_cost
 from .pipeline import Timeline, closed_form_makespan, in_flight, simulate
 from .profile import LayerProfile
-from .specs import DTYPE_BYTES, ClusterSpec, ParallelConfig, TrainingSpec
+from .specs import ClusterSpec, ParallelConfig, TrainingSpec
 
 GIB = 1024**3
 # Adam step bytes per parameter: read fp32 master, m, v and the fp32 grad, write master, m, v and the
@@ -201,7 +201,7 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     shard_d = cfg.dp * cfg.cp
     shard_e = max(1, shard_d // cfg.ep)
     w_bytes = 4 if training.dtype in ("fp32", "tf32") else 2
-    g_bytes = 4 if training.dtype in ("fp32", "tf32") else DTYPE_BYTES[training.grad_reduce_dtype]
+    g_bytes = training.grad_bytes
     master = 0 if training.dtype in ("fp32", "tf32") else 4
     opt_bytes = master + 8  # fp32 master copy + Adam first and second moments
     params_eff = dense + expert
@@ -229,7 +229,7 @@ def _dp_sync(stages: list[StageCost], cfg: ParallelConfig, cluster: ClusterSpec,
         return 0.0, 0.0, 0.0
     dense = sum(s.params - s.expert_params for s in stages)
     expert = sum(s.expert_params for s in stages)
-    g_bytes = 4 if training.dtype in ("fp32", "tf32") else DTYPE_BYTES[training.grad_reduce_dtype]
+    g_bytes = training.grad_bytes
     w_bytes = 4 if training.dtype in ("fp32", "tf32") else 2
     grp_d = comm.group_of(cluster, n, cfg.tp)
     grp_e = comm.group_of(cluster, max(1, n // cfg.ep), cfg.tp * cfg.ep)
@@ -251,7 +251,7 @@ def _zero3_exposed(stage: StageCost, cfg: ParallelConfig, cluster: ClusterSpec, 
     prefetched behind compute: only what compute cannot hide is exposed."""
     grp = comm.group_of(cluster, cfg.dp * cfg.cp, cfg.tp)
     w_bytes = 4 if training.dtype in ("fp32", "tf32") else 2
-    g_bytes = 4 if training.dtype in ("fp32", "tf32") else DTYPE_BYTES[training.grad_reduce_dtype]
+    g_bytes = training.grad_bytes
     ag = comm.all_gather(cluster, grp, stage.params * w_bytes)
     rs = comm.reduce_scatter(cluster, grp, stage.params * g_bytes)
     return max(0.0, ag - stage.fwd_s) + max(0.0, ag + rs - stage.bwd_s)

@@ -231,8 +231,10 @@ class TrainingSpec(_Frozen):
     global_batch_size: int = Field(gt=0, description="Sequences per optimizer step.")
     seq_length: int = Field(gt=0, description="Tokens per sequence.")
     dtype: Dtype = Field(default="bf16", description="Compute dtype of matmuls and activations.")
-    grad_reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field(
-        default="fp32", description="Dtype gradients are reduced and accumulated in (fp32 main grads)."
+    grad_reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        default=None,
+        description="Dtype gradients are accumulated and reduced in; None = the compute dtype (Megatron-Core's "
+        "default, grad_reduce_in_fp32=False).",
     )
     flash_attention: bool = Field(
         default=True, description="Attention is one fused kernel (flash); false = explicit softmax and masks."
@@ -246,6 +248,12 @@ class TrainingSpec(_Frozen):
     tp_comm_overlap: bool = Field(
         default=False, description="Tensor-parallel collectives overlap the GEMMs (Megatron userbuffers)."
     )
+    @property
+    def grad_bytes(self) -> int:
+        if self.dtype in ("fp32", "tf32"):
+            return 4
+        return DTYPE_BYTES[self.grad_reduce_dtype or ("bf16" if self.dtype == "fp8" else self.dtype)]
+
     fused_kernels: bool = Field(
         default=True, description="Norms, activations, RoPE and cross-entropy use fused kernels."
     )

@@ -14,60 +14,37 @@ Why this exists instead of plain `@triton.jit`:
   every launch the real launchers make, with their real block sizes, for an H100 (sm_90) on a
   machine without a GPU.
 
-Kernels written with this `jit` must not call other jit functions (the compiler only inlines
-real `JITFunction`s), so shared math is written out in each kernel.
+Kernels written with this `jit` must not call other kernels of this package (the compiler only
+inlines real `JITFunction`s), so shared math is written out in each kernel; Triton's own library
+(tl.sum, tl.sigmoid, ...) is fine, see `_jit_calls_interpreted`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from kernels._env import interpret_enabled, triton_installed  # noqa: F401  (re-exported)
 
 try:  # Triton is optional: the references must work without it.
     import triton
     import triton.language as tl
 
     HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised by a subprocess test that hides triton
+except ImportError:  # exercised by a subprocess test that hides triton
     HAS_TRITON = False
-
-    class _Constexpr:  # stands in for `tl.constexpr` in annotations, which run at import
-        pass
+    triton = None
 
     class _MissingLanguage:
-        constexpr = _Constexpr
+        class constexpr:  # stands in for `tl.constexpr` in kernel annotations, evaluated at import
+            pass
 
-    class _MissingTriton:
-        @staticmethod
-        def cdiv(a: int, b: int) -> int:
-            return -(-a // b)
-
-        @staticmethod
-        def next_power_of_2(n: int) -> int:
-            return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-    triton = _MissingTriton()  # type: ignore[assignment]
-    tl = _MissingLanguage()  # type: ignore[assignment]
+    tl = _MissingLanguage()
 
 
 class KernelUnavailableError(RuntimeError):
     """A Triton kernel was asked to run where it cannot (no Triton, or CPU without the interpreter)."""
-
-
-_TRUE = ("1", "true", "yes", "on", "y")  # the spellings triton.knobs accepts for a true env_bool
-
-
-def interpret_enabled() -> bool:
-    """True when TRITON_INTERPRET asks for the CPU interpreter (read now, not at import)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
-
-
-def triton_installed() -> bool:
-    """True when Triton can be imported; does not import it."""
-    return HAS_TRITON or importlib.util.find_spec("triton") is not None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -176,10 +153,42 @@ class Kernel:
             if _CAPTURE is not None:
                 _CAPTURE.append(Launch(self, tuple(grid), args, kwargs))
                 return None
-            impl = self.interpreted() if interpret_enabled() else self.compiled()
-            return impl[grid](*args, **kwargs)
+            if interpret_enabled():
+                with _jit_calls_interpreted():
+                    return self.interpreted()[grid](*args, **kwargs)
+            return self.compiled()[grid](*args, **kwargs)
 
         return launch
+
+
+_INTERPRETED_LIBRARY: dict = {}
+
+
+@contextlib.contextmanager
+def _jit_calls_interpreted():
+    """Let an interpreted kernel call Triton's own @jit library functions (tl.sum, tl.sigmoid, ...).
+
+    Triton builds its library functions for the interpreter only when TRITON_INTERPRET is set at
+    the time triton is imported; otherwise they are compiler `JITFunction`s, which refuse to be
+    called from Python. For the duration of an interpreted launch, such calls run the function
+    through the interpreter instead. Outside interpreted launches nothing changes.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.__call__
+
+    def call_interpreted(self, *args, **kwargs):
+        fn = _INTERPRETED_LIBRARY.get(self.fn)
+        if fn is None:
+            fn = _INTERPRETED_LIBRARY[self.fn] = InterpretedFunction(self.fn)
+        return fn(*args, **kwargs)
+
+    JITFunction.__call__ = call_interpreted
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
 
 
 def jit(fn) -> Kernel:

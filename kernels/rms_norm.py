@@ -196,8 +196,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | N
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = 1e-6):
-    """Plain-torch RMSNorm with the kernel's numerics: fp32 math, one rounding to x.dtype at the end."""
+    """Plain-torch RMSNorm with the kernel's numerics: fp32 math, one rounding to x.dtype at the end.
+
+    Uses torch's native F.rms_norm (same numerics) when the weight has the input's dtype, and the
+    composite formula otherwise (F.rms_norm rejects mixed dtypes).
+    """
     _check(x, weight, eps)
+    if weight is None or weight.dtype == x.dtype:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, _resolve_eps(eps, x.dtype))
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + _resolve_eps(eps, x.dtype))
     if weight is not None:

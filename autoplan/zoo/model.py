@@ -292,6 +292,8 @@ def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
             if id(p) in seen or p.is_meta:
                 continue
             seen.add(id(p))
+            if spec.tie_embeddings and name == "output.weight":  # a pipeline stage holding only the tied head
+                name = "tok_embeddings.weight"
             leaf = name.rsplit(".", 1)[-1]
             if leaf == "bias":
                 p.zero_()

@@ -15,8 +15,8 @@ NAMES = ["tiny-gpt", "tiny-llama", "tiny-moe"]
 
 
 def gpt_params(spec) -> int:
-    l, h, v, s = spec.num_layers, spec.hidden_size, spec.vocab_size, spec.max_seq_length
-    n = 12 * l * h * h + 13 * l * h + (v + s) * h + 2 * h  # tied embeddings (Narayanan et al. 2021, eq. 2)
+    nl, h, v, s = spec.num_layers, spec.hidden_size, spec.vocab_size, spec.max_seq_length
+    n = 12 * nl * h * h + 13 * nl * h + (v + s) * h + 2 * h  # tied embeddings (Narayanan et al. 2021, eq. 2)
     return n if spec.tie_embeddings else n + v * h
 
 

@@ -1,0 +1,917 @@
+"""From a traced op list to a ModelGraph: op costs, layers, repeated blocks and per-layer LayerProfiles.
+
+No torch here: everything works on the `OpNode` records `trace` produced. The rules, in order:
+
+Op costs (at the captured shapes). GEMMs and activation matmuls 2*M*N*K; the attention core 4*b*a*s_q*s_k*d
+(causal counted in full, as Korthikanti et al. eq. 7); other ops one FLOP per output element (these are not
+model FLOPs). Bytes read/written are the tensors in and out; views move nothing; a gather (embedding, index)
+reads the rows it returns, not the whole table.
+
+Layers. An op belongs to the transformer block named by the first numbered component of its module path
+(`layers.3`, `model.layers.3`, `transformer.h.3`); ops outside blocks before the first block form the
+`embedding` layer, after the last block the `head` layer (final norm, LM head, loss); an op outside any block
+between two blocks joins the block before it. Blocks with the same structural signature (ops, relative module
+paths, shapes, dtypes, relative parameter names, wiring) form a BlockGroup; the LayerProfile is derived once
+per group and copied.
+
+Tensor-parallel roles come from propagating "replicated" (R, the residual stream) / "split" (S) through the
+block: a GEMM reading R is column-parallel (its output S), one reading S row-parallel (output R, one
+all-reduce); a GEMM whose n equals the layer's expert count is the router (replicated); GEMMs under a numbered
+sub-module (`experts.3.w1`) or with a 3-D weight are expert GEMMs, grouped over experts; in the head, the GEMM
+producing the vocabulary logits is vocab-parallel. Norms output R, attention S, elementwise ops inherit.
+
+Elementwise traffic counts one fused kernel per maximal connected region of elementwise ops (casts, views and
+gathers included), each norm module (or norm op) as one kernel, and the loss as one vocab-wide kernel
+sequence: a kernel reads its inputs from outside the region and writes the outputs used outside it, plus a
+1-byte mask (0.5 elements) per dropout. Ops that do not depend on the model's data input (position tables,
+RoPE cos/sin, causal masks, weight casts) are treated as precomputed constants and cost nothing per token.
+Cast-only regions are free (fused into their consumer).
+
+Saved activations approximate autograd by op type (not by running backward): a GEMM saves its activation
+input; attention saves q, k, v and its output, with k/v counted before any GQA head repetition (a fused GQA
+kernel reads the KV heads directly); a norm saves its input; a fused elementwise region saves the external
+inputs its non-linear ops need (gelu/silu/tanh/exp/... their input; mul needs the other operand of a
+grad-requiring one; mul by a constant, add, cast, view, gather need nothing); dropout saves a 1-byte mask;
+the loss saves a tensor the size and dtype of its input (the fp32 log-softmax). Tensors are de-duplicated
+through views. Bytes are normalised to 2-byte activations (scaled by 2 / itemsize of the model's parameters),
+so an explicit fp32 upcast in a bf16 model counts 4 bytes. The unfused attention scores (x seq) are reported as
+`act_scores_per_seq`; for a fused SDPA the value is what its unfused equivalent would store (2 bytes per
+score, +3 with dropout), as `profile_from_spec` does, since the cost model picks flash vs unfused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from cost_models.profile import Attention, Gemm, LayerProfile
+
+from .errors import CaptureError
+from .graph import BlockGroup, LayerInfo, ModelGraph, OpNode, TensorMeta
+from .trace import RawCapture
+
+VIEW_OPS = {
+    "view", "_unsafe_view", "reshape", "transpose", "permute", "t", "expand", "expand_as", "unsqueeze", "squeeze",
+    "flatten", "unflatten", "select", "slice", "split", "split_with_sizes", "chunk", "unbind", "getitem", "alias",
+    "detach", "contiguous", "clone", "as_strided", "narrow", "view_as", "diagonal", "movedim", "swapaxes",
+    "lift_fresh_copy", "view_as_real", "view_as_complex", "unfold", "_reshape_alias", "tensor_split",
+}
+CAST_OPS = {"to", "_to_copy", "type_as", "float", "half", "bfloat16", "double", "_to_dtype"}
+GEMM_OPS = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm", "einsum"}
+ATTENTION_OPS = {
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "flex_attention",
+}
+NORM_OPS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm", "batch_norm",
+            "native_batch_norm", "instance_norm"}
+EMBED_OPS = {"embedding", "embedding_bag"}
+LOSS_OPS = {"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "mse_loss", "l1_loss",
+            "binary_cross_entropy_with_logits", "binary_cross_entropy", "smooth_l1_loss", "kl_div"}
+DROPOUT_OPS = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout"}
+SOFTMAX_OPS = {"softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax"}
+CREATION_OPS = {
+    "arange", "zeros", "ones", "full", "empty", "empty_like", "zeros_like", "ones_like", "full_like", "new_ones",
+    "new_zeros", "new_empty", "new_full", "scalar_tensor", "tensor", "rand", "randn", "randint", "eye", "linspace",
+    "tril_indices", "triu_indices", "empty_strided", "rand_like", "randn_like",
+}
+# Non-linear element-wise ops whose backward needs their input (or, equivalently sized, their output).
+NONLINEAR_OPS = {
+    "gelu", "silu", "relu", "tanh", "sigmoid", "exp", "log", "pow", "rsqrt", "sqrt", "sin", "cos", "reciprocal",
+    "erf", "abs", "elu", "leaky_relu", "mish", "softplus", "hardswish", "hardsigmoid", "var", "std", "var_mean",
+    "log1p", "expm1", "gelu_", "relu_", "prelu", "glu", "logsigmoid", "norm", "linalg_vector_norm", "square",
+    "amax", "max", "min", "topk", "clamp", "clamp_min", "clamp_max", "maximum", "minimum",
+} | SOFTMAX_OPS
+# Ops whose backward needs nothing of their inputs (linear in them, or index bookkeeping).
+LINEAR_OPS = {"add", "sub", "neg", "sum", "mean", "cat", "stack", "where", "masked_fill", "index", "index_select",
+              "gather", "index_copy", "index_add", "scatter", "scatter_add", "rsub", "cumsum", "pad",
+              "constant_pad_nd", "roll", "flip", "repeat", "repeat_interleave", "tril", "triu", "fill"} | CAST_OPS
+GATHER_OPS = {"embedding", "index", "index_select", "gather", "take_along_dim"}
+REPEAT_OPS = VIEW_OPS | {"repeat_interleave", "repeat", "expand"}
+SKIP_OPS = {"_assert_tensor_metadata", "sym_size", "_assert_scalar", "sym_constrain_range_for_size",
+            "_assert_async", "sym_constrain_range"}
+NORM_MODULE = re.compile(r"norm", re.IGNORECASE)
+
+
+def _classify(o: OpNode) -> str:
+    s = o.opname
+    if o.op.startswith("placeholder:"):
+        return o.kind
+    if s in SKIP_OPS or not o.outputs:
+        return "skip"
+    if s in VIEW_OPS:
+        return "view"
+    if s in ATTENTION_OPS:
+        return "attention"
+    if s in GEMM_OPS:
+        return "matmul"  # refined to "gemm" when an operand is a parameter
+    if s in NORM_OPS:
+        return "norm"
+    if s in EMBED_OPS:
+        return "embedding"
+    if s in LOSS_OPS:
+        return "loss"
+    if s in DROPOUT_OPS:
+        return "dropout"
+    if s in CREATION_OPS:
+        return "creation"
+    return "elementwise"
+
+
+# ------------------------------------------------------------------------------------------ the context
+
+
+@dataclass
+class _Ctx:
+    ops: dict[str, OpNode]
+    order: list[str]
+    consumers: dict[str, list[str]]
+    outputs: set[str]
+    tokens: int
+    batch: int
+    ref_itemsize: int
+    params: dict[str, TensorMeta]
+    owner: dict[str, str] = field(default_factory=dict)  # param -> layer that owns it
+    vocab: int | None = None
+    hidden: int | None = None
+
+    def base(self, name: str) -> str:
+        """Follow views back to the op that produced the storage."""
+        o = self.ops[name]
+        while o.kind in ("view", "alias") and o.inputs:
+            o = self.ops[o.inputs[0]]
+        return o.name
+
+    def param_of(self, name: str) -> str | None:
+        """The parameter an operand is (through views and casts), if any."""
+        o = self.ops[name]
+        while (o.kind in ("view", "alias") or o.opname in CAST_OPS) and o.inputs:
+            o = self.ops[o.inputs[0]]
+        return o.param if o.kind == "param" else None
+
+    def per_token(self, meta: TensorMeta | None) -> float:
+        return meta.numel / self.tokens if meta is not None else 0.0
+
+    def act_bytes(self, meta: TensorMeta | None) -> float:
+        """Bytes per token of a saved activation, normalised to 2-byte activations."""
+        if meta is None or not meta.is_float:
+            return 0.0
+        return meta.numel * meta.itemsize * (2.0 / self.ref_itemsize) / self.tokens
+
+    def live(self, name: str) -> bool:
+        """A float tensor that depends on the data input (a per-token activation)."""
+        o = self.ops[name]
+        return o.token_dependent and o.out is not None and o.out.is_float
+
+    def users(self, name: str) -> list[str]:
+        """Consumers of `name`, looking through views."""
+        out, stack = [], list(self.consumers.get(name, ()))
+        while stack:
+            c = stack.pop()
+            if self.ops[c].kind in ("view", "alias"):
+                stack.extend(self.consumers.get(c, ()))
+                if c in self.outputs:
+                    out.append("<output>")
+            else:
+                out.append(c)
+        return out
+
+
+def _gemm_operands(o: OpNode, g: _Ctx) -> tuple[int, int, str | None]:
+    """(activation operand index, weight operand index, weight parameter name or None)."""
+    s = o.opname
+    if s == "linear":
+        cands = [(0, 1)]
+    elif s in ("addmm", "baddbmm"):
+        cands = [(1, 2)]
+    elif s == "einsum":
+        cands = [(1 - i, i) for i in range(min(2, len(o.inputs)))][::-1] if len(o.inputs) == 2 else []
+    else:
+        cands = [(0, 1), (1, 0)]
+    for xi, wi in cands:
+        if wi < len(o.inputs) and xi < len(o.inputs):
+            p = g.param_of(o.inputs[wi])
+            if p is not None:
+                return xi, wi, p
+    xi = 1 if s in ("addmm", "baddbmm") else 0
+    return xi, xi + 1, None
+
+
+def _einsum_dims(o: OpNode, xi: int, wi: int) -> tuple[int, int, int]:
+    """(n, k, count) of an einsum with a parameter operand: k contracted, n kept, count = batch (experts)."""
+    eq = str(o.attrs.get("equation", "")).replace(" ", "")
+    if "->" not in eq or "," not in eq:
+        raise CaptureError("einsum without an explicit output", f"equation {eq!r} at {o.module}",
+                           "write the einsum as 'ab,bc->ac'")
+    lhs, out = eq.split("->")
+    terms = lhs.split(",")
+    xt, wt = terms[xi], terms[wi]
+    wm = o.in_meta[wi]
+    size = dict(zip(wt, wm.shape)) if wm else {}
+    n = k = c = 1
+    for ch in wt:
+        if ch in xt and ch in out:
+            c *= size[ch]
+        elif ch in xt:
+            k *= size[ch]
+        elif ch in out:
+            n *= size[ch]
+    return n, k, c
+
+
+def _op_costs(o: OpNode, g: _Ctx) -> None:
+    """FLOPs, bytes read/written and parameter bytes of one op at the captured shapes."""
+    out = o.out
+    if o.kind in ("view", "alias", "skip", "creation") or o.op.startswith("placeholder:") or out is None:
+        return
+    seen: set[str] = set()
+    read = pbytes = 0.0
+    for name, meta in zip(o.inputs, o.in_meta):
+        if meta is None or name in seen:
+            continue
+        seen.add(name)
+        if g.param_of(name) is not None:
+            pbytes += meta.nbytes
+        if o.opname in GATHER_OPS and meta.is_float:
+            continue  # a gather reads the rows it returns (added below), not the whole table
+        read += meta.nbytes
+    if o.opname in GATHER_OPS:
+        read += out.nbytes
+    o.bytes_read, o.bytes_written, o.param_bytes = read, float(sum(m.nbytes for m in o.outputs)), pbytes
+    if o.kind in ("gemm", "matmul"):
+        if o.opname == "einsum":
+            letters: dict[str, int] = {}
+            eq = str(o.attrs.get("equation", "")).replace(" ", "").split("->")[0]
+            for term, meta in zip(eq.split(","), o.in_meta):
+                if meta is not None:
+                    letters.update(zip(term, meta.shape))
+            prod = 1
+            for v in letters.values():
+                prod *= v
+            o.flops = 2.0 * prod
+        else:
+            xi = 1 if o.opname in ("addmm", "baddbmm") else 0
+            xm = o.in_meta[xi] if xi < len(o.in_meta) else None
+            k = xm.shape[-1] if xm is not None and xm.shape else 1
+            o.flops = 2.0 * out.numel * k
+    elif o.kind == "attention":
+        q, k = o.in_meta[0], o.in_meta[1]
+        sk = k.shape[-2] if k is not None and len(k.shape) >= 2 else 1
+        o.flops = 2.0 * q.numel * sk + 2.0 * out.numel * sk if q is not None else 0.0
+    else:
+        o.flops = float(out.numel)
+
+
+# ------------------------------------------------------------------------------------------- analysis
+
+
+def _block_of(path: str, stacks: set[str] | None = None) -> str | None:
+    parts = path.split(".") if path else []
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            blk = ".".join(parts[: i + 1])
+            if stacks is None or ".".join(parts[:i]) in stacks:
+                return blk
+            return None
+    return None
+
+
+def analyze(raw: RawCapture, *, name: str, batch: int, seq_captured: int, seq: int) -> ModelGraph:
+    """Turn a RawCapture into a ModelGraph (see the module docstring for the rules)."""
+    ops = {o.name: o for o in raw.nodes}
+    order = [o.name for o in raw.nodes]
+    consumers: dict[str, list[str]] = defaultdict(list)
+    for o in raw.nodes:
+        o.kind = _classify(o)
+        for i in dict.fromkeys(o.inputs):
+            consumers[i].append(o.name)
+    float_params = [m for m in raw.params.values() if m.is_float]
+    ref = max(set(m.itemsize for m in float_params), key=lambda s: sum(m.numel for m in float_params
+                                                                           if m.itemsize == s), default=2)
+    dtype = next((m.dtype for m in float_params if m.itemsize == ref), "bfloat16")
+    g = _Ctx(ops, order, consumers, set(raw.outputs), batch * seq_captured, batch, ref, raw.params)
+
+    # Grad and data dependence, in execution order.
+    for o in raw.nodes:
+        if o.kind == "input":
+            o.token_dependent, o.requires_grad = True, False
+            continue
+        if o.kind in ("param", "buffer", "constant"):
+            o.token_dependent, o.requires_grad = False, o.kind == "param"
+            continue
+        ins = [ops[i] for i in o.inputs]
+        o.token_dependent = any(i.token_dependent for i in ins) and o.kind != "creation"
+        flt = o.out is not None and o.out.is_float
+        o.requires_grad = flt and any(i.requires_grad for i in ins) and o.opname != "detach"
+        if o.opname == "wrap_with_set_grad_enabled" and not o.attrs.get("grad_enabled", True):
+            o.requires_grad = False
+        if o.opname == "getitem" and ins:
+            o.requires_grad = flt and ins[0].requires_grad
+        if o.kind == "matmul" and _gemm_operands(o, g)[2] is not None:
+            o.kind = "gemm"
+    for o in raw.nodes:
+        _op_costs(o, g)
+
+    # Token embedding -> vocabulary size (the LM head's n, and vocab-parallel lookups).
+    for o in raw.nodes:
+        if o.kind == "embedding" and o.token_dependent and len(o.inputs) >= 2:
+            p = g.param_of(o.inputs[0])
+            if p is not None and raw.params[p].shape:
+                g.vocab = raw.params[p].shape[0]
+                g.hidden = raw.params[p].shape[-1]
+                break
+
+    # Layers: the block stacks are containers with numbered children holding GEMMs or attention.
+    stack_ops: dict[str, set[str]] = defaultdict(set)
+    for o in raw.nodes:
+        if o.kind in ("gemm", "attention", "matmul"):
+            b = _block_of(o.module)
+            if b:
+                stack_ops[b.rsplit(".", 1)[0]].add(b)
+    if not stack_ops:
+        mods = sorted({o.module.split(".")[0] for o in raw.nodes if o.module})[:8]
+        raise CaptureError(
+            "no stack of transformer blocks found",
+            f"no module path with a numbered component (like layers.0) holds a matmul; top-level modules: {mods}",
+            "keep the blocks in an nn.ModuleList/ModuleDict, or plan from a model spec file",
+        )
+    stacks = set(stack_ops)
+    compute = [o for o in raw.nodes if not o.op.startswith("placeholder:") and o.kind != "skip"]
+    blocks: list[str] = []
+    for o in compute:
+        b = _block_of(o.module, stacks)
+        if b and b not in blocks:
+            blocks.append(b)
+    first_i = next(i for i, o in enumerate(compute) if _block_of(o.module, stacks))
+    last_i = max(i for i, o in enumerate(compute) if _block_of(o.module, stacks))
+    current = None
+    layer_ops: dict[str, list[str]] = {n: [] for n in ["embedding", *blocks, "head"]}
+    for i, o in enumerate(compute):
+        b = _block_of(o.module, stacks)
+        if b:
+            current = b
+        elif i < first_i:
+            b = "embedding"
+        elif i > last_i:
+            b = "head"
+        else:
+            b = current
+        o.layer = b
+        layer_ops[b].append(o.name)
+
+    # Parameter ownership: the first layer whose ops read it (tied weights stay with their first user).
+    for lname in layer_ops:
+        for n in layer_ops[lname]:
+            for i in ops[n].inputs:
+                p = g.param_of(i)
+                if p is not None:
+                    g.owner.setdefault(p, lname)
+    for p in raw.params:  # unused parameters: by name, else the embedding layer
+        if p not in g.owner:
+            b = _block_of(p, stacks)
+            g.owner[p] = b if b in layer_ops else "embedding"
+    if g.hidden is None:
+        ext = [i for n in layer_ops[blocks[0]] for i in ops[n].inputs
+               if ops[i].layer != blocks[0] and g.live(i)]
+        g.hidden = ops[ext[0]].out.shape[-1] if ext else 0
+
+    # Layer infos with op subgraphs, signatures and groups.
+    infos: dict[str, LayerInfo] = {}
+    for idx, lname in enumerate(layer_ops):
+        kind = "embedding" if lname == "embedding" else "head" if lname == "head" else "block"
+        names = layer_ops[lname]
+        sub = nx.DiGraph()
+        members = set(names)
+        for n in names:
+            sub.add_node(n, op=ops[n])
+            for i in ops[n].inputs:
+                if i in members:
+                    sub.add_edge(i, n)
+        owned = sorted(p for p, lay in g.owner.items() if lay == lname)
+        info = LayerInfo(
+            name=lname, kind=kind, index=blocks.index(lname) if kind == "block" else -1, ops=sub, order=names,
+            params=sum(raw.params[p].numel for p in owned), param_names=owned,
+            flops=sum(ops[n].flops for n in names),
+            model_flops=sum(ops[n].flops for n in names if ops[n].kind in ("gemm", "attention", "matmul")),
+        )
+        info.signature = _signature(info, g) if kind == "block" else lname
+        info.parts = _parts(info, g)
+        infos[lname] = info
+
+    groups: dict[str, BlockGroup] = {}
+    for b in blocks:
+        sig = infos[b].signature
+        groups.setdefault(sig, BlockGroup([], sig)).members.append(b)
+    block_groups = list(groups.values())
+    for gi, grp in enumerate(block_groups):
+        for m in grp.members:
+            infos[m].group = gi
+
+    # Profiles: derived once per group of identical blocks.
+    profiles: list[LayerProfile] = [_profile(infos["embedding"], g)]
+    derived: dict[int, LayerProfile] = {}
+    for b in blocks:
+        gi = infos[b].group
+        if gi not in derived:
+            derived[gi] = _profile(infos[b], g)
+            profiles.append(derived[gi])
+        else:
+            profiles.append(derived[gi].model_copy(update={"name": b}))
+    profiles.append(_profile(infos["head"], g))
+
+    layer_graph = nx.DiGraph()
+    for lname in layer_ops:
+        layer_graph.add_node(lname, info=infos[lname])
+    for lname, names in layer_ops.items():
+        for n in names:
+            for i in ops[n].inputs:
+                src = ops[i].layer
+                if src and src != lname and ops[i].out is not None:
+                    ed = layer_graph.get_edge_data(src, lname)
+                    if ed is None:
+                        layer_graph.add_edge(src, lname, bytes=0.0, tensors=set())
+                        ed = layer_graph.get_edge_data(src, lname)
+                    if i not in ed["tensors"]:
+                        ed["tensors"].add(i)
+                        ed["bytes"] += ops[i].out.nbytes
+
+    total = sum(m.numel for m in raw.params.values())
+    prof_total = sum(p.params for p in profiles)
+    notes = list(raw.notes)
+    if prof_total != total:
+        notes.append(f"profiles hold {prof_total:,} parameters, the model {total:,}")
+    return ModelGraph(
+        name=name, layers=layer_graph, ops=ops, profiles=profiles, block_groups=block_groups, pre=["embedding"],
+        blocks=blocks, post=["head"], num_parameters=total, capture_batch=batch, capture_seq=seq_captured,
+        seq=seq, method=raw.method, dtype=dtype, notes=notes,
+    )
+
+
+def _rel(path: str, prefix: str) -> str:
+    return path[len(prefix) + 1:] if path.startswith(prefix + ".") else ("" if path == prefix else path)
+
+
+def _signature(info: LayerInfo, g: _Ctx) -> str:
+    """Structural hash of a block: ops, relative module paths, shapes, wiring, relative parameter names."""
+    local = {n: i for i, n in enumerate(info.order)}
+    h = hashlib.sha1()
+    for n in info.order:
+        o = g.ops[n]
+        ins = []
+        for i in o.inputs:
+            if i in local:
+                ins.append(str(local[i]))
+            elif g.ops[i].kind == "param":
+                ins.append("P:" + _rel(g.ops[i].param or "", info.name) + str(g.ops[i].out))
+            else:
+                ins.append("X:" + str(g.ops[i].out))
+        h.update(repr((o.opname, _rel(o.module, info.name), o.module_type, [str(m) for m in o.outputs], ins,
+                       sorted(o.attrs.items()))).encode())
+    return h.hexdigest()[:16]
+
+
+def _parts(info: LayerInfo, g: _Ctx) -> dict[str, dict[str, float]]:
+    """Per direct sub-module of the layer: parameters owned and FLOPs (for the tree view)."""
+    parts: dict[str, dict[str, float]] = {}
+
+    def key(path: str) -> str:
+        rel = _rel(path, info.name) if info.kind == "block" else path
+        return rel.split(".")[0] if rel else "(functional)"
+
+    for n in info.order:
+        o = g.ops[n]
+        d = parts.setdefault(key(o.module), {"params": 0, "flops": 0.0, "model_flops": 0.0})
+        d["flops"] += o.flops
+        if o.kind in ("gemm", "attention", "matmul"):
+            d["model_flops"] += o.flops
+    for p in info.param_names:
+        mod = p.rsplit(".", 1)[0] if "." in p else ""
+        d = parts.setdefault(key(mod), {"params": 0, "flops": 0.0, "model_flops": 0.0})
+        d["params"] += g.params[p].numel
+    return parts
+
+
+# --------------------------------------------------------------------------------------- the profile
+
+
+def _needs(o: OpNode, g: _Ctx) -> list[str]:
+    """Tensors the backward of element-wise op `o` needs (see the module docstring)."""
+    s = o.opname
+    ins = [i for i in o.inputs]
+    rg = [g.ops[i].requires_grad for i in ins]
+    if s in LINEAR_OPS or s in VIEW_OPS or s in DROPOUT_OPS or s in EMBED_OPS:
+        return []
+    if s in SOFTMAX_OPS or s == "relu":
+        return [o.name] if o.requires_grad else []
+    if s in ("mul", "div") and len(ins) >= 2:
+        need = []
+        if rg[0]:
+            need.append(ins[1])
+        if rg[1]:
+            need.append(ins[0])
+            if s == "div":
+                need.append(ins[1])
+        return need
+    if s in ("mul", "div"):
+        return []
+    if s in NONLINEAR_OPS:
+        return [ins[0]] if ins and rg[0] else []
+    return [i for i, r in zip(ins, rg) if r]  # unknown op: assume it needs every grad-requiring input
+
+
+def _gqa_source(name: str, g: _Ctx) -> str:
+    """Walk back from an attention k/v operand through views, casts and head repetition (GQA)."""
+    o = g.ops[name]
+    best = o
+    while o.opname in REPEAT_OPS and o.inputs and g.ops[o.inputs[0]].out is not None:
+        o = g.ops[o.inputs[0]]
+        if o.out.numel < best.out.numel:
+            best = o
+    return g.base(best.name)
+
+
+def _attention_cores(names: list[str], g: _Ctx) -> list[tuple[set[str], OpNode, OpNode]]:
+    """Explicit matmul -> softmax -> matmul attention: (member ops, qk matmul, pv matmul)."""
+    cores = []
+    members_all: set[str] = set()
+    for n in names:
+        o = g.ops[n]
+        if o.opname not in SOFTMAX_OPS or not g.live(n) or n in members_all:
+            continue
+        path, cur = [n], o
+        qk = None
+        for _ in range(12):  # back: scale, mask, cast
+            prev = [i for i in cur.inputs if g.live(i)]
+            if len(prev) != 1:
+                break
+            cur = g.ops[prev[0]]
+            if cur.kind == "matmul":
+                qk = cur
+                break
+            path.append(cur.name)
+        if qk is None:
+            continue
+        cur, pv = o, None
+        for _ in range(12):  # forward: dropout, cast, view
+            nxt = [c for c in g.consumers.get(cur.name, ())]
+            if len(nxt) != 1:
+                break
+            c = g.ops[nxt[0]]
+            if c.kind == "matmul" and c.inputs and g.base(c.inputs[0]) == g.base(cur.name):
+                pv = c
+                break
+            if c.kind == "matmul":
+                break
+            path.append(c.name)
+            cur = c
+        if pv is None:
+            continue
+        mem = set(path) | {qk.name, pv.name}
+        members_all |= mem
+        cores.append((mem, qk, pv))
+    return cores
+
+
+def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
+    ops = [g.ops[n] for n in info.order]
+    members = set(info.order)
+    T = g.tokens
+    layer_kind = info.kind
+
+    # Expert structure first (the router is recognised by n == number of experts).
+    def expert_key(o: OpNode) -> tuple[str, int | None]:
+        rel = _rel(o.module, info.name) if layer_kind == "block" else o.module
+        parts = rel.split(".") if rel else [o.opname]
+        idx = next((int(p) for p in parts if p.isdigit()), None)
+        return ".".join("*" if p.isdigit() else p for p in parts), idx
+
+    experts_seen: dict[str, set[int]] = defaultdict(set)
+    batched_experts = 0
+    for o in ops:
+        if o.kind == "gemm":
+            key, idx = expert_key(o)
+            if idx is not None:
+                experts_seen[key].add(idx)
+            xi, wi, _ = _gemm_operands(o, g)
+            wm = o.in_meta[wi]
+            if o.opname != "linear" and wm is not None and len(wm.shape) == 3:
+                batched_experts = max(batched_experts, wm.shape[0])
+    n_experts = max([len(v) for v in experts_seen.values()] + [batched_experts, 0])
+
+    cores = _attention_cores(info.order, g) if layer_kind == "block" else []
+    core_members = set().union(*(c[0] for c in cores)) if cores else set()
+    # GQA head repetition feeding an attention core belongs to the attention (a GQA kernel reads KV directly).
+    for o in ops:
+        if o.kind == "attention" or o.name in core_members and o.kind == "matmul":
+            for i in o.inputs[1:3]:
+                cur = g.ops[i]
+                while cur.opname in REPEAT_OPS and cur.inputs and cur.name in members:
+                    if cur.kind != "view":
+                        core_members.add(cur.name)
+                    cur = g.ops[cur.inputs[0]]
+
+    # Norm groups: a norm module's ops, or a lone norm op.
+    norm_of: dict[str, str] = {}
+    for o in ops:
+        if not o.token_dependent or o.kind in ("view", "skip"):
+            continue
+        if o.module_type and NORM_MODULE.search(o.module_type):
+            norm_of[o.name] = o.module
+        elif o.kind == "norm":
+            norm_of[o.name] = o.name
+
+    # Loss groups: a loss op, absorbing the log-softmax that feeds an nll_loss.
+    loss_ops = [o for o in ops if o.kind == "loss" and o.token_dependent]
+    loss_members = {o.name for o in loss_ops}
+    for o in loss_ops:
+        if o.opname.startswith("nll_loss") and o.inputs and g.ops[g.base(o.inputs[0])].opname in SOFTMAX_OPS:
+            loss_members.add(g.base(o.inputs[0]))
+
+    # Sharding propagation and GEMMs.
+    shard: dict[str, str] = {}
+
+    def sh(n: str) -> str:
+        return shard.get(g.base(n), "R") if n in g.ops else "R"
+
+    gemm_groups: dict[str, dict] = {}
+    params_rep = params_shard = 0
+    seen_params: set[str] = set()
+
+    def own(p: str | None) -> bool:
+        if p is None or p in seen_params or g.owner.get(p) != info.name:
+            return False
+        seen_params.add(p)
+        return True
+
+    for o in ops:
+        if o.kind == "gemm":
+            xi, wi, wparam = _gemm_operands(o, g)
+            wm = o.in_meta[wi]
+            key, idx = expert_key(o)
+            count = 1
+            if o.opname == "linear":
+                n, k = wm.shape[0], wm.shape[-1]
+            elif o.opname == "einsum":
+                n, k, count = _einsum_dims(o, xi, wi)
+            else:
+                k, n = wm.shape[-2], wm.shape[-1]
+                if len(wm.shape) == 3:
+                    count = wm.shape[0]
+            expert = idx is not None or count > 1
+            x_sh = sh(o.inputs[xi])
+            if layer_kind == "block":
+                if not expert and n_experts and n == n_experts and x_sh == "R":
+                    role = "replicated"
+                else:
+                    role = "row" if x_sh == "S" else "col"
+            elif layer_kind == "head" and (n == g.vocab or _feeds_loss(o.name, g)):
+                role = "vocab"
+            else:
+                role = "replicated"
+            shard[o.name] = "S" if role in ("col", "vocab") else "R"
+            grp = gemm_groups.setdefault(key, {"n": n, "k": k, "tp": role, "expert": expert, "rows": 0.0,
+                                               "idx": set(), "count": 0, "first": o.name})
+            grp["rows"] += o.flops / (2.0 * n * k)
+            if idx is not None:
+                grp["idx"].add(idx)
+            if own(wparam):
+                grp["count"] += count if idx is None else 1
+            bias = o.inputs[0] if o.opname in ("addmm", "baddbmm") else (o.inputs[2] if len(o.inputs) > 2 else None)
+            bp = g.param_of(bias) if bias is not None and o.opname in ("linear", "addmm", "baddbmm") else None
+            if own(bp):
+                if role in ("col", "vocab"):
+                    params_shard += g.params[bp].numel
+                else:
+                    params_rep += g.params[bp].numel
+        elif o.kind == "attention" or o.name in core_members:
+            shard[o.name] = "S"
+        elif o.name in norm_of or o.name in loss_members:
+            shard[o.name] = "R"
+        else:
+            shard[o.name] = "S" if any(sh(i) == "S" for i in o.inputs if g.live(i)) else "R"
+        # every other parameter the layer owns
+        for i in o.inputs:
+            p = g.param_of(i)
+            if own(p):
+                if o.kind == "embedding" and o.token_dependent:
+                    params_shard += g.params[p].numel
+                else:
+                    params_rep += g.params[p].numel
+    for p in info.param_names:  # owned but never read by an op
+        if p not in seen_params:
+            params_rep += g.params[p].numel
+
+    gemms = []
+    for key, d in gemm_groups.items():
+        gemms.append(Gemm(name=key, n=d["n"], k=d["k"], tp=d["tp"], expert=d["expert"],
+                          tokens_per_token=d["rows"] / T, count=d["count"]))
+    top_k = round(max((gm.tokens_per_token for gm in gemms if gm.expert), default=0))
+
+    # Attention.
+    atts = []
+    scores_per_seq = 0.0
+    saved: dict[str, tuple[float, str]] = {}  # base tensor -> (bytes per token, shard)
+    masks = {"R": 0.0, "S": 0.0}
+
+    def save(n: str | None) -> None:
+        if n is None or not g.live(n):
+            return
+        b = g.base(n)
+        if b not in saved and b in g.ops and g.ops[b].out is not None:
+            saved[b] = (g.act_bytes(g.ops[b].out), sh(b))
+
+    for o in ops:
+        if o.kind == "attention" and o.token_dependent:
+            q, k = o.in_meta[0], g.ops[_gqa_source(o.inputs[1], g)].out
+            heads, d = q.shape[-3], q.shape[-1]
+            kv_numel = k.numel / T if k is not None else heads * d
+            kv = max(1, round(kv_numel / d))
+            drop = o.attrs.get("dropout_p", 0.0) > 0
+            atts.append((heads, kv, d, bool(o.attrs.get("is_causal") or o.attrs.get("has_mask")), drop))
+            scores_per_seq += heads * (2 + (3 if drop else 0))
+            save(o.inputs[0])
+            save(_gqa_source(o.inputs[1], g))
+            save(_gqa_source(o.inputs[2], g))
+            save(o.name)
+    for mem, qk, pv in cores:
+        sm = qk.out
+        heads = sm.shape[-3] if len(sm.shape) >= 4 else max(1, sm.shape[0] // g.batch)
+        d = qk.in_meta[0].shape[-1]
+        kv_src = g.ops[_gqa_source(qk.inputs[1], g)].out
+        kv = max(1, round((kv_src.numel / T) / d)) if kv_src is not None else heads
+        drop = any(g.ops[m].kind == "dropout" and g.ops[m].attrs.get("p", 0) > 0 for m in mem)
+        atts.append((heads, kv, d, True, drop))
+        save(qk.inputs[0])
+        save(_gqa_source(qk.inputs[1], g))
+        save(_gqa_source(pv.inputs[1], g))
+        sk = sm.shape[-1]
+        score_saved: set[str] = set()
+        for m in mem:
+            mo = g.ops[m]
+            if mo.opname in SOFTMAX_OPS:
+                score_saved.add(m)
+            if mo.kind == "dropout" and mo.attrs.get("p", 0) > 0:
+                scores_per_seq += mo.out.numel / (T * sk)  # 1-byte mask per score
+        score_saved.add(g.base(pv.inputs[0]))
+        for m in score_saved:
+            scores_per_seq += g.act_bytes(g.ops[m].out) / sk
+    attention = None
+    if atts:
+        dims = {a[2] for a in atts}
+        if len(dims) > 1:
+            raise CaptureError("attention cores of one layer differ in head_dim", f"{info.name}: {sorted(dims)}",
+                               "give the layers the same head size")
+        attention = Attention(heads=sum(a[0] for a in atts), kv_heads=sum(a[1] for a in atts), head_dim=dims.pop(),
+                              causal=all(a[3] for a in atts), dropout=any(a[4] for a in atts))
+
+    # Norm groups: traffic 2 x width, save their input.
+    ew = {"R": 0.0, "S": 0.0}
+    kernels = len(gemm_groups) + len(atts)
+    by_norm: dict[str, list[str]] = defaultdict(list)
+    for n, key in norm_of.items():
+        by_norm[key].append(n)
+    for grp_ops in by_norm.values():
+        gs = set(grp_ops)
+        ext_in = {i for n in grp_ops for i in g.ops[n].inputs if g.live(i) and g.base(i) not in gs}
+        outs = [n for n in grp_ops if g.live(n) and any(u not in gs for u in g.users(n))]
+        ew["R"] += sum(g.per_token(g.ops[i].out) for i in ext_in) + sum(g.per_token(g.ops[n].out) for n in outs)
+        kernels += 1
+        for i in ext_in:
+            if g.ops[i].requires_grad or g.ops[g.base(i)].requires_grad:
+                save(i)
+
+    # Loss: three vocab-wide passes (max, exp-sum, normalise); saves its input (fp32 log-softmax).
+    for o in loss_ops:
+        src = o.inputs[0]
+        if g.ops[g.base(src)].opname in SOFTMAX_OPS and g.base(src) in loss_members:
+            src = g.ops[g.base(src)].inputs[0]
+        ew[sh(src)] += 3 * g.per_token(g.ops[src].out)
+        kernels += 3
+        if g.live(src):
+            b = g.base(src)
+            saved.setdefault(b, (g.act_bytes(g.ops[b].out), sh(src)))
+
+    # GEMM and matmul inputs.
+    for o in ops:
+        if o.kind == "gemm" and o.token_dependent:
+            save(o.inputs[_gemm_operands(o, g)[0]])
+        elif o.kind == "matmul" and o.token_dependent and o.name not in core_members:
+            for i in o.inputs:
+                save(i)
+
+    # Fused element-wise regions.
+    cand = {o.name for o in ops if o.token_dependent and o.kind in ("elementwise", "dropout", "embedding")
+            and o.out is not None and o.out.is_float and o.name not in core_members and o.name not in norm_of
+            and o.name not in loss_members}
+    parent = {n: n for n in cand}
+
+    def find(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    # Fusion stays legal only between ops separated by no other kernel: an op's stage counts the kernels
+    # (GEMMs, attention, norms, loss) on the longest path to it; only ops of equal stage are merged.
+    def anchor(n: str) -> bool:
+        o = g.ops[n]
+        return n in members and (o.kind in ("gemm", "matmul", "attention", "norm", "loss") or n in norm_of
+                                 or n in core_members or n in loss_members)
+
+    stage: dict[str, int] = {}
+    for o in ops:
+        stage[o.name] = max((stage.get(i, 0) + anchor(i) for i in o.inputs), default=0)
+    for n in info.order:
+        if n not in cand:
+            continue
+        for i in g.ops[n].inputs:
+            b = g.base(i)
+            if b in cand and stage[b] == stage[n]:
+                parent[find(b)] = find(n)
+    regions: dict[str, list[str]] = defaultdict(list)
+    for n in info.order:
+        if n in cand:
+            regions[find(n)].append(n)
+    for reg in regions.values():
+        rs = set(reg)
+        if all(g.ops[n].opname in CAST_OPS for n in reg):
+            continue  # a lone cast: fused into its consumer
+        traffic = 0.0
+        read: set[str] = set()
+        region_shard = "S" if any(shard.get(n) == "S" for n in reg) else "R"
+        for n in reg:
+            o = g.ops[n]
+            for i, meta in zip(o.inputs, o.in_meta):
+                if i in read or g.base(i) in rs or not g.live(i):
+                    continue
+                read.add(i)
+                traffic += g.per_token(meta)
+            if o.opname in GATHER_OPS and o.inputs and g.param_of(o.inputs[0]) is not None:
+                traffic += g.per_token(o.out)  # rows read from the table
+            if any(u not in rs for u in g.users(n)) or n in g.outputs:
+                traffic += g.per_token(o.out)
+            if o.kind == "dropout" and o.attrs.get("p", 0) > 0 and o.attrs.get("train", True):
+                traffic += 0.5 * g.per_token(o.out)
+                masks[sh(n)] += o.out.numel / T  # 1 byte per element
+        ew[region_shard] += traffic
+        kernels += 1
+        # saved: what the non-linear ops need, taken from outside the region (recomputed inside)
+        for n in reg:
+            for t in _needs(g.ops[n], g):
+                if not g.live(t):
+                    continue
+                if g.base(t) not in rs:
+                    save(t)
+                    continue
+                stack, seen = [g.base(t)], set()
+                while stack:
+                    c = stack.pop()
+                    if c in seen:
+                        continue
+                    seen.add(c)
+                    for i in g.ops[c].inputs:
+                        if not g.live(i) or not g.ops[i].requires_grad:
+                            continue
+                        if g.base(i) in rs:
+                            stack.append(g.base(i))
+                        else:
+                            save(i)
+
+    act_tp = sum(b for b, s in saved.values() if s == "S") + masks["S"]
+    act_seq = sum(b for b, s in saved.values() if s == "R") + masks["R"]
+    ext_inputs = [i for n in info.order for i in g.ops[n].inputs if g.live(i) and g.ops[i].layer != info.name]
+    act_input = g.act_bytes(g.ops[ext_inputs[0]].out) if ext_inputs and layer_kind == "block" else 0.0
+    hidden = g.ops[ext_inputs[0]].out.shape[-1] if ext_inputs and layer_kind == "block" else (g.hidden or 0)
+    row_groups = sum(1 for gm in gemms if gm.tp == "row")
+    vocab_lookup = any(o.kind == "embedding" and o.token_dependent for o in ops)
+    head_gemm = next((gm for gm in gemms if gm.tp == "vocab"), None)
+    return LayerProfile(
+        name=info.name, kind=layer_kind, gemms=gemms, attention=attention, hidden=hidden,
+        params_replicated=params_rep, params_sharded=params_shard,
+        elementwise_tp=ew["S"], elementwise_seq=ew["R"], kernels_fwd=kernels,
+        act_tp=act_tp, act_seq=act_seq, act_scores_per_seq=scores_per_seq, act_input=act_input,
+        tp_allreduces=row_groups if layer_kind == "block" else (1 if layer_kind == "embedding" and vocab_lookup
+                                                                else 0),
+        moe_top_k=top_k if n_experts else 0, moe_experts=n_experts,
+        logits_per_token=head_gemm.n if head_gemm is not None and layer_kind == "head" else 0,
+    )
+
+
+def _feeds_loss(name: str, g: _Ctx) -> bool:
+    stack, seen = [name], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for c in g.consumers.get(n, ()):
+            o = g.ops[c]
+            if o.kind == "loss":
+                return True
+            if o.kind in ("view", "alias") or o.opname in CAST_OPS or o.opname in SOFTMAX_OPS:
+                stack.append(c)
+    return False

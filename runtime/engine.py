@@ -1,0 +1,226 @@
+"""The training step for any layout: micro-batches (or the pipeline schedule), gradient synchronisation,
+global gradient-norm clipping, AdamW. Shared by `runtime.train` and the parity tests.
+
+Loss convention: the loss of a micro-batch is the mean over its tokens; a step's gradient is the mean over
+micro-batches (1/n scaling) and over data- and context-parallel ranks (FSDP/replicate average over dp x cp),
+which equals the gradient of the mean loss over the global batch because every micro-batch has the same
+number of tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from autoplan.plan import Plan
+from autoplan.zoo.model import cross_entropy_loss
+
+from .data import local_batch
+from .parallel_dims import ParallelDims
+from .parallelize import ParallelModel, is_expert_param, load_balanced_positions, parallelize
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    step_time_s: float
+
+
+def loss_fn(logits, labels):
+    return cross_entropy_loss(logits, labels)
+
+
+class Trainer:
+    def __init__(self, plan: Plan, dims: ParallelDims, *, device: torch.device, seed: int = 0, lr: float = 3e-4,
+                 weight_decay: float = 0.1, betas=(0.9, 0.95), max_grad_norm: float = 1.0) -> None:
+        self.plan, self.dims, self.device = plan, dims, device
+        cfg = plan.parallel
+        self.gbs = plan.training.global_batch_size
+        self.mbs = cfg.mbs
+        self.n_micro = self.gbs // (dims.dp * cfg.mbs)
+        self.max_grad_norm = max_grad_norm
+        self.pm: ParallelModel = parallelize(plan.model, plan, dims, seed=seed, device=device,
+                                             n_microbatches=self.n_micro, loss_fn=loss_fn)
+        params = [p for _, p in self.pm.named_parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, foreach=False)
+        self.cp_positions = (load_balanced_positions(plan.training.seq_length, dims.cp, dims.rank("cp"))
+                             if dims.cp_enabled else None)
+        self.tied_group = _tied_group(plan, dims)
+        self.last_grads_hook = None  # tests: called with the ParallelModel after clipping, before the update
+
+    # ------------------------------------------------------------------ one step
+
+    def _context(self):
+        if self.dims.tp_enabled:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def step(self, global_batch: torch.Tensor) -> StepResult:
+        t0 = time.perf_counter()
+        dims, pm = self.dims, self.pm
+        dp_rank = dims.rank("dp") if dims.dp > 1 else 0
+        inputs, labels = local_batch(global_batch, dp=dims.dp, dp_rank=dp_rank, cp_positions=self.cp_positions)
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        local_loss = torch.zeros((), device=self.device)
+        with self._context():
+            if pm.schedule is not None:
+                losses: list = []
+                kwargs = {}
+                if pm.has_last:
+                    kwargs = {"target": labels, "losses": losses}
+                args = (inputs,) if pm.has_first else ()
+                pm.schedule.step(*args, **kwargs)
+                if pm.has_last:
+                    local_loss = torch.stack([_local(x).detach() for x in losses]).mean()
+            else:
+                model = pm.modules[0]
+                mb = self.mbs
+                for i in range(self.n_micro):
+                    last = i == self.n_micro - 1
+                    _set_sync(model, self.plan.parallel.zero, last)
+                    logits = model(inputs[i * mb : (i + 1) * mb])
+                    loss = loss_fn(logits, labels[i * mb : (i + 1) * mb])
+                    (loss / self.n_micro).backward()
+                    local_loss += _local(loss).detach() / self.n_micro
+        self._finalize_grads()
+        norm = self._clip_grads()
+        if self.last_grads_hook is not None:
+            self.last_grads_hook(pm)
+        self.optimizer.step()
+        loss = self._reduce_loss(local_loss)
+        return StepResult(loss=loss, grad_norm=norm, step_time_s=time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ gradient plumbing
+
+    def _finalize_grads(self) -> None:
+        """Make every gradient the full-batch mean gradient in its parameter's own layout."""
+        dims, pm = self.dims, self.pm
+        # (a) DTensor grads left as partial sums (e.g. replicated weights fed sequence-sharded inputs) -> reduce
+        for _, p in pm.named_parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+        # (b) experts: each ep rank's experts got the gradient of every ep rank's local mean loss (all-to-all
+        #     backward); sum over the ranks holding the same experts, divide by all dp x cp ranks
+        if dims.ep_enabled:
+            group = dims["edp_cp"].get_group() if dims.dp_cp // dims.ep > 1 else None
+            for n, p in pm.named_parameters():
+                if is_expert_param(n) and p.grad is not None:
+                    if group is not None:
+                        dist.all_reduce(p.grad, group=group)
+                    p.grad.div_(dims.dp_cp)
+        # (c) tied embedding / LM head on the first and last pipeline stages: sum the two contributions
+        if self.tied_group is not None:
+            for s in pm.stages:
+                m = s.module
+                for mod in (m.tok_embeddings, m.output):
+                    if mod is not None and mod.weight.grad is not None:
+                        g = mod.weight.grad
+                        dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=self.tied_group)
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradient: DTensor grads reduce over their mesh; experts sum over ep; stages
+        sum over pp. A tied head on a later stage is not counted twice."""
+        dims, pm = self.dims, self.pm
+        dense = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert = torch.zeros((), dtype=torch.float64, device=self.device)
+        for n, p in pm.named_parameters():
+            g = p.grad
+            if g is None:
+                continue
+            if n == "output.weight" and self.plan.model.tie_embeddings and not pm.has_first:
+                continue
+            if isinstance(g, DTensor):
+                sq = g.to(torch.float64).pow(2).sum().full_tensor()
+            else:
+                sq = g.to(torch.float64).pow(2).sum()
+            if is_expert_param(n):
+                expert += sq
+            else:
+                dense += sq
+        if dims.ep_enabled:
+            dist.all_reduce(expert, group=dims["ep"].get_group())
+        total = dense + expert
+        if dims.pp_enabled:
+            dist.all_reduce(total, group=dims["pp"].get_group())
+        return total.sqrt()
+
+    def _clip_grads(self) -> float:
+        norm = float(self.grad_norm())
+        coef = self.max_grad_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for _, p in self.pm.named_parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    def _reduce_loss(self, local_loss: torch.Tensor) -> float:
+        """Mean loss over the global batch, on every rank (one world all-reduce)."""
+        dims, pm = self.dims, self.pm
+        if dims.world_size == 1:
+            return float(local_loss)
+        contributes = pm.has_last and (not dims.tp_enabled or dims.rank("tp") == 0)
+        t = (local_loss.double() / dims.dp_cp) if contributes else torch.zeros((), dtype=torch.float64,
+                                                                                device=self.device)
+        t = t.reshape(1).clone()
+        dist.all_reduce(t)
+        return float(t[0])
+
+
+def _local(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _set_sync(model, zero: int, last: bool) -> None:
+    """Gradient accumulation: reduce once at the last micro-batch, except ZeRO-2/3 which shard gradients
+    after every micro-batch; ZeRO-1 also keeps parameters unsharded until the last backward."""
+    if not hasattr(model, "set_requires_gradient_sync"):
+        return
+    if zero in (0, 1):
+        model.set_requires_gradient_sync(last)
+    if zero == 1:
+        model.set_reshard_after_backward(last)
+
+
+def _tied_group(plan: Plan, dims: ParallelDims):
+    """The process group of the first and last pipeline ranks (same dp/cp/tp coordinates) for tied weights."""
+    if not (plan.model.tie_embeddings and dims.pp_enabled):
+        return None
+    if dims.pp == 2:
+        return dims["pp"].get_group()
+    mesh = dims.mesh.mesh  # (pp, dp, cp, tp) ranks
+    mine = None
+    me = dist.get_rank()
+    for d in range(dims.dp):
+        for c in range(dims.cp):
+            for t in range(dims.tp):
+                ranks = [int(mesh[0, d, c, t]), int(mesh[dims.pp - 1, d, c, t])]
+                g = dist.new_group(ranks)
+                if me in ranks:
+                    mine = g
+    return mine
+
+
+def tokens_per_step(plan: Plan) -> int:
+    return plan.training.global_batch_size * plan.training.seq_length
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux); process RSS
+    except Exception:
+        return math.nan

@@ -1,0 +1,484 @@
+"""Each parallelism applied by one function; `parallelize` composes them in one stated order.
+
+    parallelize(spec, plan, dims)
+      1. split_stages      this pipeline rank's (virtual) stages, cut at the plan's layer boundaries by deleting
+                           the other layers from a meta-device model (names keep their global keys), then
+                           materialised and initialised by name (same weights as a single-process model)
+      2. apply_tp          DTensor tensor parallelism (+ Megatron sequence parallelism, vocab-parallel
+                           embedding and LM head for loss_parallel)
+      3. apply_ep          expert parallelism: experts split over the ep group, tokens exchanged by all-to-all
+      4. apply_cp          context parallelism: exact causal attention over the cp group (all-gather of K/V,
+                           load-balanced chunks r and 2cp-1-r, positions offset for RoPE / learned positions)
+      5. apply_recompute   selective (attention core) or full (whole blocks, `recompute_layers` of a stage)
+      6. apply_mixed_precision   bf16 autocast around each stage's forward (fp32 master weights)
+      7. apply_dp          replicate (ZeRO-0) or FSDP2 fully_shard (ZeRO-1/2/3) over the dp x cp ranks
+      8. apply_pipeline    torch.distributed.pipelining stages and the plan's schedule
+
+TP before DP because FSDP2 shards the TP DTensors again (2-D); recompute before DP so FSDP's hooks wrap the
+checkpointed blocks; CP after TP because the attention core it replaces receives TP-local heads.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from autoplan.plan import Plan, StagePlan
+from autoplan.zoo.model import MoE, TransformerLM, init_weights, run_experts
+
+from .parallel_dims import ParallelDims
+
+# Attention-core ops of the selective recompute region. On CPU, SDPA dispatches to the flash kernel named
+# here (not the CUDA names), which is why a GPU-only op list would silently recompute nothing.
+ATTENTION_CORE_OPS = (
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+)
+
+
+@dataclass
+class StageModule:
+    """One (virtual) pipeline stage held by this rank."""
+
+    plan: StagePlan
+    module: TransformerLM
+    # Human-readable record of what each technique did (codegen emits it).
+    notes: dict[str, list[str]] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------- 1. stage split
+
+
+def split_stages(spec, plan: Plan, pp_rank: int, *, seed: int, device: torch.device) -> list[StageModule]:
+    """The stages of `plan` that pipeline rank `pp_rank` runs, as pruned copies of the full model."""
+    from autoplan.zoo import build_model
+
+    out = []
+    for st in plan.stages:
+        if st.pp_rank != pp_rank:
+            continue
+        model = build_model(spec, device="meta")
+        keep = {str(i) for i in range(*st.layers)}
+        for key in list(model.layers.keys()):
+            if key not in keep:
+                del model.layers[key]
+        if not st.has_embedding:
+            model.tok_embeddings = None
+            model.pos_embeddings = None
+        if not st.has_head:
+            model.norm = None
+            model.output = None
+        model = model.to_empty(device=device)
+        if spec.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
+            model.output.weight = model.tok_embeddings.weight
+        init_weights(model, seed)
+        out.append(StageModule(st, model, {"stage": [f"layers {st.layers[0]}..{st.layers[1] - 1}"]}))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- 2. TP
+
+
+class _PositionsSequenceParallel:
+    """Learned position embedding under sequence parallelism: weight replicated over tp, each rank looks up the
+    positions of its own sequence shard; the weight gradient is a partial sum, reduced like a norm's."""
+
+    @staticmethod
+    def apply(module: nn.Embedding, mesh) -> None:
+        def partition(_name, mod, mesh_):
+            for n, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(n, nn.Parameter(distribute_tensor(p, mesh_, [Replicate()])))
+
+        def input_fn(_mod, inputs, mesh_):
+            (pos,) = inputs  # (s,) positions of this cp rank's tokens, identical on every tp rank
+            return DTensor.from_local(pos, mesh_, [Replicate()], run_check=False).redistribute(mesh_, [Shard(0)])
+
+        def output_fn(_mod, out, _mesh):
+            return out.to_local()  # (s/tp, h)
+
+        distribute_module(module, mesh, partition, input_fn, output_fn)
+
+
+def apply_tp(model: TransformerLM, tp_mesh, *, sp: bool) -> list[str]:
+    """Megatron-style TP with DTensor: column-parallel wq/wk/wv/w1/w3 (heads and KV heads split), row-parallel
+    wo/w2; vocab-parallel embedding (rows) and LM head (columns, logits stay sharded over the vocabulary for
+    `loss_parallel`). With sp the residual stream between blocks is sharded over the sequence (Shard(1)) and
+    norms run as SequenceParallel; the all-reduces become all-gather + reduce-scatter. MoE layers keep their
+    experts replicated over tp (no expert TP): their input is gathered to the full sequence."""
+    seq = Shard(1) if sp else Replicate()
+    notes = []
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sp:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    if model.pos_embeddings is not None and sp:
+        _PositionsSequenceParallel.apply(model.pos_embeddings, tp_mesh)
+        top["pos_embeddings"] = "SequenceParallel(positions)"
+    if model.spec.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
+        model.output.weight = model.tok_embeddings.weight  # both Shard(0) over the vocabulary: still one tensor
+    notes += [f"{k}: {_style_name(v)}" for k, v in top.items()]
+    for key, block in model.layers.items():
+        lp: dict[str, object] = {
+            "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+        }
+        if sp:
+            lp["attention_norm"] = SequenceParallel()
+            lp["mlp_norm"] = SequenceParallel()
+        if isinstance(block.mlp, MoE):
+            lp["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+        else:
+            lp["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+            lp["mlp.w1"] = ColwiseParallel()
+            if block.mlp.w3 is not None:
+                lp["mlp.w3"] = ColwiseParallel()
+            lp["mlp.w2"] = RowwiseParallel(output_layouts=seq)
+        parallelize_module(block, tp_mesh, lp)
+        notes += [f"layers.{key}.{k}: {_style_name(v)}" for k, v in lp.items()]
+    return notes
+
+
+def _style_name(style) -> str:
+    if isinstance(style, str):
+        return style
+    name = type(style).__name__
+    bits = []
+    for attr in ("input_layouts", "output_layouts", "desired_input_layouts", "desired_output_layouts"):
+        v = getattr(style, attr, None)
+        if v is not None:
+            bits.append(f"{attr}={_placements(v)}")
+    return f"{name}({', '.join(bits)})"
+
+
+def _placements(v) -> str:
+    if isinstance(v, tuple | list):
+        return "(" + ", ".join(_placements(x) for x in v) + ")"
+    return "None" if v is None else repr(v)
+
+
+# --------------------------------------------------------------------------------------------- 3. EP
+
+
+class _AllToAllSingle(torch.autograd.Function):
+    """Autograd-aware uneven all-to-all (rows of a 2-D tensor); the backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def _ep_dispatch(moe: MoE, group, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Send each routed token copy to the rank that holds its expert, run the local experts, send results back.
+
+    routed (T*k, h) grouped by expert; counts (E,). Two autograd-aware all-to-alls (the backward is the
+    reverse exchange); the split sizes are exchanged first with a plain all-to-all of the counts.
+    """
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_local = moe.num_experts // ep
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)  # [src j, my expert e] = counts_j[e]
+    send_splits = counts.view(ep, n_local).sum(1).tolist()
+    matrix = recv_counts.view(ep, n_local).tolist()  # tokens from source j for my local expert e
+    recv_splits = [sum(row) for row in matrix]
+    received = _AllToAllSingle.apply(routed, recv_splits, send_splits, group)
+    # received is ordered (source, expert); the experts want (expert, source)
+    starts, off = [], 0
+    for row in matrix:
+        starts.append([])
+        for n in row:
+            starts[-1].append(off)
+            off += n
+    perm = [i for e in range(n_local) for j in range(ep) for i in range(starts[j][e], starts[j][e] + matrix[j][e])]
+    perm_t = torch.tensor(perm, dtype=torch.long, device=routed.device)
+    grouped = received.index_select(0, perm_t)
+    per_expert = [sum(matrix[j][e] for j in range(ep)) for e in range(n_local)]
+    out = run_experts(moe.experts, grouped, per_expert, first_expert=rank * n_local)
+    back = torch.zeros_like(out).index_copy(0, perm_t, out)  # (source, expert) order again
+    return _AllToAllSingle.apply(back, send_splits, recv_splits, group)
+
+
+def apply_ep(model: TransformerLM, ep_mesh) -> list[str]:
+    """Keep experts [r*E/ep, (r+1)*E/ep) on ep rank r (global keys kept) and route tokens by all-to-all."""
+    group, ep, rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
+    notes = []
+    for key, block in model.layers.items():
+        moe = block.mlp
+        if not isinstance(moe, MoE):
+            continue
+        n_local = moe.num_experts // ep
+        keep = {str(e) for e in range(rank * n_local, (rank + 1) * n_local)}
+        for e in list(moe.experts.keys()):
+            if e not in keep:
+                del moe.experts[e]
+        moe.dispatch = functools.partial(_ep_dispatch, moe, group)
+        moe.ep_group = group
+        notes.append(f"layers.{key}.mlp: experts {sorted(keep, key=int)} of {moe.num_experts}, all-to-all over ep={ep}")
+    return notes
+
+
+def is_expert_param(name: str) -> bool:
+    return ".experts." in name
+
+
+# --------------------------------------------------------------------------------------------- 4. CP
+
+
+def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions held by cp rank `rank`: chunks r and 2cp-1-r of 2cp equal chunks (equal causal work)."""
+    c = seq_len // (2 * cp)
+    a, b = rank, 2 * cp - 1 - rank
+    return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+
+
+class _AllGatherSequence(torch.autograd.Function):
+    """Gather a (b, s_local, ...) tensor from every cp rank along dim 1 (rank order). The backward sends each
+    rank the slice of the gradient for its own chunk and sums (an all-to-all: gloo has no reduce-scatter).
+    Written here rather than torch.distributed.nn's all_gather because the latter passes non-contiguous
+    gradient views to gloo's all-to-all, which gave wrong K/V gradients with GQA."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        n = dist.get_world_size(ctx.group)
+        s = grad.shape[1] // n
+        chunks = [grad.narrow(1, j * s, s).contiguous() for j in range(n)]
+        recv = [torch.empty_like(chunks[0]) for _ in range(n)]
+        dist.all_to_all(recv, chunks, group=ctx.group)
+        return torch.stack(recv).sum(0), None
+
+
+class ContextParallelAttentionCore(nn.Module):
+    """Exact causal attention over a sequence split across the cp group: gather every rank's K/V (autograd-aware
+    all-gather; its backward sums the K/V gradients back to their owners) and mask by true positions."""
+
+    def __init__(self, group, q_pos: torch.Tensor, k_pos: torch.Tensor, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.group = group
+        self.dropout = dropout
+        self.register_buffer("mask", q_pos[:, None] >= k_pos[None, :], persistent=False)  # (s_local, s)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k = _AllGatherSequence.apply(k, self.group)  # (b, s, nkv, dh), chunks in cp-rank order
+        v = _AllGatherSequence.apply(v, self.group)
+        rep = q.shape[2] // k.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, n, s, dh)
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        p = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=p)  # (b, nh, s_local, dh)
+        return out.transpose(1, 2).flatten(2)
+
+
+def apply_cp(model: TransformerLM, cp_mesh, seq_len: int, device: torch.device) -> list[str]:
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    q_pos = load_balanced_positions(seq_len, cp, rank).to(device)
+    k_pos = torch.cat([load_balanced_positions(seq_len, cp, r) for r in range(cp)]).to(device)
+    model.positions = q_pos
+    for block in model.layers.values():
+        block.attention.core = ContextParallelAttentionCore(cp_mesh.get_group(), q_pos, k_pos,
+                                                            block.attention.core.dropout)
+    c = seq_len // (2 * cp)
+    return [f"cp rank {rank}/{cp}: positions [{rank * c}, {(rank + 1) * c}) + "
+            f"[{(2 * cp - 1 - rank) * c}, {(2 * cp - rank) * c}); attention core: all-gather K/V, causal mask"]
+
+
+# -------------------------------------------------------------------------------------- 5. recompute
+
+
+def apply_recompute(model: TransformerLM, stage: StagePlan) -> list[str]:
+    """full: the first `stage.recompute_layers` blocks of the stage are checkpointed whole; selective: the
+    attention core (GQA + SDPA, i.e. ATTENTION_CORE_OPS; with CP also the K/V gather) of every block."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    notes = []
+    if stage.recompute == "full":
+        keys = list(model.layers.keys())[: stage.recompute_layers]
+        for k in keys:
+            model.layers[k] = checkpoint_wrapper(model.layers[k], preserve_rng_state=True)
+        notes.append(f"full: layers {keys}")
+    elif stage.recompute == "selective":
+        for k, block in model.layers.items():
+            block.attention.core = checkpoint_wrapper(block.attention.core, preserve_rng_state=True)
+            notes.append(f"selective: layers.{k}.attention.core")
+    return notes
+
+
+def canonical_name(name: str) -> str:
+    """Parameter name without wrapper prefixes (checkpoint, compile): the single-process model's name."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+# ----------------------------------------------------------------------------------- 6. mixed precision
+
+
+def apply_mixed_precision(model: nn.Module, dtype: str, device_type: str) -> list[str]:
+    """bf16/fp16: autocast around the forward; parameters (the master weights) and optimizer state stay fp32."""
+    if dtype not in ("bf16", "fp16"):
+        return ["fp32 (no autocast)"]
+    amp = torch.bfloat16 if dtype == "bf16" else torch.float16
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def autocast_forward(*args, **kwargs):
+        with torch.autocast(device_type=device_type, dtype=amp):
+            return forward(*args, **kwargs)
+
+    model.forward = autocast_forward
+    return [f"autocast {dtype}, fp32 master weights"]
+
+
+# --------------------------------------------------------------------------------------------- 7. DP
+
+
+def apply_dp(model: TransformerLM, dp_mesh, zero: int) -> list[str]:
+    """Data parallelism over the dp x cp ranks, one unit per block plus the root (embedding, norm, head).
+
+    zero=0: `replicate` (FSDP2-based DDP: gradients all-reduced; works around DTensor TP, classic DDP does not).
+    zero=1: fully_shard(reshard_after_forward=False) and the runtime skips gradient sync and resharding until the
+            last micro-batch: full parameters and gradients during accumulation, sharded optimizer states and
+            master weights -- ZeRO-1 within a step (between steps parameters are sharded, a bit less memory).
+    zero=2: fully_shard(reshard_after_forward=False), reduce-scatter after every micro-batch: sharded gradients.
+    zero=3: fully_shard(reshard_after_forward=True): parameters gathered per unit for forward and backward.
+    Exact in all cases (same sums, different order). Expert parameters are ignored here (see sync_expert_grads).
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    ignored = {p for n, p in model.named_parameters() if is_expert_param(n)} or None
+    if zero == 0:
+        for block in model.layers.values():
+            replicate(block, mesh=dp_mesh, ignored_params=ignored)
+        replicate(model, mesh=dp_mesh, ignored_params=ignored)
+        return [f"replicate over dp_cp={dp_mesh.size()} (ZeRO-0)"]
+    reshard = zero == 3
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
+    return [f"fully_shard over dp_cp={dp_mesh.size()}, ZeRO-{zero}, reshard_after_forward={reshard}"]
+
+
+# --------------------------------------------------------------------------------------- 8. pipeline
+
+
+def apply_pipeline(stages: list[StageModule], plan: Plan, dims: ParallelDims, n_microbatches: int,
+                   loss_fn: Callable, device: torch.device):
+    """PipelineStage per local stage (shapes inferred from the first micro-batch) and the plan's schedule.
+    Gradients are scaled by 1/n_microbatches by the schedule (loss_fn returns the micro-batch mean)."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    group = dims["pp"].get_group()
+    n = len(plan.stages)
+    pstages = [PipelineStage(s.module, s.plan.index, n, device, group=group) for s in stages]
+    kind = plan.parallel.schedule
+    if kind == "interleaved":
+        return ScheduleInterleaved1F1B(pstages, n_microbatches, loss_fn=loss_fn)
+    cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+    return cls(pstages[0], n_microbatches, loss_fn=loss_fn)
+
+
+# ------------------------------------------------------------------------------------------ compose
+
+
+@dataclass
+class ParallelModel:
+    plan: Plan
+    dims: ParallelDims
+    stages: list[StageModule]
+    schedule: object | None
+    device: torch.device
+
+    @property
+    def modules(self) -> list[TransformerLM]:
+        return [s.module for s in self.stages]
+
+    @property
+    def has_first(self) -> bool:
+        return any(s.plan.has_embedding for s in self.stages)
+
+    @property
+    def has_last(self) -> bool:
+        return any(s.plan.has_head for s in self.stages)
+
+    def named_parameters(self):
+        """(canonical name, parameter) of every local stage; a tied LM head counts once (on its first stage)."""
+        seen = set()
+        for s in self.stages:
+            for n, p in s.module.named_parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                yield canonical_name(n), p
+
+
+def parallelize(spec, plan: Plan, dims: ParallelDims, *, seed: int, device: torch.device,
+                n_microbatches: int, loss_fn: Callable) -> ParallelModel:
+    """Apply the plan's techniques in the order of this module's docstring."""
+    cfg = plan.parallel
+    pp_rank = dims.rank("pp") if dims.pp_enabled else 0
+    stages = split_stages(spec, plan, pp_rank, seed=seed, device=device)  # 1
+    for s in stages:
+        m = s.module
+        if dims.tp_enabled:
+            s.notes["tp"] = apply_tp(m, dims["tp"], sp=cfg.sp)  # 2
+        if dims.ep_enabled:
+            s.notes["ep"] = apply_ep(m, dims["ep"])  # 3
+        if dims.cp_enabled:
+            s.notes["cp"] = apply_cp(m, dims["cp"], plan.training.seq_length, device)  # 4
+        s.notes["recompute"] = apply_recompute(m, s.plan)  # 5
+        s.notes["precision"] = apply_mixed_precision(m, plan.training.dtype, device.type)  # 6
+        if dims.dp_enabled:
+            s.notes["dp"] = apply_dp(m, dims["dp_cp"], cfg.zero)  # 7
+        m.train()
+    schedule = None
+    if dims.pp_enabled:
+        schedule = apply_pipeline(stages, plan, dims, n_microbatches, loss_fn, device)  # 8
+    return ParallelModel(plan, dims, stages, schedule, device)

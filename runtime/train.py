@@ -1,0 +1,142 @@
+"""Train a zoo model with exactly a Plan's layout, under torchrun.
+
+    torchrun --nproc-per-node N -m runtime.train --plan plan.json --steps 20 [--data tokens.bin] [--log log.jsonl]
+
+Start-up checks run before any process group exists, so a wrong launch (a plan for 8 ranks started on 4, a
+plan for another model) stops with one clear line instead of hanging in a collective. Rank 0 writes one JSON
+object per step to --log: step, loss, step_time_s, tokens_per_s, peak_memory_gib, predicted_step_time_s
+(plus grad_norm and lr). The process group is destroyed on exit, error or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from cost_models.errors import AutoplanError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plan", required=True, help="plan.json made by `autoplan search|estimate -o`")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--data", default=None, help="flat binary token file (uint16, or int32 with --data-dtype)")
+    ap.add_argument("--data-dtype", default=None, choices=["uint16", "int32"])
+    ap.add_argument("--log", default=None, help="JSON-lines metrics file (rank 0)")
+    ap.add_argument("--seed", type=int, default=0, help="weights and synthetic data")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--warmup", type=int, default=0, help="linear warm-up steps")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--max-grad-norm", type=float, default=1.0)
+    ap.add_argument("--model", default=None,
+                    help="the model you mean to train (preset or spec); refused if the plan was made for another")
+    ap.add_argument("--quiet", action="store_true")
+    return ap.parse_args(argv)
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    # ---- checks that need no torch and no process group
+    try:
+        from autoplan.plan import load_plan
+
+        from .parallel_dims import ParallelDims, check_model_matches
+
+        plan = load_plan(args.plan)
+        if args.model:
+            from autoplan.specs import load_model
+
+            check_model_matches(plan, load_model(args.model))
+        dims = ParallelDims.from_plan(plan, world)
+        if args.steps < 1:
+            raise AutoplanError("--steps must be >= 1", f"got {args.steps}", "pass --steps 10")
+    except AutoplanError as e:
+        if rank == 0:
+            print(f"autoplan run: {type(e).__name__}: {e.one_line()}", file=sys.stderr)
+        return 2
+    return _run(args, plan, dims, rank, world)
+
+
+def _run(args, plan, dims, rank: int, world: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from .data import MemmapTokenDataset, SyntheticDataset
+    from .engine import Trainer, peak_memory_gib, tokens_per_step
+
+    use_cuda = plan.cluster.backend == "nccl" and torch.cuda.is_available()
+    local = _env_int("LOCAL_RANK", 0)
+    device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dims.device_type = device.type
+    backend = "nccl" if use_cuda else "gloo"
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if use_cuda else None)
+    else:  # plain `python -m runtime.train` with a 1-rank plan
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    log = None
+    try:
+        torch.manual_seed(args.seed)
+        dims.build_mesh()
+        trainer = Trainer(plan, dims, device=device, seed=args.seed, lr=args.lr,
+                          weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm)
+        t = plan.training
+        if args.data:
+            data = MemmapTokenDataset(args.data, t.seq_length, t.global_batch_size, plan.model.vocab_size,
+                                      dtype=args.data_dtype)
+        else:
+            data = SyntheticDataset(plan.model.vocab_size, t.seq_length, t.global_batch_size, seed=args.seed)
+        if rank == 0 and args.log:
+            Path(args.log).parent.mkdir(parents=True, exist_ok=True)
+            log = open(args.log, "w")  # noqa: SIM115 (closed in finally)
+        if rank == 0 and not args.quiet:
+            print(f"plan {plan.short_hash}: {plan.model.name}, {plan.parallel.to_string()}, {dims.describe()}, "
+                  f"{trainer.n_micro} micro-batches of {trainer.mbs}, {device.type}", flush=True)
+        predicted = plan.prediction.step_time_s
+        for step in range(args.steps):
+            lr = args.lr * min(1.0, (step + 1) / args.warmup) if args.warmup else args.lr
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = lr
+            res = trainer.step(data.batch(step))
+            rec = {
+                "step": step + 1,
+                "loss": res.loss,
+                "step_time_s": res.step_time_s,
+                "tokens_per_s": tokens_per_step(plan) / res.step_time_s,
+                "peak_memory_gib": peak_memory_gib(device),
+                "predicted_step_time_s": predicted,
+                "grad_norm": res.grad_norm,
+                "lr": lr,
+            }
+            if rank == 0:
+                if log:
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+                if not args.quiet:
+                    print(f"step {step + 1:4d}  loss {res.loss:.4f}  {res.step_time_s * 1e3:8.1f} ms "
+                          f"(predicted {predicted * 1e3:.1f} ms)  {rec['tokens_per_s']:.0f} tok/s", flush=True)
+        return 0
+    except AutoplanError as e:
+        print(f"[rank {rank}] autoplan run: {type(e).__name__}: {e.one_line()}", file=sys.stderr)
+        return 2
+    finally:
+        if log:
+            log.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
