@@ -23,8 +23,8 @@ BOUNDS = {
     "matmul_max_efficiency": (0.5, 0.95),
     "matmul_half_dim": (0.0, 1500.0),
     "attention_efficiency": (0.2, 0.75),
-    "memory_efficiency": (0.5, 0.92),
-    "kernel_launch_us": (0.0, 30.0),
+    "memory_efficiency": (0.7, 0.92),
+    "kernel_launch_us": (0.0, 80.0),
 }
 
 

@@ -188,16 +188,21 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     gemm_fwd, gemm_flops = _gemms(p, ctx)
     attn_fwd, attn_bwd, attn_flops = _attention(p, ctx)
     seq_div = t if ctx.sp else 1
-    ew_elems = ctx.tokens * (p.elementwise_tp / t + p.elementwise_seq / seq_div)
+    ew_tp = p.elementwise_tp
+    if p.kind == "head" and ctx.training.fused_kernels and p.logits_per_token:
+        # the chunked Triton cross-entropy reads each logit once and writes its gradient once
+        ew_tp -= p.elementwise_tp - 2 * p.logits_per_token
+    ew_elems = ctx.tokens * (ew_tp / t + p.elementwise_seq / seq_div)
     ew_fwd = _mem_time(ctx, ew_elems * e)
-    launch = p.kernels_fwd * cal.kernel_launch_us * 1e-6
+    # Host-side cost of issuing the layer's kernels (Python, dispatch, launch). The GPU runs ahead of the
+    # host, so a layer takes the longer of the two: small layers become launch-bound.
+    host_fwd = p.kernels_fwd * cal.kernel_launch_us * 1e-6
     tp_f, tp_b = _tp_comm(p, ctx, gemm_fwd)
     cp_f, cp_b = _cp_comm(p, ctx, attn_fwd)
     ep_f, ep_b = _ep_comm(p, ctx)
     comm_f, comm_b = tp_f + cp_f + ep_f, tp_b + cp_b + ep_b
-    compute_f = gemm_fwd + attn_fwd + ew_fwd + launch
-    fwd = compute_f + comm_f
-    bwd = 2 * gemm_fwd + attn_bwd + 2 * ew_fwd + 2 * launch + comm_b
+    fwd = max(gemm_fwd + attn_fwd + ew_fwd, host_fwd) + comm_f
+    bwd = max(2 * gemm_fwd + attn_bwd + 2 * ew_fwd, 2 * host_fwd) + comm_b
     # Selective recomputation re-runs the attention core (and its softmax) in backward; a flash kernel
     # recomputes its scores anyway, so there is nothing extra to do.
     sel = 0.0 if ctx.training.flash_attention else attn_fwd

@@ -170,8 +170,10 @@ def profile_from_spec(model: ModelSpec, dropout: bool | None = None) -> list[Lay
     head = LayerProfile(
         name="head", kind="head", gemms=(head_gemm,), hidden=h,
         params_replicated=norm_p,
-        # final norm (read, write h), cross-entropy over fp32 logits (read logits, write softmax/grad)
-        elementwise_seq=2 * h, elementwise_tp=3 * v, kernels_fwd=8,
+        # final norm (read, write h); cross-entropy as eager PyTorch / Megatron runs it on fp32 logits:
+        # upcast (read 2, write 4 bytes), max (read 4), subtract and exp (read 8, write 8), sum (read 4),
+        # normalise for backward (read 4, write 4) ~ 38 bytes ~ 19 two-byte elements per logit.
+        elementwise_seq=2 * h, elementwise_tp=19 * v, kernels_fwd=10,
         act_seq=2 * h + 2 * h,  # final-norm input and LM-head input
         act_tp=4 * v,  # fp32 softmax of the vocab-parallel cross-entropy (Megatron keeps it for backward)
         logits_per_token=v,

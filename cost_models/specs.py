@@ -147,7 +147,9 @@ class GPUCalibration(_Frozen):
     memory_efficiency: float = Field(
         default=0.80, gt=0, le=1, description="Fraction of HBM bandwidth a memory-bound kernel reaches."
     )
-    kernel_launch_us: float = Field(default=4.0, ge=0, description="Fixed cost per kernel launch, microseconds.")
+    kernel_launch_us: float = Field(
+        default=4.0, ge=0, description="Host time to issue one kernel (Python, dispatch, launch), microseconds."
+    )
     framework_overhead_gib: float = Field(
         default=2.0, ge=0, description="Memory the CUDA context, allocator fragmentation and workspaces take."
     )

@@ -95,6 +95,10 @@ REPEAT_OPS = VIEW_OPS | {"repeat_interleave", "repeat", "expand"}
 SKIP_OPS = {"_assert_tensor_metadata", "sym_size", "_assert_scalar", "sym_constrain_range_for_size",
             "_assert_async", "sym_constrain_range"}
 NORM_MODULE = re.compile(r"norm", re.IGNORECASE)
+# Launches of constructs that are one op in the graph but several kernels in a tensor-parallel runtime
+# (Megatron-LM's sequences, which `profile_from_spec` also assumes):
+KERNELS_LOSS = 6  # vocab-parallel cross-entropy: max, subtract, target gather, exp, sum, log
+KERNELS_VOCAB_LOOKUP = 3  # vocab-parallel embedding: mask out-of-shard ids, gather, zero the masked rows
 
 
 def _classify(o: OpNode) -> str:
@@ -784,13 +788,15 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
             if g.ops[i].requires_grad or g.ops[g.base(i)].requires_grad:
                 save(i)
 
-    # Loss: three vocab-wide passes (max, exp-sum, normalise); saves its input (fp32 log-softmax).
+    # Loss: three vocab-wide passes of memory traffic (max, exp-sum, normalise) in the six kernels of a
+    # vocab-parallel cross-entropy (Megatron-LM: max, subtract, target gather, exp, sum, log); saves its input
+    # (the fp32 log-softmax).
     for o in loss_ops:
         src = o.inputs[0]
         if g.ops[g.base(src)].opname in SOFTMAX_OPS and g.base(src) in loss_members:
             src = g.ops[g.base(src)].inputs[0]
         ew[sh(src)] += 3 * g.per_token(g.ops[src].out)
-        kernels += 3
+        kernels += KERNELS_LOSS
         if g.live(src):
             b = g.base(src)
             saved.setdefault(b, (g.act_bytes(g.ops[b].out), sh(src)))
@@ -836,6 +842,7 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
     for n in info.order:
         if n in cand:
             regions[find(n)].append(n)
+    expert_regions: set[tuple[str, ...]] = set()
     for reg in regions.values():
         rs = set(reg)
         if all(g.ops[n].opname in CAST_OPS for n in reg):
@@ -858,7 +865,17 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
                 traffic += 0.5 * g.per_token(o.out)
                 masks[sh(n)] += o.out.numel / T  # 1 byte per element
         ew[region_shard] += traffic
-        kernels += 1
+        rels = [_rel(g.ops[n].module, info.name) for n in reg]
+        repeated = False
+        if layer_kind == "block" and all(any(p.isdigit() for p in r.split(".")) for r in rels):
+            key = tuple(sorted({".".join("*" if p.isdigit() else p for p in r.split(".")) for r in rels}))
+            repeated = key in expert_regions  # the same kernel of another expert: one grouped launch
+            expert_regions.add(key)
+        vocab_lookup = any(g.ops[n].kind == "embedding" and g.ops[n].inputs and g.param_of(g.ops[n].inputs[0])
+                           is not None and g.params[g.param_of(g.ops[n].inputs[0])].shape[0] == g.vocab
+                           for n in reg)
+        if not repeated:
+            kernels += KERNELS_VOCAB_LOOKUP if vocab_lookup else 1
         # saved: what the non-linear ops need, taken from outside the region (recomputed inside)
         for n in reg:
             for t in _needs(g.ops[n], g):

@@ -1,0 +1,128 @@
+"""The cost model's formulas against the papers, by hand-computed values.
+
+Narayanan et al. 2021 (SC21) eq. 2 (parameters) and eq. 3 (hardware FLOPs with full recomputation);
+Korthikanti et al. 2022 eq. 7 (model FLOPs) and Table 2 (activation bytes per layer); pipeline bubbles.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from autoplan.specs import ModelSpec, ParallelConfig, TrainingSpec, load_cluster, load_model
+from cost_models.compute import Context, layer_cost
+from cost_models.estimate import estimate
+from cost_models.pipeline import bubble_fraction, in_flight, simulate
+from cost_models.profile import profile_from_spec
+from cost_models.specs import check_config
+
+SC21 = ["sc21-1.7b", "sc21-18.4b", "sc21-145.6b", "sc21-1t"]
+
+
+@pytest.mark.parametrize("name", SC21)
+def test_parameters_match_sc21_eq2(name):
+    m = load_model(name)
+    l, h, V, s = m.num_layers, m.hidden_size, m.vocab_size, m.max_seq_length
+    eq2 = 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+    ours = sum(p.params for p in profile_from_spec(m))
+    # eq. 2 leaves out the final LayerNorm (2h parameters); everything else is counted the same way
+    assert ours - 2 * h == pytest.approx(eq2, rel=1e-12)
+
+
+def test_llama_parameter_counts_match_released_models():
+    # Llama-2-7B: 6,738,415,616 and Llama-3-8B: 8,030,261,248 parameters (released checkpoints)
+    assert sum(p.params for p in profile_from_spec(load_model("llama2-7b"))) == 6_738_415_616
+    assert sum(p.params for p in profile_from_spec(load_model("llama3-8b"))) == 8_030_261_248
+
+
+def _estimate(model, gpus, cfg, batch, flash=False, cluster="dgx-a100-80g"):
+    c = load_cluster(cluster, gpus=gpus)
+    t = TrainingSpec(global_batch_size=batch, seq_length=model.max_seq_length, dtype="fp16", flash_attention=flash)
+    cfg = check_config(ParallelConfig.parse(cfg), model, c, t)
+    return estimate(profile_from_spec(model), c, t, cfg), t
+
+
+@pytest.mark.parametrize("name,gpus,cfg,batch", [
+    ("sc21-1.7b", 32, "tp=1,pp=1,mbs=16,recompute=full", 512),
+    ("sc21-145.6b", 1536, "tp=8,pp=8,vp=2,mbs=2,recompute=full", 2304),
+])
+def test_hardware_flops_with_full_recompute_match_sc21_eq3(name, gpus, cfg, batch):
+    m = load_model(name)
+    est, t = _estimate(m, gpus, cfg, batch)
+    B, s, l, h, V = batch, t.seq_length, m.num_layers, m.hidden_size, m.vocab_size
+    eq3 = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert est.hardware_flops == pytest.approx(eq3, rel=1e-9)
+
+
+@pytest.mark.parametrize("name,gpus,cfg,batch", [
+    ("sc21-18.4b", 256, "tp=8,mbs=8", 1024),
+    ("gpt3-175b", 1024, "tp=8,pp=8,sp=1,recompute=selective", 1536),
+])
+def test_model_flops_match_korthikanti_eq7(name, gpus, cfg, batch):
+    m = load_model(name)
+    est, t = _estimate(m, gpus, cfg, batch)
+    B, s, l, h, V = batch, t.seq_length, m.num_layers, m.hidden_size, m.vocab_size
+    eq7 = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * h * l))
+    assert est.model_flops == pytest.approx(eq7, rel=1e-9)
+    # selective recomputation of the unfused attention core adds its forward, 4*B*s^2*h per layer
+    if "selective" in cfg:
+        assert est.hardware_flops - est.model_flops == pytest.approx(4 * B * s * s * h * l, rel=1e-9)
+
+
+# Korthikanti et al. 2022, Table 2: activation bytes per layer (16-bit activations, dropout, unfused softmax)
+GPT = ModelSpec(name="t2", num_layers=8, hidden_size=4096, num_attention_heads=32, vocab_size=51200,
+                max_seq_length=2048, dropout=0.1)
+
+
+def _act(t: int, sp: bool, mode: str) -> float:
+    cluster = load_cluster("dgx-a100-80g", gpus=8)
+    train = TrainingSpec(global_batch_size=8, seq_length=2048, dtype="fp16", flash_attention=False)
+    ctx = Context(cluster=cluster, training=train, tp=t, cp=1, sp=sp, ep=1, mbs=4)
+    c = layer_cost(profile_from_spec(GPT)[1], ctx)
+    return {"none": c.act_none, "selective": c.act_selective, "full": c.act_full}[mode]
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_activation_memory_rows_of_korthikanti_table2(t):
+    s, b, h, a = 2048, 4, 4096, 32
+    sbh = s * b * h
+    assert _act(t, False, "none") == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert _act(t, False, "selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert _act(t, False, "full") == pytest.approx(2 * sbh)
+    if t > 1:
+        assert _act(t, True, "none") == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+        assert _act(t, True, "selective") == pytest.approx(34 * sbh / t)
+    if t == 1:
+        assert _act(t, False, "none") == pytest.approx(sbh * (34 + 5 * a * s / h))
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (8, 32), (2, 2)])
+def test_1f1b_bubble_is_p_minus_1_over_m(p, m):
+    f, b = 1.0, 2.0
+    tl = simulate("1f1b", p, m, 1, [f] * p, [b] * p)
+    ideal = m * (f + b)
+    assert (tl.makespan - ideal) / ideal == pytest.approx(bubble_fraction(p, m))
+    gp = simulate("gpipe", p, m, 1, [f] * p, [b] * p)
+    assert gp.makespan == pytest.approx(tl.makespan)
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 2, 8), (4, 3, 8), (8, 2, 16)])
+def test_interleaved_bubble_is_p_minus_1_over_v_m(p, v, m):
+    f, b = 1.0 / v, 2.0 / v  # a rank's layers split into v chunks
+    tl = simulate("interleaved", p, m, v, [f] * (p * v), [b] * (p * v))
+    ideal = m * v * (f + b)
+    assert (tl.makespan - ideal) / ideal == pytest.approx(bubble_fraction(p, m, v))
+
+
+def test_in_flight_microbatches():
+    assert in_flight("gpipe", 4, 16) == [16.0] * 4
+    assert in_flight("1f1b", 4, 16) == [4.0, 3.0, 2.0, 1.0]
+    # Korthikanti et al. 2022: the first interleaved stage holds p * (1 + (p-1)/(p*v)) micro-batches' worth
+    p, v = 8, 3
+    assert in_flight("interleaved", p, 64, v)[0] == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+def test_pipeline_grid_uses_action_notation():
+    tl = simulate("1f1b", 2, 2, 1, [1.0, 1.0], [2.0, 2.0], keep_slices=True)
+    grid = tl.grid()
+    assert grid[0] == ["0F0", "1F0"]
+    assert [row[0] for row in grid] == ["0F0", "0F1", "0B0", "0B1"]
