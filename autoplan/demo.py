@@ -1,0 +1,90 @@
+"""`autoplan demo` (what `make demo` runs): the main job end to end on built-in examples.
+
+1. Plan GPT-3 175B on 1,024 A100s (the search when it is installed, otherwise the published Megatron
+   configuration through the cost model) and show the prediction.
+2. Plan a tiny GPT for this machine (`local-cpu`, 4 gloo processes), write the plan, and train it for a few
+   steps with `autoplan run`, printing the predicted and the measured step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from cost_models.specs import TrainingSpec
+
+from .specs import load_cluster, load_model
+
+
+def _search_available() -> bool:
+    return importlib.util.find_spec("autoplan.search") is not None
+
+
+def _runtime_available() -> bool:
+    return importlib.util.find_spec("runtime.train") is not None
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    con = Console()
+    con.rule("[bold]1. Plan GPT-3 175B on 1,024 A100-80GB (batch 1536 x 2048)")
+    model = load_model("gpt3-175b")
+    cluster = load_cluster("dgx-a100-80g", gpus=1024)
+    training = TrainingSpec(global_batch_size=1536, seq_length=2048, dtype="bf16")
+    if _search_available():
+        from .search import search
+        from .search.cli import render_result
+
+        result = search(model, cluster, training, top=5)
+        render_result(con, result)
+    else:
+        from .estimate_api import estimate_config
+        from .report import render_estimate
+
+        est = estimate_config(model, cluster, training, "tp=8,pp=8,vp=3,mbs=1,sp=1,zero=1,recompute=selective")
+        render_estimate(con, model, cluster, training, est)
+
+    con.rule("[bold]2. Plan and train a tiny GPT on this machine (local-cpu, 4 processes)")
+    tiny = load_model("tiny-gpt")
+    local = load_cluster("local-cpu")
+    tiny_train = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", flash_attention=False,
+                              fused_kernels=False)
+    if _search_available():
+        from .search import search
+
+        plan = search(tiny, local, tiny_train, top=3).best
+    else:
+        from .api import make_plan
+
+        plan = make_plan(tiny, local, tiny_train, "tp=2,pp=2", kernels="torch")
+    out = Path(tempfile.mkdtemp(prefix="autoplan-demo-"))
+    plan_path = plan.save(out / "tiny-plan.json")
+    con.print(f"plan {plan.parallel.to_string()}  ->  {plan_path}")
+    con.print(f"predicted step time {plan.prediction.step_time_s:.4f} s, peak memory "
+              f"{plan.prediction.memory_gib['peak']:.3f} GiB per process")
+    if args.no_run:
+        return 0
+    if not _runtime_available():
+        con.print("[yellow]runtime not installed in this build; skipping the training run[/]")
+        return 0
+    log = out / "train.jsonl"
+    cmd = [sys.executable, "-m", "autoplan.cli", "run", str(plan_path), "--nproc-per-node",
+           str(plan.world_size), "--", "--steps", "6", "--log", str(log)]
+    con.print("$ " + " ".join(cmd[2:]))
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        con.print(f"[red]training exited with status {rc}[/]")
+        return rc
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    steady = rows[1:] or rows
+    measured = sorted(r["step_time_s"] for r in steady)[len(steady) // 2]
+    con.print(f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} over {len(rows)} steps")
+    con.print(f"step time: predicted {plan.prediction.step_time_s:.4f} s, measured (median after the first) "
+              f"{measured:.4f} s, ratio {measured / plan.prediction.step_time_s:.2f}")
+    return 0
