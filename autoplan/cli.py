@@ -218,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_json(p)
     p.set_defaults(func=cmd_inspect_model)
 
+    p = sub.add_parser("calibrate", help="measure this machine and write a cluster spec")
+    p.add_argument("-o", "--output", help="cluster YAML to write")
+    p.add_argument("--nproc", type=int, default=4, help="processes (GPUs) per node to measure with")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    add_json(p)
+    p.set_defaults(func=lambda a: __import__("autoplan.calibrate", fromlist=["cmd_calibrate"]).cmd_calibrate(a))
+
     p = sub.add_parser("demo", help="the built-in example of the main job")
     p.add_argument("--no-run", action="store_true", help="plan only; do not launch training")
     add_json(p)

@@ -1,0 +1,150 @@
+"""`autoplan calibrate -o cluster.yaml`: measure this machine and write a cluster spec for it.
+
+It measures what the cost model needs, on whatever device torch sees (CUDA if present, else the CPU):
+matmul throughput at several sizes (giving the peak and the GEMM half-efficiency size), memory bandwidth
+(a large copy), the host time per eager op, and the all-reduce bandwidth and latency between `--nproc`
+processes on the default backend (gloo on CPU, NCCL on GPUs). The result loads with `--cluster cluster.yaml`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+_SIZES = (128, 256, 512, 1024)
+
+
+def _timeit(fn, repeat: int = 5, sync=lambda: None) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_compute(device: str, dtype_name: str) -> dict:
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rates = {}
+    for n in _SIZES if device == "cpu" else (1024, 2048, 4096, 8192):
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        t = _timeit(lambda a=a, b=b: torch.mm(a, b), sync=sync)
+        rates[n] = 2 * n**3 / t
+    sizes = sorted(rates)
+    peak = max(rates.values())
+    # eff(n) = n / (n + half): solve from the smallest size's rate relative to the peak
+    small = sizes[0]
+    ratio = min(0.999, rates[small] / peak)
+    half = max(0.0, small * (1 - ratio) / ratio)
+    x = torch.empty(64 * 1024 * 1024 // 4, device=device, dtype=torch.float32)
+    y = torch.empty_like(x)
+    t = _timeit(lambda: y.copy_(x), sync=sync)
+    bw = 2 * x.numel() * 4 / t
+    tiny = torch.ones(8, device=device)
+    t_op = _timeit(lambda: [tiny.add_(1) for _ in range(200)], sync=sync) / 200
+    return {"peak_flops": peak, "half_dim": half, "mem_bw": bw, "op_us": t_op * 1e6, "rates": rates}
+
+
+def _allreduce_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = {}
+    for nbytes in (4 * 1024, 16 * 1024 * 1024):
+        t = torch.ones(nbytes // 4)
+        dist.all_reduce(t)
+        dist.barrier()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            best = min(best, time.perf_counter() - t0)
+        res[nbytes] = best
+    if rank == 0:
+        Path(out).write_text(yaml.safe_dump({int(k): float(v) for k, v in res.items()}))
+    dist.destroy_process_group()
+
+
+def measure_allreduce(nproc: int) -> tuple[float, float]:
+    """(bus bandwidth GB/s, latency us) of a ring all-reduce among `nproc` local processes."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tempfile.mktemp(suffix=".yaml")
+    mp.spawn(_allreduce_worker, args=(nproc, port, out), nprocs=nproc, join=True)
+    res = yaml.safe_load(Path(out).read_text())
+    small, large = res[4 * 1024], res[16 * 1024 * 1024]
+    n = nproc
+    hops = 2 * (n - 1)
+    latency = small / hops
+    bus = 2 * (n - 1) / n * 16 * 1024 * 1024 / max(large - hops * latency, 1e-9)
+    return bus / 1e9, latency * 1e6
+
+
+def calibrate(nproc: int, dtype: str = "fp32") -> dict:
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    c = measure_compute(device, dtype)
+    bus, lat = measure_allreduce(nproc) if nproc > 1 else (100.0, 1.0)
+    if device == "cpu":
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3 / nproc
+        gpu_name = "cpu"
+    else:
+        mem_gib = torch.cuda.get_device_properties(0).total_memory / 1024**3
+        gpu_name = torch.cuda.get_device_name(0)
+    peak_tf = c["peak_flops"] / 1e12
+    return {
+        "name": f"calibrated-{gpu_name.replace(' ', '-').lower()}",
+        "gpu": {
+            "name": gpu_name,
+            "peak_tflops": {dtype: round(peak_tf, 5)},
+            "hbm_gib": round(mem_gib, 2),
+            "hbm_gbps": round(c["mem_bw"] / 1e9, 2),
+            "calibration": {
+                "matmul_max_efficiency": 1.0,  # the measured peak is the best achieved rate
+                "matmul_half_dim": round(c["half_dim"], 1),
+                "attention_efficiency": 0.5,
+                "memory_efficiency": 1.0,  # the measured bandwidth is achieved bandwidth
+                "kernel_launch_us": round(c["op_us"], 2),
+                "framework_overhead_gib": 0.3 if device == "cpu" else 2.0,
+            },
+        },
+        "gpus_per_node": nproc,
+        "num_nodes": 1,
+        "intra_node": {"bandwidth_gbps": round(bus, 3), "latency_us": round(lat, 1), "efficiency": 1.0},
+        "inter_node": {"bandwidth_gbps": round(bus, 3), "latency_us": round(lat, 1), "efficiency": 1.0},
+        "backend": "gloo" if device == "cpu" else "nccl",
+    }
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .cli import print_json
+
+    spec = calibrate(args.nproc, args.dtype)
+    text = yaml.safe_dump(spec, sort_keys=False)
+    if args.output:
+        Path(args.output).write_text("# measured by `autoplan calibrate`\n" + text)
+    if args.json:
+        print_json(spec)
+    else:
+        print(text, end="")
+    return 0

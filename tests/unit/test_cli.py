@@ -1,0 +1,80 @@
+"""The CLI's estimate/models/clusters/schema commands: JSON fields of DESIGN.md, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autoplan.cli import main
+
+EST = ["estimate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--gpus", "1024", "--global-batch",
+       "1536", "--seq-len", "2048", "--parallel", "tp=8,pp=8,vp=3,mbs=1,sp=1,zero=1,recompute=selective"]
+
+
+def test_estimate_json_fields(capsys):
+    assert main(EST + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "tflops_per_gpu", "mfu", "hfu", "memory_gib", "breakdown", "parallel"):
+        assert key in d
+    assert len(d["memory_gib"]["per_stage"]) == 8
+    assert d["memory_gib"]["peak"] == pytest.approx(max(d["memory_gib"]["per_stage"]))
+    assert d["parallel"]["tp"] == 8 and d["parallel"]["dp"] == 16 and d["parallel"]["schedule"] == "interleaved"
+    assert sum(d["breakdown"].values()) == pytest.approx(d["step_time_s"], rel=1e-9)
+    assert 0.2 < d["mfu"] < 0.8 and d["hfu"] >= d["mfu"]
+
+
+def test_estimate_rich_output(capsys):
+    assert main(EST) == 0
+    out = capsys.readouterr().out
+    assert "step time" in out and "Memory per pipeline rank" in out and "bubble" in out
+
+
+def test_estimate_writes_a_plan(tmp_path, capsys):
+    from autoplan.plan import load_plan
+
+    out = tmp_path / "p.json"
+    assert main(EST + ["-o", str(out), "--json"]) == 0
+    plan = load_plan(out)
+    assert plan.parallel.vp == 3 and len(plan.stages) == 24
+    assert plan.prediction.step_time_s == pytest.approx(json.loads(capsys.readouterr().out)["step_time_s"])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--parallel", "tp=16"], "tp must stay inside a node"),
+    (["--parallel", "tp=8,pp=8,mbs=7"], "global batch must divide by dp*mbs"),
+    (["--parallel", "tp=8,pp=8,foo=1"], "unknown parallel configuration key"),
+])
+def test_estimate_errors_are_one_line(capsys, args, needle):
+    base = EST[:-2]
+    assert main(base + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and err.startswith("autoplan:") and "fix:" in err
+
+
+def test_bad_model_and_cluster(capsys):
+    assert main(["estimate", "--model", "nope", "--cluster", "dgx-h100", "--global-batch", "8",
+                 "--parallel", "tp=1"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+
+
+def test_listing_commands(capsys):
+    assert main(["models", "--json"]) == 0
+    models = {m["name"]: m for m in json.loads(capsys.readouterr().out)}
+    for name in ("gpt3-125m", "gpt3-175b", "llama2-70b", "llama3-405b", "mixtral-8x7b", "sc21-1t",
+                 "mlm-h100-462b", "tiny-gpt"):
+        assert name in models
+    assert main(["clusters", "--json"]) == 0
+    clusters = {c["name"] for c in json.loads(capsys.readouterr().out)}
+    assert {"dgx-a100-80g", "dgx-h100", "dgx-h200", "dgx-b200", "local-cpu"} <= clusters
+    assert main(["schema"]) == 0
+    assert "schema_version" in capsys.readouterr().out
+
+
+def test_estimate_does_not_import_torch():
+    code = ("import sys; from autoplan.cli import main; main(" + repr(EST + ["--json"]) + ");"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
