@@ -40,20 +40,10 @@ def load_workload(args: argparse.Namespace):
     """(model, cluster, training, profiles-or-None) from the shared options."""
     from cost_models.specs import TrainingSpec
 
-    from .specs import load_cluster, load_model
+    from .specs import load_cluster
+    from .workload import resolve_model
 
-    profiles = None
-    model_ref = args.model
-    if ":" in model_ref and not os.path.exists(model_ref) or model_ref.endswith("config.json"):
-        from .capture import capture_model_ref  # imports torch only for captured models
-
-        graph = capture_model_ref(model_ref)
-        if graph is not None:
-            model, profiles = graph.model_spec, graph.profiles
-        else:
-            model = load_model(model_ref)
-    else:
-        model = load_model(model_ref)
+    model, profiles = resolve_model(args.model)
     cluster = load_cluster(args.cluster, gpus=args.gpus)
     seq = args.seq_len or model.max_seq_length
     try:
@@ -163,7 +153,7 @@ def cmd_inspect_model(args: argparse.Namespace) -> int:
     from .capture.report import graph_summary_json, render_model_tree
     from .specs import load_model
 
-    graph = capture_model_ref(args.model)
+    graph = capture_model_ref(args.model, seq=args.seq_len)
     if graph is None:
         graph = capture_spec(load_model(args.model), seq=args.seq_len)
     if args.json:

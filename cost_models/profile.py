@@ -148,7 +148,9 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
         attention=Attention(heads=a, kv_heads=kv, head_dim=d, causal=True, dropout=dropout),
         hidden=h, params_replicated=norm_p + row_bias, params_sharded=col_bias,
         elementwise_tp=ew_tp, elementwise_seq=ew_seq,
-        kernels_fwd=14 + (4 if moe else 0) + (2 if model.position == "rope" else 0),
+        # one kernel per GEMM, the attention core, 2 norms, the activation and 2 residual adds, RoPE on q and k,
+        # and for MoE the router's softmax/top-k, dispatch, combine and its auxiliary loss
+        kernels_fwd=len(gemms) + 6 + (2 if model.position == "rope" else 0) + (4 if moe else 0),
         act_tp=act_tp, act_seq=act_seq, act_scores_per_seq=scores, act_input=2 * h,
         tp_allreduces=2, moe_top_k=top_k, moe_experts=n_exp,
     )

@@ -8,22 +8,8 @@ to `torch.fx.symbolic_trace`, and derives per-layer `LayerProfile`s (see `analyz
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .errors import CaptureError
 from .graph import BlockGroup, LayerInfo, ModelGraph, OpNode, TensorMeta
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .core import (
-        capture,
-        capture_hf_config,
-        capture_hf_model,
-        capture_model_ref,
-        capture_spec,
-        hf_model_from_config,
-        load_module_factory,
-    )
-    from .report import graph_summary_json, render_model_tree
 
 _LAZY = {
     "capture": "core", "capture_spec": "core", "capture_hf_config": "core", "capture_hf_model": "core",

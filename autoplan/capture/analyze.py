@@ -20,12 +20,17 @@ all-reduce); a GEMM whose n equals the layer's expert count is the router (repli
 sub-module (`experts.3.w1`) or with a 3-D weight are expert GEMMs, grouped over experts; in the head, the GEMM
 producing the vocabulary logits is vocab-parallel. Norms output R, attention S, elementwise ops inherit.
 
-Elementwise traffic counts one fused kernel per maximal connected region of elementwise ops (casts, views and
-gathers included), each norm module (or norm op) as one kernel, and the loss as one vocab-wide kernel
-sequence: a kernel reads its inputs from outside the region and writes the outputs used outside it, plus a
-1-byte mask (0.5 elements) per dropout. Ops that do not depend on the model's data input (position tables,
-RoPE cos/sin, causal masks, weight casts) are treated as precomputed constants and cost nothing per token.
-Cast-only regions are free (fused into their consumer).
+Elementwise traffic counts one fused kernel per maximal region of element-wise ops (casts, views and gathers
+included) that no other kernel separates (ops are merged only at equal "stage", the number of GEMMs,
+attention cores, norms or losses on the longest path to them, so fusion never creates a cycle), each norm
+module (or norm op) as one kernel, and the loss as LOSS_PASSES logits-sized passes in KERNELS_LOSS launches.
+A kernel reads its inputs from outside the region and writes the outputs used outside it, plus a 1-byte mask
+per dropout; traffic is in activation elements of the model's precision (bytes / parameter itemsize, so a
+fp32 upcast of bf16 logits reads 1 and writes 2). Ops that do not depend on the model's data input (position
+tables, RoPE cos/sin, causal masks, weight casts) are treated as precomputed constants and cost nothing per
+token. Kernel launches: one per GEMM (experts grouped), attention core, norm and region (a region repeated
+per expert counts once), KERNELS_VOCAB_LOOKUP for a region holding the vocabulary lookup, KERNELS_LOSS for
+the loss.
 
 Saved activations approximate autograd by op type (not by running backward): a GEMM saves its activation
 input; attention saves q, k, v and its output, with k/v counted before any GQA head repetition (a fused GQA
@@ -42,6 +47,7 @@ score, +3 with dropout), as `profile_from_spec` does, since the cost model picks
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -51,8 +57,7 @@ import networkx as nx
 from cost_models.profile import Attention, Gemm, LayerProfile
 
 from .errors import CaptureError
-from .graph import BlockGroup, LayerInfo, ModelGraph, OpNode, TensorMeta
-from .trace import RawCapture
+from .graph import BlockGroup, LayerInfo, ModelGraph, OpNode, RawCapture, TensorMeta
 
 VIEW_OPS = {
     "view", "_unsafe_view", "reshape", "transpose", "permute", "t", "expand", "expand_as", "unsqueeze", "squeeze",
@@ -94,10 +99,15 @@ GATHER_OPS = {"embedding", "index", "index_select", "gather", "take_along_dim"}
 REPEAT_OPS = VIEW_OPS | {"repeat_interleave", "repeat", "expand"}
 SKIP_OPS = {"_assert_tensor_metadata", "sym_size", "_assert_scalar", "sym_constrain_range_for_size",
             "_assert_async", "sym_constrain_range"}
+_DEBUG = bool(os.environ.get("AUTOPLAN_CAPTURE_DEBUG"))
 NORM_MODULE = re.compile(r"norm", re.IGNORECASE)
-# Launches of constructs that are one op in the graph but several kernels in a tensor-parallel runtime
-# (Megatron-LM's sequences, which `profile_from_spec` also assumes):
-KERNELS_LOSS = 6  # vocab-parallel cross-entropy: max, subtract, target gather, exp, sum, log
+# Constructs that are one op in the graph but several kernels at run time; the same conventions as
+# `cost_models.profile.profile_from_spec`, so that a capture and a spec of the same model cost the same.
+# Cross-entropy over logits (eager PyTorch / Megatron): max (read), subtract and exp (read 2, write 2), sum
+# (read), normalise for backward (read, write): 8 logits-sized passes, 7 launches with the target gather
+# and the mean.
+LOSS_PASSES = 8
+KERNELS_LOSS = 7
 KERNELS_VOCAB_LOOKUP = 3  # vocab-parallel embedding: mask out-of-shard ids, gather, zero the masked rows
 
 
@@ -158,7 +168,9 @@ class _Ctx:
         return o.param if o.kind == "param" else None
 
     def per_token(self, meta: TensorMeta | None) -> float:
-        return meta.numel / self.tokens if meta is not None else 0.0
+        """Memory traffic of one tensor per token, in activation elements of the model's precision (bytes /
+        itemsize of the parameters), so an fp32 upcast in a bf16 model counts double."""
+        return meta.nbytes / self.ref_itemsize / self.tokens if meta is not None else 0.0
 
     def act_bytes(self, meta: TensorMeta | None) -> float:
         """Bytes per token of a saved activation, normalised to 2-byte activations."""
@@ -180,7 +192,7 @@ class _Ctx:
                 stack.extend(self.consumers.get(c, ()))
                 if c in self.outputs:
                     out.append("<output>")
-            else:
+            elif self.ops[c].kind != "skip":  # metadata asserts read nothing
                 out.append(c)
         return out
 
@@ -385,7 +397,7 @@ def analyze(raw: RawCapture, *, name: str, batch: int, seq_captured: int, seq: i
 
     # Layer infos with op subgraphs, signatures and groups.
     infos: dict[str, LayerInfo] = {}
-    for idx, lname in enumerate(layer_ops):
+    for lname in layer_ops:
         kind = "embedding" if lname == "embedding" else "head" if lname == "head" else "block"
         names = layer_ops[lname]
         sub = nx.DiGraph()
@@ -527,15 +539,16 @@ def _needs(o: OpNode, g: _Ctx) -> list[str]:
     return [i for i, r in zip(ins, rg) if r]  # unknown op: assume it needs every grad-requiring input
 
 
-def _gqa_source(name: str, g: _Ctx) -> str:
-    """Walk back from an attention k/v operand through views, casts and head repetition (GQA)."""
+def _gqa_source(name: str, g: _Ctx) -> tuple[str, float]:
+    """(saved tensor, elements per token) of an attention k/v operand, walking back through views and head
+    repetition (GQA) to the smallest tensor on the way: the KV heads before they were repeated."""
     o = g.ops[name]
     best = o
     while o.opname in REPEAT_OPS and o.inputs and g.ops[o.inputs[0]].out is not None:
         o = g.ops[o.inputs[0]]
         if o.out.numel < best.out.numel:
             best = o
-    return g.base(best.name)
+    return g.base(best.name), best.out.numel / g.tokens
 
 
 def _attention_cores(names: list[str], g: _Ctx) -> list[tuple[set[str], OpNode, OpNode]]:
@@ -561,7 +574,7 @@ def _attention_cores(names: list[str], g: _Ctx) -> list[tuple[set[str], OpNode, 
             continue
         cur, pv = o, None
         for _ in range(12):  # forward: dropout, cast, view
-            nxt = [c for c in g.consumers.get(cur.name, ())]
+            nxt = [c for c in g.consumers.get(cur.name, ()) if g.ops[c].kind != "skip"]
             if len(nxt) != 1:
                 break
             c = g.ops[nxt[0]]
@@ -588,10 +601,16 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
 
     # Expert structure first (the router is recognised by n == number of experts).
     def expert_key(o: OpNode) -> tuple[str, int | None]:
+        """(module path with expert indices starred, expert index) of a GEMM."""
         rel = _rel(o.module, info.name) if layer_kind == "block" else o.module
         parts = rel.split(".") if rel else [o.opname]
         idx = next((int(p) for p in parts if p.isdigit()), None)
         return ".".join("*" if p.isdigit() else p for p in parts), idx
+
+    def weight_key(param: str | None) -> str:
+        rel = _rel(param or "", info.name) if layer_kind == "block" else (param or "")
+        rel = rel.removesuffix(".weight")
+        return ".".join("*" if p.isdigit() else p for p in rel.split("."))
 
     experts_seen: dict[str, set[int]] = defaultdict(set)
     batched_experts = 0
@@ -677,8 +696,9 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
             else:
                 role = "replicated"
             shard[o.name] = "S" if role in ("col", "vocab") else "R"
-            grp = gemm_groups.setdefault(key, {"n": n, "k": k, "tp": role, "expert": expert, "rows": 0.0,
-                                               "idx": set(), "count": 0, "first": o.name})
+            # one group per (module, weight): the experts of one projection share it
+            grp = gemm_groups.setdefault((key, weight_key(wparam)), {
+                "n": n, "k": k, "tp": role, "expert": expert, "rows": 0.0, "idx": set(), "count": 0})
             grp["rows"] += o.flops / (2.0 * n * k)
             if idx is not None:
                 grp["idx"].add(idx)
@@ -710,8 +730,13 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
             params_rep += g.params[p].numel
 
     gemms = []
-    for key, d in gemm_groups.items():
-        gemms.append(Gemm(name=key, n=d["n"], k=d["k"], tp=d["tp"], expert=d["expert"],
+    by_module = defaultdict(int)
+    for mkey, _ in gemm_groups:
+        by_module[mkey] += 1
+    for (mkey, wkey), d in gemm_groups.items():
+        # named by module path, or by weight where one module applies several weights (F.linear calls)
+        name = mkey if by_module[mkey] == 1 else wkey
+        gemms.append(Gemm(name=name, n=d["n"], k=d["k"], tp=d["tp"], expert=d["expert"],
                           tokens_per_token=d["rows"] / T, count=d["count"]))
     top_k = round(max((gm.tokens_per_token for gm in gemms if gm.expert), default=0))
 
@@ -730,28 +755,28 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
 
     for o in ops:
         if o.kind == "attention" and o.token_dependent:
-            q, k = o.in_meta[0], g.ops[_gqa_source(o.inputs[1], g)].out
+            q = o.in_meta[0]
+            k_src, kv_numel = _gqa_source(o.inputs[1], g)
             heads, d = q.shape[-3], q.shape[-1]
-            kv_numel = k.numel / T if k is not None else heads * d
             kv = max(1, round(kv_numel / d))
             drop = o.attrs.get("dropout_p", 0.0) > 0
             atts.append((heads, kv, d, bool(o.attrs.get("is_causal") or o.attrs.get("has_mask")), drop))
             scores_per_seq += heads * (2 + (3 if drop else 0))
             save(o.inputs[0])
-            save(_gqa_source(o.inputs[1], g))
-            save(_gqa_source(o.inputs[2], g))
+            save(k_src)
+            save(_gqa_source(o.inputs[2], g)[0])
             save(o.name)
     for mem, qk, pv in cores:
         sm = qk.out
         heads = sm.shape[-3] if len(sm.shape) >= 4 else max(1, sm.shape[0] // g.batch)
         d = qk.in_meta[0].shape[-1]
-        kv_src = g.ops[_gqa_source(qk.inputs[1], g)].out
-        kv = max(1, round((kv_src.numel / T) / d)) if kv_src is not None else heads
+        k_src, kv_numel = _gqa_source(qk.inputs[1], g)
+        kv = max(1, round(kv_numel / d))
         drop = any(g.ops[m].kind == "dropout" and g.ops[m].attrs.get("p", 0) > 0 for m in mem)
         atts.append((heads, kv, d, True, drop))
         save(qk.inputs[0])
-        save(_gqa_source(qk.inputs[1], g))
-        save(_gqa_source(pv.inputs[1], g))
+        save(k_src)
+        save(_gqa_source(pv.inputs[1], g)[0])
         sk = sm.shape[-1]
         score_saved: set[str] = set()
         for m in mem:
@@ -783,19 +808,19 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
         ext_in = {i for n in grp_ops for i in g.ops[n].inputs if g.live(i) and g.base(i) not in gs}
         outs = [n for n in grp_ops if g.live(n) and any(u not in gs for u in g.users(n))]
         ew["R"] += sum(g.per_token(g.ops[i].out) for i in ext_in) + sum(g.per_token(g.ops[n].out) for n in outs)
+        if _DEBUG:
+            print(f"[capture] {info.name} norm {sorted(ext_in)} -> {outs}")
         kernels += 1
         for i in ext_in:
             if g.ops[i].requires_grad or g.ops[g.base(i)].requires_grad:
                 save(i)
 
-    # Loss: three vocab-wide passes of memory traffic (max, exp-sum, normalise) in the six kernels of a
-    # vocab-parallel cross-entropy (Megatron-LM: max, subtract, target gather, exp, sum, log); saves its input
-    # (the fp32 log-softmax).
+    # Loss: LOSS_PASSES input-sized passes in KERNELS_LOSS launches; saves its input (the fp32 log-softmax).
     for o in loss_ops:
         src = o.inputs[0]
         if g.ops[g.base(src)].opname in SOFTMAX_OPS and g.base(src) in loss_members:
             src = g.ops[g.base(src)].inputs[0]
-        ew[sh(src)] += 3 * g.per_token(g.ops[src].out)
+        ew[sh(src)] += LOSS_PASSES * g.per_token(g.ops[src].out)
         kernels += KERNELS_LOSS
         if g.live(src):
             b = g.base(src)
@@ -845,26 +870,29 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
     expert_regions: set[tuple[str, ...]] = set()
     for reg in regions.values():
         rs = set(reg)
-        if all(g.ops[n].opname in CAST_OPS for n in reg):
-            continue  # a lone cast: fused into its consumer
         traffic = 0.0
-        read: set[str] = set()
+        read: dict[str, float] = defaultdict(float)  # per base tensor: bytes read through its views
         region_shard = "S" if any(shard.get(n) == "S" for n in reg) else "R"
         for n in reg:
             o = g.ops[n]
             for i, meta in zip(o.inputs, o.in_meta):
-                if i in read or g.base(i) in rs or not g.live(i):
+                if g.base(i) in rs or not g.live(i) or meta is None:
                     continue
-                read.add(i)
-                traffic += g.per_token(meta)
+                read[g.base(i)] += g.per_token(meta)
+        # several views of one tensor read it at most once
+        traffic += sum(min(v, g.per_token(g.ops[b].out)) for b, v in read.items())
+        for n in reg:
+            o = g.ops[n]
             if o.opname in GATHER_OPS and o.inputs and g.param_of(o.inputs[0]) is not None:
                 traffic += g.per_token(o.out)  # rows read from the table
             if any(u not in rs for u in g.users(n)) or n in g.outputs:
                 traffic += g.per_token(o.out)
             if o.kind == "dropout" and o.attrs.get("p", 0) > 0 and o.attrs.get("train", True):
-                traffic += 0.5 * g.per_token(o.out)
+                traffic += o.out.numel / g.ref_itemsize / T  # the 1-byte mask
                 masks[sh(n)] += o.out.numel / T  # 1 byte per element
         ew[region_shard] += traffic
+        if _DEBUG:
+            print(f"[capture] {info.name} region {region_shard} {traffic:.1f} {reg}")
         rels = [_rel(g.ops[n].module, info.name) for n in reg]
         repeated = False
         if layer_kind == "block" and all(any(p.isdigit() for p in r.split(".")) for r in rels):

@@ -88,6 +88,17 @@ class OpNode:
 
 
 @dataclass
+class RawCapture:
+    """What tracing produced, before any analysis."""
+
+    nodes: list[OpNode]
+    params: dict[str, TensorMeta]  # canonical name -> meta
+    outputs: list[str]  # names of nodes the graph returns
+    method: str
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
 class LayerInfo:
     """One layer of the model (the embedding part, a transformer block, or the head) and its op subgraph."""
 

@@ -94,8 +94,9 @@ def render_model_tree(graph: ModelGraph, console: Any) -> None:
                 continue
             node.add(f"{part}  params {_si(d['params'])}")
         for gm in p.gemms:
-            node.add(f"[dim]gemm {gm.name} [{gm.n}×{gm.k}] tp={gm.tp}"
-                     f"{f' expert×{gm.count} top-{gm.tokens_per_token:g}' if gm.expert else ''}[/dim]")
+            extra = f" expert×{gm.count} top-{gm.tokens_per_token:g}" if gm.expert else ""
+            extra += " (weight tied, held by an earlier layer)" if gm.count == 0 else ""
+            node.add(f"[dim]gemm {gm.name} [{gm.n}×{gm.k}] tp={gm.tp}{extra}[/dim]")
         if p.attention is not None:
             a = p.attention
             node.add(f"[dim]attention heads={a.heads} kv_heads={a.kv_heads} head_dim={a.head_dim}"

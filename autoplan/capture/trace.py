@@ -12,26 +12,13 @@ import contextlib
 import operator
 import re
 import types
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
 
 from .errors import CaptureError
-from .graph import OpNode, TensorMeta
-
-
-@dataclass
-class RawCapture:
-    """What tracing produced, before any analysis."""
-
-    nodes: list[OpNode]
-    params: dict[str, TensorMeta]  # canonical name -> meta
-    outputs: list[str]  # names of nodes the graph returns
-    method: str
-    notes: list[str] = field(default_factory=list)
-
+from .graph import OpNode, RawCapture, TensorMeta
 
 # ------------------------------------------------------------------------------------------------ metas
 
@@ -161,11 +148,11 @@ def export_capture(module: torch.nn.Module, args: tuple, kwargs: dict, strip: st
         elif isinstance(tgt, torch._ops.OpOverload):
             op = str(tgt)
         else:
-            op = getattr(tgt, "__name__", None) or getattr(tgt, "name", lambda: str(tgt))()
+            op = getattr(tgt, "__name__", None)
             if not isinstance(op, str):
                 op = str(tgt)
         short = _short(op)
-        ins = [a for a in _tensor_inputs(n) if isinstance(a.meta.get("val"), (torch.Tensor, tuple, list))]
+        ins = [a for a in _tensor_inputs(n) if _metas(a.meta.get("val"))]
         metas = _metas(n.meta.get("val"))
         if short == "getitem":
             val = n.meta.get("val")
@@ -251,7 +238,7 @@ def fx_capture(module: torch.nn.Module, args: tuple, kwargs: dict, strip: str = 
             pn = param_node(n.target)
             nodes.append(OpNode(n.name, "alias", "alias", "", (pn,), (), metas))
             continue
-        ins = [a.name for a in _tensor_inputs(n) if isinstance(vals.get(a.name), (torch.Tensor, tuple, list))]
+        ins = [a.name for a in _tensor_inputs(n) if _metas(vals.get(a.name))]
         path, typ = "", ""
         if n.op == "call_module":
             sub = mods[n.target]
@@ -261,7 +248,8 @@ def fx_capture(module: torch.nn.Module, args: tuple, kwargs: dict, strip: str = 
             if short is None:
                 raise CaptureError(f"torch.fx fall-back: unsupported leaf module {typ}", f"at {n.target}",
                                    "make the model exportable with torch.export")
-            ins += [param_node(f"{n.target}.{pn}" if n.target else pn) for pn, _ in sub.named_parameters()]
+            pins = [param_node(f"{n.target}.{pn}" if n.target else pn) for pn, _ in sub.named_parameters()]
+            ins = pins + ins if short == "embedding" else ins + pins  # ATen argument order
             attrs: dict[str, Any] = {}
             if short == "dropout":
                 attrs = {"p": float(sub.p), "train": sub.training}
@@ -352,7 +340,9 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict, *, method: str = "
 
 @contextlib.contextmanager
 def _quiet():
-    """Silence torch.export's logging of non-fatal warnings while tracing."""
+    """Silence torch.export while tracing: its warning logs, and the partial graph it prints to stderr when
+    it fails (the CaptureError says what went wrong in one line)."""
+    import io
     import logging
 
     loggers = [logging.getLogger(n) for n in ("torch._export", "torch.export", "torch._dynamo",
@@ -361,7 +351,8 @@ def _quiet():
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        yield
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
     finally:
         for lg, lv in zip(loggers, old):
             lg.setLevel(lv)

@@ -1,0 +1,75 @@
+"""Resolve a `--model` reference into a ModelSpec and, for captured models, their layer profiles.
+
+Presets and spec files are costed analytically (`profile_from_spec`). A Hugging Face `config.json` is mapped
+to a ModelSpec (used for validation and by the runtime) and, when `transformers` is installed, captured on
+the meta device so the cost model sees the real graph. A `package.module:factory` reference is captured, and
+its ModelSpec is derived from the captured layers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from cost_models.profile import LayerProfile
+from cost_models.specs import ModelSpec, MoESpec
+
+from .specs import load_model, model_from_hf_config
+
+
+def _is_factory(ref: str) -> bool:
+    return ":" in ref and not Path(ref).exists() and not ref.endswith(".json")
+
+
+def resolve_model(ref: str | ModelSpec) -> tuple[ModelSpec, list[LayerProfile] | None]:
+    if isinstance(ref, ModelSpec):
+        return ref, None
+    ref = str(ref)
+    if _is_factory(ref):
+        from .capture import capture, load_module_factory
+
+        module, inputs = load_module_factory(ref)
+        graph = capture(module, inputs, name=ref.split(":")[-1])
+        return spec_from_profiles(graph.profiles, name=ref.split(":")[-1], seq=graph.seq), graph.profiles
+    path = Path(ref)
+    if path.suffix == ".json" and path.exists():
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and ("model_type" in data or "architectures" in data):
+            spec = model_from_hf_config(data, name=path.parent.name or path.stem)
+            try:
+                from .capture import capture_hf_config
+
+                return spec, capture_hf_config(path).profiles
+            except ImportError as e:  # transformers missing: the analytic profile of the mapped spec
+                print(f"autoplan: note: {e}; costing {spec.name} from its config analytically", file=sys.stderr)
+                return spec, None
+    return load_model(ref), None
+
+
+def spec_from_profiles(profiles: list[LayerProfile], name: str, seq: int | None = None) -> ModelSpec:
+    """A ModelSpec describing a captured model (sizes for validation: heads, KV heads, FFN, vocab, layers)."""
+    blocks = [p for p in profiles if p.kind == "block"]
+    head = next((p for p in profiles if p.kind == "head"), None)
+    emb = next((p for p in profiles if p.kind == "embedding"), None)
+    b0 = blocks[0]
+    att = next((b.attention for b in blocks if b.attention is not None), None)
+    heads = att.heads if att else 1
+    kv = att.kv_heads if att else heads
+    dhead = att.head_dim if att else b0.hidden
+    attn_sizes = {heads * dhead, kv * dhead, (heads + 2 * kv) * dhead}
+    mlp_cols = [g for g in b0.gemms if g.tp == "col" and g.n not in attn_sizes]
+    ffn = max((g.n for g in mlp_cols), default=4 * b0.hidden)
+    gated = len({g.n for g in mlp_cols}) == 1 and len(mlp_cols) >= 2
+    moe = None
+    moe_block = next((b for b in blocks if b.moe_experts), None)
+    if moe_block is not None:
+        every = len(blocks) // max(1, sum(1 for b in blocks if b.moe_experts))
+        moe = MoESpec(num_experts=moe_block.moe_experts, top_k=moe_block.moe_top_k, expert_ffn_hidden_size=ffn,
+                      every_n_layers=max(1, every))
+    return ModelSpec(
+        name=name, num_layers=len(blocks), hidden_size=b0.hidden, num_attention_heads=heads, num_kv_heads=kv,
+        head_dim=dhead, ffn_hidden_size=ffn, vocab_size=head.logits_per_token if head and head.logits_per_token else 1,
+        max_seq_length=seq or 1 << 20, activation="swiglu" if gated else "gelu",
+        position="learned" if emb is not None and emb.params_replicated > 0 else "rope", moe=moe,
+    )
