@@ -57,9 +57,16 @@ def select_impl(device: Any) -> str:
     return "torch"
 
 
+_LOADED: dict[tuple[str, str], Callable] = {}
+
+
 def _load(name: str, impl: str) -> Callable:
-    module, triton_fn, torch_fn = _OPS[name]
-    return getattr(importlib.import_module(module), triton_fn if impl == "triton" else torch_fn)
+    fn = _LOADED.get((name, impl))
+    if fn is None:
+        module, triton_fn, torch_fn = _OPS[name]
+        fn = _LOADED[(name, impl)] = getattr(importlib.import_module(module),
+                                             triton_fn if impl == "triton" else torch_fn)
+    return fn
 
 
 def _first_tensor(args: tuple, kwargs: dict):

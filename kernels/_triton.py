@@ -7,8 +7,9 @@ Why this exists instead of plain `@triton.jit`:
   when TRITON_INTERPRET=1"), and a kernel file may have been imported before a test sets the
   variable. `jit` below keeps the Python function and builds the interpreted or the compiled
   kernel at launch time, from the environment as it is then.
-* The kernel files stay importable without Triton installed (it is the optional `kernels` extra),
-  so the torch references next to the kernels always work. Launching a kernel then raises
+* Importing a kernel file does not import Triton (the `tl` the kernels use is bound on their
+  first launch), so the torch references next to the kernels cost nothing extra and work without
+  Triton installed (it is the optional `kernels` extra); launching a kernel then raises
   `KernelUnavailableError` with the way out.
 * `capture_launches()` records launches instead of running them. The tests use it to compile
   every launch the real launchers make, with their real block sizes, for an H100 (sm_90) on a
@@ -27,20 +28,19 @@ from typing import Any
 
 from kernels._env import interpret_enabled, triton_installed  # noqa: F401  (re-exported)
 
-try:  # Triton is optional: the references must work without it.
-    import triton
-    import triton.language as tl
 
-    HAS_TRITON = True
-except ImportError:  # exercised by a subprocess test that hides triton
-    HAS_TRITON = False
-    triton = None
+class _LanguagePlaceholder:
+    """What `tl` is in a kernel file until its first launch binds the real `triton.language`.
 
-    class _MissingLanguage:
-        class constexpr:  # stands in for `tl.constexpr` in kernel annotations, evaluated at import
-            pass
+    Kernel files use `from __future__ import annotations`, so `x: tl.constexpr` is not evaluated
+    at import, and importing a kernel file never imports triton.
+    """
 
-    tl = _MissingLanguage()
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"triton.language.{name} used outside a launched kernel")
+
+
+tl = _LanguagePlaceholder()
 
 
 class KernelUnavailableError(RuntimeError):
@@ -63,6 +63,18 @@ def num_warps_for(block_elems: int) -> int:
     of 512 threads gets while leaving room for 4 CTAs per SM.
     """
     return max(1, min(16, block_elems // 512))
+
+
+def num_warps_for_backward(block_elems: int) -> int:
+    """Warps for a norm backward program over `block_elems` values per row block.
+
+    The backward keeps about four row-sized fp32 arrays live at once (x_hat, w*dy, dy and the
+    weight-gradient accumulator), so it gets twice the warps of the forward: 8 values per thread
+    per array (256 per warp), up to 32 warps (1024 threads, the CTA maximum). Compiled for sm_90,
+    this is the smallest count without register spills at rows of 8192 and 16384 (16 warps
+    spilled 16-600 bytes per thread); tests/kernels/test_kernels_compile_sm90.py checks it.
+    """
+    return max(4, min(32, block_elems // 256))
 
 
 def persistent_programs(device, work_items: int) -> int:
@@ -141,21 +153,29 @@ class Kernel:
         return self._interpreted
 
     def _require_triton(self) -> None:
-        if not HAS_TRITON:
-            raise KernelUnavailableError(
-                f"Triton kernel {self.fn.__name__!r} needs the triton package, which is not installed; "
-                "install it with `pip install 'autoplan[kernels]'` or use the torch reference "
-                "(kernels.get(name, impl='torch'))."
-            )
+        if triton_installed():
+            import triton.language
+
+            self.fn.__globals__["tl"] = triton.language  # replaces the placeholder, see above
+            return
+        raise KernelUnavailableError(
+            f"Triton kernel {self.fn.__name__!r} needs the triton package, which is not installed; "
+            "install it with `pip install 'autoplan[kernels]'` or use the torch reference "
+            "(kernels.get(name, impl='torch'))."
+        )
 
     def __getitem__(self, grid):
         def launch(*args: Any, **kwargs: Any):
+            # Fused multiply-add contraction, Triton's default through 3.9, stated explicitly: 3.9
+            # warns when it is left unset and 3.10 turns the default off.
+            kwargs.setdefault("enable_fp_fusion", True)
             if _CAPTURE is not None:
                 _CAPTURE.append(Launch(self, tuple(grid), args, kwargs))
                 return None
             if interpret_enabled():
+                interpreted = self.interpreted()
                 with _jit_calls_interpreted():
-                    return self.interpreted()[grid](*args, **kwargs)
+                    return interpreted[grid](*args, **kwargs)
             return self.compiled()[grid](*args, **kwargs)
 
         return launch
@@ -173,7 +193,7 @@ def _jit_calls_interpreted():
     called from Python. For the duration of an interpreted launch, such calls run the function
     through the interpreter instead. Outside interpreted launches nothing changes.
     """
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
 
     original = JITFunction.__call__
@@ -181,8 +201,14 @@ def _jit_calls_interpreted():
     def call_interpreted(self, *args, **kwargs):
         fn = _INTERPRETED_LIBRARY.get(self.fn)
         if fn is None:
-            fn = _INTERPRETED_LIBRARY[self.fn] = InterpretedFunction(self.fn)
-        return fn(*args, **kwargs)
+            fn = _INTERPRETED_LIBRARY[self.fn] = interpreter.InterpretedFunction(self.fn)
+        # InterpretedFunction.__call__ patches triton.language for the interpreter and never
+        # undoes it, which breaks later compilation in the same process; undo it here.
+        scope = interpreter._patch_lang(fn.fn)
+        try:
+            return fn.rewrite()(*args, **kwargs)
+        finally:
+            scope.restore()
 
     JITFunction.__call__ = call_interpreted
     try:

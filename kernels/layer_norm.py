@@ -23,13 +23,23 @@ from kernels._checks import (
     check_triton_device,
     check_vector,
 )
-from kernels._triton import cdiv, jit, next_power_of_2, num_warps_for, persistent_programs, tl
+from kernels._triton import (
+    cdiv,
+    jit,
+    next_power_of_2,
+    num_warps_for,
+    num_warps_for_backward,
+    persistent_programs,
+    tl,
+)
 
 OP = "layer_norm"
 
 # Same tiling as rms_norm.py: 4096 fp32 values per program, at most 16 rows per program.
 _TILE_ELEMS = 4096
 _MAX_ROWS_PER_PROGRAM = 16
+# Widest row whose dweight/dbias accumulators stay in registers in the backward (see rms_norm.py).
+_MAX_REGISTER_ACCUMULATOR = 8192
 
 
 def _tile(n_cols: int) -> tuple[int, int]:
@@ -75,14 +85,15 @@ def _layer_norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
     stride_dy, stride_x, stride_dx, n_rows, n_cols, rows_per_program,
     HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACC_IN_REGISTERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # Grid-stride over rows, as in rms_norm.py; partial parameter gradients go to row `pid`.
+    # Grid-stride over rows, as in rms_norm.py; the partial parameter gradients of program `pid`
+    # go to row `pid` of DW_PARTIAL/DB_PARTIAL, accumulated in registers or in that row itself.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_partial = DW_PARTIAL + pid * n_cols + cols
+    db_partial = DB_PARTIAL + pid * n_cols + cols
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     row_start = pid * rows_per_program
@@ -96,7 +107,21 @@ def _layer_norm_bwd_kernel(
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if COMPUTE_DW:
+            if ACC_IN_REGISTERS:
+                dw_acc += tl.sum(dy * xhat, axis=0)
+            else:
+                tl.store(dw_partial, tl.load(dw_partial, mask=col_mask, other=0.0) + tl.sum(dy * xhat, axis=0),
+                         mask=col_mask)
+        if COMPUTE_DB:
+            if ACC_IN_REGISTERS:
+                db_acc += tl.sum(dy, axis=0)
+            else:
+                tl.store(db_partial, tl.load(db_partial, mask=col_mask, other=0.0) + tl.sum(dy, axis=0),
+                         mask=col_mask)
         if HAS_WEIGHT:
+            # re-read per row block (an L1/L2 hit), see rms_norm.py
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
             wdy = dy * w[None, :]
         else:
             wdy = dy
@@ -104,14 +129,11 @@ def _layer_norm_bwd_kernel(
         c2 = tl.sum(wdy, axis=1) / n_cols
         dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if ACC_IN_REGISTERS:
         if COMPUTE_DW:
-            dw_acc += tl.sum(dy * xhat, axis=0)
+            tl.store(dw_partial, dw_acc, mask=col_mask)
         if COMPUTE_DB:
-            db_acc += tl.sum(dy, axis=0)
-    if COMPUTE_DW:
-        tl.store(DW_PARTIAL + pid * n_cols + cols, dw_acc, mask=col_mask)
-    if COMPUTE_DB:
-        tl.store(DB_PARTIAL + pid * n_cols + cols, db_acc, mask=col_mask)
+            tl.store(db_partial, db_acc, mask=col_mask)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -169,13 +191,16 @@ def layer_norm_backward(dy, x, weight, bias, mean, rstd, compute_dw: bool = True
     rows_per_program = cdiv(cdiv(n_rows, programs), block_m) * block_m
     programs = cdiv(n_rows, rows_per_program)
     f32 = dict(dtype=torch.float32, device=x.device)
-    dw_partial = torch.empty((programs, n_cols) if compute_dw else (1,), **f32)
-    db_partial = torch.empty((programs, n_cols) if compute_db else (1,), **f32)
+    in_registers = block_n <= _MAX_REGISTER_ACCUMULATOR
+    alloc = torch.empty if in_registers else torch.zeros
+    dw_partial = alloc((programs, n_cols) if compute_dw else (1,), **f32)
+    db_partial = alloc((programs, n_cols) if compute_db else (1,), **f32)
     _layer_norm_bwd_kernel[(programs,)](
         dy2, x2, weight if weight is not None else x2, mean, rstd, dx2, dw_partial, db_partial,
         dy2.stride(0), x2.stride(0), dx2.stride(0), n_rows, n_cols, rows_per_program,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps_for(block_m * block_n),
+        ACC_IN_REGISTERS=in_registers, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps_for_backward(block_m * block_n),
     )
     dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
     db = db_partial.sum(0).to(bias.dtype) if compute_db else None

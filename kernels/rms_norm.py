@@ -22,7 +22,15 @@ from kernels._checks import (
     check_triton_device,
     check_vector,
 )
-from kernels._triton import cdiv, jit, next_power_of_2, num_warps_for, persistent_programs, tl
+from kernels._triton import (
+    cdiv,
+    jit,
+    next_power_of_2,
+    num_warps_for,
+    num_warps_for_backward,
+    persistent_programs,
+    tl,
+)
 
 OP = "rms_norm"
 
@@ -31,6 +39,10 @@ OP = "rms_norm"
 _TILE_ELEMS = 4096
 # Cap on rows per program, so that short rows (hidden 64) still spread over many programs.
 _MAX_ROWS_PER_PROGRAM = 16
+# Widest row whose weight-gradient accumulator stays in registers in the backward. Compiled for
+# sm_90, BLOCK_N 16384 spilled 80-360 bytes per thread at 16 or 32 warps; 8192 did not
+# (tests/kernels/test_kernels_compile_sm90.py checks this).
+_MAX_REGISTER_ACCUMULATOR = 8192
 
 
 def _tile(n_cols: int) -> tuple[int, int]:
@@ -69,15 +81,17 @@ def _rms_norm_fwd_kernel(
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,
     stride_dy, stride_x, stride_dx, n_rows, n_cols, rows_per_program,
-    HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, DW_IN_REGISTERS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Grid-stride over rows: program `pid` owns rows [pid * rows_per_program, ... + rows_per_program)
-    # and accumulates its share of dw in registers, written once to DW_PARTIAL[pid, :].
+    # and accumulates its share of dw in DW_PARTIAL[pid, :]: in registers, written once at the end
+    # (DW_IN_REGISTERS), or, for rows too wide to keep another row of registers, added to its
+    # own (zero-initialised) partial row after each row block, which stays in L1/L2.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    partial = DW_PARTIAL + pid * n_cols + cols
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
@@ -89,17 +103,24 @@ def _rms_norm_bwd_kernel(
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         xhat = x * rstd[:, None]
+        if COMPUTE_DW:
+            if DW_IN_REGISTERS:
+                dw_acc += tl.sum(dy * xhat, axis=0)
+            else:
+                tl.store(partial, tl.load(partial, mask=col_mask, other=0.0) + tl.sum(dy * xhat, axis=0),
+                         mask=col_mask)
         if HAS_WEIGHT:
+            # re-read per row block (an L1/L2 hit) rather than holding a row of registers across
+            # the loop, which made the kernel spill at hidden 8192
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
             wdy = dy * w[None, :]
         else:
             wdy = dy
         c = tl.sum(xhat * wdy, axis=1) / n_cols
         dx = (wdy - xhat * c[:, None]) * rstd[:, None]
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        if COMPUTE_DW:
-            dw_acc += tl.sum(dy * xhat, axis=0)
-    if COMPUTE_DW:
-        tl.store(DW_PARTIAL + pid * n_cols + cols, dw_acc, mask=col_mask)
+    if COMPUTE_DW and DW_IN_REGISTERS:
+        tl.store(partial, dw_acc, mask=col_mask)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -158,12 +179,15 @@ def rms_norm_backward(dy, x, weight, rstd, compute_dw: bool = True):
     programs = persistent_programs(x.device, cdiv(n_rows, block_m))
     rows_per_program = cdiv(cdiv(n_rows, programs), block_m) * block_m  # whole row blocks each
     programs = cdiv(n_rows, rows_per_program)
-    partial = torch.empty((programs, n_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
+    in_registers = block_n <= _MAX_REGISTER_ACCUMULATOR
+    alloc = torch.empty if in_registers else torch.zeros
+    partial = alloc((programs, n_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
     _rms_norm_bwd_kernel[(programs,)](
         dy2, x2, weight if weight is not None else x2, rstd, dx2, partial,
         dy2.stride(0), x2.stride(0), dx2.stride(0), n_rows, n_cols, rows_per_program,
-        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps_for(block_m * block_n),
+        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, DW_IN_REGISTERS=in_registers,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps_for_backward(block_m * block_n),
     )
     dw = partial.sum(0).to(weight.dtype) if compute_dw else None
     return dx, dw

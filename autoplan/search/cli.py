@@ -1,0 +1,105 @@
+"""`autoplan search`: find the fastest plan, show the top candidates, write the plan file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cost_models.errors import ConfigError
+
+
+def register(subparsers) -> None:
+    from autoplan.cli import add_json, add_workload_args
+
+    p = subparsers.add_parser("search", help="find the fastest parallel plan that fits")
+    add_workload_args(p)
+    p.add_argument("--top", type=int, default=5, help="plans to show (the best and its runners-up)")
+    p.add_argument("--fix", action="append", default=[], metavar="KEY=VAL",
+                   help="pin a knob, e.g. --fix tp=8 --fix recompute=selective (repeatable; commas allowed)")
+    p.add_argument("-o", "--output", help="write the best plan to this file")
+    add_json(p)
+    p.set_defaults(func=cmd_search)
+
+
+def parse_fix_args(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        for part in item.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "=" not in part:
+                raise ConfigError("--fix takes KEY=VAL", f"got {part!r}", "write e.g. --fix tp=8")
+            k, v = part.split("=", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from autoplan.cli import console, load_workload, print_json
+
+    from .core import search
+
+    model, cluster, training, profiles = load_workload(args)
+    fix = parse_fix_args(args.fix)
+    show_progress = not args.json and sys.stderr.isatty()
+    if show_progress:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("searching", total=1)
+
+            def progress(phase: str, done: int, total: int) -> None:
+                bar.update(task, description=phase, completed=done, total=max(total, 1))
+
+            result = search(model, cluster, training, profiles=profiles, fix=fix, top=args.top,
+                            progress=progress, command=" ".join(["autoplan", *sys.argv[1:]]),
+                            kernels=args.kernels)
+    else:
+        result = search(model, cluster, training, profiles=profiles, fix=fix, top=args.top,
+                        command=" ".join(["autoplan", *sys.argv[1:]]), kernels=args.kernels)
+    if args.output:
+        result.plan.save(args.output)
+    if args.json:
+        print_json(result.as_json())
+        return 0
+    render_search(console(None if sys.stdout.isatty() else 200), result, model, cluster, training, args.output)
+    return 0
+
+
+def render_search(con, result, model, cluster, training, output: str | None) -> None:
+    from rich.table import Table
+
+    from cost_models.estimate import GIB
+
+    st = result.stats
+    cap = cluster.gpu.hbm_gib
+    t = Table(title=f"autoplan search: {model.name} on {cluster.num_gpus}x {cluster.gpu.name}, "
+                    f"batch {training.global_batch_size} x {training.seq_length} ({training.dtype})")
+    cols = ("#", "step s", "TF/s/GPU", "MFU", "peak GiB", "headroom", "tp", "pp", "dp", "cp", "ep", "vp", "mbs", "sp",
+            "zero", "recompute", "schedule", "why not #1")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("recompute", "schedule", "why not #1") else "right")
+    ests = [result.best, *result.runners_up]
+    notes = [""] + [r.note for r in result.plan.runners_up]
+    for i, (e, note) in enumerate(zip(ests, notes, strict=True)):
+        c = e.config
+        rec = c.recompute + (f"({c.recompute_layers})" if c.recompute_layers is not None else "")
+        if any(s.layout.recompute != e.stages[0].layout.recompute for s in e.stages):
+            rec += " per-stage"
+        t.add_row(str(i + 1), f"{e.step_time_s:.3f}", f"{e.tflops_per_gpu:.0f}", f"{100 * e.mfu:.1f}%",
+                  f"{e.peak_memory_gib:.1f}", f"{cap - e.peak_memory_gib:.1f}", str(c.tp), str(c.pp), str(c.dp),
+                  str(c.cp), str(c.ep), str(c.vp), str(c.mbs), str(int(c.sp)), str(c.zero), rec, c.schedule, note)
+    con.print(t)
+    best = result.best
+    sizes = [s.layout.layers[1] - s.layout.layers[0] for s in best.stages]
+    if len(set(sizes)) > 1:
+        con.print(f"stages (blocks per stage): {sizes}  (embedding on stage 0, LM head on stage {len(sizes) - 1})")
+    con.print(f"best: {best.config.to_string()}  peak {best.peak_memory_gib:.1f} of {best.capacity_bytes / GIB:.1f} GiB")
+    con.print(f"searched {st.candidates} candidates on {st.meshes} meshes: {st.pruned_memory} cannot fit, "
+              f"{st.pruned_bound} pruned by bound, {st.ranked} ranked, {st.ilp_solved} ILPs solved "
+              f"(+{st.ilp_cached} cached), {st.estimated} simulated, in {st.search_time_s:.2f} s")
+    if output:
+        con.print(f"plan written to {output} ({result.plan.short_hash})")

@@ -1,0 +1,675 @@
+"""`search()`: from a model, a cluster and a training setup to the fastest plan that fits.
+
+The procedure (every number is the cost model's; nothing is measured):
+
+1. **Enumerate** legal meshes (tp, cp, ep, pp, dp) with micro-batch sizes and sequence parallelism
+   (`space.meshes`), and for each mesh the ZeRO stages, schedules and virtual stages (`space.knob_options`).
+   The three benchmark cases have 0.2-0.3 million such candidates; they are never all built.
+2. **Bound**: best-first branch and bound over one heap. A candidate's key is first a lower bound: its
+   perfectly balanced step without recomputation, (m - 1/v) W/pp + W/v + the closed form's point-to-point
+   time + the data-parallel tail (W = every layer's work for one micro-batch). A mesh enters the heap with
+   the least bound of its candidates. Meshes whose memory floor (every block fully recomputed, the largest
+   ZeRO stage, one micro-batch in flight, averaged over ranks) exceeds the GPU are *pruned by memory*.
+3. **Rank**: a popped candidate gets a feasible layout from `problem.greedy_bound` (rank-level block counts,
+   least recomputation that fits; optimal in the max term for identical blocks) and is pushed back with that
+   proxy step time. Dominated candidates (GPipe by 1F1B, sp=0 by sp=1: same or worse under this model) are
+   re-keyed by their twin's proxy and usually never ranked.
+4. **Solve**: a popped ranked candidate gets its stage ILP (`ilp.py`, pulp/CBC; identical sub-problems are
+   solved once) and is estimated with the cost model's closed-form pipeline (`estimate(...,
+   simulate_pipeline=False)`, exact memory and data-parallel tail) and pushed back with that time.
+5. **Simulate**: a popped closed-form finalist is re-estimated with `cost_models.estimate.estimate` and its
+   pipeline simulation. The search stops when the smallest key left is no better than the best simulated
+   step and `top` finalists are in hand; everything left is *pruned by bound*. The best plan is always a
+   simulated one; runners-up that were not simulated say so (`"pipeline": "closed-form"`).
+
+Shortcuts (named so they can be revisited): the keys are lower bounds only up to the cost model's own
+closed-form vs simulation gap (the simulated pipeline is usually slower than the closed form, which keeps
+the keys optimistic, but not provably so); the ILP's objective is the closed form, so its layout is optimal
+for the closed form and then simulated; the data-parallel tail used in keys, the ZeRO-3 exposed traffic
+(per block) and the ZeRO-3 gathered-weights buffer (as if a stage held one block plus the embedding or head)
+are approximations for an even layout; heterogeneous blocks are ranked by their mean block (the ILP is
+exact); a `--fix recompute_layers` pin uses Megatron's even layout instead of the ILP; at most
+`max_finalists` pipelines are simulated.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cost_models import comm
+from cost_models.compute import Context, LayerCost, layer_cost
+from cost_models.errors import ConfigError, DoesNotFitError
+from cost_models.estimate import (
+    _ADAM_BYTES_PER_PARAM,
+    _BUCKET_PARAMS,
+    GIB,
+    Estimate,
+    StageLayout,
+    estimate,
+)
+from cost_models.pipeline import in_flight
+from cost_models.profile import LayerProfile, profile_from_spec
+from cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec, check_config
+
+from .ilp import is_cached, solve_stage_problem
+from .problem import (
+    FULL,
+    NONE,
+    SELECTIVE,
+    BlockCost,
+    StageChoice,
+    StageProblem,
+    StageSolution,
+    evaluate,
+    feasible,
+    greedy_bound,
+)
+from .space import Knobs, Mesh, knob_options, meshes, parse_fix, to_config
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class SearchStats:
+    meshes: int = 0  # (tp, cp, ep, pp, dp, mbs, sp) combinations
+    candidates: int = 0  # meshes x (ZeRO, schedule, vp): the legal configurations enumerated
+    pruned_memory: int = 0  # candidates of meshes that cannot fit even with full recomputation and ZeRO
+    pruned_bound: int = 0  # candidates whose lower bound could not beat the kept ones
+    ranked: int = 0  # candidates given a feasible layout by the greedy (or found not to fit)
+    ilp_solved: int = 0  # stage ILPs solved with CBC
+    ilp_cached: int = 0  # stage ILPs answered from the cache (identical sub-problems)
+    screened: int = 0  # ILP layouts estimated with the closed-form pipeline
+    estimated: int = 0  # finalists re-estimated with the pipeline simulation
+    pruned_dominated: int = 0  # dominated by a twin that cannot fit (GPipe by 1F1B, sp=0 by sp=1)
+    search_time_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Finalist:
+    config: ParallelConfig
+    estimate: Estimate  # closed-form pipeline until `simulated`
+    solution: StageSolution
+    proxy_s: float
+    layout: list[StageLayout] = field(default_factory=list)
+    simulated: bool = False
+
+
+@dataclass
+class SearchResult:
+    plan: object  # autoplan.plan.Plan
+    best: Estimate
+    runners_up: list[Estimate]
+    stats: SearchStats
+    finalists: list[Finalist] = field(default_factory=list)
+
+    @property
+    def search_time_s(self) -> float:
+        return self.stats.search_time_s
+
+    def as_json(self) -> dict:
+        """DESIGN.md's `search --json` object: the best plan's fields, `runners_up`, `search_time_s`."""
+        d = estimate_json(self.best)
+        d["stages"] = [s.model_dump(mode="json") for s in self.plan.stages]
+        d["pipeline"] = "simulated"
+        d["runners_up"] = []
+        for f in self.finalists[1:len(self.runners_up) + 1]:
+            r = estimate_json(f.estimate)
+            r["pipeline"] = "simulated" if f.simulated else "closed-form"
+            d["runners_up"].append(r)
+        d["search_time_s"] = self.stats.search_time_s
+        d["stats"] = self.stats.as_dict()
+        return d
+
+
+def estimate_json(est: Estimate) -> dict:
+    d = est.as_dict()
+    d["memory_headroom_gib"] = est.capacity_bytes / GIB - est.peak_memory_gib
+    return d
+
+
+# ----------------------------------------------------------------------------------------------- costs
+
+
+class CostTable:
+    """Per-layer costs for every context, each unique layer profile costed once per context."""
+
+    def __init__(self, profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec) -> None:
+        self.cluster, self.training = cluster, training
+        uids: dict[LayerProfile, int] = {}
+        self.unique: list[LayerProfile] = []
+        self.uid: list[int] = []
+        for p in profiles:
+            key = p.model_copy(update={"name": ""})
+            if key not in uids:
+                uids[key] = len(self.unique)
+                self.unique.append(p)
+            self.uid.append(uids[key])
+        self.block_uids = self.uid[1:-1]
+        self.block_counts: dict[int, int] = {}
+        for u in self.block_uids:
+            self.block_counts[u] = self.block_counts.get(u, 0) + 1
+        self._layer: dict[tuple, list[LayerCost]] = {}
+        self.w_bytes = 4 if training.dtype in ("fp32", "tf32") else 2
+        self.g_bytes = training.grad_bytes
+        self.opt_bytes = (0 if training.dtype in ("fp32", "tf32") else 4) + 8
+
+    def layers(self, mesh: Mesh) -> list[LayerCost]:
+        key = mesh.ctx_key
+        got = self._layer.get(key)
+        if got is None:
+            ctx = Context(cluster=self.cluster, training=self.training, tp=mesh.tp, cp=mesh.cp, sp=mesh.sp,
+                          ep=mesh.ep, mbs=mesh.mbs)
+            got = [layer_cost(p, ctx) for p in self.unique]
+            self._layer[key] = got
+        return got
+
+    def static_per_param(self, mesh: Mesh, zero: int) -> tuple[float, float]:
+        """Bytes per dense and per expert parameter (weights + gradients + optimizer) after ZeRO sharding."""
+        sd = mesh.dp * mesh.cp
+        se = max(1, sd // mesh.ep)
+        out = []
+        for shard in (sd, se):
+            out.append(self.w_bytes * (1 / shard if zero >= 3 else 1) + self.g_bytes * (1 / shard if zero >= 2 else 1)
+                       + self.opt_bytes * (1 / shard if zero >= 1 else 1))
+        return out[0], out[1]
+
+
+def _block_cost(c: LayerCost, dense_b: float, expert_b: float, extra_work: float = 0.0) -> BlockCost:
+    dense = c.params_local - c.expert_params_local
+    return BlockCost(work=c.fwd_s + c.bwd_s + extra_work, rec_sel=c.recompute_selective_s, rec_full=c.recompute_full_s,
+                     act_none=c.act_none, act_sel=c.act_selective, act_full=c.act_full,
+                     static=dense * dense_b + c.expert_params_local * expert_b)
+
+
+# ---------------------------------------------------------------------------------------------- search
+
+
+@dataclass(frozen=True)
+class _Agg:
+    """Sums over the blocks of one context (per micro-batch, per GPU)."""
+
+    work: float  # every layer, embedding and head included, fwd + bwd
+    blk_dense: float
+    blk_expert: float
+    blk_bwd: float
+    blk_act_full: float
+    blk_params_max: float
+    emb: LayerCost
+    head: LayerCost
+
+
+class _Searcher:
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                 profiles: list[LayerProfile], fix: dict[str, object], top: int, progress: Progress | None,
+                 max_finalists: int = 40):
+        self.model, self.cluster, self.training = model, cluster, training
+        self.profiles = profiles
+        self.fix = fix
+        self.top = top
+        self.max_finalists = max_finalists
+        self.progress = progress
+        self.L = len(profiles) - 2
+        self.costs = CostTable(profiles, cluster, training)
+        self.capacity = cluster.gpu.hbm_gib * GIB
+        self.overhead = cluster.gpu.calibration.framework_overhead_gib * GIB
+        self.stats = SearchStats()
+        self._tail: dict[tuple, float] = {}
+        self._dp: dict[tuple, list] = {}
+        self._agg: dict[tuple, _Agg] = {}
+        self.closest: tuple[float, Mesh, dict] | None = None  # (memory deficit bytes, mesh, parts)
+        self.finalists: list[Finalist] = []
+        self.misses: list[tuple[Mesh, Knobs, StageProblem]] = []
+        self.proxies: dict[tuple[Mesh, Knobs], float] = {}
+
+    # ---- per-candidate numbers
+
+    def agg(self, mesh: Mesh) -> _Agg:
+        key = mesh.ctx_key
+        got = self._agg.get(key)
+        if got is None:
+            lc = self.costs.layers(mesh)
+            cnt = self.costs.block_counts.items()
+            emb, head = lc[self.costs.uid[0]], lc[self.costs.uid[-1]]
+            got = _Agg(
+                work=sum(n * (lc[u].fwd_s + lc[u].bwd_s) for u, n in cnt) + emb.fwd_s + emb.bwd_s + head.fwd_s
+                + head.bwd_s,
+                blk_dense=sum(n * (lc[u].params_local - lc[u].expert_params_local) for u, n in cnt),
+                blk_expert=sum(n * lc[u].expert_params_local for u, n in cnt),
+                blk_bwd=sum(n * lc[u].bwd_s for u, n in cnt),
+                blk_act_full=sum(n * lc[u].act_full for u, n in cnt),
+                blk_params_max=max(lc[u].params_local for u, _ in cnt), emb=emb, head=head)
+            self._agg[key] = got
+        return got
+
+    def micro_batches(self, mesh: Mesh) -> int:
+        return self.training.global_batch_size // (mesh.dp * mesh.mbs)
+
+    def p2p_time(self, mesh: Mesh) -> float:
+        """One activation message between neighbouring pipeline stages (as `estimate`)."""
+        if mesh.pp == 1:
+            return 0.0
+        tokens = mesh.mbs * self.training.seq_length // mesh.cp
+        e = 4 if self.training.dtype in ("fp32", "tf32") else 2
+        nbytes = tokens * self.profiles[0].hidden * e / mesh.tp
+        cross = mesh.tp * mesh.cp * mesh.dp >= self.cluster.gpus_per_node and self.cluster.num_nodes > 1
+        return comm.p2p(self.cluster, nbytes, cross)
+
+    def p2p_proxy(self, mesh: Mesh, kn: Knobs) -> float:
+        """Exposed point-to-point time: the closed form's 2 (pp - 1) messages; the interleaved schedule's
+        fill and drain cross every virtual stage, 2 (pp vp - 1) messages (close to the simulation's)."""
+        return 2 * (mesh.pp * kn.vp - 1) * self.p2p_time(mesh) if mesh.pp > 1 else 0.0
+
+    def tail(self, mesh: Mesh, zero: int, vp: int = 1) -> float:
+        """Data-parallel gradient sync, parameter gather and optimizer after the pipeline drains (as
+        `estimate._dp_sync`, for an even layout; the worst of the first, a middle and the last rank). The
+        gradient reduction overlaps only the rank's last backward (one chunk of 1/vp of its layers), so the
+        tail grows with vp; vp=1 gives the least tail (used in lower bounds over vp)."""
+        key = (mesh.ctx_key, mesh.pp, mesh.dp, zero, vp)
+        got = self._tail.get(key)
+        if got is not None:
+            return got
+        a = self.agg(mesh)
+        worst = 0.0
+        for r, (red, tl, rest) in self._dp_parts(mesh, zero):
+            bwd = a.blk_bwd / (mesh.pp * vp) + (a.head.bwd_s if r == mesh.pp - 1 else 0.0)
+            exposed = max(tl, red - bwd) if self.training.overlap_grad_reduce else red
+            worst = max(worst, exposed + rest)
+        self._tail[key] = worst
+        return worst
+
+    def _dp_parts(self, mesh: Mesh, zero: int) -> list[tuple[int, tuple[float, float, float]]]:
+        """Per representative pipeline rank: (gradient reduction, its last-bucket tail, optimizer + exposed
+        parameter gather). Depends on parameters (tp, ep) and groups (cp, dp, pp) only."""
+        key = (mesh.tp, mesh.cp, mesh.ep, mesh.pp, mesh.dp, zero)
+        got = self._dp.get(key)
+        if got is not None:
+            return got
+        cl, tr = self.cluster, self.training
+        n = mesh.dp * mesh.cp
+        gpu = cl.gpu
+        a = self.agg(mesh)
+        out = []
+        for r in sorted({0, mesh.pp // 2, mesh.pp - 1}):
+            dense, expert = a.blk_dense / mesh.pp, a.blk_expert / mesh.pp
+            if r == 0:
+                dense += a.emb.params_local - a.emb.expert_params_local
+            if r == mesh.pp - 1:
+                dense += a.head.params_local - a.head.expert_params_local
+            red = gather = tl = 0.0
+            if n > 1:
+                grp_d = comm.group_of(cl, n, mesh.tp)
+                grp_e = comm.group_of(cl, max(1, n // mesh.ep), mesh.tp * mesh.ep)
+                g, w = self.costs.g_bytes, self.costs.w_bytes
+                if zero == 0:
+                    red = comm.all_reduce(cl, grp_d, dense * g) + comm.all_reduce(cl, grp_e, expert * g)
+                else:
+                    red = comm.reduce_scatter(cl, grp_d, dense * g) + comm.reduce_scatter(cl, grp_e, expert * g)
+                    if zero < 3:
+                        gather = comm.all_gather(cl, grp_d, dense * w) + comm.all_gather(cl, grp_e, expert * w)
+                bucket = max(_BUCKET_PARAMS, 1e6 * mesh.dp)
+                tl = red * min(1.0, bucket / max(dense + expert, 1.0))
+            opt = (dense + expert) / (n if zero >= 1 else 1) * _ADAM_BYTES_PER_PARAM / (
+                gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
+            g_exp = gather * (0.1 if tr.overlap_param_gather else 1.0)
+            out.append((r, (red, tl, opt + g_exp)))
+        self._dp[key] = out
+        return out
+
+    def zero3_extra(self, mesh: Mesh, c: LayerCost) -> float:
+        """Exposed ZeRO-3 traffic of one block per micro-batch (`estimate._zero3_exposed`, per block)."""
+        grp = comm.group_of(self.cluster, mesh.dp * mesh.cp, mesh.tp)
+        ag = comm.all_gather(self.cluster, grp, c.params_local * self.costs.w_bytes)
+        rs = comm.reduce_scatter(self.cluster, grp, c.params_local * self.costs.g_bytes)
+        return max(0.0, ag - c.fwd_s) + max(0.0, ag + rs - c.bwd_s)
+
+    def lower_bound(self, mesh: Mesh, zero: int, vp: int, tail_vp: int | None = None) -> float:
+        """Perfect balance, no recomputation, the closed form's point-to-point time, the ZeRO tail."""
+        m = self.micro_batches(mesh)
+        work = self.agg(mesh).work
+        p2p = 2 * (mesh.pp - 1) * self.p2p_time(mesh)
+        return (m - 1 / vp) * work / mesh.pp + work / vp + p2p + self.tail(mesh, zero, tail_vp or vp)
+
+    def problem(self, mesh: Mesh, kn: Knobs) -> StageProblem:
+        lc = self.costs.layers(mesh)
+        dense_b, expert_b = self.costs.static_per_param(mesh, kn.zero)
+        by_uid: dict[int, BlockCost] = {}
+        for u in self.costs.block_counts:
+            extra = self.zero3_extra(mesh, lc[u]) if kn.zero >= 3 else 0.0
+            by_uid[u] = _block_cost(lc[u], dense_b, expert_b, extra)
+        emb = _block_cost(lc[self.costs.uid[0]], dense_b, expert_b)
+        head = _block_cost(lc[self.costs.uid[-1]], dense_b, expert_b)
+        m = self.micro_batches(mesh)
+        infl = tuple(in_flight(kn.schedule, mesh.pp, m, kn.vp))
+        caps = []
+        S = mesh.pp * kn.vp
+        a = self.agg(mesh)
+        for r in range(mesh.pp):
+            cap = self.capacity - self.overhead
+            if kn.zero >= 3:  # the gathered weights of two layers (conservative: a stage of one block)
+                biggest = a.blk_params_max
+                if r == 0:
+                    biggest += a.emb.params_local
+                if r == (S - 1) % mesh.pp:
+                    biggest += a.head.params_local
+                cap -= 2 * biggest * self.costs.w_bytes
+            caps.append(cap)
+        pin = self.fix.get("recompute") if "recompute_layers" not in self.fix else None
+        if len(by_uid) == 1:
+            blocks = (next(iter(by_uid.values())),) * self.L
+        else:
+            blocks = tuple(by_uid[u] for u in self.costs.block_uids)
+        return StageProblem(blocks=blocks, first=emb, last=head,
+                            pp=mesh.pp, vp=kn.vp, m=m, inflight=infl, capacity=tuple(caps), pin=pin,
+                            uniform=len(self.costs.block_counts) == 1)
+
+    def memory_floor(self, mesh: Mesh) -> tuple[float, dict]:
+        """A lower bound on the busiest rank's bytes over every knob and layout of `mesh`: the largest ZeRO
+        stage allowed, every block fully recomputed, one micro-batch in flight, averaged over the ranks."""
+        a = self.agg(mesh)
+        zero = int(self.fix["zero"]) if "zero" in self.fix else (3 if mesh.dp * mesh.cp > 1 else 0)
+        dense_b, expert_b = self.costs.static_per_param(mesh, zero)
+        dense = a.blk_dense + a.emb.params_local - a.emb.expert_params_local + a.head.params_local \
+            - a.head.expert_params_local
+        expert = a.blk_expert + a.emb.expert_params_local + a.head.expert_params_local
+        static = dense * dense_b + expert * expert_b
+        act = a.blk_act_full + a.emb.act_none + a.head.act_none
+        avg = (static + act) / mesh.pp + self.overhead
+        return avg, {"static": static / mesh.pp, "activations": act / mesh.pp, "other": self.overhead}
+
+    # ---- the search
+
+    def run(self) -> None:
+        """Best-first branch and bound over one heap of meshes (key: their least candidate bound), candidates
+        (key: lower bound), ranked candidates (key: greedy proxy) and solved finalists; stops when the
+        smallest key left cannot beat the best simulated finalist and `top` finalists are in hand."""
+        heap: list[tuple] = []
+        counter = 0
+        mesh_list = list(meshes(self.model, self.cluster, self.training, self.fix, self.L))
+        self.stats.meshes = len(mesh_list)
+        gb = self.training.global_batch_size
+        for i, mesh in enumerate(mesh_list):
+            zeros, scheds = knob_options(mesh, self.fix, self.L, gb)
+            n = len(zeros) * len(scheds)
+            if not n:
+                continue
+            self.stats.candidates += n
+            floor, parts = self.memory_floor(mesh)
+            if floor > self.capacity:
+                self.stats.pruned_memory += n
+                if self.closest is None or floor - self.capacity < self.closest[0]:
+                    self.closest = (floor - self.capacity, mesh, parts)
+                continue
+            vmax = max(v for _, v in scheds)
+            lb = min(self.lower_bound(mesh, z, vmax, 1) for z in zeros)
+            heap.append((lb, 0, counter, mesh, (zeros, scheds)))
+            counter += 1
+            if self.progress and i % 512 == 0:
+                self.progress("bounding meshes", i, len(mesh_list))
+        heapq.heapify(heap)
+        best = math.inf  # best simulated step time so far
+        screened = 0  # closed-form finalists waiting in the heap
+        while heap:
+            if heap[0][0] >= best and len(self.finalists) + screened >= self.top:
+                break
+            if self.stats.estimated >= self.max_finalists and self.finalists:
+                break
+            item = heapq.heappop(heap)
+            kind = item[1]
+            if kind == 0:  # a mesh: expand into its candidates
+                _, _, _, mesh, (zeros, scheds) = item
+                m = self.micro_batches(mesh)
+                work = self.agg(mesh).work
+                base = 2 * (mesh.pp - 1) * self.p2p_time(mesh)
+                for z in zeros:
+                    tz = self.tail(mesh, z, 1) + base
+                    for sched, v in scheds:
+                        lb = (m - 1 / v) * work / mesh.pp + work / v + tz
+                        heapq.heappush(heap, (lb, 1, counter, mesh, Knobs(z, sched, v)))
+                        counter += 1
+            elif kind == 1:  # a candidate: rank it with the greedy layout
+                mesh, kn = item[3], item[4]
+                twin = _dominating_twin(mesh, kn)
+                if twin is not None and twin in self.proxies and len(item) == 5:
+                    # dominated: its proxy is at least its twin's (or it cannot fit when the twin cannot)
+                    tp_ = self.proxies[twin]
+                    if tp_ < math.inf:
+                        heapq.heappush(heap, (max(item[0], tp_), 1, item[2], mesh, kn, "twin-checked"))
+                    else:
+                        self.stats.pruned_dominated += 1
+                    continue
+                prob = self.problem(mesh, kn)
+                self.stats.ranked += 1
+                if "recompute_layers" in self.fix:
+                    sol = self.pinned_layers_solution(prob)
+                    score = sol.objective if sol else math.inf
+                else:
+                    score = greedy_bound(prob)
+                if score == math.inf:
+                    self.proxies[(mesh, kn)] = math.inf
+                    self.note_miss(mesh, kn, prob)
+                    continue
+                proxy = score + self.p2p_proxy(mesh, kn) + self.tail(mesh, kn.zero, kn.vp)
+                self.proxies[(mesh, kn)] = proxy
+                heapq.heappush(heap, (proxy, 2, counter, mesh, kn, prob))
+                counter += 1
+                if self.progress and self.stats.ranked % 64 == 0:
+                    self.progress("ranking candidates", self.stats.ranked, self.stats.candidates)
+            elif kind == 2:  # a ranked candidate: solve its stage ILP, estimate it in closed form
+                _, _, _, mesh, kn, prob = item
+                fin = self.finalise(mesh, kn, prob, item[0])
+                if fin is not None:
+                    heapq.heappush(heap, (fin.estimate.step_time_s, 3, counter, fin))
+                    counter += 1
+                    screened += 1
+                if self.progress:
+                    self.progress("solving stage ILPs", self.stats.ilp_solved, self.stats.ranked)
+            else:  # a screened finalist: simulate its pipeline
+                fin = item[3]
+                screened -= 1
+                fin.estimate = estimate(self.profiles, self.cluster, self.training, fin.config, fin.layout)
+                fin.simulated = True
+                self.stats.estimated += 1
+                if fin.estimate.fits:
+                    self.finalists.append(fin)
+                    best = min(best, fin.estimate.step_time_s)
+                if self.progress:
+                    self.progress("simulating pipelines", len(self.finalists), self.top)
+        self.finalists += [item[3] for item in heap if item[1] == 3]
+        for item in heap:  # whatever is left was pruned by its bound
+            if item[1] == 0:
+                self.stats.pruned_bound += len(item[4][0]) * len(item[4][1])
+            elif item[1] < 3:
+                self.stats.pruned_bound += 1
+
+    def finalise(self, mesh: Mesh, kn: Knobs, prob: StageProblem, proxy: float) -> Finalist | None:
+        if "recompute_layers" in self.fix:
+            sol = self.pinned_layers_solution(prob)
+        else:
+            if is_cached(prob):
+                self.stats.ilp_cached += 1
+            else:
+                self.stats.ilp_solved += 1
+            sol = solve_stage_problem(prob)
+        if sol is None:
+            self.note_miss(mesh, kn, prob)
+            return None
+        mode, rl = _label(sol.stages, mesh.pp, kn.vp, self.L)
+        if "recompute_layers" in self.fix:
+            rl = int(self.fix["recompute_layers"])
+        cfg = check_config(to_config(mesh, kn, mode, rl), self.model, self.cluster, self.training,
+                           stage_layers=False)
+        layout = [StageLayout((c.start, c.stop), c.recompute, c.recompute_layers) for c in sol.stages]
+        est = estimate(self.profiles, self.cluster, self.training, cfg, layout, simulate_pipeline=False)
+        self.stats.screened += 1
+        if not est.fits:  # the search's memory model is the estimate's; guard anyway
+            return None
+        # with one pipeline stage the estimate has no pipeline to simulate: the closed form is its answer
+        return Finalist(cfg, est, sol, proxy, layout, simulated=cfg.pp == 1)
+
+    def note_miss(self, mesh: Mesh, kn: Knobs, prob: StageProblem) -> None:
+        self.misses.append((mesh, kn, prob))
+
+    def closest_miss(self) -> None:
+        """For the error message: how far the even layout with every block fully recomputed is from fitting,
+        for every candidate that did not fit (the closest is kept)."""
+        for mesh, kn, prob in self.misses:
+            self._closest(mesh, kn, prob)
+
+    def _closest(self, mesh: Mesh, kn: Knobs, prob: StageProblem) -> None:
+        S = prob.num_stages
+        base, extra = divmod(self.L, S)
+        stages, start = [], 0
+        for i in range(S):
+            n = base + (1 if i < extra else 0)
+            stages.append(StageChoice(start, start + n, FULL, n))
+            start += n
+        _, mem = evaluate(prob, tuple(stages))
+        r = max(range(mesh.pp), key=lambda r: mem[r] - prob.capacity[r])
+        deficit = mem[r] - prob.capacity[r]
+        if self.closest is None or deficit < self.closest[0]:
+            static = sum(b.static for b in prob.blocks) / mesh.pp
+            self.closest = (deficit, mesh, {"static": static, "activations": max(mem[r] - static, 0.0),
+                                            "other": self.capacity - prob.capacity[r], "knobs": kn})
+
+    def pinned_layers_solution(self, prob: StageProblem) -> StageSolution | None:
+        """`--fix recompute_layers=R`: Megatron's even layout, R layers per rank recomputed (R/vp per stage)."""
+        R = int(self.fix["recompute_layers"])
+        S = prob.num_stages
+        base, extra = divmod(self.L, S)
+        stages, start = [], 0
+        for s in range(S):
+            n = base + (1 if s < extra else 0)
+            stages.append(StageChoice(start, start + n, FULL, min(n, -(-R // prob.vp))))
+            start += n
+        obj, mem = evaluate(prob, tuple(stages))
+        return StageSolution(tuple(stages), obj, mem, "even") if feasible(prob, mem) else None
+
+
+def _dominating_twin(mesh: Mesh, kn: Knobs) -> tuple[Mesh, Knobs] | None:
+    """A candidate that is never worse under the search's model: 1F1B has GPipe's closed-form time with fewer
+    micro-batches in flight; sequence parallelism (sp=1) has sp=0's communication with less elementwise work
+    and fewer activations. A dominated candidate is ranked only if its twin's proxy leaves it a chance."""
+    if kn.schedule == "gpipe":
+        return mesh, Knobs(kn.zero, "1f1b", 1)
+    if not mesh.sp and mesh.tp > 1:
+        twin = Mesh(mesh.tp, mesh.cp, mesh.ep, mesh.pp, mesh.dp, mesh.mbs, True)
+        return twin, kn
+    return None
+
+
+def _label(stages: tuple[StageChoice, ...], pp: int, vp: int, L: int) -> tuple[str, int | None]:
+    """The configuration-level recompute knob that summarises per-stage choices."""
+    modes = {s.recompute for s in stages}
+    if FULL in modes:
+        if all(s.recompute == FULL and s.recompute_layers == s.stop - s.start for s in stages):
+            return FULL, None
+        per_rank = [0] * pp
+        for i, s in enumerate(stages):
+            per_rank[i % pp] += s.recompute_layers if s.recompute == FULL else 0
+        rl = max(per_rank)
+        return FULL, (rl if rl <= L // (pp * vp) * vp else None)
+    if SELECTIVE in modes:
+        return SELECTIVE, None
+    return NONE, None
+
+
+def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *,
+           profiles: list[LayerProfile] | None = None, fix: dict[str, str] | None = None, top: int = 5,
+           progress: Progress | None = None, command: str = "", kernels: str = "fused") -> SearchResult:
+    """The fastest plan that fits (by the cost model), with `top - 1` runners-up.
+
+    `fix` pins knobs (`{"tp": "8", "recompute": "full"}`, the keys of the parallel configuration string).
+    Deterministic: the same inputs give the same plan, byte for byte (the plan carries no timing; the search
+    time is in `SearchResult.stats`). Raises DoesNotFitError when no configuration fits, ConfigError when the
+    pins leave no legal configuration.
+    """
+    from autoplan.api import plan_from_estimate
+    from autoplan.plan import RunnerUp
+
+    t0 = time.perf_counter()
+    fixd = parse_fix(fix)
+    top = max(1, int(top))
+    profiles = profiles or profile_from_spec(model)
+    s = _Searcher(model, cluster, training, profiles, fixd, top, progress)
+    s.run()
+    if s.stats.candidates == 0:
+        _explain_no_candidate(model, cluster, training, fixd)
+    finalists = s.finalists
+    if not finalists:
+        raise _does_not_fit(s, model, cluster, training, fixd)
+    order = lambda f: (round(f.estimate.step_time_s, 12), f.config.to_string())  # noqa: E731
+    finalists.sort(key=order)
+    while not finalists[0].simulated:  # only when the simulation cap stopped the search early
+        f = finalists[0]
+        f.estimate = estimate(profiles, cluster, training, f.config, f.layout)
+        f.simulated = True
+        s.stats.estimated += 1
+        finalists.sort(key=order)
+    best, others = finalists[0], finalists[1:top]
+    runners = [RunnerUp(parallel=f.config.as_dict(), step_time_s=f.estimate.step_time_s, mfu=f.estimate.mfu,
+                        peak_memory_gib=f.estimate.peak_memory_gib,
+                        note=_why_slower(f.estimate, best.estimate)
+                        + ("" if f.simulated else " (closed-form pipeline, not simulated)"))
+               for f in others]
+    plan = plan_from_estimate(model, cluster, training, best.estimate, kernels=kernels, runners_up=runners,
+                              search_time_s=None, command=command,
+                              extra={"search": {"fix": {k: str(v) for k, v in sorted((fix or {}).items())},
+                                                "top": top}})
+    s.stats.search_time_s = time.perf_counter() - t0
+    return SearchResult(plan=plan, best=best.estimate, runners_up=[f.estimate for f in others], stats=s.stats,
+                        finalists=finalists)
+
+
+def _why_slower(est: Estimate, best: Estimate) -> str:
+    diff = est.step_time_s - best.step_time_s
+    pct = 100 * diff / best.step_time_s
+    deltas = sorted(((est.breakdown.get(k, 0.0) - best.breakdown.get(k, 0.0), k) for k in est.breakdown),
+                    reverse=True)
+    worst, name = deltas[0]
+    if diff <= 0:
+        return "ties with the best plan"
+    return f"+{pct:.1f}% step time; most of it {name.replace('_', ' ')} (+{worst:.3f} s)"
+
+
+def _explain_no_candidate(model, cluster, training, fixd) -> None:
+    """No legal configuration at all: let check_config name the rule the pins (or the sizes) break."""
+    cfg = ParallelConfig(**{k: v for k, v in fixd.items() if k in ParallelConfig.model_fields})
+    check_config(cfg, model, cluster, training, stage_layers=False)
+    raise ConfigError("no legal parallel configuration", f"{model.name} on {cluster.num_gpus} GPUs with "
+                      f"batch {training.global_batch_size}, pins {fixd or 'none'}",
+                      "relax --fix pins, or use a global batch divisible by more data-parallel degrees")
+
+
+def _does_not_fit(s: _Searcher, model, cluster, training, fixd) -> DoesNotFitError:
+    s.closest_miss()
+    cap = s.capacity / GIB
+    if s.closest is not None:
+        deficit, mesh, parts = s.closest
+        need = deficit / GIB
+        kn = parts.get("knobs") or Knobs(3 if mesh.dp * mesh.cp > 1 else 0, "1f1b", 1)
+        cfg = to_config(mesh, kn, "full").to_string()
+        static, act = parts["static"] / GIB, parts["activations"] / GIB
+        if static + parts["other"] / GIB > cap:
+            factor = 2 ** max(1, math.ceil(math.log2((static) / max(cap - parts["other"] / GIB - act, 1e-9))))
+            hint = (f"more GPUs: weights, gradients and optimizer state alone need {static:.1f} GiB per GPU here; "
+                    f"try --gpus {cluster.num_gpus * factor}")
+        else:
+            frac = min(0.9, need / max(act, 1e-9))
+            seq = max(1, int(training.seq_length * (1 - frac)) // 2 ** 7 * 2 ** 7) or training.seq_length // 2
+            hint = (f"shorter sequence: activations take {act:.1f} GiB per GPU; try --seq-len {seq} "
+                    f"(or more GPUs, or a smaller global batch)")
+        return DoesNotFitError(
+            "no configuration fits in GPU memory",
+            f"{model.name} on {cluster.num_gpus}x {cluster.gpu.name} ({cap:.1f} GiB): the closest candidate, {cfg}, "
+            f"needs at least {cap + need:.1f} GiB per GPU and misses by {need:.1f} GiB", hint)
+    return DoesNotFitError(
+        "no configuration fits in GPU memory",
+        f"{model.name} on {cluster.num_gpus}x {cluster.gpu.name} ({cap:.1f} GiB): no candidate layout fits",
+        f"more GPUs (try --gpus {cluster.num_gpus * 2}), a shorter --seq-len, or fewer --fix pins")

@@ -1,0 +1,284 @@
+"""The stage sub-problem: for one candidate (mesh, micro-batch, schedule, ZeRO), place the blocks on stages
+and choose each stage's recomputation.
+
+This module holds the problem's data (`StageProblem`), its solution (`StageSolution`), the evaluation of a
+given layout under the search's model (`evaluate`), an exhaustive solver for tests (`brute_force`) and the fast
+rank-level local search (`greedy_bound`) the search uses to rank candidates before the ILP (`ilp.py`) solves the
+best of them exactly. The model mirrors `cost_models.estimate.stage_cost` and `memory_of_rank`:
+
+- stage s holds blocks [a_s, a_{s+1}); stage 0 also the embedding, stage S-1 the LM head; stage s runs on
+  pipeline rank s % pp; S = pp * vp;
+- a stage recomputes nothing, or selectively (every block: attention core), or fully its first k blocks and
+  selectively the rest (`StageLayout(recompute="full", recompute_layers=k)`);
+- stage work W_s (forward + backward + recomputation of one micro-batch), rank work R_r = sum of its stages;
+- objective: the closed-form makespan (m - 1/v) * max_r R_r + (sum_s W_s) / v  (`closed_form_makespan`,
+  constants such as point-to-point time and the data-parallel tail are the candidate's, not the layout's);
+- rank memory: sum over its stages of (static bytes + inflight_r * activation bytes) + the largest transient
+  of a fully recomputed block, at most the rank's capacity.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+NONE, SELECTIVE, FULL = "none", "selective", "full"
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One layer, one micro-batch, one GPU, as the search sees it (seconds and bytes)."""
+
+    work: float  # forward + backward, no recomputation
+    rec_sel: float = 0.0  # extra backward time when selectively recomputed
+    rec_full: float = 0.0  # extra backward time when fully recomputed
+    act_none: float = 0.0  # activation bytes kept, no recomputation
+    act_sel: float = 0.0
+    act_full: float = 0.0
+    static: float = 0.0  # weights + gradients + optimizer state bytes (after sharding)
+
+
+@dataclass(frozen=True)
+class StageProblem:
+    """Everything the layout/recompute choice depends on; equal problems have equal solutions (cache key)."""
+
+    blocks: tuple[BlockCost, ...]
+    first: BlockCost  # embedding (no recomputation)
+    last: BlockCost  # LM head (no recomputation)
+    pp: int
+    vp: int
+    m: int
+    inflight: tuple[float, ...]  # per pipeline rank, in micro-batches (cost_models.pipeline.in_flight)
+    capacity: tuple[float, ...]  # bytes per rank left for static + activations (overheads already taken)
+    pin: str | None = None  # None, or "none" | "selective" | "full" (every block of every stage)
+    uniform: bool | None = None  # all blocks identical (None: find out)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vp
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @cached_property
+    def identical_blocks(self) -> bool:
+        if self.uniform is not None:
+            return self.uniform
+        b0 = self.blocks[0]
+        return all(b == b0 for b in self.blocks)
+
+    def allowed_modes(self) -> tuple[str, ...]:
+        return (self.pin,) if self.pin else (NONE, SELECTIVE, FULL)
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    start: int
+    stop: int
+    recompute: str = NONE
+    recompute_layers: int = 0  # with FULL: the first k blocks of the stage are fully recomputed
+
+
+@dataclass(frozen=True)
+class StageSolution:
+    stages: tuple[StageChoice, ...]
+    objective: float  # closed-form makespan of the layout (seconds)
+    memory: tuple[float, ...]  # bytes per rank (static + activations + transient)
+    method: str = ""  # "ilp", "ilp-compact", "brute-force", "even"
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+
+def stage_work_act(p: StageProblem, s: int, ch: StageChoice) -> tuple[float, float, float, float]:
+    """(work, activation bytes, static bytes, transient bytes) of stage s under choice ch."""
+    work = act = static = extra = 0.0
+    if s == 0:
+        work += p.first.work
+        act += p.first.act_none
+        static += p.first.static
+    if s == p.num_stages - 1:
+        work += p.last.work
+        act += p.last.act_none
+        static += p.last.static
+    k_full = ch.recompute_layers if ch.recompute == FULL else 0
+    for j, i in enumerate(range(ch.start, ch.stop)):
+        b = p.blocks[i]
+        work += b.work
+        static += b.static
+        if j < k_full:
+            work += b.rec_full
+            act += b.act_full
+            extra = max(extra, b.act_none)
+        elif ch.recompute in (SELECTIVE, FULL):
+            work += b.rec_sel
+            act += b.act_sel
+        else:
+            act += b.act_none
+    return work, act, static, extra
+
+
+def evaluate(p: StageProblem, stages: tuple[StageChoice, ...]) -> tuple[float, tuple[float, ...]]:
+    """(objective, memory per rank) of a layout; the layout must be a contiguous cover of the blocks."""
+    rank_work = [0.0] * p.pp
+    rank_act = [0.0] * p.pp
+    rank_static = [0.0] * p.pp
+    rank_extra = [0.0] * p.pp
+    total = 0.0
+    for s, ch in enumerate(stages):
+        w, a, st, ex = stage_work_act(p, s, ch)
+        r = s % p.pp
+        rank_work[r] += w
+        rank_act[r] += a
+        rank_static[r] += st
+        rank_extra[r] = max(rank_extra[r], ex)
+        total += w
+    v = p.vp
+    obj = (p.m - 1 / v) * max(rank_work) + total / v
+    mem = tuple(rank_static[r] + p.inflight[r] * rank_act[r] + rank_extra[r] for r in range(p.pp))
+    return obj, mem
+
+
+def feasible(p: StageProblem, mem: tuple[float, ...], tol: float = 1e-6) -> bool:
+    return all(x <= c * (1 + tol) + tol for x, c in zip(mem, p.capacity, strict=True))
+
+
+# ------------------------------------------------------------------------------------------ brute force
+
+
+def _stage_modes(p: StageProblem, n: int) -> list[tuple[str, int]]:
+    out = []
+    for mode in p.allowed_modes():
+        if mode == FULL:
+            ks = [n] if p.pin == FULL else range(1, n + 1)
+            out += [(FULL, k) for k in ks]
+        else:
+            out.append((mode, 0))
+    return out
+
+
+def compositions(total: int, parts: int):
+    """Every way to write `total` as `parts` positive integers, in order."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+def brute_force(p: StageProblem) -> StageSolution | None:
+    """Exhaustive: every contiguous layout with every per-stage recomputation. For tests (tiny problems)."""
+    best: StageSolution | None = None
+    S, L = p.num_stages, p.num_blocks
+    for sizes in compositions(L, S):
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + n)
+        options = [_stage_modes(p, n) for n in sizes]
+        for modes in itertools.product(*options):
+            stages = tuple(StageChoice(starts[s], starts[s + 1], md, k) for s, (md, k) in enumerate(modes))
+            obj, mem = evaluate(p, stages)
+            if not feasible(p, mem):
+                continue
+            if best is None or obj < best.objective - 1e-12:
+                best = StageSolution(stages, obj, mem, "brute-force")
+    return best
+
+
+# -------------------------------------------------------------------------------------- greedy (ranking)
+
+
+def _mean_block(blocks: tuple[BlockCost, ...]) -> BlockCost:
+    n = len(blocks)
+    return BlockCost(*(sum(getattr(b, f) for b in blocks) / n for f in BlockCost.__dataclass_fields__))
+
+
+def greedy_bound(p: StageProblem) -> float:
+    """A feasible objective (upper bound, inf if none found) from rank-level block counts.
+
+    Start from the even split (at least vp blocks per rank); while the busiest rank has a block to give and
+    some other rank would still be below the current maximum after taking one more block, move one block
+    there. At the stop every other rank r has w_r(N_r + 1) >= max, so no allocation has a smaller maximum:
+    the max term is optimal for identical blocks (each rank uses the least recomputation that fits, uniform
+    over its blocks). Heterogeneous blocks are replaced by their mean (a ranking heuristic only: the ILP
+    decides the chosen candidates)."""
+    b = p.blocks[0] if p.identical_blocks else _mean_block(p.blocks)
+    L, v, pp = p.num_blocks, p.vp, p.pp
+    if v * pp > L:
+        return math.inf
+    counts = [L // pp + (1 if r >= pp - L % pp else 0) for r in range(pp)]
+    f = rank_work_fn(p, b)
+    work = [f(r, counts[r]) for r in range(pp)]
+    nxt = [f(r, counts[r] + 1) for r in range(pp)]
+    hi = [(-work[r], r) for r in range(pp)]
+    lo = [(nxt[r], r) for r in range(pp)]
+    heapq.heapify(hi)
+    heapq.heapify(lo)
+    for _ in range(2 * L if pp > 1 else 0):
+        while -hi[0][0] != work[hi[0][1]]:
+            heapq.heappop(hi)
+        wmax, rmax = -hi[0][0], hi[0][1]
+        if counts[rmax] <= v:
+            break
+        held = []
+        while lo and (lo[0][0] != nxt[lo[0][1]] or lo[0][1] == rmax):
+            item = heapq.heappop(lo)
+            if item[1] == rmax and item[0] == nxt[rmax]:
+                held.append(item)
+        if not lo:
+            break
+        nmin, rmin = lo[0]
+        for item in held:
+            heapq.heappush(lo, item)
+        if not nmin < wmax:
+            break
+        for r, d in ((rmax, -1), (rmin, 1)):
+            counts[r] += d
+            work[r] = f(r, counts[r])
+            nxt[r] = f(r, counts[r] + 1)
+            heapq.heappush(hi, (-work[r], r))
+            heapq.heappush(lo, (nxt[r], r))
+    if any(w == math.inf for w in work):
+        return math.inf
+    return (p.m - 1 / v) * max(work) + sum(work) / v
+
+
+def rank_work_fn(p: StageProblem, b: BlockCost):
+    """f(r, n): the least work of rank r holding n blocks like `b` within its memory (inf if none fits);
+    least recomputation first (none, selective, then the fewest fully recomputed blocks)."""
+    S, pp = p.num_stages, p.pp
+    last = (S - 1) % pp
+    modes = p.allowed_modes()
+    consts = []
+    for r in range(pp):
+        bw = (p.first.work if r == 0 else 0.0) + (p.last.work if r == last else 0.0)
+        ba = (p.first.act_none if r == 0 else 0.0) + (p.last.act_none if r == last else 0.0)
+        bs = (p.first.static if r == 0 else 0.0) + (p.last.static if r == last else 0.0)
+        infl = p.inflight[r]
+        consts.append((bw, p.capacity[r] - bs - infl * ba, infl))
+    none_ok, sel_ok, full_ok = NONE in modes, SELECTIVE in modes, FULL in modes
+    pin_full = p.pin == FULL
+    w, rs, rf = b.work, b.rec_sel, b.rec_full
+    an, asel, af, e, st = b.act_none, b.act_sel, b.act_full, b.act_none, b.static
+
+    def f(r: int, n: int) -> float:
+        bw, room0, infl = consts[r]
+        room = room0 - n * st
+        if none_ok and infl * n * an <= room:
+            return bw + n * w
+        if sel_ok and infl * n * asel <= room:
+            return bw + n * (w + rs)
+        if full_ok:
+            if pin_full:
+                k = n
+            else:
+                gain = infl * (asel - af)
+                need = infl * n * asel + e - room
+                k = 1 if need <= 0 else (math.ceil(need / gain - 1e-9) if gain > 0 else n + 1)
+            if k <= n and infl * (k * af + (n - k) * asel) + e <= room * (1 + 1e-9):
+                return bw + n * w + k * rf + (n - k) * rs
+        return math.inf
+
+    return f

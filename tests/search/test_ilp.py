@@ -1,0 +1,69 @@
+"""The stage ILP equals exhaustive enumeration of every contiguous layout and per-stage recomputation."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autoplan.search.ilp import StageILP, solve_stage_problem
+from autoplan.search.problem import BlockCost, StageProblem, brute_force, evaluate, feasible, greedy_bound
+
+GIB = 2**30
+
+
+@st.composite
+def blocks(draw):
+    work = draw(st.floats(0.5, 2.0))
+    an = draw(st.floats(1.0, 4.0)) * GIB
+    sel = draw(st.sampled_from([1.0, 0.7]))  # 1.0: flash attention (selective is free and saves nothing)
+    return BlockCost(work=work, rec_sel=0.0 if sel == 1.0 else 0.1 * work, rec_full=work / 3,
+                     act_none=an, act_sel=an * sel, act_full=draw(st.floats(0.05, 0.5)) * GIB,
+                     static=draw(st.floats(1.0, 6.0)) * GIB)
+
+
+@st.composite
+def problems(draw):
+    L = draw(st.integers(1, 6))
+    pp = draw(st.integers(1, min(3, L)))
+    vp = draw(st.integers(1, max(1, min(2, L // pp)))) if pp > 1 else 1
+    hetero = draw(st.booleans())
+    b = draw(blocks())
+    bl = tuple(draw(blocks()) for _ in range(L)) if hetero else (b,) * L
+    m = draw(st.integers(1, 8))
+    infl = tuple(float(min(pp - r, m)) for r in range(pp))
+    cap = tuple(draw(st.floats(8.0, 60.0)) * GIB for _ in range(pp))
+    first = BlockCost(work=0.3, act_none=0.5 * GIB, static=2 * GIB)
+    last = BlockCost(work=0.6, act_none=1.5 * GIB, static=2 * GIB)
+    pin = draw(st.sampled_from([None, None, None, "none", "selective", "full"]))
+    return StageProblem(bl, first, last, pp, vp, m, infl, cap, pin)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_ilp_equals_brute_force(p):
+    bf = brute_force(p)
+    sol = StageILP(p).build().solve() if bf is not None else solve_stage_problem(p)
+    if bf is None:
+        assert sol is None
+        return
+    assert sol is not None
+    obj, mem = evaluate(p, sol.stages)
+    assert feasible(p, mem)
+    assert abs(obj - bf.objective) <= 1e-6 * bf.objective
+    # the layout is a contiguous cover with at least one block per stage
+    assert sol.stages[0].start == 0 and sol.stages[-1].stop == p.num_blocks
+    assert all(a.stop == b.start for a, b in zip(sol.stages, sol.stages[1:], strict=False))
+    assert all(s.stop > s.start for s in sol.stages)
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems())
+def test_greedy_is_feasible_upper_bound_for_identical_blocks(p):
+    if not p.identical_blocks:
+        return
+    g = greedy_bound(p)
+    bf = brute_force(p)
+    if bf is None:
+        assert g == float("inf")
+    elif g != float("inf"):
+        assert g >= bf.objective * (1 - 1e-9)

@@ -1,0 +1,143 @@
+"""End to end: the search against brute force, determinism, pins, errors, the CLI's JSON and the published
+configurations of the calibration runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autoplan.cli import main
+from autoplan.search.core import _Searcher, search
+from autoplan.search.problem import brute_force
+from autoplan.search.space import Knobs, Mesh, all_configs
+from autoplan.specs import ClusterSpec, ModelSpec, TrainingSpec, load_cluster, load_model
+from cost_models.errors import ConfigError, DoesNotFitError
+from cost_models.estimate import StageLayout, estimate
+from cost_models.profile import profile_from_spec
+
+
+def brute_force_best(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """Every legal configuration, each with its exhaustively best layout and recomputation, estimated."""
+    profiles = profile_from_spec(model)
+    s = _Searcher(model, cluster, training, profiles, {}, 1, None)
+    best = float("inf")
+    for cfg in all_configs(model, cluster, training):
+        mesh = Mesh(cfg.tp, cfg.cp, cfg.ep, cfg.pp, cfg.dp, cfg.mbs, cfg.sp)
+        kn = Knobs(cfg.zero, cfg.schedule, cfg.vp)
+        sol = brute_force(s.problem(mesh, kn))
+        if sol is None:
+            continue
+        layout = [StageLayout((c.start, c.stop), c.recompute, c.recompute_layers) for c in sol.stages]
+        est = estimate(profiles, cluster, training, cfg.model_copy(update={"dp": cfg.dp}), layout)
+        if est.fits:
+            best = min(best, est.step_time_s)
+    return best
+
+
+@settings(max_examples=6, deadline=None)
+@given(layers=st.integers(2, 4), hidden=st.sampled_from([64, 128]), gpus=st.sampled_from([2, 4]),
+       batch=st.sampled_from([4, 8]), hbm=st.sampled_from([0.6, 0.75, 2.0]))
+def test_search_equals_brute_force_on_small_instances(layers, hidden, gpus, batch, hbm):
+    model = ModelSpec(name="t", num_layers=layers, hidden_size=hidden, num_attention_heads=4, vocab_size=256,
+                      max_seq_length=128)
+    base = load_cluster("local-cpu")
+    cluster = base.model_copy(update={"gpus_per_node": gpus,
+                                      "gpu": base.gpu.model_copy(update={"hbm_gib": hbm})})
+    training = TrainingSpec(global_batch_size=batch, seq_length=128, dtype="fp32")
+    bf = brute_force_best(model, cluster, training)
+    if bf == float("inf"):
+        with pytest.raises(DoesNotFitError):
+            search(model, cluster, training)
+        return
+    res = search(model, cluster, training, top=3)
+    assert res.best.step_time_s == pytest.approx(bf, rel=1e-9)
+
+
+def _gpt13():
+    return load_model("gpt3-1.3b"), load_cluster("dgx-a100-80g", gpus=16), TrainingSpec(global_batch_size=64,
+                                                                                       seq_length=2048)
+
+
+def test_deterministic_plan_bytes():
+    m, c, t = _gpt13()
+    a = search(m, c, t).plan.to_json()
+    b = search(m, c, t).plan.to_json()
+    assert a == b
+    assert json.loads(a)["provenance"]["search_time_s"] is None
+
+
+def test_fix_pins_knobs():
+    m, c, t = _gpt13()
+    res = search(m, c, t, fix={"tp": "2", "recompute": "full", "pp": "2"})
+    p = res.plan
+    assert p.parallel.tp == 2 and p.parallel.pp == 2
+    assert all(s.recompute == "full" and s.recompute_layers == s.num_layers for s in p.stages)
+    for e in res.runners_up:
+        assert e.config.tp == 2 and e.config.pp == 2
+
+
+def test_fix_recompute_layers_and_bad_pin():
+    m, c, t = _gpt13()
+    res = search(m, c, t, fix={"recompute_layers": "2", "pp": "2"})
+    assert res.plan.parallel.recompute == "full" and res.plan.parallel.recompute_layers == 2
+    with pytest.raises(ConfigError):
+        search(m, c, t, fix={"tp": "3"})
+
+
+def test_does_not_fit_names_closest_candidate_and_remedy():
+    m = load_model("gpt3-175b")
+    c = load_cluster("dgx-a100-80g", gpus=8)
+    t = TrainingSpec(global_batch_size=8, seq_length=2048)
+    with pytest.raises(DoesNotFitError) as err:
+        search(m, c, t)
+    msg = str(err.value)
+    assert "closest candidate" in msg and "misses by" in msg and "GiB" in msg
+    assert "more GPUs" in msg or "--gpus" in msg
+
+
+def test_cli_json_shape(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    rc = main(["search", "--model", "gpt3-1.3b", "--cluster", "dgx-a100-80g", "--gpus", "16", "--global-batch", "64",
+               "--seq-len", "2048", "--top", "3", "--json", "-o", str(out)])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    for k in ("step_time_s", "tflops_per_gpu", "mfu", "hfu", "memory_gib", "breakdown", "parallel", "runners_up",
+              "search_time_s"):
+        assert k in d
+    assert set(d["memory_gib"]) == {"per_stage", "peak"}
+    assert len(d["runners_up"]) == 2
+    for r in d["runners_up"]:
+        assert {"step_time_s", "mfu", "hfu", "memory_gib", "breakdown", "parallel"} <= set(r)
+        assert r["step_time_s"] >= d["step_time_s"]
+    from autoplan.plan import load_plan
+
+    assert load_plan(out).prediction.step_time_s == pytest.approx(d["step_time_s"])
+
+
+def test_cli_table_and_error_are_one_line(capsys):
+    rc = main(["search", "--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--gpus", "8", "--global-batch", "8",
+               "--seq-len", "2048"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("autoplan: does not fit:") and "\n" not in err
+
+
+REF = Path(__file__).resolve().parents[3] / "shared" / "reference" / "calibration_runs.json"
+
+
+@pytest.mark.skipif(not REF.exists(), reason="shared reference data not present")
+@pytest.mark.parametrize("index", [0, 2, 4, 10, 12, 14])  # a subset: benchmarks/plan_quality.py runs them all
+def test_never_slower_than_published(index):
+    from autoplan.estimate_api import estimate_config
+    from benchmarks.fidelity import run_setting
+
+    run = json.loads(REF.read_text())["runs"][index]
+    model, cluster_name, training, cfg, _ = run_setting(run)
+    cluster = load_cluster(cluster_name, gpus=run["cluster"]["num_gpus"])
+    pub = estimate_config(model, cluster, training, cfg)
+    best = search(model, cluster, training, top=3).best
+    assert best.step_time_s <= pub.step_time_s * (1 + 1e-9)
