@@ -124,47 +124,73 @@ def simulate(
     recomputation). `p2p_s` is the time a stage's output takes to reach the next rank."""
     n_stages = pp * vp
     acts = schedule_actions(schedule, pp, m, vp)
-    done: dict[tuple[int, str, int], float] = {}
+    # done times, indexed [kind][stage * m + mb]; -1 = not yet run (flat lists: this is the search's hot path)
+    done_f = [-1.0] * (n_stages * m)
+    done_b = [-1.0] * (n_stages * m)
+    waiting: dict[int, int] = {}  # key of the awaited action (2*idx + is_backward) -> rank waiting on it
     ptr = [0] * pp
     free = [0.0] * pp
     busy = [0.0] * pp
     last_b = [0.0] * pp
     slices: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
-    waiting: dict[tuple[int, str, int], list[int]] = {}
     work = list(range(pp))
     remaining = sum(len(a) for a in acts)
+    last = n_stages - 1
     while work:
         r = work.pop()
-        while ptr[r] < len(acts[r]):
-            a = acts[r][ptr[r]]
+        racts = acts[r]
+        i = ptr[r]
+        t_free = free[r]
+        while i < len(racts):
+            a = racts[i]
+            st, mb = a.stage, a.mb
             if a.kind == "F":
-                dep = (a.stage - 1, "F", a.mb) if a.stage > 0 else None
+                if st > 0:
+                    dep = done_f[(st - 1) * m + mb]
+                    if dep < 0:
+                        waiting[2 * ((st - 1) * m + mb)] = r
+                        break
+                    ready = dep + p2p_s
+                else:
+                    ready = 0.0
+                dur = fwd[st]
             else:
-                dep = (a.stage + 1, "B", a.mb) if a.stage < n_stages - 1 else (a.stage, "F", a.mb)
-            ready = 0.0
-            if dep is not None:
-                if dep not in done:
-                    waiting.setdefault(dep, []).append(r)
-                    break
-                ready = done[dep] + (p2p_s if dep[0] != a.stage else 0.0)
-            start = max(free[r], ready)
-            dur = fwd[a.stage] if a.kind == "F" else bwd[a.stage]
+                if st < last:
+                    dep = done_b[(st + 1) * m + mb]
+                    if dep < 0:
+                        waiting[2 * ((st + 1) * m + mb) + 1] = r
+                        break
+                    ready = dep + p2p_s
+                else:
+                    ready = done_f[st * m + mb]
+                    if ready < 0:
+                        waiting[2 * (st * m + mb)] = r
+                        break
+                dur = bwd[st]
+                last_b[r] = max(t_free, ready)
+            start = t_free if t_free > ready else ready
             end = start + dur
-            free[r] = end
+            t_free = end
             busy[r] += dur
-            if a.kind == "B":
-                last_b[r] = start
-            key = (a.stage, a.kind, a.mb)
-            done[key] = end
+            key = st * m + mb
+            if a.kind == "F":
+                done_f[key] = end
+                wkey = 2 * key
+            else:
+                done_b[key] = end
+                wkey = 2 * key + 1
             if keep_slices:
                 slices[r].append((a, start, end))
-            ptr[r] += 1
+            i += 1
             remaining -= 1
-            for other in waiting.pop(key, ()):
-                if other != r:
-                    work.append(other)
+            other = waiting.pop(wkey, None)
+            if other is not None and other != r:
+                work.append(other)
+        ptr[r] = i
+        free[r] = t_free
     if remaining:
-        raise RuntimeError(f"pipeline schedule {schedule} deadlocked with {remaining} actions left")
+        raise RuntimeError(f"pipeline schedule {schedule} deadlocked with {remaining} actions left "
+                           f"(pp={pp}, m={m}, vp={vp})")
     return Timeline(slices=slices if keep_slices else [], rank_end=free, last_backward_start=last_b, busy=busy)
 
 

@@ -480,6 +480,13 @@ def check_config(
             f"batch={train.global_batch_size}, dp={dp}, mbs={cfg.mbs}",
             f"use a batch that is a multiple of {dp * cfg.mbs}, or lower mbs/dp",
         )
+    if cfg.schedule == "interleaved" and (train.global_batch_size // (dp * cfg.mbs)) % pp:
+        m = train.global_batch_size // (dp * cfg.mbs)
+        raise ConfigError(
+            "the interleaved schedule needs the micro-batch count to be a multiple of pp (Megatron-LM's rule)",
+            f"{m} micro-batches per step, pp={pp}",
+            f"use a global batch that gives a multiple of {pp} micro-batches, or schedule=1f1b",
+        )
     if ep > 1:
         if not model.is_moe:
             raise ConfigError("ep>1 needs a MoE model", f"{model.name} is dense, ep={ep}", "set ep=1")

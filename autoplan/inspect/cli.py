@@ -1,0 +1,180 @@
+"""CLI commands: show, compare, explain, trace, export, scaling (registered by autoplan/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..cli import add_json, add_workload_args, console, load_workload, print_json
+
+
+def _plan(path: str):
+    from ..plan import load_plan
+
+    return load_plan(path)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from .show import render_show, show_json
+
+    plan = _plan(args.plan)
+    if args.json:
+        d = show_json(plan, timeline=args.timeline)
+        if args.timeline and args.microbatches:
+            from .show import timeline_grid
+
+            d["timeline"] = timeline_grid(plan, args.microbatches)
+        print_json(d)
+    else:
+        render_show(console(), plan, timeline=args.timeline, max_microbatches=args.microbatches)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import compare_json, render_compare
+
+    a, b = _plan(args.a), _plan(args.b)
+    if args.json:
+        print_json(compare_json(a, b))
+    else:
+        render_compare(console(), a, b)
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .explain import explain_json, render_explain, render_why_not, why_not
+
+    plan = _plan(args.plan)
+    if args.why_not:
+        if args.json:
+            print_json(why_not(plan, args.why_not))
+        else:
+            render_why_not(console(), plan, args.why_not)
+        return 0
+    if args.json:
+        print_json(explain_json(plan))
+    else:
+        render_explain(console(), plan)
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from .trace import slice_counts, trace_events
+
+    plan = _plan(args.plan)
+    trace = trace_events(plan)
+    out = Path(args.output)
+    out.write_text(json.dumps(trace, separators=(",", ":")))
+    counts = slice_counts(trace)
+    summary = {"output": str(out), "events": len(trace["traceEvents"]),
+               "step_time_s": trace["otherData"]["step_time_s"],
+               "slices_per_rank": {str(k): v for k, v in sorted(counts.items())}}
+    if args.json:
+        print_json(summary)
+    else:
+        con = console()
+        con.print(f"wrote {out}: {summary['events']} events, {len(counts)} pipeline rank(s), "
+                  f"step {summary['step_time_s']:.3f} s")
+        con.print("open it in https://ui.perfetto.dev or chrome://tracing")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_megatron, export_torchtitan
+
+    plan = _plan(args.plan)
+    d = export_megatron(plan) if args.format == "megatron" else export_torchtitan(plan)
+    text = d["command"] + "\n" if args.format == "megatron" else d["toml"]
+    if args.output:
+        Path(args.output).write_text(text)
+    if args.json:
+        print_json(d)
+    else:
+        if not args.output:
+            sys.stdout.write(text)
+        else:
+            print(f"wrote {args.output}")
+    for w in d["warnings"]:
+        print(f"autoplan: warning: {w}", file=sys.stderr)
+    return 0
+
+
+def _gpu_list(text: str) -> list[int]:
+    from cost_models.errors import SpecError
+
+    try:
+        out = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise SpecError("--gpus takes a comma-separated list of GPU counts", f"got {text!r}",
+                        "write e.g. --gpus 64,128,256") from None
+    if not out or any(n <= 0 for n in out):
+        raise SpecError("--gpus takes positive GPU counts", f"got {text!r}", "write e.g. --gpus 64,128,256")
+    return out
+
+
+def cmd_scaling(args: argparse.Namespace) -> int:
+    from .scaling import plot_scaling, render_scaling, scaling_rows
+
+    sizes = _gpu_list(args.gpus)
+    ns = argparse.Namespace(**{**vars(args), "gpus": None})
+    model, cluster, training, profiles = load_workload(ns)
+    kw: dict = {"kernels": args.kernels}
+    if profiles is not None:
+        kw["profiles"] = profiles
+    rows = scaling_rows(model, cluster, training, sizes, fix=args.fix or None, **kw)
+    title = f"{model.name} on {cluster.name}, batch {training.global_batch_size} x {training.seq_length}"
+    if args.plot:
+        plot_scaling(rows, args.plot, title=title)
+    if args.json:
+        print_json({"model": model.name, "cluster": cluster.name, "global_batch_size": training.global_batch_size,
+                    "seq_length": training.seq_length, "rows": rows, "plot": args.plot})
+    else:
+        con = console()
+        render_scaling(con, rows, title=title)
+        if args.plot:
+            con.print(f"wrote {args.plot}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("show", help="show a plan: mesh, stages, memory, step time, runners-up")
+    p.add_argument("plan")
+    p.add_argument("--timeline", action="store_true", help="also print the step x rank grid of the schedule")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches in the timeline (default 2*pp)")
+    add_json(p)
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("compare", help="compare two plans: what differs and what it costs")
+    p.add_argument("a")
+    p.add_argument("b")
+    add_json(p)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("explain", help="why this plan: bottleneck, neighbouring choices, what rules them out")
+    p.add_argument("plan")
+    p.add_argument("--why-not", metavar="CONFIG", help='a configuration you had in mind, e.g. "tp=4,pp=16"')
+    add_json(p)
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("trace", help="write the simulated schedule as a Chrome/Perfetto trace")
+    p.add_argument("plan")
+    p.add_argument("-o", "--output", default="trace.json", help="trace file (default trace.json)")
+    add_json(p)
+    p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("export", help="Megatron-LM flags or a torchtitan config for a plan")
+    p.add_argument("plan")
+    p.add_argument("--format", choices=["megatron", "torchtitan"], default="megatron")
+    p.add_argument("-o", "--output", help="write to this file instead of stdout")
+    add_json(p)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("scaling", help="the best plan at each GPU count", conflict_handler="resolve")
+    add_workload_args(p)
+    p.add_argument("--gpus", required=True, help="comma-separated GPU counts, e.g. 64,128,256")
+    p.add_argument("--fix", action="append", metavar="KEY=VAL", help="pin part of the configuration (repeatable)")
+    p.add_argument("--plot", metavar="PNG", help="also draw tokens/s against GPUs into this PNG file")
+    add_json(p)
+    p.set_defaults(func=cmd_scaling)

@@ -1,0 +1,308 @@
+"""`autoplan export plan.json --format megatron|torchtitan`: the same plan as Megatron-LM flags or a torchtitan
+TOML config, for users who keep those runtimes.
+
+What a framework cannot express is not silently dropped: it comes back in `warnings` (printed to stderr by the
+CLI), e.g. a per-stage recomputation pattern Megatron has no flag for.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from ..plan import Plan
+
+# ------------------------------------------------------------------------------------------- Megatron-LM
+
+
+def _layers_per_rank(plan: Plan) -> list[list[int]]:
+    """Layers of each pipeline rank's virtual stages."""
+    out: list[list[int]] = [[] for _ in range(plan.parallel.pp)]
+    for s in plan.stages:
+        out[s.pp_rank].append(s.num_layers)
+    return out
+
+
+def _megatron_layout(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]:
+    """Pipeline layout flags: even stages, interleaving, or uneven first/last pipeline ranks."""
+    cfg = plan.parallel
+    flags: list[tuple[str, object]] = []
+    sizes = [s.num_layers for s in plan.stages]
+    even = len(set(sizes)) == 1
+    if cfg.pp == 1:
+        return flags
+    if even:
+        if cfg.vp > 1:
+            flags.append(("--num-layers-per-virtual-pipeline-stage", sizes[0]))
+        return flags
+    if cfg.vp > 1:
+        flags.append(("--num-virtual-stages-per-pipeline-rank", cfg.vp))
+    per_rank = _layers_per_rank(plan)
+    first, last, middle = per_rank[0], per_rank[-1], per_rank[1:-1]
+    mid_sizes = {n for r in middle for n in r}
+    expressible = (len(set(first)) == 1 and len(set(last)) == 1 and len(mid_sizes) <= 1)
+    if expressible:
+        mid = next(iter(mid_sizes)) if mid_sizes else None
+        # Megatron splits the first/last pipeline rank's layers evenly over its virtual stages and the rest
+        # evenly over the middle ranks (get_transformer_layer_offset).
+        if mid is None or first[0] != mid:
+            flags.append(("--decoder-first-pipeline-num-layers", sum(first)))
+        if mid is None or last[0] != mid:
+            flags.append(("--decoder-last-pipeline-num-layers", sum(last)))
+        return flags
+    # Not first/last-uneven: Megatron-Core's explicit layout string (E embedding, t layer, L loss, | stage).
+    parts = []
+    for s in plan.stages:
+        p = ("E" if s.has_embedding else "") + "t" * s.num_layers + ("L" if s.has_head else "")
+        parts.append(p)
+    flags.append(("--pipeline-model-parallel-layout", "|".join(parts)))
+    warnings.append("the stage layout is not uneven only at the first/last pipeline rank; exported as "
+                    "--pipeline-model-parallel-layout (Megatron-Core >= 0.13), stages in model order")
+    return flags
+
+
+def _megatron_recompute(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]:
+    modes = {s.recompute for s in plan.stages}
+    if modes == {"none"}:
+        return []
+    if len(modes) > 1:
+        warnings.append(f"stages recompute differently ({', '.join(sorted(modes))}); Megatron applies one mode to "
+                        "all stages: exported the strongest")
+    mode = "full" if "full" in modes else "selective"
+    if mode == "selective":
+        return [("--recompute-granularity", "selective")]
+    full = [s for s in plan.stages if s.recompute == "full"]
+    if all(s.recompute_layers >= s.num_layers for s in full):
+        # Every layer recomputes: uniform, one layer per checkpoint (what Narayanan et al. 2021 ran).
+        return [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
+                ("--recompute-num-layers", 1)]
+    ks = {s.recompute_layers for s in full}
+    if len(ks) > 1:
+        warnings.append(f"stages recompute different numbers of layers ({sorted(ks)}); Megatron's block method "
+                        "takes one number per stage: exported the largest")
+    return [("--recompute-granularity", "full"), ("--recompute-method", "block"),
+            ("--recompute-num-layers", max(ks))]
+
+
+def _megatron_model(plan: Plan) -> list[tuple[str, object]]:
+    m, tr = plan.model, plan.training
+    f: list[tuple[str, object]] = [
+        ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+        ("--num-attention-heads", m.num_attention_heads), ("--ffn-hidden-size", m.ffn),
+        ("--seq-length", tr.seq_length), ("--max-position-embeddings", m.max_seq_length),
+        ("--vocab-size", m.vocab_size),
+    ]
+    if m.kv_heads != m.num_attention_heads:
+        f += [("--group-query-attention", None), ("--num-query-groups", m.kv_heads)]
+    if m.head_dim is not None:
+        f.append(("--kv-channels", m.head_dim))
+    if m.activation == "swiglu":
+        f.append(("--swiglu", None))
+    elif m.activation == "relu":
+        f.append(("--squared-relu", None))  # Megatron has no plain ReLU MLP flag; closest
+    if m.norm == "rmsnorm":
+        f.append(("--normalization", "RMSNorm"))
+    if m.position == "rope":
+        f.append(("--position-embedding-type", "rope"))
+    if not m.tie_embeddings:
+        f.append(("--untie-embeddings-and-output-weights", None))
+    if not m.has_bias:
+        f.append(("--disable-bias-linear", None))
+    f += [("--hidden-dropout", m.dropout), ("--attention-dropout", m.dropout)]
+    if m.moe is not None:
+        f += [("--num-experts", m.moe.num_experts), ("--moe-router-topk", m.moe.top_k)]
+        if m.moe.expert_ffn_hidden_size:
+            f.append(("--moe-ffn-hidden-size", m.moe.expert_ffn_hidden_size))
+        if m.moe.every_n_layers > 1:
+            f.append(("--moe-layer-freq", m.moe.every_n_layers))
+    return f
+
+
+def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
+    """(flag, value-or-None) pairs in a readable order, and warnings."""
+    cfg, tr = plan.parallel, plan.training
+    warnings: list[str] = []
+    f: list[tuple[str, object]] = [
+        ("--tensor-model-parallel-size", cfg.tp),
+        ("--pipeline-model-parallel-size", cfg.pp),
+    ]
+    f += _megatron_layout(plan, warnings)
+    if cfg.sp:
+        f.append(("--sequence-parallel", None))
+    if cfg.cp > 1:
+        f.append(("--context-parallel-size", cfg.cp))
+    if plan.model.is_moe:
+        f.append(("--expert-model-parallel-size", cfg.ep))
+    f += [("--micro-batch-size", cfg.mbs), ("--global-batch-size", tr.global_batch_size)]
+    f += _megatron_recompute(plan, warnings)
+    if cfg.zero >= 1:
+        f.append(("--use-distributed-optimizer", None))
+    if cfg.zero == 2:
+        warnings.append("zero=2: Megatron's distributed optimizer shards optimizer state and reduce-scatters "
+                        "gradients, but keeps the full gradient buffer (the plan assumed it sharded)")
+    if cfg.zero == 3:
+        f += [("--use-torch-fsdp2", None), ("--ckpt-format", "torch_dist")]
+        warnings.append("zero=3 is exported as Megatron's FSDP2 path (--use-torch-fsdp2); check that your "
+                        "Megatron-LM version supports it together with the other flags")
+    if cfg.schedule == "gpipe" and cfg.pp > 1:
+        warnings.append("Megatron-LM has no GPipe schedule; it will run 1F1B (less activation memory)")
+    if tr.dtype == "bf16":
+        f.append(("--bf16", None))
+    elif tr.dtype == "fp16":
+        f.append(("--fp16", None))
+    elif tr.dtype == "fp8":
+        f += [("--bf16", None), ("--fp8-format", "hybrid")]
+    if tr.grad_reduce_dtype == "fp32" and tr.dtype != "fp32":
+        f.append(("--accumulate-allreduce-grads-in-fp32", None))
+    if tr.flash_attention:
+        f.append(("--use-flash-attn", None))
+    if tr.overlap_grad_reduce and (cfg.dp or 1) * cfg.cp > 1:
+        f.append(("--overlap-grad-reduce", None))
+    if tr.overlap_param_gather and cfg.zero >= 1:
+        f.append(("--overlap-param-gather", None))
+    if tr.tp_comm_overlap and cfg.tp > 1:
+        f.append(("--tp-comm-overlap", None))
+    f += _megatron_model(plan)
+    return f, warnings
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def export_megatron(plan: Plan, script: str = "pretrain_gpt.py") -> dict:
+    flags, warnings = megatron_flags(plan)
+    args: list[str] = []
+    for k, v in flags:
+        args.append(k)
+        if v is not None:
+            args.append(_fmt(v))
+    cl = plan.cluster
+    launch = f"torchrun --nnodes {cl.num_nodes} --nproc-per-node {cl.gpus_per_node} {script}"
+    lines = [launch]
+    for k, v in flags:
+        lines.append(f"    {k}" + ("" if v is None else f" {shlex.quote(_fmt(v))}"))
+    command = " \\\n".join(lines)
+    return {"format": "megatron", "plan": plan.short_hash, "args": args,
+            "flags": {k: (True if v is None else v) for k, v in flags},
+            "launch": {"nnodes": cl.num_nodes, "nproc_per_node": cl.gpus_per_node},
+            "command": command, "warnings": warnings}
+
+
+# -------------------------------------------------------------------------------------------- torchtitan
+
+# torchtitan's registered Llama 3 flavours (torchtitan/models/llama3/__init__.py).
+_TITAN_FLAVOURS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B"),
+                   "llama3-405b": ("llama3", "405B")}
+_TITAN_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32", "fp8": "bfloat16"}
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{s}"'
+
+
+def torchtitan_config(plan: Plan) -> tuple[dict[str, dict], list[str], list[str]]:
+    """(sections, warnings, comment lines)."""
+    cfg, tr, m = plan.parallel, plan.training, plan.model
+    dp = cfg.dp or 1
+    warnings: list[str] = []
+    name, flavor = _TITAN_FLAVOURS.get(m.name, ("llama3", m.name))
+    if m.name not in _TITAN_FLAVOURS:
+        warnings.append(f"torchtitan has no flavour for {m.name}: register one with the shape in the header "
+                        f"comment (model.flavor = {m.name!r} is a placeholder)")
+    if m.activation != "swiglu" or m.position != "rope" or m.norm != "rmsnorm":
+        warnings.append(f"{m.name} is not a Llama-style model (activation={m.activation}, position={m.position}, "
+                        f"norm={m.norm}); torchtitan's llama3 model will not reproduce it")
+    sections: dict[str, dict] = {}
+    sections["job"] = {"description": f"autoplan plan {plan.short_hash}: {m.name} on {plan.cluster.num_gpus} x "
+                                      f"{plan.cluster.gpu.name}"}
+    sections["model"] = {"name": name, "flavor": flavor}
+    if m.moe is not None:
+        warnings.append("MoE model: torchtitan's MoE models (deepseek_v3, llama4, qwen3) each route differently; "
+                        "pick the one that matches and register the shape")
+    training = {"local_batch_size": tr.global_batch_size // dp, "global_batch_size": tr.global_batch_size,
+                "seq_len": tr.seq_length, "mixed_precision_param": _TITAN_DTYPE[tr.dtype],
+                "mixed_precision_reduce": _TITAN_DTYPE[tr.grad_reduce_dtype or tr.dtype]}
+    sections["training"] = training
+    par: dict[str, object] = {}
+    if cfg.zero == 0:
+        par.update(data_parallel_replicate_degree=dp, data_parallel_shard_degree=1)
+    else:
+        par.update(data_parallel_replicate_degree=1, data_parallel_shard_degree=dp)
+        par["fsdp_reshard_after_forward"] = "default" if cfg.zero >= 3 else "never"
+        if cfg.zero < 3:
+            warnings.append(f"zero={cfg.zero}: torchtitan's FSDP2 also shards the weights (like ZeRO-3, with "
+                            "reshard_after_forward='never' they stay gathered between forward and backward)")
+    par["tensor_parallel_degree"] = cfg.tp
+    if cfg.tp > 1 and tr.tp_comm_overlap:
+        par["enable_async_tensor_parallel"] = True
+    if cfg.tp > 1 and not cfg.sp:
+        warnings.append("torchtitan always uses sequence parallelism with TP; the plan has sp=0")
+    par["pipeline_parallel_degree"] = cfg.pp
+    if cfg.pp > 1:
+        par["pipeline_parallel_schedule"] = {"1f1b": "1F1B", "gpipe": "GPipe",
+                                             "interleaved": "Interleaved1F1B"}[cfg.schedule]
+        par["pipeline_parallel_microbatch_size"] = cfg.mbs
+        sizes = [s.num_layers for s in plan.stages]
+        if len(set(sizes)) == 1:
+            par["pipeline_parallel_layers_per_stage"] = sizes[0]
+        else:
+            parts = []
+            for s in plan.stages:
+                fq = (["tok_embeddings"] if s.has_embedding else []) + \
+                     [f"layers.{i}" for i in range(*s.layers)] + (["norm", "output"] if s.has_head else [])
+                parts.append(fq)
+            par["module_fqns_per_model_part"] = parts
+    elif cfg.mbs != tr.global_batch_size // dp:
+        warnings.append(f"torchtitan without pipelining runs local_batch_size={tr.global_batch_size // dp} at "
+                        f"once (no gradient accumulation here); the plan uses micro-batches of {cfg.mbs}")
+    par["context_parallel_degree"] = cfg.cp
+    if m.moe is not None:
+        par["expert_parallel_degree"] = cfg.ep
+    sections["parallelism"] = par
+    ac: dict[str, object]
+    modes = {s.recompute for s in plan.stages}
+    if modes == {"none"}:
+        ac = {"mode": "none"}
+    elif "full" in modes:
+        full = [s for s in plan.stages if s.recompute == "full"]
+        if all(s.recompute_layers >= s.num_layers for s in full):
+            ac = {"mode": "full"}
+        else:
+            frac = sum(s.recompute_layers for s in full) / sum(s.num_layers for s in full)
+            every = max(1, round(1 / frac)) if frac > 0 else 1
+            ac = {"mode": "selective", "selective_ac_option": str(every)}
+            warnings.append(f"partial full recomputation ({frac:.0%} of layers) exported as torchtitan's "
+                            f"layer-selective AC: every {every} layer(s)")
+    else:
+        ac = {"mode": "selective", "selective_ac_option": "op"}
+    sections["activation_checkpoint"] = ac
+    comments = [
+        f"autoplan plan {plan.short_hash}: {cfg.to_string()}",
+        f"predicted step {plan.prediction.step_time_s:.3f} s, MFU {100 * plan.prediction.mfu:.1f}%",
+        f"model shape: layers={m.num_layers} hidden={m.hidden_size} heads={m.num_attention_heads} "
+        f"kv_heads={m.kv_heads} ffn={m.ffn} vocab={m.vocab_size}",
+        f"launch: torchrun --nnodes {plan.cluster.num_nodes} --nproc-per-node {plan.cluster.gpus_per_node} "
+        "-m torchtitan.train --job.config_file <this file>",
+    ]
+    return sections, warnings, comments
+
+
+def export_torchtitan(plan: Plan) -> dict:
+    sections, warnings, comments = torchtitan_config(plan)
+    lines = [f"# {c}" for c in comments]
+    for name, body in sections.items():
+        lines.append("")
+        lines.append(f"[{name}]")
+        for k, v in body.items():
+            lines.append(f"{k} = {_toml_value(v)}")
+    return {"format": "torchtitan", "plan": plan.short_hash, "config": sections, "toml": "\n".join(lines) + "\n",
+            "warnings": warnings}

@@ -1,0 +1,152 @@
+"""`autoplan export`: Megatron-LM flags and torchtitan TOML, and the published configurations round trip."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from inspect_helpers import check_published, megatron_parser, parse, vp_of
+
+from autoplan.api import make_plan
+from autoplan.inspect import export_megatron, export_torchtitan
+from autoplan.specs import load_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+REFERENCE = ROOT.parent / "shared" / "reference" / "calibration_runs.json"
+
+
+def test_megatron_interleaved(plan_interleaved):
+    ns = parse(plan_interleaved)
+    assert (ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, vp_of(ns)) == (8, 8, 3)
+    assert ns.num_layers_per_virtual_pipeline_stage == 4
+    assert ns.sequence_parallel and ns.bf16 and not ns.fp16
+    assert ns.micro_batch_size == 1 and ns.global_batch_size == 1536
+    assert ns.recompute_granularity == "selective" and ns.recompute_method is None
+    assert not ns.use_distributed_optimizer
+    assert (ns.num_layers, ns.hidden_size, ns.num_attention_heads, ns.seq_length) == (96, 12288, 96, 2048)
+    d = export_megatron(plan_interleaved)
+    assert d["command"].startswith("torchrun --nnodes 128 --nproc-per-node 8 pretrain_gpt.py \\\n")
+    assert d["warnings"] == []
+    json.dumps(d)
+
+
+def test_megatron_full_recompute(plan_1f1b):
+    ns = parse(plan_1f1b)
+    assert (ns.recompute_granularity, ns.recompute_method, ns.recompute_num_layers) == ("full", "uniform", 1)
+    assert vp_of(ns) == 1 and ns.num_layers_per_virtual_pipeline_stage is None
+
+
+def test_megatron_uneven_first_last(plan_uneven):
+    ns = parse(plan_uneven)
+    assert ns.decoder_first_pipeline_num_layers == 11
+    assert ns.decoder_last_pipeline_num_layers == 13
+    # Megatron puts the rest evenly on the middle ranks: (96 - 11 - 13) / 6 = 12, what the plan has
+    middle = (ns.num_layers - 11 - 13) / (ns.pipeline_model_parallel_size - 2)
+    assert middle == 12 == plan_uneven.stages[3].num_layers
+    assert export_megatron(plan_uneven)["warnings"] == []
+
+
+def test_megatron_uneven_virtual_stages_use_layout(plan_uneven_vp):
+    d = export_megatron(plan_uneven_vp)
+    ns = megatron_parser().parse_args(d["args"])
+    assert ns.num_virtual_stages_per_pipeline_rank == 2
+    stages = ns.pipeline_model_parallel_layout.split("|")
+    assert [s.count("t") for s in stages] == [s.num_layers for s in plan_uneven_vp.stages]
+    assert stages[0].startswith("E") and stages[-1].endswith("L")
+    assert any("pipeline-model-parallel-layout" in w for w in d["warnings"])
+
+
+def test_megatron_partial_full_recompute_uses_block(gpt175):
+    m, c, tr = gpt175
+    plan = make_plan(m, c, tr, "tp=8,pp=8,mbs=1,sp=1,recompute=full,recompute_layers=6")
+    ns = parse(plan)
+    assert (ns.recompute_granularity, ns.recompute_method, ns.recompute_num_layers) == ("full", "block", 6)
+
+
+def test_megatron_model_shape_flags_llama_and_moe():
+    from autoplan.specs import TrainingSpec, load_model
+
+    tr = TrainingSpec(global_batch_size=64, seq_length=4096)
+    plan = make_plan(load_model("llama2-70b"), load_cluster("dgx-h100", gpus=64), tr,
+                     "tp=8,pp=2,mbs=1,sp=1,zero=1,recompute=selective")
+    ns = parse(plan)
+    assert ns.group_query_attention and ns.num_query_groups == 8
+    assert ns.swiglu and ns.normalization == "RMSNorm" and ns.position_embedding_type == "rope"
+    assert ns.untie_embeddings_and_output_weights and ns.disable_bias_linear
+    assert ns.use_distributed_optimizer and ns.overlap_param_gather
+    moe = make_plan(load_model("mixtral-8x7b"), load_cluster("dgx-h100", gpus=64), tr,
+                    "tp=2,pp=2,ep=4,mbs=1,sp=1,zero=1,recompute=selective")
+    ns = parse(moe)
+    assert ns.expert_model_parallel_size == 4 and ns.num_experts == 8 and ns.moe_router_topk == 2
+
+
+# -------------------------------------------------------------------------- published configurations
+
+
+def _calibration_runs():
+    if not REFERENCE.exists():
+        pytest.skip(f"{REFERENCE} not present")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fidelity import run_setting
+
+    runs = json.loads(REFERENCE.read_text())["runs"]
+    return [(run, *run_setting(run)) for run in runs]
+
+
+def test_megatron_flags_reproduce_published_configurations():
+    """Done-when (fixed-configuration path): plans made for each published setting export it back. The three
+    largest SC21 runs (thousands of micro-batch x stage actions to simulate) are left to the search-pinned test
+    in test_inspect_scaling.py, which covers every run."""
+    rows = _calibration_runs()
+    assert len(rows) >= 10
+    checked = 0
+    for run, model, cluster_name, training, cfg, _table in rows:
+        if "SC21" in run["source"] and run["cluster"]["num_gpus"] > 1536:
+            continue
+        cluster = load_cluster(cluster_name, gpus=run["cluster"]["num_gpus"])
+        check_published(run, make_plan(model, cluster, training, cfg))
+        checked += 1
+    assert checked >= 15
+
+
+# ------------------------------------------------------------------------------------------ torchtitan
+
+
+def test_torchtitan_toml(plan_interleaved, plan_uneven, plan_barely):
+    d = export_torchtitan(plan_interleaved)
+    cfg = toml_loads(d["toml"])
+    p = cfg["parallelism"]
+    assert (p["tensor_parallel_degree"], p["pipeline_parallel_degree"]) == (8, 8)
+    assert p["pipeline_parallel_schedule"] == "Interleaved1F1B" and p["pipeline_parallel_layers_per_stage"] == 4
+    assert p["data_parallel_replicate_degree"] * p["data_parallel_shard_degree"] == 16
+    assert cfg["training"]["global_batch_size"] == 1536 and cfg["training"]["seq_len"] == 2048
+    assert cfg["training"]["local_batch_size"] == 1536 // 16
+    assert cfg["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+    assert cfg == d["config"]
+    assert any("not a Llama-style" in w for w in d["warnings"])
+    # uneven stages become explicit module lists per stage
+    u = toml_loads(export_torchtitan(plan_uneven)["toml"])["parallelism"]["module_fqns_per_model_part"]
+    assert [sum(x.startswith("layers.") for x in part) for part in u] == [11, 12, 12, 12, 12, 12, 12, 13]
+    assert u[0][0] == "tok_embeddings" and u[-1][-2:] == ["norm", "output"]
+    b = toml_loads(export_torchtitan(plan_barely)["toml"])
+    assert b["activation_checkpoint"]["mode"] == "none"
+
+
+def test_torchtitan_llama_flavour():
+    from autoplan.specs import TrainingSpec, load_model
+
+    plan = make_plan(load_model("llama3-8b"), load_cluster("dgx-h100", gpus=8),
+                     TrainingSpec(global_batch_size=16, seq_length=8192), "tp=1,pp=1,mbs=1,zero=3,recompute=full")
+    d = export_torchtitan(plan)
+    cfg = toml_loads(d["toml"])
+    assert cfg["model"] == {"name": "llama3", "flavor": "8B"}
+    assert cfg["parallelism"]["data_parallel_shard_degree"] == 8
+    assert cfg["activation_checkpoint"]["mode"] == "full"
+    assert not any("flavour" in w or "Llama-style" in w for w in d["warnings"])
+
+
+def toml_loads(text: str) -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    return tomllib.loads(text)
