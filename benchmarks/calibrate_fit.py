@@ -34,7 +34,7 @@ def objective(gpu: str, cal, table: str) -> tuple[float, list[float]]:
     return statistics.mean(errs) + 0.5 * max(errs), [r["step_error"] for r in rows]
 
 
-def fit(gpu: str, table: str, keys: list[str], rounds: int = 4) -> None:
+def fit(gpu: str, table: str, keys: list[str], rounds: int = 3) -> None:
     cal = GPU_PRESETS[gpu].calibration
     best, errs = objective(gpu, cal, table)
     for _ in range(rounds):

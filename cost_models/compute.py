@@ -152,8 +152,11 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
     if ctx.training.tp_comm_overlap:
         # Chunked overlap (Megatron userbuffers): only the first of tp chunks is exposed, plus whatever
         # the GEMMs it pipelines with cannot hide.
-        fwd = fwd / ctx.tp + max(0.0, fwd * (1 - 1 / ctx.tp) - gemm_fwd)
-        bwd = bwd / ctx.tp + max(0.0, bwd * (1 - 1 / ctx.tp) - 2 * gemm_fwd)
+        k = ctx.cluster.gpu.calibration.overlap_interference
+        fwd_exp = fwd / ctx.tp + max(0.0, fwd * (1 - 1 / ctx.tp) - gemm_fwd)
+        bwd_exp = bwd / ctx.tp + max(0.0, bwd * (1 - 1 / ctx.tp) - 2 * gemm_fwd)
+        # the hidden part still slows the GEMMs it runs under (SMs and HBM taken by the comm kernels)
+        fwd, bwd = fwd_exp + k * (fwd - fwd_exp), bwd_exp + k * (bwd - bwd_exp)
     return fwd, bwd
 
 
@@ -166,9 +169,11 @@ def _cp_comm(p: LayerProfile, ctx: Context, attn_fwd: float) -> tuple[float, flo
     kv_bytes = 2 * ctx.tokens * (a.kv_heads / min(ctx.tp, a.kv_heads)) * a.head_dim * ctx.act_bytes
     link = ctx.cluster.intra_node if grp.nodes == 1 else ctx.cluster.inter_node
     step = comm.p2p(ctx.cluster, kv_bytes, cross_node=link is ctx.cluster.inter_node)
-    fwd = max(step, (ctx.cp - 1) * step - attn_fwd * (ctx.cp - 1) / ctx.cp)
-    bwd = max(step, 2 * (ctx.cp - 1) * step - 2.5 * attn_fwd * (ctx.cp - 1) / ctx.cp)
-    return fwd, bwd
+    k = ctx.cluster.gpu.calibration.overlap_interference
+    total_f, total_b = (ctx.cp - 1) * step, 2 * (ctx.cp - 1) * step
+    fwd = max(step, total_f - attn_fwd * (ctx.cp - 1) / ctx.cp)
+    bwd = max(step, total_b - 2.5 * attn_fwd * (ctx.cp - 1) / ctx.cp)
+    return fwd + k * max(0.0, total_f - fwd), bwd + k * max(0.0, total_b - bwd)
 
 
 def _ep_comm(p: LayerProfile, ctx: Context) -> tuple[float, float]:

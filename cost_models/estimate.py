@@ -153,6 +153,17 @@ def even_layout(num_layers: int, cfg: ParallelConfig) -> list[StageLayout]:
     return out
 
 
+def _stage_layer_costs(stage: StageCost, profiles: list[LayerProfile], ctx: Context,
+                       n_stages: int) -> list[LayerCost]:
+    start, stop = stage.layout.layers
+    out = [cached_layer_cost(profiles[1 + i], ctx) for i in range(start, stop)]
+    if stage.index == 0:
+        out.append(cached_layer_cost(profiles[0], ctx))
+    if stage.index == n_stages - 1:
+        out.append(cached_layer_cost(profiles[-1], ctx))
+    return out
+
+
 def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ctx: Context,
                n_stages: int) -> StageCost:
     """Cost of one (virtual) stage for one micro-batch."""
@@ -221,40 +232,71 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     return m
 
 
-def _dp_sync(stages: list[StageCost], cfg: ParallelConfig, cluster: ClusterSpec,
-             training: TrainingSpec) -> tuple[float, float, float]:
-    """(gradient reduction, parameter all-gather after the step, last-bucket tail) for one pipeline rank."""
-    n = cfg.dp * cfg.cp
+def dp_sync(dense: float, expert: float, *, dp: int, cp: int, tp: int, ep: int, zero: int, cluster: ClusterSpec,
+            training: TrainingSpec) -> tuple[float, float, float]:
+    """(gradient reduction, parameter all-gather after the step, last-bucket tail) of one pipeline rank holding
+    `dense` and `expert` parameters. Gradients reduce over dp*cp (expert ones over dp*cp/ep), as Megatron."""
+    n = dp * cp
     if n <= 1:
         return 0.0, 0.0, 0.0
-    dense = sum(s.params - s.expert_params for s in stages)
-    expert = sum(s.expert_params for s in stages)
     g_bytes = training.grad_bytes
     w_bytes = 4 if training.dtype in ("fp32", "tf32") else 2
-    grp_d = comm.group_of(cluster, n, cfg.tp)
-    grp_e = comm.group_of(cluster, max(1, n // cfg.ep), cfg.tp * cfg.ep)
-    if cfg.zero == 0:
+    grp_d = comm.group_of(cluster, n, tp)
+    grp_e = comm.group_of(cluster, max(1, n // ep), tp * ep)
+    if zero == 0:
         red = comm.all_reduce(cluster, grp_d, dense * g_bytes) + comm.all_reduce(cluster, grp_e, expert * g_bytes)
         gather = 0.0
     else:
         red = comm.reduce_scatter(cluster, grp_d, dense * g_bytes) + comm.reduce_scatter(cluster, grp_e,
                                                                                           expert * g_bytes)
-        gather = 0.0 if cfg.zero >= 3 else (
+        gather = 0.0 if zero >= 3 else (
             comm.all_gather(cluster, grp_d, dense * w_bytes) + comm.all_gather(cluster, grp_e, expert * w_bytes))
-    bucket = max(_BUCKET_PARAMS, 1e6 * cfg.dp)
+    bucket = max(_BUCKET_PARAMS, 1e6 * dp)
     tail = red * min(1.0, bucket / max(dense + expert, 1.0))
     return red, gather, tail
 
 
-def _zero3_exposed(stage: StageCost, cfg: ParallelConfig, cluster: ClusterSpec, training: TrainingSpec) -> float:
-    """ZeRO-3 gathers the stage's weights in forward and backward and reduce-scatters its grads, per micro-batch,
-    prefetched behind compute: only what compute cannot hide is exposed."""
-    grp = comm.group_of(cluster, cfg.dp * cfg.cp, cfg.tp)
+def interference(cluster: ClusterSpec, hidden_s: float) -> float:
+    """Compute time lost to communication that runs under it: NCCL kernels take SMs and memory bandwidth
+    from the GEMMs they overlap (`GPUCalibration.overlap_interference` of the hidden time)."""
+    return cluster.gpu.calibration.overlap_interference * max(0.0, hidden_s)
+
+
+def dp_exposed(red: float, tail: float, window: float, cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """Gradient-reduction time past the end of the pipeline: with overlap, buckets reduce during the last
+    micro-batch's backward (`window`), leaving at least the last bucket; without, all of it."""
+    if not training.overlap_grad_reduce:
+        return red
+    exposed = max(tail, red - window)
+    return exposed + interference(cluster, red - exposed)
+
+
+def param_gather_exposed(gather: float, cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """ZeRO-1/2 parameter all-gather after the optimizer: overlapped with the next forward when the runtime
+    does (Megatron's --overlap-param-gather leaves about the first bucket, ~10%), else exposed."""
+    if not training.overlap_param_gather:
+        return gather
+    return 0.1 * gather + interference(cluster, 0.9 * gather)
+
+
+def optimizer_time(params: float, shards: int, cluster: ClusterSpec) -> float:
+    """Adam over the parameters this GPU updates (`shards` = dp*cp with ZeRO>=1, else 1): memory-bound."""
+    gpu = cluster.gpu
+    return params / shards * _ADAM_BYTES_PER_PARAM / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
+
+
+def zero3_block_exposed(params_local: float, fwd_s: float, bwd_s: float, *, dp: int, cp: int, tp: int,
+                        cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """ZeRO-3 per block and micro-batch: its weights are all-gathered for the forward and again for the
+    backward, and its gradients reduce-scattered; each is prefetched behind the neighbouring block's compute
+    (FSDP's one-unit prefetch), so only what compute cannot hide is exposed, plus interference."""
+    grp = comm.group_of(cluster, dp * cp, tp)
     w_bytes = 4 if training.dtype in ("fp32", "tf32") else 2
-    g_bytes = training.grad_bytes
-    ag = comm.all_gather(cluster, grp, stage.params * w_bytes)
-    rs = comm.reduce_scatter(cluster, grp, stage.params * g_bytes)
-    return max(0.0, ag - stage.fwd_s) + max(0.0, ag + rs - stage.bwd_s)
+    ag = comm.all_gather(cluster, grp, params_local * w_bytes)
+    rs = comm.reduce_scatter(cluster, grp, params_local * training.grad_bytes)
+    exposed = max(0.0, ag - fwd_s) + max(0.0, ag + rs - bwd_s)
+    hidden = min(ag, fwd_s) + min(ag + rs, bwd_s)
+    return exposed + interference(cluster, hidden)
 
 
 def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig,
@@ -268,10 +310,12 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
     n_stages = cfg.pp * cfg.vp
     stages = [stage_cost(i, lay, profiles, ctx, n_stages) for i, lay in enumerate(layout)]
     m = num_microbatches(cfg, training)
-    # ZeRO-3 per-micro-batch traffic lengthens each stage's slot.
+    # ZeRO-3 per-micro-batch traffic lengthens each stage's slot, block by block.
     if cfg.zero >= 3:
         for s in stages:
-            s.bwd_s += _zero3_exposed(s, cfg, cluster, training)
+            for c in _stage_layer_costs(s, profiles, ctx, n_stages):
+                s.bwd_s += zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp,
+                                               cluster=cluster, training=training)
     e = ctx.act_bytes
     hidden = profiles[0].hidden
     p2p_bytes = ctx.tokens * hidden * e / cfg.tp
@@ -298,21 +342,20 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
     by_rank: list[list[StageCost]] = [[] for _ in range(cfg.pp)]
     for s in stages:
         by_rank[s.index % cfg.pp].append(s)
-    finish, dp_exposed, opt_time, gather_exposed = [], [], [], []
-    gpu = cluster.gpu
+    finish, dp_times, opt_time, gather_times = [], [], [], []
     for r in range(cfg.pp):
-        red, gather, tail = _dp_sync(by_rank[r], cfg, cluster, training)
-        if training.overlap_grad_reduce:
-            done = max(rank_end[r] + tail, last_b[r] + red)
-        else:
-            done = rank_end[r] + red
-        opt_params = sum(s.params for s in by_rank[r]) / (cfg.dp * cfg.cp if cfg.zero >= 1 else 1)
-        opt = opt_params * _ADAM_BYTES_PER_PARAM / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
-        g_exp = gather * (0.1 if training.overlap_param_gather else 1.0)
-        finish.append(done + opt + g_exp)
-        dp_exposed.append(done - rank_end[r])
+        dense = sum(s.params - s.expert_params for s in by_rank[r])
+        expert = sum(s.expert_params for s in by_rank[r])
+        red, gather, tail = dp_sync(dense, expert, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero,
+                                    cluster=cluster, training=training)
+        window = rank_end[r] - last_b[r]
+        dp_t = dp_exposed(red, tail, window, cluster, training)
+        opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster)
+        g_exp = param_gather_exposed(gather, cluster, training)
+        finish.append(rank_end[r] + dp_t + opt + g_exp)
+        dp_times.append(dp_t)
         opt_time.append(opt)
-        gather_exposed.append(g_exp)
+        gather_times.append(g_exp)
     step = max(finish)
     crit = max(range(cfg.pp), key=lambda r: finish[r])
     rank_stages = by_rank[crit]
@@ -325,7 +368,7 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
         "tp_cp_ep_comm": exposed_comm,
         "pp_comm": max(0.0, makespan - no_comm),
         "bubble": max(0.0, no_comm - busy[crit]),
-        "dp_comm": dp_exposed[crit] + gather_exposed[crit],
+        "dp_comm": dp_times[crit] + gather_times[crit],
         "optimizer": opt_time[crit],
     }
     # Attribute any rounding remainder to the bubble so the parts add up to the step.

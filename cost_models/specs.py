@@ -153,6 +153,13 @@ class GPUCalibration(_Frozen):
     framework_overhead_gib: float = Field(
         default=2.0, ge=0, description="Memory the CUDA context, allocator fragmentation and workspaces take."
     )
+    overlap_interference: float = Field(
+        default=0.2,
+        ge=0,
+        le=1,
+        description="Fraction of communication time hidden under compute that still costs compute time "
+        "(NCCL kernels take SMs and HBM bandwidth from the GEMMs they overlap).",
+    )
 
 
 class PeakTFlops(_Frozen):

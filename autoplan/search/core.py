@@ -44,12 +44,15 @@ from cost_models import comm
 from cost_models.compute import Context, LayerCost, layer_cost
 from cost_models.errors import ConfigError, DoesNotFitError
 from cost_models.estimate import (
-    _ADAM_BYTES_PER_PARAM,
-    _BUCKET_PARAMS,
     GIB,
     Estimate,
     StageLayout,
+    dp_exposed,
+    dp_sync,
     estimate,
+    optimizer_time,
+    param_gather_exposed,
+    zero3_block_exposed,
 )
 from cost_models.pipeline import in_flight
 from cost_models.profile import LayerProfile, profile_from_spec
@@ -279,7 +282,7 @@ class _Searcher:
         worst = 0.0
         for r, (red, tl, rest) in self._dp_parts(mesh, zero):
             bwd = a.blk_bwd / (mesh.pp * vp) + (a.head.bwd_s if r == mesh.pp - 1 else 0.0)
-            exposed = max(tl, red - bwd) if self.training.overlap_grad_reduce else red
+            exposed = dp_exposed(red, tl, bwd, self.cluster, self.training)
             worst = max(worst, exposed + rest)
         self._tail[key] = worst
         return worst
@@ -293,7 +296,6 @@ class _Searcher:
             return got
         cl, tr = self.cluster, self.training
         n = mesh.dp * mesh.cp
-        gpu = cl.gpu
         a = self.agg(mesh)
         out = []
         for r in sorted({0, mesh.pp // 2, mesh.pp - 1}):
@@ -302,32 +304,17 @@ class _Searcher:
                 dense += a.emb.params_local - a.emb.expert_params_local
             if r == mesh.pp - 1:
                 dense += a.head.params_local - a.head.expert_params_local
-            red = gather = tl = 0.0
-            if n > 1:
-                grp_d = comm.group_of(cl, n, mesh.tp)
-                grp_e = comm.group_of(cl, max(1, n // mesh.ep), mesh.tp * mesh.ep)
-                g, w = self.costs.g_bytes, self.costs.w_bytes
-                if zero == 0:
-                    red = comm.all_reduce(cl, grp_d, dense * g) + comm.all_reduce(cl, grp_e, expert * g)
-                else:
-                    red = comm.reduce_scatter(cl, grp_d, dense * g) + comm.reduce_scatter(cl, grp_e, expert * g)
-                    if zero < 3:
-                        gather = comm.all_gather(cl, grp_d, dense * w) + comm.all_gather(cl, grp_e, expert * w)
-                bucket = max(_BUCKET_PARAMS, 1e6 * mesh.dp)
-                tl = red * min(1.0, bucket / max(dense + expert, 1.0))
-            opt = (dense + expert) / (n if zero >= 1 else 1) * _ADAM_BYTES_PER_PARAM / (
-                gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
-            g_exp = gather * (0.1 if tr.overlap_param_gather else 1.0)
-            out.append((r, (red, tl, opt + g_exp)))
+            red, gather, tl = dp_sync(dense, expert, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep, zero=zero,
+                                      cluster=cl, training=tr)
+            opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl)
+            out.append((r, (red, tl, opt + param_gather_exposed(gather, cl, tr))))
         self._dp[key] = out
         return out
 
     def zero3_extra(self, mesh: Mesh, c: LayerCost) -> float:
-        """Exposed ZeRO-3 traffic of one block per micro-batch (`estimate._zero3_exposed`, per block)."""
-        grp = comm.group_of(self.cluster, mesh.dp * mesh.cp, mesh.tp)
-        ag = comm.all_gather(self.cluster, grp, c.params_local * self.costs.w_bytes)
-        rs = comm.reduce_scatter(self.cluster, grp, c.params_local * self.costs.g_bytes)
-        return max(0.0, ag - c.fwd_s) + max(0.0, ag + rs - c.bwd_s)
+        """Exposed ZeRO-3 traffic of one block per micro-batch (the cost model's `zero3_block_exposed`)."""
+        return zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp,
+                                   cluster=self.cluster, training=self.training)
 
     def lower_bound(self, mesh: Mesh, zero: int, vp: int, tail_vp: int | None = None) -> float:
         """Perfect balance, no recomputation, the closed form's point-to-point time, the ZeRO tail."""
