@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -24,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autoplan.estimate_api import estimate_config  # noqa: E402
 from autoplan.specs import GPUCalibration, ModelSpec, ParallelConfig, TrainingSpec, load_cluster  # noqa: E402
 
-H100_INTERLEAVED = bool(int(os.environ.get("AUTOPLAN_H100_INTERLEAVED", "0")))
 DEFAULT_REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "calibration_runs.json"
 
 
@@ -50,11 +48,8 @@ def run_setting(run: dict) -> tuple[ModelSpec, str, TrainingSpec, ParallelConfig
         training = TrainingSpec(global_batch_size=b["global"], seq_length=m["seq"], dtype="bf16",
                                 flash_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
                                 tp_comm_overlap=True, fused_kernels=False)
-        vp = 1
-        if p["pp"] > 1 and H100_INTERLEAVED:
-            vp = m["layers"] // p["pp"]  # one layer per virtual stage (see the module docstring)
         cfg = ParallelConfig(tp=p["tp"], pp=p["pp"], dp=p["dp"], mbs=1, sp=p["tp"] > 1, zero=1,
-                             recompute="selective", vp=vp, schedule="interleaved" if vp > 1 else "1f1b")
+                             recompute="selective")
         table = "Megatron-LM H100"
     return model, cluster, training, cfg, table
 

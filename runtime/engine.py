@@ -46,6 +46,12 @@ class Trainer:
         self.mbs = cfg.mbs
         self.n_micro = self.gbs // (dims.dp * cfg.mbs)
         self.max_grad_norm = max_grad_norm
+        if dims.pp_enabled and cfg.schedule == "1f1b" and self.n_micro < cfg.pp:
+            from cost_models.errors import PlanError
+
+            raise PlanError("the 1F1B schedule needs at least pp micro-batches per step",
+                            f"global batch {self.gbs} / (dp {dims.dp} x mbs {cfg.mbs}) = {self.n_micro} < pp={cfg.pp}",
+                            "raise the global batch, lower mbs, or use schedule=gpipe")
         self.pm: ParallelModel = parallelize(plan.model, plan, dims, seed=seed, device=device,
                                              n_microbatches=self.n_micro, loss_fn=loss_fn)
         params = [p for _, p in self.pm.named_parameters()]

@@ -158,6 +158,11 @@ def check_module_matches(plan: Plan, module) -> None:
         "vocab_size": getattr(getattr(module, "tok_embeddings", None), "num_embeddings", None),
     }
     want = {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size}
+    if hasattr(module, "parameters"):  # the parameter count of the zoo model the plan describes (meta: free)
+        from autoplan.zoo import build_model, num_parameters
+
+        got["num_parameters"] = num_parameters(module)
+        want["num_parameters"] = num_parameters(build_model(spec, device="meta"))
     bad = [f"{k}: model {got[k]} vs plan {want[k]}" for k in want if got[k] != want[k]]
     if bad:
         raise PlanError(f"the model does not match plan {plan.short_hash} (made for {spec.name})", "; ".join(bad),

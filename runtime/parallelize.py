@@ -1,21 +1,29 @@
 """Each parallelism applied by one function; `parallelize` composes them in one stated order.
 
-    parallelize(spec, plan, dims)
-      1. split_stages      this pipeline rank's (virtual) stages, cut at the plan's layer boundaries by deleting
-                           the other layers from a meta-device model (names keep their global keys), then
-                           materialised and initialised by name (same weights as a single-process model)
-      2. apply_tp          DTensor tensor parallelism (+ Megatron sequence parallelism, vocab-parallel
-                           embedding and LM head for loss_parallel)
-      3. apply_ep          expert parallelism: experts split over the ep group, tokens exchanged by all-to-all
-      4. apply_cp          context parallelism: exact causal attention over the cp group (all-gather of K/V,
-                           load-balanced chunks r and 2cp-1-r, positions offset for RoPE / learned positions)
-      5. apply_recompute   selective (attention core) or full (whole blocks, `recompute_layers` of a stage)
-      6. apply_mixed_precision   bf16 autocast around each stage's forward (fp32 master weights)
-      7. apply_dp          replicate (ZeRO-0) or FSDP2 fully_shard (ZeRO-1/2/3) over the dp x cp ranks
-      8. apply_pipeline    torch.distributed.pipelining stages and the plan's schedule
+`parallelize(spec, plan, dims)` builds this rank's stages by executing their generated programs
+(codegen.emit.stage_source -- the same text `autoplan codegen` writes), which apply, per stage:
 
-TP before DP because FSDP2 shards the TP DTensors again (2-D); recompute before DP so FSDP's hooks wrap the
-checkpointed blocks; CP after TP because the attention core it replaces receives TP-local heads.
+  1. pipeline cut      this pipeline rank's (virtual) stages, cut at the plan's layer boundaries by deleting the
+                       other layers from a meta-device model (names keep their global keys), then materialised and
+                       initialised by name (the same weights as a single-process model); split_stages does
+                       the same for direct use
+  2. fused kernels     kernels.modules substituted for norms/activations when plan.kernels == "fused"
+                                                                                   [codegen.fuse.substitute_kernels]
+  3. apply_tp          DTensor tensor parallelism (+ Megatron sequence parallelism, vocab-parallel embedding and LM
+                       head for loss_parallel); the layout table is codegen.program.tp_layout
+  4. apply_ep          expert parallelism: experts split over the ep group, tokens exchanged by all-to-all
+  5. apply_cp          context parallelism: exact causal attention over the cp group (all-gather of K/V,
+                       load-balanced chunks r and 2cp-1-r, positions offset for RoPE / learned positions)
+  6. apply_recompute   selective (attention core) or full (whole blocks, `recompute_layers` of a stage)
+  7. apply_mixed_precision   bf16 autocast around each stage's forward (fp32 master weights)
+  8. apply_dp          replicate (ZeRO-0) or FSDP2 fully_shard (ZeRO-1/2/3) over the dp x cp ranks
+then here
+  9. apply_pipeline    torch.distributed.pipelining stages and the plan's schedule.
+
+Why this order: kernels before TP so the parallel styles wrap the modules that will run; TP before DP because
+FSDP2 shards the TP DTensors again (2-D); CP after TP because the attention core it replaces receives TP-local
+heads; recompute before DP so FSDP's hooks wrap the checkpointed blocks; the pipeline last because it drives
+the finished stage modules.
 """
 
 from __future__ import annotations
@@ -96,7 +104,7 @@ def split_stages(spec, plan: Plan, pp_rank: int, *, seed: int, device: torch.dev
 # --------------------------------------------------------------------------------------------- 2. TP
 
 
-class _PositionsSequenceParallel:
+class PositionsSequenceParallel:
     """Learned position embedding under sequence parallelism: weight replicated over tp, each rank looks up the
     positions of its own sequence shard; the weight gradient is a partial sum, reduced like a norm's."""
 
@@ -116,71 +124,43 @@ class _PositionsSequenceParallel:
         distribute_module(module, mesh, partition, input_fn, output_fn)
 
 
-def apply_tp(model: TransformerLM, tp_mesh, *, sp: bool) -> list[str]:
+def apply_tp(model: TransformerLM, tp_mesh, *, sp: bool, stage: StagePlan | None = None) -> list[str]:
     """Megatron-style TP with DTensor: column-parallel wq/wk/wv/w1/w3 (heads and KV heads split), row-parallel
     wo/w2; vocab-parallel embedding (rows) and LM head (columns, logits stay sharded over the vocabulary for
     `loss_parallel`). With sp the residual stream between blocks is sharded over the sequence (Shard(1)) and
     norms run as SequenceParallel; the all-reduces become all-gather + reduce-scatter. MoE layers keep their
-    experts replicated over tp (no expert TP): their input is gathered to the full sequence."""
-    seq = Shard(1) if sp else Replicate()
+    experts replicated over tp (no expert TP): their input is gathered to the full sequence.
+
+    The layout comes from codegen.program.tp_layout, the same table the emitted stage source is printed from.
+    """
+    from codegen.program import tp_layout
+
+    if stage is None:
+        keys = [int(k) for k in model.layers]
+        stage = StagePlan(index=0, pp_rank=0, layers=(min(keys), max(keys) + 1) if keys else (0, 0),
+                          has_embedding=model.tok_embeddings is not None, has_head=model.output is not None,
+                          recompute="none", recompute_layers=0, forward_s=0, backward_s=0)
     notes = []
-    top: dict[str, object] = {}
-    if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if model.norm is not None and sp:
-        top["norm"] = SequenceParallel()
-    if model.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
-    if top:
-        parallelize_module(model, tp_mesh, top)
-    if model.pos_embeddings is not None and sp:
-        _PositionsSequenceParallel.apply(model.pos_embeddings, tp_mesh)
-        top["pos_embeddings"] = "SequenceParallel(positions)"
+    for group, styles in tp_layout(model.spec, stage, sp).items():
+        target = model if not group else model.get_submodule(group)
+        plain = {k: _make_style(v.code()) for k, v in styles.items() if v.name != "PositionsSequenceParallel"}
+        parallelize_module(target, tp_mesh, plain)
+        if len(plain) != len(styles):
+            PositionsSequenceParallel.apply(model.pos_embeddings, tp_mesh)
+        notes += [f"{group + '.' if group else ''}{k}: {v.code()}" for k, v in styles.items()]
     if model.spec.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
         model.output.weight = model.tok_embeddings.weight  # both Shard(0) over the vocabulary: still one tensor
-    notes += [f"{k}: {_style_name(v)}" for k, v in top.items()]
-    for key, block in model.layers.items():
-        lp: dict[str, object] = {
-            "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-        }
-        if sp:
-            lp["attention_norm"] = SequenceParallel()
-            lp["mlp_norm"] = SequenceParallel()
-        if isinstance(block.mlp, MoE):
-            lp["mlp"] = PrepareModuleInputOutput(
-                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
-        else:
-            lp["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-            lp["mlp.w1"] = ColwiseParallel()
-            if block.mlp.w3 is not None:
-                lp["mlp.w3"] = ColwiseParallel()
-            lp["mlp.w2"] = RowwiseParallel(output_layouts=seq)
-        parallelize_module(block, tp_mesh, lp)
-        notes += [f"layers.{key}.{k}: {_style_name(v)}" for k, v in lp.items()]
     return notes
 
 
-def _style_name(style) -> str:
-    if isinstance(style, str):
-        return style
-    name = type(style).__name__
-    bits = []
-    for attr in ("input_layouts", "output_layouts", "desired_input_layouts", "desired_output_layouts"):
-        v = getattr(style, attr, None)
-        if v is not None:
-            bits.append(f"{attr}={_placements(v)}")
-    return f"{name}({', '.join(bits)})"
+_STYLES = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
+           "SequenceParallel": SequenceParallel, "PrepareModuleInput": PrepareModuleInput,
+           "PrepareModuleInputOutput": PrepareModuleInputOutput, "Shard": Shard, "Replicate": Replicate}
 
 
-def _placements(v) -> str:
-    if isinstance(v, tuple | list):
-        return "(" + ", ".join(_placements(x) for x in v) + ")"
-    return "None" if v is None else repr(v)
+def _make_style(code: str):
+    """Instantiate a style from its rendered code (generated by codegen.program, never user input)."""
+    return eval(code, {"__builtins__": {}}, dict(_STYLES))  # noqa: S307
 
 
 # --------------------------------------------------------------------------------------------- 3. EP
@@ -459,26 +439,45 @@ class ParallelModel:
                 yield canonical_name(n), p
 
 
+def load_stage_program(program) -> Callable:
+    """Compile the emitted source of one stage (codegen.emit.stage_source) and return its `build` function.
+    The source is registered with linecache so tracebacks show the generated lines."""
+    import linecache
+
+    from codegen.emit import stage_source
+
+    src = stage_source(program)
+    filename = f"<autoplan {program.plan.short_hash} stage_{program.stage.index}.py>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    namespace: dict = {"__name__": f"autoplan_stage_{program.stage.index}"}
+    exec(compile(src, filename, "exec"), namespace)  # noqa: S102
+    return namespace["build"]
+
+
 def parallelize(spec, plan: Plan, dims: ParallelDims, *, seed: int, device: torch.device,
                 n_microbatches: int, loss_fn: Callable) -> ParallelModel:
-    """Apply the plan's techniques in the order of this module's docstring."""
-    cfg = plan.parallel
+    """Build this rank's stages by running their generated programs, then the pipeline schedule.
+
+    Each program (codegen.emit) applies, in this order: 1 pipeline cut, 2 fused kernels, 3 apply_tp-equivalent
+    parallelize_module calls, 4 apply_ep, 5 apply_cp, 6 apply_recompute, 7 apply_mixed_precision, 8 apply_dp;
+    then 9 apply_pipeline here. `spec` must be the plan's model (checked at start-up by the runtime).
+    """
+    from codegen.program import stage_programs
+
     pp_rank = dims.rank("pp") if dims.pp_enabled else 0
-    stages = split_stages(spec, plan, pp_rank, seed=seed, device=device)  # 1
-    for s in stages:
-        m = s.module
-        if dims.tp_enabled:
-            s.notes["tp"] = apply_tp(m, dims["tp"], sp=cfg.sp)  # 2
-        if dims.ep_enabled:
-            s.notes["ep"] = apply_ep(m, dims["ep"])  # 3
-        if dims.cp_enabled:
-            s.notes["cp"] = apply_cp(m, dims["cp"], plan.training.seq_length, device)  # 4
-        s.notes["recompute"] = apply_recompute(m, s.plan)  # 5
-        s.notes["precision"] = apply_mixed_precision(m, plan.training.dtype, device.type)  # 6
-        if dims.dp_enabled:
-            s.notes["dp"] = apply_dp(m, dims["dp_cp"], cfg.zero)  # 7
-        m.train()
+    stages = []
+    for program in stage_programs(plan):
+        if program.stage.pp_rank != pp_rank:
+            continue
+        module = load_stage_program(program)(dims, seed=seed, device=device)
+        module.train()
+        notes = {
+            "tp": [f"{g + '.' if g else ''}{k}: {v.code()}" for g, st in program.tp.items() for k, v in st.items()],
+            "recompute": program.recompute,
+            "kernels": [f"{k} -> {v}" for k, v in program.kernels.items()],
+        }
+        stages.append(StageModule(program.stage, module, notes))
     schedule = None
     if dims.pp_enabled:
-        schedule = apply_pipeline(stages, plan, dims, n_microbatches, loss_fn, device)  # 8
+        schedule = apply_pipeline(stages, plan, dims, n_microbatches, loss_fn, device)
     return ParallelModel(plan, dims, stages, schedule, device)

@@ -1,6 +1,8 @@
 """Train a zoo model with exactly a Plan's layout, under torchrun.
 
-    torchrun --nproc-per-node N -m runtime.train --plan plan.json --steps 20 [--data tokens.bin] [--log log.jsonl]
+    torchrun --nproc-per-node N -m runtime.train -- --plan plan.json --steps 20 [--data tokens.bin] [--log log.jsonl]
+
+(`--` keeps torchrun from reading --log as its own --log-dir; `--log-file` is the same option without it.)
 
 Start-up checks run before any process group exists, so a wrong launch (a plan for 8 ranks started on 4, a
 plan for another model) stops with one clear line instead of hanging in a collective. Rank 0 writes one JSON
@@ -25,7 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--data", default=None, help="flat binary token file (uint16, or int32 with --data-dtype)")
     ap.add_argument("--data-dtype", default=None, choices=["uint16", "int32"])
-    ap.add_argument("--log", default=None, help="JSON-lines metrics file (rank 0)")
+    ap.add_argument("--log", "--log-file", dest="log", default=None,
+                    help="JSON-lines metrics file (rank 0). Under torchrun write --log-file, or put the training "
+                         "arguments after `--`: torchrun itself rejects --log as an abbreviation of --log-dir")
     ap.add_argument("--seed", type=int, default=0, help="weights and synthetic data")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--warmup", type=int, default=0, help="linear warm-up steps")
@@ -34,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None,
                     help="the model you mean to train (preset or spec); refused if the plan was made for another")
     ap.add_argument("--quiet", action="store_true")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # torchrun ... -m runtime.train -- --plan p.json --log f
+        argv = argv[1:]
     return ap.parse_args(argv)
 
 
@@ -88,8 +95,11 @@ def _run(args, plan, dims, rank: int, world: int) -> int:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     log = None
     try:
-        torch.manual_seed(args.seed)
         dims.build_mesh()
+        # Dropout RNG: different across data/context/pipeline ranks (different tokens), the same across tp ranks
+        # (their replicated activations must stay identical). Weights do not use it (init is by name).
+        torch.manual_seed(args.seed + 1_000_003 * (dims.rank("dp") * dims.cp + dims.rank("cp"))
+                          + 7_919 * dims.rank("pp"))
         trainer = Trainer(plan, dims, device=device, seed=args.seed, lr=args.lr,
                           weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm)
         t = plan.training

@@ -31,22 +31,8 @@ from torch import nn
 
 from cost_models.specs import ModelSpec
 
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), fp32 statistics."""
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., h) -> (..., h)
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).type_as(x)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+# torch's RMSNorm (Zhang & Sennrich 2019); kernels.modules.fuse_module knows it, DTensor shards it under SP.
+RMSNorm = nn.RMSNorm
 
 
 def make_norm(spec: ModelSpec) -> nn.Module:

@@ -1,0 +1,143 @@
+"""What each (virtual) pipeline stage of a Plan runs, as data: the single source for the emitted source code
+(`codegen.emit`) and for the runtime (which executes that emitted code).
+
+No torch here: placements and parallel styles are described by name and rendered to code by `Style.code()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoplan.plan import Plan, StagePlan
+from cost_models.specs import ModelSpec
+
+
+@dataclass(frozen=True)
+class Style:
+    """A DTensor parallel style applied to one module, e.g. ColwiseParallel(input_layouts=Shard(1))."""
+
+    name: str
+    kwargs: tuple[tuple[str, str], ...] = ()
+    why: str = ""
+
+    def code(self) -> str:
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.kwargs)})"
+
+
+def tp_layout(spec: ModelSpec, stage: StagePlan, sp: bool) -> dict[str, dict[str, Style]]:
+    """Module path -> Style, grouped by the module `parallelize_module` is called on ("" = the stage root,
+    "layers.N" = a block). Heads and KV heads are split by the column-parallel wq/wk/wv; the row-parallel
+    wo/w2 reduce (all-reduce, or reduce-scatter over the sequence with sp)."""
+    seq = "Shard(1)" if sp else "Replicate()"
+    root: dict[str, Style] = {}
+    if stage.has_embedding:
+        root["tok_embeddings"] = Style("RowwiseParallel", (("input_layouts", "Replicate()"), ("output_layouts", seq)),
+                                       "vocab-parallel embedding")
+        if sp and spec.position == "learned":
+            root["pos_embeddings"] = Style("PositionsSequenceParallel", (), "positions of this rank's sequence shard")
+    if stage.has_head:
+        if sp:
+            root["norm"] = Style("SequenceParallel", (), "norm on the sequence shard")
+        root["output"] = Style("ColwiseParallel", (("input_layouts", seq), ("output_layouts", "Shard(-1)"),
+                                                   ("use_local_output", "False")),
+                               "vocab-parallel LM head; logits stay sharded for loss_parallel")
+    out: dict[str, dict[str, Style]] = {"": root} if root else {}
+    for i in range(*stage.layers):
+        lp: dict[str, Style] = {}
+        if sp:
+            lp["attention_norm"] = Style("SequenceParallel")
+        lp["attention"] = Style("PrepareModuleInput", (("input_layouts", f"({seq}, None)"),
+                                                       ("desired_input_layouts", "(Replicate(), None)")),
+                                "gather the sequence once for q, k, v" if sp else "one all-reduce for q, k, v grads")
+        for w in ("wq", "wk", "wv"):
+            lp[f"attention.{w}"] = Style("ColwiseParallel", (), "heads split" if w == "wq" else "KV heads split")
+        lp["attention.wo"] = Style("RowwiseParallel", (("output_layouts", seq),))
+        if sp:
+            lp["mlp_norm"] = Style("SequenceParallel")
+        if spec.is_moe_layer(i):
+            lp["mlp"] = Style("PrepareModuleInputOutput", (
+                ("input_layouts", f"({seq},)"), ("desired_input_layouts", "(Replicate(),)"),
+                ("use_local_input", "True"), ("output_layouts", "(Replicate(),)"),
+                ("desired_output_layouts", f"({seq},)"), ("use_local_output", "True")),
+                "MoE: experts replicated over tp (no expert TP)")
+        else:
+            lp["mlp"] = Style("PrepareModuleInput", (("input_layouts", f"({seq},)"),
+                                                     ("desired_input_layouts", "(Replicate(),)")))
+            lp["mlp.w1"] = Style("ColwiseParallel")
+            if spec.activation == "swiglu":
+                lp["mlp.w3"] = Style("ColwiseParallel")
+            lp["mlp.w2"] = Style("RowwiseParallel", (("output_layouts", seq),))
+        out[f"layers.{i}"] = lp
+    return out
+
+
+def recompute_regions(stage: StagePlan) -> list[str]:
+    """Module paths checkpointed (recomputed in the backward pass)."""
+    if stage.recompute == "full":
+        start = stage.layers[0]
+        return [f"layers.{i}" for i in range(start, start + stage.recompute_layers)]
+    if stage.recompute == "selective":
+        return [f"layers.{i}.attention.core" for i in range(*stage.layers)]
+    return []
+
+
+def kernel_substitutions(spec: ModelSpec, stage: StagePlan, mode: str, sp: bool) -> dict[str, str]:
+    """Module path -> fused module class (kernels.modules) for `mode == "fused"`.
+
+    Norms under sequence parallelism run on DTensors, which the fused kernels do not take: they stay torch.
+    """
+    if mode != "fused":
+        return {}
+    norm = "FusedRMSNorm" if spec.norm == "rmsnorm" else "FusedLayerNorm"
+    act = "FusedSwiGLU" if spec.activation == "swiglu" else ("FusedGELU" if spec.activation == "gelu" else None)
+    subs: dict[str, str] = {}
+    for i in range(*stage.layers):
+        if not sp:
+            subs[f"layers.{i}.attention_norm"] = norm
+            subs[f"layers.{i}.mlp_norm"] = norm
+        if act:
+            if spec.is_moe_layer(i):
+                for e in range(spec.moe.num_experts):
+                    subs[f"layers.{i}.mlp.experts.{e}.act"] = act
+            else:
+                subs[f"layers.{i}.mlp.act"] = act
+    if stage.has_head and not sp:
+        subs["norm"] = norm
+    return subs
+
+
+def stage_ranks(plan: Plan, stage: StagePlan) -> list[int]:
+    """Global ranks that run `stage` (mesh order pp, dp, cp, tp; tp innermost)."""
+    c = plan.parallel
+    dp = c.dp or 1
+    return [((stage.pp_rank * dp + d) * c.cp + k) * c.tp + t
+            for d in range(dp) for k in range(c.cp) for t in range(c.tp)]
+
+
+@dataclass
+class StageProgram:
+    plan: Plan
+    stage: StagePlan
+    tp: dict[str, dict[str, Style]] = field(default_factory=dict)
+    recompute: list[str] = field(default_factory=list)
+    kernels: dict[str, str] = field(default_factory=dict)
+    ranks: list[int] = field(default_factory=list)
+
+    @property
+    def deleted_layers(self) -> list[int]:
+        lo, hi = self.stage.layers
+        return [i for i in range(self.plan.model.num_layers) if not lo <= i < hi]
+
+
+def stage_programs(plan: Plan) -> list[StageProgram]:
+    c = plan.parallel
+    out = []
+    for st in plan.stages:
+        out.append(StageProgram(
+            plan=plan, stage=st,
+            tp=tp_layout(plan.model, st, c.sp) if c.tp > 1 else {},
+            recompute=recompute_regions(st),
+            kernels=kernel_substitutions(plan.model, st, plan.kernels, c.sp and c.tp > 1),
+            ranks=stage_ranks(plan, st),
+        ))
+    return out

@@ -1,0 +1,224 @@
+"""Runtime pieces that need no second process: launch checks, data, CP chunks, recompute regions, codegen."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoplan.api import make_plan
+from autoplan.specs import TrainingSpec, load_cluster, load_model
+from cost_models.errors import PlanError
+from runtime.parallel_dims import ParallelDims, check_model_matches, check_module_matches
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32")
+
+
+def plan_for(model="tiny-gpt", gpus=4, config="tp=2,pp=2", kernels="torch", training=TRAIN):
+    return make_plan(load_model(model), load_cluster("local-cpu").with_gpus(gpus), training, config, kernels=kernels)
+
+
+# ----------------------------------------------------------------------------- start-up checks
+
+
+def test_plan_for_8_ranks_launched_on_4_is_refused():
+    plan = plan_for(gpus=8, config="tp=2,pp=2")
+    with pytest.raises(PlanError) as e:
+        ParallelDims.from_plan(plan, world_size=4)
+    msg = str(e.value)
+    assert "is for 8 ranks but 4 processes were launched" in msg and "--nproc-per-node 8" in msg
+
+
+def test_inconsistent_degrees_are_refused():
+    with pytest.raises(PlanError, match="pp\\*dp\\*cp\\*tp = 2\\*1\\*1\\*2 = 4, but 2 processes"):
+        ParallelDims(pp=2, dp=1, cp=1, tp=2, ep=1, world_size=2)
+    with pytest.raises(PlanError, match="ep must divide dp"):
+        ParallelDims(pp=1, dp=2, cp=1, tp=1, ep=4, world_size=2)
+
+
+def test_plan_for_another_model_is_refused():
+    plan = plan_for("tiny-gpt")
+    with pytest.raises(PlanError, match="made for model 'tiny-gpt', not 'tiny-llama'"):
+        check_model_matches(plan, load_model("tiny-llama"))
+    check_model_matches(plan, load_model("tiny-gpt"))
+    from autoplan.zoo import build_model
+
+    with pytest.raises(PlanError, match="does not match plan"):
+        check_module_matches(plan, build_model(load_model("tiny-moe")))
+    check_module_matches(plan, build_model(load_model("tiny-gpt")))
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_synthetic_data_is_reproducible_and_sliced_by_rank():
+    from runtime.data import SyntheticDataset, local_batch
+    from runtime.parallelize import load_balanced_positions
+
+    ds = SyntheticDataset(128, 64, 8, seed=1)
+    assert torch.equal(ds.batch(3), SyntheticDataset(128, 64, 8, seed=1).batch(3))
+    assert not torch.equal(ds.batch(3), ds.batch(4))
+    full = ds.batch(0)
+    parts = [local_batch(full, dp=2, dp_rank=r, cp_positions=None) for r in range(2)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), full[:, :-1])
+    pos = [load_balanced_positions(64, 2, r) for r in range(2)]
+    x0, y0 = local_batch(full, dp=1, dp_rank=0, cp_positions=pos[0])
+    assert torch.equal(x0, full[:, :-1][:, pos[0]]) and torch.equal(y0, full[:, 1:][:, pos[0]])
+
+
+def test_load_balanced_chunks_cover_the_sequence():
+    from runtime.parallelize import load_balanced_positions
+
+    p = [load_balanced_positions(16, 2, r).tolist() for r in range(2)]
+    assert p == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
+    assert sorted(sum((load_balanced_positions(24, 3, r).tolist() for r in range(3)), [])) == list(range(24))
+
+
+def test_memmap_dataset(tmp_path):
+    from runtime.data import MemmapTokenDataset, write_token_file
+
+    path = write_token_file(tmp_path / "tok.bin", list(range(100)) * 5, "uint16")
+    ds = MemmapTokenDataset(path, seq_length=8, global_batch=2, vocab_size=128)
+    b = ds.batch(0)
+    assert b.shape == (2, 9) and b.dtype == torch.int64
+    assert b[0].tolist() == list(range(9)) and b[1].tolist() == list(range(8, 17))
+    path32 = write_token_file(tmp_path / "tok.i32", list(range(50)), "int32")
+    assert MemmapTokenDataset(path32, 8, 1, 128).batch(1)[0, 0].item() == 8
+    from cost_models.errors import SpecError
+
+    with pytest.raises(SpecError, match="ids up to 499"):
+        MemmapTokenDataset(write_token_file(tmp_path / "big.bin", range(500)), 8, 2, vocab_size=128)
+
+
+# ----------------------------------------------------------------------------- recompute
+
+
+def _count_ops(fn) -> dict[str, int]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict[str, int] = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket._qualified_op_name).replace("::", ".")
+            counts[name] = counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return counts
+
+
+def test_recompute_regions_rerun_the_right_ops():
+    from autoplan.zoo import build_model, cross_entropy_loss
+    from runtime.parallelize import ATTENTION_CORE_OPS, apply_recompute, canonical_name
+
+    spec = load_model("tiny-llama")
+    tokens = torch.randint(0, 128, (1, 16))
+    counts, grads = {}, {}
+    for mode in ("none", "selective", "full"):
+        plan = plan_for("tiny-llama", gpus=1, config=f"recompute={mode}")
+        model = build_model(spec)
+        apply_recompute(model, plan.stages[0])
+        loss = cross_entropy_loss(model(tokens), tokens)
+        bwd = _count_ops(loss.backward)
+        counts[mode] = (sum(bwd.get(op, 0) for op in ATTENTION_CORE_OPS),
+                        bwd.get("aten.mm", 0) + bwd.get("aten.addmm", 0))
+        grads[mode] = {canonical_name(n): p.grad for n, p in model.named_parameters()}
+    (sdpa0, mm0), (sdpa1, mm1), (sdpa2, mm2) = counts["none"], counts["selective"], counts["full"]
+    assert sdpa0 == 0
+    assert sdpa1 == 4 and mm1 == mm0  # selective: the attention core's SDPA (the CPU flash op) runs again
+    # full: whole blocks re-run: wq wk wv wo w1 w3 in each of 4 blocks; w2, the last op of a block, is not
+    # re-run because non-reentrant checkpointing stops once every saved tensor has been recomputed
+    assert sdpa2 == 4 and mm2 == mm0 + 4 * 6
+    for mode in ("selective", "full"):  # and the gradients do not change
+        for n, g in grads["none"].items():
+            torch.testing.assert_close(grads[mode][n], g, rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- codegen
+
+
+def test_emitted_program_names_plan_layers_styles_and_kernels(tmp_path):
+    from codegen.emit import write_program
+
+    plan = plan_for("tiny-llama", gpus=4, config="tp=2,pp=2,recompute=selective", kernels="fused")
+    paths = write_program(plan, tmp_path)
+    names = sorted(p.name for p in paths)
+    assert names == ["README.md", "plan.json", "stage_0.py", "stage_1.py"]
+    s1 = (tmp_path / "stage_1.py").read_text()
+    assert plan.short_hash in s1 and plan.content_hash in s1
+    assert "layers 2..3 + final norm + LM head + loss" in s1
+    assert "ranks 2, 3" in s1
+    assert '"attention.wq": ColwiseParallel(),' in s1
+    assert "output_layouts=Shard(-1), use_local_output=False" in s1
+    assert "selective: layers.2.attention.core, layers.3.attention.core" in s1
+    assert '"layers.2.attention_norm": \'FusedRMSNorm\'' in s1 and "-> FusedSwiGLU" in s1
+    assert 'del model.layers[key]' in s1 and 'for key in ["0", "1"]' in s1
+    compile(s1, "stage_1.py", "exec")
+    assert json.loads((tmp_path / "plan.json").read_text())["content_hash"] == plan.content_hash
+    torch_plan = plan_for("tiny-llama", gpus=4, config="tp=2,pp=2", kernels="torch")
+    assert "Fused" not in (write_program(torch_plan, tmp_path / "t")[0]).read_text()
+
+
+def test_emitted_single_rank_program_builds_the_zoo_model():
+    from autoplan.zoo import build_model
+    from codegen.program import stage_programs
+    from runtime.parallelize import load_stage_program
+
+    for kernels in ("torch", "fused"):
+        plan = plan_for("tiny-gpt", gpus=1, config="tp=1", kernels=kernels)
+        (program,) = stage_programs(plan)
+        model = load_stage_program(program)(ParallelDims(1, 1, 1, 1, 1, 1), seed=0)
+        ref = build_model(plan.model)
+        tokens = torch.randint(0, 128, (2, 16))
+        torch.testing.assert_close(model(tokens), ref(tokens), rtol=1e-5, atol=1e-5)
+        fused = [type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Fused")]
+        assert bool(fused) == (kernels == "fused"), fused
+
+
+def test_substitute_kernels_shares_parameters():
+    from autoplan.zoo import build_model
+    from codegen.fuse import substitute_kernels
+
+    model = build_model(load_model("tiny-llama"))
+    w = model.layers["0"].attention_norm.weight
+    notes = substitute_kernels(model, "fused")
+    assert any("FusedRMSNorm" in n for n in notes)
+    assert type(model.layers["0"].attention_norm).__name__ == "FusedRMSNorm"
+    assert model.layers["0"].attention_norm.weight is w
+    assert substitute_kernels(model, "torch") == []
+    assert "not in this model" in substitute_kernels(model, {"layers.9.mlp_norm": "FusedRMSNorm"})[0]
+
+
+# ----------------------------------------------------------------------------- one-process CLI
+
+
+def test_train_cli_single_process(tmp_path):
+    plan = plan_for("tiny-llama", gpus=1, config="tp=1,mbs=2", training=TrainingSpec(
+        global_batch_size=4, seq_length=32, dtype="bf16"))
+    plan.save(tmp_path / "plan.json")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    log = tmp_path / "log.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "runtime.train", "--plan", str(tmp_path / "plan.json"),
+                           "--steps", "3", "--log", str(log), "--quiet"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_gib", "predicted_step_time_s"} <= set(r)
+        assert 3 < r["loss"] < 6 and r["step_time_s"] > 0
+        assert r["predicted_step_time_s"] == plan.prediction.step_time_s
+    bad = subprocess.run([sys.executable, "-m", "runtime.train", "--plan", str(tmp_path / "plan.json"),
+                          "--model", "tiny-gpt"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "made for model 'tiny-llama', not 'tiny-gpt'" in bad.stderr
