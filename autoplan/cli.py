@@ -233,7 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:  # everything after `--` belongs to the launched program (`autoplan run`)
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
     args = ap.parse_args(argv)
+    args.extra_args = extra
+    if extra and args.command != "run":
+        ap.error(f"arguments after -- are only accepted by `autoplan run`: {' '.join(extra)}")
     try:
         return args.func(args)
     except AutoplanError as e:

@@ -39,10 +39,10 @@ def run_demo(args: argparse.Namespace) -> int:
     training = TrainingSpec(global_batch_size=1536, seq_length=2048, dtype="bf16")
     if _search_available():
         from .search import search
-        from .search.cli import render_result
+        from .search.cli import render_search
 
         result = search(model, cluster, training, top=5)
-        render_result(con, result)
+        render_search(con, result, model, cluster, training, None)
     else:
         from .estimate_api import estimate_config
         from .report import render_estimate
@@ -58,7 +58,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if _search_available():
         from .search import search
 
-        plan = search(tiny, local, tiny_train, top=3).best
+        plan = search(tiny, local, tiny_train, top=3).plan
     else:
         from .api import make_plan
 

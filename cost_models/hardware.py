@@ -86,21 +86,24 @@ GPU_PRESETS: dict[str, GPUSpec] = {
         hbm_gbps=8000,
         calibration=_BLACKWELL,
     ),
-    # This machine's CPU seen as a "GPU" for the gloo demo: 2 cores with AVX2 FMA reach tens of GFLOP/s in
-    # fp32 matmuls (measured by `autoplan calibrate`; ~40 GF/s here) and ~10 GB/s of memory bandwidth.
-    # 24 GiB of RAM shared by 4 processes gives 6 GiB each.
+    # This machine's CPU seen as a "GPU" for the gloo demo, per process when 4 processes share 2 cores:
+    # `autoplan calibrate` measured ~0.1 TF/s fp32 matmul on one core with one thread and ~3-10 GB/s copy
+    # bandwidth; halved for two processes per core. 24 GiB of RAM shared by 4 processes gives 6 GiB each.
     "cpu": GPUSpec(
         name="cpu",
-        peak_tflops=PeakTFlops(**{"fp32": 0.04, "bf16": 0.01, "fp16": 0.01}),
+        peak_tflops=PeakTFlops(**{"fp32": 0.05, "bf16": 0.01, "fp16": 0.01}),
         hbm_gib=6,
-        hbm_gbps=10,
+        hbm_gbps=3,
         calibration=GPUCalibration(
             matmul_max_efficiency=0.8,
-            matmul_half_dim=16.0,
+            matmul_half_dim=27.0,  # measured by `autoplan calibrate` (rate at n=128 vs the best)
             attention_efficiency=0.3,
-            memory_efficiency=0.5,
-            kernel_launch_us=20.0,  # eager PyTorch op dispatch on CPU is ~10-30 us
+            memory_efficiency=0.8,
+            # eager PyTorch with autograd: ~30 us of Python and dispatch per op on this CPU
+            # (`autoplan calibrate` measured 5 us for a bare op), doubled by two processes per core
+            kernel_launch_us=60.0,
             framework_overhead_gib=0.5,
+            overlap_interference=1.0,  # gloo runs on the same cores as the compute: nothing is hidden
         ),
     ),
 }
@@ -135,8 +138,10 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
         gpu=GPU_PRESETS["cpu"],
         gpus_per_node=4,
         num_nodes=1,
-        intra_node=LinkSpec(bandwidth_gbps=0.5, latency_us=400, efficiency=1.0),
-        inter_node=LinkSpec(bandwidth_gbps=0.5, latency_us=400, efficiency=1.0),
+        # gloo over loopback: ~0.3-0.5 GB/s; latency ~0.2 ms per hop measured with 2 processes
+        # (`autoplan calibrate`), ~1 ms with 4 processes on 2 cores (each hop waits for a descheduled peer)
+        intra_node=LinkSpec(bandwidth_gbps=0.4, latency_us=1000, efficiency=1.0),
+        inter_node=LinkSpec(bandwidth_gbps=0.4, latency_us=1000, efficiency=1.0),
         backend="gloo",
     ),
 }
