@@ -44,21 +44,11 @@ def plan_of(result):
 
 def parse_fix(items: list[str] | dict | None) -> dict[str, str]:
     """`["tp=8", "pp=2,mbs=1"]` -> {"tp": "8", "pp": "2", "mbs": "1"} (what `search(fix=...)` takes)."""
-    from cost_models.errors import ConfigError
+    from autoplan.search.cli import parse_fix_args
 
     if items is None or isinstance(items, dict):
         return dict(items or {})
-    out: dict[str, str] = {}
-    for item in items:
-        for part in item.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            if "=" not in part:
-                raise ConfigError("--fix takes KEY=VAL", f"got {part!r}", "write e.g. --fix tp=8")
-            k, v = part.split("=", 1)
-            out[k.strip()] = v.strip()
-    return out
+    return parse_fix_args(items)
 
 
 def scaling_rows(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, gpus: list[int], *,
