@@ -13,6 +13,7 @@ from functools import lru_cache
 
 from . import comm
 from .compute import Context, LayerCost, layer_cost
+from .errors import ConfigError
 from .pipeline import Timeline, closed_form_makespan, in_flight, simulate
 from .profile import LayerProfile
 from .specs import ClusterSpec, ParallelConfig, TrainingSpec
@@ -303,7 +304,9 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
              layout: list[StageLayout] | None = None, *, simulate_pipeline: bool = True,
              keep_timeline: bool = False) -> Estimate:
     """Predict one optimizer step of `cfg` (dp resolved) on `cluster`."""
-    assert cfg.dp is not None, "resolve the configuration first (check_config)"
+    if cfg.dp is None:
+        raise ConfigError("the configuration's dp is not resolved", cfg.to_string(),
+                          "validate it with check_config (which derives dp from the world size) first")
     n_blocks = len(profiles) - 2
     layout = layout or even_layout(n_blocks, cfg)
     ctx = context(cluster, training, cfg)

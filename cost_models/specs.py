@@ -422,8 +422,7 @@ def check_config(
     rule that layers divide evenly into pp*vp (plans with uneven stages check their own layout).
     """
     cfg = cfg.resolve(cluster.num_gpus)
-    tp, pp, cp, dp, ep, vp = cfg.tp, cfg.pp, cfg.cp, cfg.dp, cfg.ep, cfg.vp
-    assert dp is not None
+    tp, pp, cp, dp, ep, vp = cfg.tp, cfg.pp, cfg.cp, int(cfg.dp or 1), cfg.ep, cfg.vp  # resolve() set dp
     if tp > cluster.gpus_per_node:
         raise ConfigError(
             "tp must stay inside a node",
