@@ -1,0 +1,171 @@
+"""Parity worker, run under torchrun by tests/dist/test_parity.py: many layouts in one launch.
+
+For each case (model, parallel configuration) it makes a Plan with the planner's API (`make_plan` with the
+configuration fixed), trains 10 steps with the runtime's Trainer and compares, on rank 0, the losses of every
+step and the gradients of the first step (after clipping, before the update) with an independent
+single-process reference: the zoo model, the full global batch at once, torch's clip_grad_norm_ and AdamW.
+
+    torchrun --nproc-per-node 2 tests/dist/parity_worker.py --out results.json CASE [CASE ...]
+    CASE = model:config[|fused], e.g. tiny-gpt:tp=2,sp=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from autoplan.api import make_plan  # noqa: E402
+from autoplan.specs import TrainingSpec, load_cluster, load_model  # noqa: E402
+from autoplan.zoo import build_model, cross_entropy_loss  # noqa: E402
+from runtime.data import SyntheticDataset  # noqa: E402
+from runtime.engine import Trainer  # noqa: E402
+from runtime.parallel_dims import ParallelDims  # noqa: E402
+
+STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 10, 4, 64, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
+RTOL = 1e-5
+GRAD_FLOOR = 1e-3  # relative errors are taken against max(|ref grad|, 1e-3 * largest gradient entry)
+
+
+def spec_of(name: str):
+    # Dropout draws layout-dependent random masks: parity is defined without it.
+    return load_model(name).model_copy(update={"dropout": 0.0})
+
+
+def training() -> TrainingSpec:
+    return TrainingSpec(global_batch_size=GBS, seq_length=SEQ, dtype="fp32")
+
+
+def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    spec = spec_of(name)
+    model = build_model(spec, seed=SEED)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
+    data = SyntheticDataset(spec.vocab_size, SEQ, GBS, seed=SEED)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        b = data.batch(step)
+        opt.zero_grad()
+        loss = cross_entropy_loss(model(b[:, :-1]), b[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def full_grads(pm, tied: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in pm.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        if tied and n == "output.weight":
+            n = "tok_embeddings.weight"
+        out[n] = g.detach().clone()
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """max |a - b| relative to max |b|; `floor` keeps mathematically-zero gradients (e.g. the key bias, which
+    softmax cancels) from turning rounding noise into a huge relative error."""
+    return float((a - b).abs().max() / max(float(b.abs().max()), floor, 1e-30))
+
+
+def run_case(case: str, world: int, refs: dict) -> dict:
+    name, config = case.split(":", 1)
+    config, _, kernels = config.partition("|")  # "model:config|fused" runs with the fused-kernel substitution
+    rank = dist.get_rank()
+    t0 = time.perf_counter()
+    spec = spec_of(name)
+    plan = make_plan(spec, load_cluster("local-cpu").with_gpus(world), training(), config, kernels=kernels or "torch")
+    dims = ParallelDims.from_plan(plan, world).build_mesh()
+    trainer = Trainer(plan, dims, device=torch.device("cpu"), seed=SEED, lr=LR, weight_decay=WD, betas=BETAS,
+                      max_grad_norm=CLIP)
+    captured: dict = {}
+
+    def hook(pm):
+        if not captured:
+            captured.update(full_grads(pm, spec.tie_embeddings))
+
+    trainer.last_grads_hook = hook
+    data = SyntheticDataset(spec.vocab_size, SEQ, GBS, seed=SEED)
+    losses = [trainer.step(data.batch(s)).loss for s in range(STEPS)]
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, captured)
+    fused = sum(type(m).__name__.startswith("Fused") for mod in trainer.pm.modules for m in mod.modules())
+    result = {"case": case, "plan": plan.short_hash, "seconds": 0.0, "fused_modules": fused}
+    if rank == 0:
+        if name not in refs:
+            refs[name] = reference(name)
+        ref_losses, ref_grads = refs[name]
+        merged, replica_err = {}, 0.0
+        for d in gathered:
+            for n, g in d.items():
+                if n in merged:  # replicas (dp, tp-replicated weights, tied copies) must agree exactly-ish
+                    replica_err = max(replica_err, rel_err(g, merged[n]))
+                else:
+                    merged[n] = g
+        missing = sorted(set(ref_grads) - set(merged))
+        extra = sorted(set(merged) - set(ref_grads))
+        floor = GRAD_FLOOR * max(float(g.abs().max()) for g in ref_grads.values())
+        grad_errs = {n: rel_err(merged[n], ref_grads[n], floor) for n in ref_grads if n in merged}
+        worst = max(grad_errs, key=grad_errs.get) if grad_errs else None
+        loss_errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
+        result.update({
+            "losses": losses, "ref_losses": ref_losses, "max_loss_rel_err": max(loss_errs),
+            "max_grad_rel_err": grad_errs[worst] if worst else None, "worst_grad": worst,
+            "replica_rel_err": replica_err, "missing": missing, "extra": extra,
+        })
+        result["ok"] = (not missing and not extra and max(loss_errs) <= RTOL and grad_errs[worst] <= RTOL
+                        and replica_err <= RTOL)
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("cases", nargs="+")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    refs: dict = {}
+    results = []
+    try:
+        for case in args.cases:
+            try:
+                r = run_case(case, world, refs)
+            except Exception as e:  # one broken layout must not hide the others
+                r = {"case": case, "ok": False, "error": f"{type(e).__name__}: {e}",
+                     "traceback": traceback.format_exc()[-3000:]}
+                print(f"[rank {rank}] {case}: {r['error']}", file=sys.stderr, flush=True)
+                results.append(r)
+                break  # ranks may now be out of step; stop here, the test reports the rest as not run
+            results.append(r)
+            if rank == 0:
+                print(f"{case}: ok={r.get('ok')} loss_err={r.get('max_loss_rel_err')} "
+                      f"grad_err={r.get('max_grad_rel_err')} ({r['seconds']:.1f}s)", flush=True)
+        if rank == 0:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""`python -m runtime.train` under torchrun: wrong launches stop at start-up with one clear line (no hang), and
+a 4-process run on a memory-mapped token file writes the JSON-lines log with measured and predicted times."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoplan.api import make_plan
+from autoplan.specs import TrainingSpec, load_cluster, load_model
+
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def _torchrun(nproc: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "-m", "runtime.train", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _plan(tmp_path: Path, model: str, gpus: int, config: str, dtype: str = "fp32") -> Path:
+    training = TrainingSpec(global_batch_size=8, seq_length=64, dtype=dtype)
+    plan = make_plan(load_model(model), load_cluster("local-cpu").with_gpus(gpus), training, config, kernels="fused")
+    return plan.save(tmp_path / f"{model}-{gpus}.json")
+
+
+def test_plan_for_8_ranks_on_4_processes_stops_at_startup(tmp_path):
+    plan = _plan(tmp_path, "tiny-gpt", 8, "tp=2,pp=2")
+    proc = _torchrun(4, "--plan", str(plan), "--steps", "1", timeout=120)
+    assert proc.returncode != 0
+    assert "is for 8 ranks but 4 processes were launched" in proc.stderr
+    assert "--nproc-per-node 8" in proc.stderr
+
+
+def test_plan_for_another_model_stops_at_startup(tmp_path):
+    plan = _plan(tmp_path, "tiny-gpt", 2, "tp=2")
+    proc = _torchrun(2, "--plan", str(plan), "--model", "tiny-llama", "--steps", "1", "--log-file", "x.jsonl",
+                     timeout=120)
+    assert proc.returncode != 0
+    assert "was made for model 'tiny-gpt', not 'tiny-llama'" in proc.stderr
+
+
+def test_four_process_run_logs_measured_and_predicted(tmp_path):
+    from runtime.data import write_token_file
+
+    plan_path = _plan(tmp_path, "tiny-llama", 4, "tp=2,pp=2,sp=1", dtype="bf16")
+    data = write_token_file(tmp_path / "tokens.bin", [(i * 7919) % 128 for i in range(20_000)], "uint16")
+    log = tmp_path / "log.jsonl"
+    from runtime.launch import run  # what `autoplan run plan.json --nproc-per-node 4 -- ...` calls
+
+    out = tmp_path / "stdout.txt"
+    with open(out, "w") as f, _redirect_stdout(f):
+        rc = run(plan_path, 4, ["--steps", "4", "--data", str(data), "--log", str(log)])
+    assert rc == 0, out.read_text()[-4000:]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    predicted = json.loads(plan_path.read_text())["prediction"]["step_time_s"]
+    for r in rows:
+        assert r["predicted_step_time_s"] == predicted
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0
+        assert 0 < r["loss"] < 10
+    assert rows[-1]["loss"] < rows[0]["loss"]  # a periodic token stream is learnable
+    assert "predicted" in out.read_text()
+
+
+def test_launcher_refuses_a_wrong_process_count_without_starting(tmp_path):
+    from cost_models.errors import PlanError
+    from runtime.launch import run
+
+    with pytest.raises(PlanError, match="is for 8 ranks but 4 processes"):
+        run(_plan(tmp_path, "tiny-gpt", 8, "tp=2,pp=2"), 4, ["--steps", "1"])
+
+
+class _redirect_stdout:
+    """Send the child's stdout (fd 1) to a file: torchrun's workers inherit the descriptor."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+
+    def __enter__(self):
+        sys.stdout.flush()
+        self.saved = os.dup(1)
+        os.dup2(self.f.fileno(), 1)
+
+    def __exit__(self, *exc):
+        sys.stdout.flush()
+        os.dup2(self.saved, 1)
+        os.close(self.saved)
