@@ -35,8 +35,9 @@ def prediction_of(est: Estimate) -> Prediction:
 
 
 def plan_from_estimate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, est: Estimate, *,
-                       kernels: str = "fused", runners_up: list[RunnerUp] | None = None,
+                       kernels: str | None = None, runners_up: list[RunnerUp] | None = None,
                        search_time_s: float | None = None, command: str = "", extra: dict | None = None) -> Plan:
+    kernels = kernels or ("torch" if training.kernels == "torch" else "fused")
     cfg = est.config
     n = len(est.stages)
     stages = [
@@ -59,6 +60,8 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, pa
     model's prediction."""
     if isinstance(parallel, str):
         parallel = ParallelConfig.parse(parallel)
+    if training.kernels != kernels:  # predict with the kernels the plan will run
+        training = training.model_copy(update={"kernels": kernels})
     cfg = check_config(parallel, model, cluster, training, stage_layers=stage_layers is None)
     layout = None
     if stage_layers is not None:

@@ -48,7 +48,7 @@ def load_workload(args: argparse.Namespace):
     seq = args.seq_len or model.max_seq_length
     try:
         training = TrainingSpec(global_batch_size=args.global_batch, seq_length=seq, dtype=args.dtype,
-                                fused_kernels=getattr(args, "kernels", "fused") == "fused")
+                                kernels=getattr(args, "kernels", "fused"))
     except Exception as e:  # pydantic validation -> one line
         from cost_models.errors import SpecError
 
@@ -83,7 +83,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         d = est.as_dict()
         d["memory_breakdown_gib"] = [m.gib() for m in est.memory]
-        d["kernels_assumed"] = "fused" if training.fused_kernels else "torch"
+        d["kernels_assumed"] = training.kernels
         print_json(d)
     else:
         render_estimate(console(), model, cluster, training, est)

@@ -54,7 +54,7 @@ def run_demo(args: argparse.Namespace) -> int:
     tiny = load_model("tiny-gpt")
     local = load_cluster("local-cpu")
     tiny_train = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", flash_attention=False,
-                              fused_kernels=False)
+                              kernels="torch")
     if _search_available():
         from .search import search
 

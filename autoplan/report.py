@@ -24,7 +24,8 @@ def render_estimate(con: Console, model: ModelSpec, cluster: ClusterSpec, traini
     head.add_row("tokens/s", f"{est.tokens_per_s:,.0f}")
     head.add_row("peak memory", f"{est.peak_memory_gib:.1f} GiB of {cluster.gpu.hbm_gib:g}"
                  + ("" if est.fits else "  [red]DOES NOT FIT[/]"))
-    head.add_row("kernels", "fused Triton" if training.fused_kernels else "torch ops")
+    head.add_row("kernels", {"fused": "fused Triton", "torch": "eager torch ops",
+                             "megatron": "Megatron-LM/TE"}[training.kernels])
     con.print(head)
     mem = Table(title="Memory per pipeline rank (GiB)")
     for c in ("rank", "weights", "grads", "optimizer", "activations", "other", "total"):

@@ -38,7 +38,7 @@ def run_setting(run: dict) -> tuple[ModelSpec, str, TrainingSpec, ParallelConfig
         cluster = "dgx-a100-80g"
         training = TrainingSpec(global_batch_size=b["global"], seq_length=m["seq"], dtype="fp16",
                                 grad_reduce_dtype="fp16", flash_attention=False, overlap_grad_reduce=False, overlap_param_gather=False,
-                                tp_comm_overlap=False, fused_kernels=False)
+                                tp_comm_overlap=False, kernels="megatron")
         vp = p.get("vp") or 1
         cfg = ParallelConfig(tp=p["tp"], pp=p["pp"], dp=p["dp"], vp=vp, mbs=b["micro"], recompute="full",
                              schedule="interleaved" if vp > 1 else "1f1b")
@@ -47,7 +47,7 @@ def run_setting(run: dict) -> tuple[ModelSpec, str, TrainingSpec, ParallelConfig
         cluster = "dgx-h100"
         training = TrainingSpec(global_batch_size=b["global"], seq_length=m["seq"], dtype="bf16",
                                 flash_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
-                                tp_comm_overlap=True, fused_kernels=False)
+                                tp_comm_overlap=True, kernels="megatron")
         cfg = ParallelConfig(tp=p["tp"], pp=p["pp"], dp=p["dp"], mbs=1, sp=p["tp"] > 1, zero=1,
                              recompute="selective")
         table = "Megatron-LM H100"

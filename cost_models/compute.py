@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import comm
+from .kernel_traffic import eager_extra
 from .profile import LayerProfile
 from .specs import DTYPE_BYTES, ClusterSpec, TrainingSpec
 
@@ -186,6 +187,27 @@ def _ep_comm(p: LayerProfile, ctx: Context) -> tuple[float, float]:
     return 2 * one, 2 * one
 
 
+def _eager_extra_bytes(p: LayerProfile, ctx: Context, seq_div: int) -> tuple[float, float]:
+    """Bytes eager PyTorch moves beyond fused kernels for the norms, activation and RoPE of one micro-batch
+    (the profile's elementwise counts are those of fused kernels; `kernels.traffic` has the counts)."""
+    if ctx.training.kernels != "torch":
+        return 0.0, 0.0
+    f = b = 0.0
+    scale = ctx.act_bytes / 2.0
+    parts = []
+    if p.norm_kind:
+        parts.append(("rms_norm" if p.norm_kind == "rmsnorm" else "layer_norm", p.norm_elems / seq_div))
+    if p.act_kind in ("gelu", "swiglu"):
+        parts.append(("bias_gelu" if p.act_kind == "gelu" else "swiglu", p.act_elems / ctx.tp))
+    if p.rope_elems:
+        parts.append(("rope", p.rope_elems / ctx.tp))
+    for op, elems in parts:
+        xf, xb = eager_extra(op)
+        f += ctx.tokens * elems * xf * scale
+        b += ctx.tokens * elems * xb * scale
+    return f, b
+
+
 def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     """Time, memory and FLOPs of layer `p` for one micro-batch on one GPU."""
     cal = ctx.cluster.gpu.calibration
@@ -199,6 +221,8 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         ew_tp -= p.elementwise_tp - 2 * p.logits_per_token
     ew_elems = ctx.tokens * (ew_tp / t + p.elementwise_seq / seq_div)
     ew_fwd = _mem_time(ctx, ew_elems * e)
+    xf, xb = _eager_extra_bytes(p, ctx, seq_div)
+    ew_extra_f, ew_extra_b = _mem_time(ctx, xf), _mem_time(ctx, xb)
     # Host-side cost of issuing the layer's kernels (Python, dispatch, launch). The GPU runs ahead of the
     # host, so a layer takes the longer of the two: small layers become launch-bound.
     host_fwd = p.kernels_fwd * cal.kernel_launch_us * 1e-6
@@ -206,8 +230,8 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     cp_f, cp_b = _cp_comm(p, ctx, attn_fwd)
     ep_f, ep_b = _ep_comm(p, ctx)
     comm_f, comm_b = tp_f + cp_f + ep_f, tp_b + cp_b + ep_b
-    fwd = max(gemm_fwd + attn_fwd + ew_fwd, host_fwd) + comm_f
-    bwd = max(2 * gemm_fwd + attn_bwd + 2 * ew_fwd, 2 * host_fwd) + comm_b
+    fwd = max(gemm_fwd + attn_fwd + ew_fwd + ew_extra_f, host_fwd) + comm_f
+    bwd = max(2 * gemm_fwd + attn_bwd + 2 * ew_fwd + ew_extra_b, 2 * host_fwd) + comm_b
     # Selective recomputation re-runs the attention core (and its softmax) in backward; a flash kernel
     # recomputes its scores anyway, so there is nothing extra to do.
     sel = 0.0 if ctx.training.flash_attention else attn_fwd

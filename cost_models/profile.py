@@ -83,6 +83,12 @@ class LayerProfile(_Frozen):
     moe_top_k: int = Field(default=0, description="Experts per token (0 = dense).")
     moe_experts: int = Field(default=0, description="Experts in the layer.")
     logits_per_token: int = Field(default=0, description="Vocabulary size of the logits (head only).")
+    # What the fusable ops process, so the kernel set (fused / eager torch / Megatron) can be costed.
+    norm_kind: Literal["layernorm", "rmsnorm"] | None = Field(default=None, description="Normalisation op.")
+    norm_elems: float = Field(default=0.0, description="Elements per token through norms (residual stream).")
+    act_kind: Literal["gelu", "swiglu", "relu"] | None = Field(default=None, description="MLP activation op.")
+    act_elems: float = Field(default=0.0, description="Activation output elements per token (TP region).")
+    rope_elems: float = Field(default=0.0, description="Elements of q and k rotated per token (TP region).")
 
     @property
     def params(self) -> int:
@@ -153,6 +159,8 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
         kernels_fwd=len(gemms) + 6 + (2 if model.position == "rope" else 0) + (4 if moe else 0),
         act_tp=act_tp, act_seq=act_seq, act_scores_per_seq=scores, act_input=2 * h,
         tp_allreduces=2, moe_top_k=top_k, moe_experts=n_exp,
+        norm_kind=model.norm, norm_elems=2 * h, act_kind=model.activation, act_elems=ffn * mult,
+        rope_elems=(a + kv) * d if model.position == "rope" else 0,
     )
 
 
@@ -178,7 +186,7 @@ def profile_from_spec(model: ModelSpec, dropout: bool | None = None) -> list[Lay
         elementwise_seq=2 * h, elementwise_tp=19 * v, kernels_fwd=10,
         act_seq=2 * h + 2 * h,  # final-norm input and LM-head input
         act_tp=4 * v,  # fp32 softmax of the vocab-parallel cross-entropy (Megatron keeps it for backward)
-        logits_per_token=v,
+        logits_per_token=v, norm_kind=model.norm, norm_elems=h,
     )
     if model.tie_embeddings:
         head = head.model_copy(update={"gemms": (head_gemm.model_copy(update={"count": 0}),)})

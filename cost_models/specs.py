@@ -258,13 +258,20 @@ class TrainingSpec(_Frozen):
         default=False, description="Tensor-parallel collectives overlap the GEMMs (Megatron userbuffers)."
     )
     @property
+    def fused_kernels(self) -> bool:
+        return self.kernels == "fused"
+
+    @property
     def grad_bytes(self) -> int:
         if self.dtype in ("fp32", "tf32"):
             return 4
         return DTYPE_BYTES[self.grad_reduce_dtype or ("bf16" if self.dtype == "fp8" else self.dtype)]
 
-    fused_kernels: bool = Field(
-        default=True, description="Norms, activations, RoPE and cross-entropy use fused kernels."
+    kernels: Literal["fused", "torch", "megatron"] = Field(
+        default="fused",
+        description="Kernel set: 'fused' = autoplan's Triton kernels (fused norms, activations, RoPE, chunked "
+        "cross-entropy); 'torch' = eager PyTorch ops; 'megatron' = Megatron-LM/TE's (fused norms and "
+        "activations, fp32 cross-entropy over materialised logits), used to model the published runs.",
     )
 
 

@@ -934,7 +934,9 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
     row_groups = sum(1 for gm in gemms if gm.tp == "row")
     vocab_lookup = any(o.kind == "embedding" and o.token_dependent for o in ops)
     head_gemm = next((gm for gm in gemms if gm.tp == "vocab"), None)
+    fus = _fusable_ops(ops, norm_of, T, attention, layer_kind, g)
     return LayerProfile(
+        **fus,
         name=info.name, kind=layer_kind, gemms=gemms, attention=attention, hidden=hidden,
         params_replicated=params_rep, params_sharded=params_shard,
         elementwise_tp=ew["S"], elementwise_seq=ew["R"], kernels_fwd=kernels,
@@ -944,6 +946,54 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
         moe_top_k=top_k if n_experts else 0, moe_experts=n_experts,
         logits_per_token=head_gemm.n if head_gemm is not None and layer_kind == "head" else 0,
     )
+
+
+def _fusable_ops(ops: list[OpNode], norm_of: dict[str, str], T: float, attention, layer_kind: str,
+                 g: _Ctx) -> dict:
+    """What the fusable ops of a layer process (the cost model prices them per kernel set): the norms'
+    elements per token (one output per norm group) and kind, the MLP activation's kind and output elements,
+    and the q/k elements rotated when the layer computes rotary tables (cos/sin)."""
+    out: dict = {}
+    groups: dict[str, list[OpNode]] = defaultdict(list)
+    for o in ops:
+        if o.name in norm_of:
+            groups[norm_of[o.name]].append(o)
+    if groups:
+        names = " ".join(f"{o.opname} {o.module_type or ''}" for grp in groups.values() for o in grp).lower()
+        out["norm_kind"] = "rmsnorm" if "rms" in names else "layernorm"
+        # a norm group's output is its last op's
+        out["norm_elems"] = float(sum(grp[-1].out.numel / T for grp in groups.values() if grp[-1].out))
+    if layer_kind != "block":
+        return out
+    for kind, opnames in (("swiglu", ("silu", "silu_")), ("gelu", ("gelu", "gelu_")), ("relu", ("relu", "relu_"))):
+        acts = [o for o in ops if o.opname in opnames and o.token_dependent and o.out is not None]
+        if acts:
+            out["act_kind"] = kind
+            out["act_elems"] = float(sum(o.out.numel / T for o in acts))
+            break
+    rotate_half = any(o.opname == "cat" and any(g.ops[i].opname == "neg" for i in o.inputs if i in g.ops)
+                      for o in ops)  # cat(-x2, x1): Hugging Face's rotate_half
+    if attention is not None and (rotate_half or any(o.opname == "mul" and any(_from_trig(i, g) for i in o.inputs)
+                                                     for o in ops)):
+        out["rope_elems"] = float((attention.heads + attention.kv_heads) * attention.head_dim)
+    return out
+
+
+def _from_trig(name: str, g: _Ctx, depth: int = 8) -> bool:
+    """Whether tensor `name` is a cos/sin table, possibly reshaped, cast or indexed (rotary embeddings,
+    computed in the block or passed in from the model's root as Hugging Face does)."""
+    cur = g.ops.get(name)
+    for _ in range(depth):
+        if cur is None:
+            return False
+        if cur.opname in ("cos", "sin"):
+            return True
+        if not cur.inputs or (cur.kind not in ("view", "alias") and cur.opname not in CAST_OPS
+                              and cur.opname not in ("unsqueeze", "expand", "index", "slice", "select", "getitem",
+                                                     "mul", "clone", "contiguous")):
+            return False
+        cur = g.ops.get(cur.inputs[0])
+    return False
 
 
 def _feeds_loss(name: str, g: _Ctx) -> bool:

@@ -29,7 +29,7 @@ def header_lines(plan: Plan) -> list[str]:
     return [
         f"{plan.model.name} on {cl.num_gpus} x {cl.gpu.name} ({cl.name}, {nodes})",
         f"batch {tr.global_batch_size} x {tr.seq_length} tokens, {tr.dtype}, "
-        f"{'fused' if tr.fused_kernels else 'torch'} kernels, {m} micro-batches of {cfg.mbs} per step",
+        f"{tr.kernels} kernels, {m} micro-batches of {cfg.mbs} per step",
         f"plan {plan.short_hash}: {short_config(cfg)}",
     ]
 

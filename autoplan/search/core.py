@@ -569,7 +569,7 @@ def _label(stages: tuple[StageChoice, ...], pp: int, vp: int, L: int) -> tuple[s
 
 def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *,
            profiles: list[LayerProfile] | None = None, fix: dict[str, str] | None = None, top: int = 5,
-           progress: Progress | None = None, command: str = "", kernels: str = "fused") -> SearchResult:
+           progress: Progress | None = None, command: str = "", kernels: str | None = None) -> SearchResult:
     """The fastest plan that fits (by the cost model), with `top - 1` runners-up.
 
     `fix` pins knobs (`{"tp": "8", "recompute": "full"}`, the keys of the parallel configuration string).
@@ -581,6 +581,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *,
     from autoplan.plan import RunnerUp
 
     t0 = time.perf_counter()
+    if kernels is not None and kernels != training.kernels:  # predict with the kernels the plan will run
+        training = training.model_copy(update={"kernels": kernels})
+    kernels = "torch" if training.kernels == "torch" else "fused"
     fixd = parse_fix(fix)
     top = max(1, int(top))
     profiles = profiles or profile_from_spec(model)

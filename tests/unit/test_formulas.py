@@ -126,3 +126,30 @@ def test_pipeline_grid_uses_action_notation():
     grid = tl.grid()
     assert grid[0] == ["0F0", "1F0"]
     assert [row[0] for row in grid] == ["0F0", "0F1", "0B0", "0B1"]
+
+
+def test_kernel_traffic_copy_matches_the_kernels_table():
+    from cost_models.kernel_traffic import BYTES_PER_ELEMENT
+    from kernels.traffic import bytes_per_element
+
+    for op, (ff, fb, ef, eb) in BYTES_PER_ELEMENT.items():
+        assert bytes_per_element(op, "fused", "fwd") == ff, op
+        assert bytes_per_element(op, "fused", "bwd") == fb, op
+        assert bytes_per_element(op, "eager", "fwd") == ef, op
+        assert bytes_per_element(op, "eager", "bwd") == eb, op
+
+
+def test_kernel_sets_change_the_elementwise_time_only():
+    m = load_model("llama3-8b")
+    c = load_cluster("dgx-h100", gpus=8)
+    times = {}
+    for k in ("fused", "megatron", "torch"):
+        t = TrainingSpec(global_batch_size=8, seq_length=8192, kernels=k)
+        cfg = check_config(ParallelConfig.parse("tp=8"), m, c, t)
+        est = estimate(profile_from_spec(m), c, t, cfg)
+        times[k] = est
+    # fused < Megatron's (its fp32 cross-entropy) < eager torch (unfused RMSNorm, SwiGLU, RoPE)
+    assert times["fused"].step_time_s < times["megatron"].step_time_s < times["torch"].step_time_s
+    assert times["fused"].model_flops == times["torch"].model_flops
+    # the chunked cross-entropy never holds the fp32 softmax of the logits
+    assert times["fused"].memory[0].activations < times["megatron"].memory[0].activations
