@@ -75,7 +75,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return 0
     log = out / "train.jsonl"
     cmd = [sys.executable, "-m", "autoplan.cli", "run", str(plan_path), "--nproc-per-node",
-           str(plan.world_size), "--", "--steps", "6", "--log", str(log)]
+           str(plan.world_size), "--", "--steps", "20", "--lr", "3e-3", "--log", str(log)]
     con.print("$ " + " ".join(cmd[2:]))
     rc = subprocess.call(cmd)
     if rc != 0:
