@@ -10,12 +10,8 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 
 from cost_models.errors import AutoplanError
-
-Handler = Callable[[argparse.Namespace], int]
-
 
 # ------------------------------------------------------------------------------------------ shared options
 
@@ -49,10 +45,13 @@ def load_workload(args: argparse.Namespace):
     try:
         training = TrainingSpec(global_batch_size=args.global_batch, seq_length=seq, dtype=args.dtype,
                                 kernels=getattr(args, "kernels", "fused"))
-    except Exception as e:  # pydantic validation -> one line
+    except Exception as e:  # pydantic validation -> one line naming the field
         from cost_models.errors import SpecError
 
-        raise SpecError("invalid training setup", str(e).splitlines()[-1], "check --global-batch/--seq-len") from None
+        errs = e.errors() if hasattr(e, "errors") else []
+        detail = (f"{'.'.join(str(x) for x in errs[0]['loc'])} {errs[0]['msg'].lower()}, got {errs[0].get('input')!r}"
+                  if errs else str(e).splitlines()[0])
+        raise SpecError("invalid training setup", detail, "check --global-batch, --seq-len and --dtype") from None
     return model, cluster, training, profiles
 
 

@@ -78,3 +78,13 @@ def test_estimate_does_not_import_torch():
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--global-batch", "0"], "global_batch_size input should be greater than 0"),
+    (["--global-batch", "8", "--seq-len", "-5"], "seq_length input should be greater than 0"),
+])
+def test_bad_training_setup_is_one_line(capsys, args, needle):
+    assert main(["estimate", "--model", "gpt3-175b", "--cluster", "dgx-h100", *args, "--parallel", "tp=8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and "pydantic" not in err
