@@ -71,6 +71,7 @@ class StageCost:
     expert_params: float
     model_flops: float  # per micro-batch forward
     recompute_flops: float
+    zero3_s: float = 0.0  # exposed ZeRO-3 gathers and reduce-scatters per micro-batch (inside bwd_s)
 
 
 @dataclass
@@ -317,8 +318,9 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
     if cfg.zero >= 3:
         for s in stages:
             for c in _stage_layer_costs(s, profiles, ctx, n_stages):
-                s.bwd_s += zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp,
-                                               cluster=cluster, training=training)
+                s.zero3_s += zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=cfg.dp, cp=cfg.cp,
+                                                 tp=cfg.tp, cluster=cluster, training=training)
+            s.bwd_s += s.zero3_s
     e = ctx.act_bytes
     hidden = profiles[0].hidden
     p2p_bytes = ctx.tokens * hidden * e / cfg.tp
@@ -362,7 +364,8 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
     step = max(finish)
     crit = max(range(cfg.pp), key=lambda r: finish[r])
     rank_stages = by_rank[crit]
-    compute = m * sum(s.fwd_s + s.bwd_s - s.recompute_s - s.comm_s for s in rank_stages)
+    compute = m * sum(s.fwd_s + s.bwd_s - s.recompute_s - s.comm_s - s.zero3_s for s in rank_stages)
+    zero3 = m * sum(s.zero3_s for s in rank_stages)
     recompute = m * sum(s.recompute_s for s in rank_stages)
     exposed_comm = m * sum(s.comm_s for s in rank_stages)
     breakdown = {
@@ -371,7 +374,7 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
         "tp_cp_ep_comm": exposed_comm,
         "pp_comm": max(0.0, makespan - no_comm),
         "bubble": max(0.0, no_comm - busy[crit]),
-        "dp_comm": dp_times[crit] + gather_times[crit],
+        "dp_comm": dp_times[crit] + gather_times[crit] + zero3,
         "optimizer": opt_time[crit],
     }
     # Attribute any rounding remainder to the bubble so the parts add up to the step.
