@@ -26,27 +26,17 @@ from kernels._checks import (
 from kernels._triton import (
     cdiv,
     jit,
-    next_power_of_2,
     num_warps_for,
     num_warps_for_backward,
     persistent_programs,
     tl,
 )
+from kernels.rms_norm import (  # same tiling and register budget (reasons there)
+    _MAX_REGISTER_ACCUMULATOR,
+    _tile,
+)
 
 OP = "layer_norm"
-
-# Same tiling as rms_norm.py: 4096 fp32 values per program, at most 16 rows per program.
-_TILE_ELEMS = 4096
-_MAX_ROWS_PER_PROGRAM = 16
-# Widest row whose dweight/dbias accumulators stay in registers in the backward (see rms_norm.py).
-_MAX_REGISTER_ACCUMULATOR = 8192
-
-
-def _tile(n_cols: int) -> tuple[int, int]:
-    block_n = next_power_of_2(n_cols)
-    block_m = max(1, min(_MAX_ROWS_PER_PROGRAM, _TILE_ELEMS // block_n))
-    return block_m, block_n
-
 
 # --------------------------------------------------------------------------- kernels
 
