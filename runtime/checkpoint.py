@@ -1,0 +1,308 @@
+"""Checkpoints: model + AdamW state + step counter with torch.distributed.checkpoint (DCP), loadable under any layout.
+
+    DIR/step_<n>/            one checkpoint: DCP shards (*.distcp), DCP's .metadata, and autoplan_checkpoint.json
+    DIR/latest               the name of the newest complete checkpoint ("step_<n>")
+
+What is saved. `get_state_dict(model, optimizer, flatten_optimizer_state_dict=True)` over this rank's stages:
+parameters under their global names ("layers.3.attention.wq.weight": every layout keeps the single-process
+names) as DTensors or plain tensors, and the optimizer state per parameter ("state.<fqn>.exp_avg",
+"param_groups.<fqn>.lr"), so a pipeline rank's state never depends on which other stages exist. DCP writes each
+shard once and reshards on load, which is what lets dp2 save and pp2/tp2/one process resume. Next to them, in
+the same DCP checkpoint, the step counter and the plan hash/model name; and autoplan_checkpoint.json (step, plan
+hash, layout, model spec, training shape, data position) which is written last and read without torch.
+
+Atomicity: every rank writes into DIR/.step_<n>.tmp; once DCP's collective save has finished (.metadata is written
+after every shard), rank 0 writes autoplan_checkpoint.json, renames the directory to step_<n> and only then
+replaces `latest` (os.replace). A save that fails midway leaves the previous checkpoint and `latest` untouched.
+
+Checks before any collective: `inspect` (the directory exists, `latest` resolves, the JSON and DCP .metadata
+parse, every shard file the metadata names exists and is long enough) and `check_compatible` (same model shape,
+global batch and sequence length) run at start-up on every rank, before the process group exists. The key check
+inside `load` is agreed by all ranks (one all_gather_object) before DCP's collective load starts.
+
+Tied embeddings: one process holds one tensor for tok_embeddings.weight and output.weight (one optimizer state,
+under tok_embeddings.weight); a pipeline holds two synchronised copies on the first and last stage. Loading a
+copy whose state is missing from the checkpoint reads it from tok_embeddings.weight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from cost_models.errors import AutoplanError
+
+FORMAT = 1
+META_FILE = "autoplan_checkpoint.json"
+LATEST = "latest"
+# Fields of ModelSpec that do not change the parameters' names or shapes.
+_SHAPE_IRRELEVANT = {"dropout"}
+
+
+class CheckpointError(AutoplanError):
+    """A checkpoint is missing, incomplete, corrupt, of another model, or could not be written."""
+
+    kind = "bad checkpoint"
+
+
+# ----------------------------------------------------------------------------- finding and checking (no torch.dist)
+
+
+def resolve(path: str | Path) -> Path:
+    """The checkpoint directory named by `path`: a checkpoint itself, or a parent holding `latest`."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {p} does not exist", "",
+                              "pass a directory written by --save (step_<n>) or its parent (which holds `latest`)")
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint {p} is not a directory", "",
+                              "pass a directory written by --save (step_<n>) or its parent")
+    latest = p / LATEST
+    if latest.is_file():
+        name = latest.read_text().strip()
+        target = p / name
+        if not name or "/" in name or name.startswith(".") or not target.is_dir():
+            raise CheckpointError(f"{latest} points to {name!r}, which is not a checkpoint directory",
+                                  f"contents of {p}: {sorted(x.name for x in p.iterdir())[:8]}",
+                                  "pass one of the step_<n> directories explicitly")
+        return target
+    if (p / ".metadata").exists() or (p / META_FILE).exists():
+        return p
+    steps = sorted(x.name for x in p.iterdir() if x.name.startswith("step_"))
+    raise CheckpointError(f"{p} is not a checkpoint", "no .metadata, no `latest`"
+                          + (f"; it holds {steps[:4]}" if steps else ""),
+                          "pass a step_<n> directory written by --save, or its parent")
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """Validate a checkpoint without any process group; returns its autoplan_checkpoint.json plus "path"."""
+    ckpt = resolve(path)
+    incomplete_hint = "resume from an earlier checkpoint (the parent's `latest` names the last complete one)"
+    meta_path = ckpt / META_FILE
+    if not meta_path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete", f"no {META_FILE} (written after every shard)",
+                              incomplete_hint)
+    try:
+        meta = json.loads(meta_path.read_text())
+        step = int(meta["step"])
+        meta["model"]["name"]  # noqa: B018 (presence check)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt", f"{META_FILE}: {type(e).__name__}: {e}",
+                              incomplete_hint) from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {ckpt} has format {meta.get('format')!r}", f"this runtime reads {FORMAT}",
+                              "resume with the autoplan version that wrote it")
+    md = read_dcp_metadata(ckpt)
+    need: dict[str, int] = {}
+    for info in md.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        f = ckpt / rel
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {ckpt} is incomplete", f"shard {rel} is missing", incomplete_hint)
+        if f.stat().st_size < size:
+            raise CheckpointError(f"checkpoint {ckpt} is corrupt",
+                                  f"shard {rel} has {f.stat().st_size} bytes, the metadata needs {size}",
+                                  incomplete_hint)
+    meta["path"] = str(ckpt)
+    meta["step"] = step
+    return meta
+
+
+def read_dcp_metadata(ckpt: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (ckpt / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete", "no DCP .metadata file",
+                              "resume from an earlier checkpoint")
+    try:
+        md = FileSystemReader(str(ckpt)).read_metadata()
+        _ = md.state_dict_metadata, md.storage_data
+    except Exception as e:  # a truncated or overwritten pickle raises anything from EOFError to UnpicklingError
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt", f".metadata: {type(e).__name__}: {e}"[:300],
+                              "resume from an earlier checkpoint") from None
+    if not isinstance(md.storage_data, dict):
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt", ".metadata has no storage table",
+                              "resume from an earlier checkpoint")
+    return md
+
+
+def check_compatible(meta: dict[str, Any], plan) -> None:
+    """The checkpoint must hold the plan's model (names and shapes) and the same batch shape (data position)."""
+    saved, want = meta["model"], plan.model.model_dump(mode="json")
+    diff = [f"{k}: checkpoint {saved.get(k)!r} vs plan {want.get(k)!r}"
+            for k in sorted(set(saved) | set(want)) if k not in _SHAPE_IRRELEVANT and saved.get(k) != want.get(k)]
+    if diff:
+        what = (f"is of model {saved.get('name')!r}, not the plan's {want['name']!r}" if saved.get("name") != want["name"]
+                else f"was saved for a {want['name']} of another shape")
+        raise CheckpointError(f"checkpoint {meta['path']} {what}", "; ".join(diff[:4]),
+                              f"resume with a plan for {saved.get('name')}, or train {want['name']} without --resume")
+    t = plan.training
+    got = (meta.get("global_batch_size"), meta.get("seq_length"))
+    if got != (t.global_batch_size, t.seq_length):
+        raise CheckpointError(f"checkpoint {meta['path']} was trained with global batch {got[0]} x sequence {got[1]}",
+                              f"the plan has {t.global_batch_size} x {t.seq_length}: the data position would not "
+                              "line up", "resume with a plan for the same global batch and sequence length")
+
+
+# ----------------------------------------------------------------------------------- state dicts (torch)
+
+
+def _model_view(modules):
+    """One nn.Module whose parameter names are the global ones, over this rank's stage modules. One stage: the
+    module itself. Several (interleaved pipeline): a container re-parenting their children, layers merged."""
+    from torch import nn
+
+    if len(modules) == 1:
+        return modules[0]
+    view = nn.Module()
+    layers = nn.ModuleDict()
+    for m in modules:
+        for name, child in m.named_children():
+            if name == "layers":
+                for k, block in child.items():
+                    layers[k] = block
+            elif child is not None:
+                if hasattr(view, name) and getattr(view, name) is not child:
+                    raise CheckpointError("two stages of one rank both hold " + name, "", "report this plan")
+                setattr(view, name, child)
+    view.layers = layers
+    return view
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def state_dict(trainer) -> dict[str, Any]:
+    """Flat {"model.<fqn>": tensor, "optim.state.<fqn>.exp_avg": tensor, "optim.param_groups.<fqn>.lr": ...}."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(_model_view(trainer.pm.modules), trainer.optimizer, options=_options())
+    return {**{f"model.{k}": v for k, v in msd.items()}, **{f"optim.{k}": v for k, v in osd.items()}}
+
+
+def _agree(error: str | None) -> None:
+    """Every rank raises if any rank found a problem (instead of one rank leaving the others in a collective)."""
+    import torch.distributed as dist
+
+    errs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, error)
+    if error:
+        raise CheckpointError(error)
+    for r, e in enumerate(errs):
+        if e:
+            raise CheckpointError(f"rank {r}: {e}")
+
+
+def save(trainer, root: str | Path, step: int, *, data: dict[str, Any] | None = None) -> Path:
+    """Collective: write DIR/step_<step> atomically and point DIR/latest at it. Returns the checkpoint path."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    plan = trainer.plan
+    root = Path(root)
+    final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+    rank = dist.get_rank()
+    err = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that died earlier
+            tmp.mkdir()
+        except OSError as e:
+            err = f"cannot create checkpoint directory {tmp}: {e}"
+    _agree(err)
+    sd = state_dict(trainer)
+    sd.update({"autoplan.step": step, "autoplan.plan_hash": plan.short_hash, "autoplan.model": plan.model.name})
+    try:
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp)))
+    except Exception as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"saving checkpoint {final} failed", f"{type(e).__name__}: {e}"[:300],
+                              f"the previous checkpoint in {root} is untouched") from None
+    err = None
+    if rank == 0:
+        meta = {
+            "format": FORMAT, "step": step, "plan_hash": plan.short_hash, "layout": plan.parallel.to_string(),
+            "world_size": plan.world_size, "model": plan.model.model_dump(mode="json"),
+            "global_batch_size": plan.training.global_batch_size, "seq_length": plan.training.seq_length,
+            "data": {**(data or {}), "next_step": step,
+                     "sequences_consumed": step * plan.training.global_batch_size},
+            "saved_at": time.time(),
+        }
+        try:
+            _write_synced(tmp / META_FILE, json.dumps(meta, indent=1) + "\n")
+            old = root / f".step_{step}.old"
+            if final.exists():  # the same step saved again: keep the old one until the new one is in place
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+            _write_synced(root / f".{LATEST}.tmp", final.name + "\n")
+            os.replace(root / f".{LATEST}.tmp", root / LATEST)
+        except OSError as e:
+            err = f"finishing checkpoint {final} failed: {e}"
+            shutil.rmtree(tmp, ignore_errors=True)
+    _agree(err)
+    return final
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load(trainer, path: str | Path) -> dict[str, Any]:
+    """Collective: load a checkpoint into this rank's stages and optimizer, resharding as needed. Returns its
+    autoplan_checkpoint.json (step, data position, ...)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    err, meta, request, alias = None, None, {}, {}
+    view = _model_view(trainer.pm.modules)
+    # the optimizer's state must exist to be loaded into (get_state_dict initialises it with a zero-lr step)
+    msd, osd = get_state_dict(view, trainer.optimizer, options=_options())
+    want = {**{f"model.{k}": v for k, v in msd.items()}, **{f"optim.{k}": v for k, v in osd.items()}}
+    try:
+        meta = inspect(path)
+        check_compatible(meta, trainer.plan)
+        keys = set(read_dcp_metadata(Path(meta["path"])).state_dict_metadata)
+        tied = trainer.plan.model.tie_embeddings
+        missing = []
+        for k, v in want.items():
+            if k in keys:
+                request[k] = v
+                continue
+            a = k.replace("output.weight", "tok_embeddings.weight") if tied and "output.weight" in k else None
+            if a is not None and a in keys and a not in want:
+                request[a], alias[k] = v, a
+            else:
+                missing.append(k)
+        if missing:
+            raise CheckpointError(f"checkpoint {meta['path']} lacks {len(missing)} entries this layout needs",
+                                  f"e.g. {missing[:3]}", "resume with a plan for the model it was saved from")
+        request["autoplan.step"] = -1
+    except CheckpointError as e:
+        err = e.one_line()
+    _agree(err)
+    dcp.load(request, storage_reader=dcp.FileSystemReader(meta["path"]))
+    if int(request.pop("autoplan.step")) != meta["step"]:
+        raise CheckpointError(f"checkpoint {meta['path']} is inconsistent", f"{META_FILE} says step {meta['step']}",
+                              "resume from another checkpoint")
+    for k, a in alias.items():
+        request[k] = request.pop(a)
+    set_state_dict(view, trainer.optimizer,
+                   model_state_dict={k[6:]: v for k, v in request.items() if k.startswith("model.")},
+                   optim_state_dict={k[6:]: v for k, v in request.items() if k.startswith("optim.")},
+                   options=_options())
+    return meta

@@ -1,0 +1,180 @@
+"""Checkpoints in one process: save + resume equals an uninterrupted run, and a missing, incomplete, corrupt or
+wrong-model checkpoint stops at start-up with one clear line; a save that fails midway keeps the previous one.
+(Resuming under other layouts is in tests/dist/test_checkpoint.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from autoplan.api import make_plan
+from autoplan.specs import TrainingSpec, load_cluster, load_model
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(1)
+
+
+def _plan(tmp: Path, model: str = "tiny-gpt", gbs: int = 4) -> Path:
+    training = TrainingSpec(global_batch_size=gbs, seq_length=64, dtype="fp32")
+    plan = make_plan(load_model(model), load_cluster("local-cpu").with_gpus(1), training, "dp=1", kernels="torch")
+    return plan.save(tmp / f"{model}-{gbs}.json")
+
+
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch):
+    for var in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _train(*args) -> int:
+    from runtime import train
+
+    return train.main([*map(str, args), "--quiet"])
+
+
+def _losses(log: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, log.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """tiny-gpt trained 4 steps uninterrupted (log), checkpoints at steps 2 and 4."""
+    from runtime import train
+
+    tmp = tmp_path_factory.mktemp("ckpt")
+    plan = _plan(tmp)
+    mp = pytest.MonkeyPatch()
+    for var in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        mp.delenv(var, raising=False)
+    rc = train.main(["--plan", str(plan), "--steps", "4", "--save", str(tmp / "ck"), "--save-every", "2",
+                     "--log", str(tmp / "ref.jsonl"), "--quiet"])
+    mp.undo()
+    assert rc == 0
+    return tmp
+
+
+def _copy(base: Path, tmp: Path) -> Path:
+    shutil.copytree(base / "ck", tmp / "ck")
+    return tmp / "ck"
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_save_and_resume_equals_uninterrupted(base, tmp_path):
+    ck = base / "ck"
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_2", "step_4"]
+    assert (ck / "latest").read_text().strip() == "step_4"
+    log = tmp_path / "resumed.jsonl"
+    assert _train("--plan", _plan(tmp_path), "--steps", "4", "--resume", ck / "step_2", "--log", log) == 0
+    ref, got = _losses(base / "ref.jsonl"), _losses(log)
+    assert sorted(got) == [3, 4]
+    for s in got:
+        assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=0)
+
+
+def test_resume_from_the_parent_follows_latest(base, tmp_path):
+    from runtime import checkpoint
+
+    assert checkpoint.inspect(base / "ck")["step"] == 4
+    log = tmp_path / "log.jsonl"
+    assert _train("--plan", _plan(tmp_path), "--steps", "5", "--resume", base / "ck", "--log", log) == 0
+    assert sorted(_losses(log)) == [5]
+    assert _train("--plan", _plan(tmp_path), "--steps", "4", "--resume", base / "ck") == 0  # nothing left to do
+
+
+def test_missing_directory(tmp_path, capsys):
+    assert _train("--plan", _plan(tmp_path), "--resume", tmp_path / "nope") == 2
+    line = _error(capsys)
+    assert line.startswith("autoplan run: CheckpointError: checkpoint") and "nope does not exist" in line
+
+
+def test_directory_that_is_not_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert _train("--plan", _plan(tmp_path), "--resume", tmp_path / "empty") == 2
+    assert "is not a checkpoint" in _error(capsys)
+
+
+def test_truncated_metadata(base, tmp_path, capsys):
+    ck = _copy(base, tmp_path)
+    md = ck / "step_4" / ".metadata"
+    md.write_bytes(md.read_bytes()[:100])
+    assert _train("--plan", _plan(tmp_path), "--steps", "6", "--resume", ck) == 2
+    line = _error(capsys)
+    assert "checkpoint" in line and "step_4 is corrupt" in line and ".metadata" in line
+
+
+def test_missing_and_truncated_shard(base, tmp_path, capsys):
+    ck = _copy(base, tmp_path)
+    shard = next((ck / "step_4").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    assert _train("--plan", _plan(tmp_path), "--steps", "6", "--resume", ck) == 2
+    assert f"shard {shard.name} has 1000 bytes" in _error(capsys)
+    shard.unlink()
+    assert _train("--plan", _plan(tmp_path), "--steps", "6", "--resume", ck) == 2
+    assert f"is incomplete: shard {shard.name} is missing" in _error(capsys)
+
+
+def test_incomplete_checkpoint_without_its_json(base, tmp_path, capsys):
+    ck = _copy(base, tmp_path)
+    (ck / "step_2" / "autoplan_checkpoint.json").unlink()
+    assert _train("--plan", _plan(tmp_path), "--steps", "6", "--resume", ck / "step_2") == 2
+    assert "step_2 is incomplete" in _error(capsys)
+    (ck / "step_4" / "autoplan_checkpoint.json").write_text("{not json")
+    assert _train("--plan", _plan(tmp_path), "--steps", "6", "--resume", ck) == 2
+    assert "step_4 is corrupt" in _error(capsys)
+    (ck / "latest").write_text("step_9\n")
+    assert _train("--plan", _plan(tmp_path), "--steps", "6", "--resume", ck) == 2
+    assert "points to 'step_9'" in _error(capsys)
+
+
+def test_checkpoint_of_another_model(base, tmp_path, capsys):
+    assert _train("--plan", _plan(tmp_path, "tiny-llama"), "--steps", "6", "--resume", base / "ck") == 2
+    line = _error(capsys)
+    assert "is of model 'tiny-gpt', not the plan's 'tiny-llama'" in line
+
+
+def test_checkpoint_of_another_shape_or_batch(base, tmp_path, capsys):
+    from autoplan.plan import load_plan
+    from runtime import checkpoint
+
+    meta = checkpoint.inspect(base / "ck")
+    plan = load_plan(_plan(tmp_path))
+    bigger = plan.model_copy(update={"model": plan.model.model_copy(update={"hidden_size": 128})})
+    with pytest.raises(checkpoint.CheckpointError, match="another shape.*hidden_size: checkpoint 64 vs plan 128"):
+        checkpoint.check_compatible(meta, bigger)
+    assert _train("--plan", _plan(tmp_path, gbs=8), "--steps", "6", "--resume", base / "ck") == 2
+    assert "global batch 4 x sequence 64" in _error(capsys)
+
+
+def test_failed_save_keeps_the_previous_checkpoint(base, tmp_path, monkeypatch, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    ck = _copy(base, tmp_path)
+    real_save = dcp.save
+
+    def failing_save(state_dict, *, storage_writer, **kw):
+        Path(storage_writer.fs.concat_path(storage_writer.path, "__0_0.distcp")).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp, "save", failing_save)
+    assert _train("--plan", _plan(tmp_path), "--steps", "6", "--resume", ck, "--save", ck) == 2
+    line = _error(capsys)
+    assert "saving checkpoint" in line and "step_6 failed" in line and "disk full" in line
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_2", "step_4"]  # no step_6, no temporary
+    assert (ck / "latest").read_text().strip() == "step_4"
+    monkeypatch.setattr(dcp, "save", real_save)
+    log = tmp_path / "after.jsonl"
+    assert _train("--plan", _plan(tmp_path), "--steps", "5", "--resume", ck, "--save", ck, "--log", log) == 0
+    assert (ck / "latest").read_text().strip() == "step_5" and sorted(_losses(log)) == [5]
+
+
+def test_save_every_needs_save(tmp_path, capsys):
+    assert _train("--plan", _plan(tmp_path), "--save-every", "2") == 2
+    assert "--save-every needs --save DIR" in _error(capsys)
