@@ -26,6 +26,8 @@ def add_workload_args(p: argparse.ArgumentParser, *, gpus_required: bool = False
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"])
     p.add_argument("--kernels", default="fused", choices=["fused", "torch"],
                    help="assume fused Triton kernels (default) or plain torch ops")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
+                   help="plan against at most this much memory per GPU (keeps the rest as headroom)")
 
 
 def add_json(p: argparse.ArgumentParser) -> None:
@@ -41,6 +43,15 @@ def load_workload(args: argparse.Namespace):
 
     model, profiles = resolve_model(args.model)
     cluster = load_cluster(args.cluster, gpus=args.gpus)
+    limit = getattr(args, "memory_limit", None)
+    if limit is not None:
+        if not 0 < limit <= cluster.gpu.hbm_gib:
+            from cost_models.errors import SpecError
+
+            raise SpecError("--memory-limit must be positive and at most the GPU's memory",
+                            f"got {limit} GiB, {cluster.gpu.name} has {cluster.gpu.hbm_gib} GiB",
+                            f"pass a value in (0, {cluster.gpu.hbm_gib}]")
+        cluster = cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"hbm_gib": limit})})
     seq = args.seq_len or model.max_seq_length
     try:
         training = TrainingSpec(global_batch_size=args.global_batch, seq_length=seq, dtype=args.dtype,

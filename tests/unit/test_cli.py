@@ -88,3 +88,16 @@ def test_bad_training_setup_is_one_line(capsys, args, needle):
     assert main(["estimate", "--model", "gpt3-175b", "--cluster", "dgx-h100", *args, "--parallel", "tp=8"]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err and "pydantic" not in err
+
+
+def test_memory_limit_keeps_headroom(capsys):
+    base = ["--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--gpus", "1024", "--global-batch", "1536",
+            "--seq-len", "2048", "--parallel", "tp=8,pp=8,vp=3,mbs=1,sp=1,zero=1,recompute=selective", "--json"]
+    assert main(["estimate", *base]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert full["fits"]
+    assert main(["estimate", *base, "--memory-limit", "20"]) == 0
+    limited = json.loads(capsys.readouterr().out)
+    assert not limited["fits"] and limited["step_time_s"] == pytest.approx(full["step_time_s"])
+    assert main(["estimate", *base, "--memory-limit", "81"]) == 2
+    assert "--memory-limit must be" in capsys.readouterr().err
