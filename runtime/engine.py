@@ -140,20 +140,41 @@ class Trainer:
         dims, pm = self.dims, self.pm
         dense = torch.zeros((), dtype=torch.float64, device=self.device)
         expert = torch.zeros((), dtype=torch.float64, device=self.device)
+        # Sharded DTensor grads: sum the squares of the local shards per (mesh, sharded dims) and reduce each
+        # such group once, instead of one collective per parameter (which dominated small steps on gloo).
+        partial_sums: dict[tuple, tuple[object, tuple[int, ...], list[torch.Tensor]]] = {}
         for n, p in pm.named_parameters():
             g = p.grad
             if g is None:
                 continue
             if n == "output.weight" and self.plan.model.tie_embeddings and not pm.has_first:
                 continue
+            expert_param = is_expert_param(n)
             if isinstance(g, DTensor):
-                sq = g.to(torch.float64).pow(2).sum().full_tensor()
+                if any(pl.is_partial() for pl in g.placements):  # squares of partial sums do not add up
+                    sq = g.to(torch.float64).pow(2).sum().full_tensor()
+                else:
+                    # every non-replicated mesh dim splits the tensor (Shard, and FSDP2's _StridedShard
+                    # under TP, which is not a Shard subclass)
+                    dims_ = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
+                    key = (id(g.device_mesh), dims_, expert_param)
+                    entry = partial_sums.setdefault(key, (g.device_mesh, dims_, []))
+                    entry[2].append(g.to_local().to(torch.float64).pow(2).sum())
+                    continue
             else:
                 sq = g.to(torch.float64).pow(2).sum()
-            if is_expert_param(n):
+            if expert_param:
                 expert += sq
             else:
                 dense += sq
+        for (_, _, expert_param), (mesh, dims_, parts) in sorted(partial_sums.items(), key=lambda kv: kv[0][1:]):
+            total_sq = torch.stack(parts).sum()
+            for d in dims_:  # summing over each sharded mesh dim in turn sums over all of them
+                dist.all_reduce(total_sq, group=mesh.get_group(d))
+            if expert_param:
+                expert += total_sq
+            else:
+                dense += total_sq
         if dims.ep_enabled:
             dist.all_reduce(expert, group=dims["ep"].get_group())
         total = dense + expert
