@@ -493,7 +493,14 @@ def check_config(
             f"batch={train.global_batch_size}, dp={dp}, mbs={cfg.mbs}",
             f"use a batch that is a multiple of {dp * cfg.mbs}, or lower mbs/dp",
         )
-    if cfg.schedule == "interleaved" and (train.global_batch_size // (dp * cfg.mbs)) % pp:
+    n_micro = train.global_batch_size // (dp * cfg.mbs)
+    if pp > 1 and cfg.schedule == "1f1b" and n_micro < pp:
+        raise ConfigError(
+            "the 1F1B schedule needs at least pp micro-batches per step",
+            f"{n_micro} micro-batches per step, pp={pp}",
+            "raise the global batch, lower mbs or dp, or use schedule=gpipe",
+        )
+    if cfg.schedule == "interleaved" and n_micro % pp:
         m = train.global_batch_size // (dp * cfg.mbs)
         raise ConfigError(
             "the interleaved schedule needs the micro-batch count to be a multiple of pp (Megatron-LM's rule)",

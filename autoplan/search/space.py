@@ -135,8 +135,10 @@ def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_bat
         if fix.get("schedule") != "interleaved":
             scheds.append((str(fix.get("schedule", "1f1b")), 1))
     else:
-        scheds += [("1f1b", 1), ("gpipe", 1)]
         m = global_batch // (mesh.dp * mesh.mbs)
+        if m >= mesh.pp:  # 1F1B's warm-up needs at least pp micro-batches (torch's Schedule1F1B, Megatron)
+            scheds.append(("1f1b", 1))
+        scheds.append(("gpipe", 1))
         if m % mesh.pp == 0:  # Megatron-LM's interleaved schedule needs whole groups of pp micro-batches
             scheds += [("interleaved", v) for v in range(2, num_blocks // mesh.pp + 1)]
     if "schedule" in fix:
