@@ -301,6 +301,18 @@ def zero3_block_exposed(params_local: float, fwd_s: float, bwd_s: float, *, dp: 
     return exposed + interference(cluster, hidden)
 
 
+def pipeline_p2p_time(cluster: ClusterSpec, training: TrainingSpec, *, hidden: int, pp: int, tp: int, cp: int,
+                      dp: int, mbs: int) -> float:
+    """One activation (or gradient) message between neighbouring pipeline stages: a micro-batch's hidden
+    states, split across tp (sequence-parallel / scatter-gather), across nodes once tp*cp*dp fills a node."""
+    if pp <= 1:
+        return 0.0
+    e = 4 if training.dtype in ("fp32", "tf32") else 2
+    nbytes = mbs * training.seq_length // cp * hidden * e / tp
+    cross = tp * cp * dp >= cluster.gpus_per_node and cluster.num_nodes > 1
+    return comm.p2p(cluster, nbytes, cross)
+
+
 def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig,
              layout: list[StageLayout] | None = None, *, simulate_pipeline: bool = True,
              keep_timeline: bool = False) -> Estimate:
@@ -321,11 +333,8 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
                 s.zero3_s += zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=cfg.dp, cp=cfg.cp,
                                                  tp=cfg.tp, cluster=cluster, training=training)
             s.bwd_s += s.zero3_s
-    e = ctx.act_bytes
-    hidden = profiles[0].hidden
-    p2p_bytes = ctx.tokens * hidden * e / cfg.tp
-    cross = cfg.tp * cfg.cp * cfg.dp >= cluster.gpus_per_node and cluster.num_nodes > 1
-    p2p_s = comm.p2p(cluster, p2p_bytes, cross) if cfg.pp > 1 else 0.0
+    p2p_s = pipeline_p2p_time(cluster, training, hidden=profiles[0].hidden, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp,
+                              dp=cfg.dp, mbs=cfg.mbs)
     fwd = [s.fwd_s for s in stages]
     bwd = [s.bwd_s for s in stages]
     timeline = None

@@ -8,8 +8,7 @@ step. Times are the cost model's predictions; open the file in https://ui.perfet
 
 from __future__ import annotations
 
-from cost_models import comm
-from cost_models.estimate import Estimate, context, num_microbatches
+from cost_models.estimate import Estimate, num_microbatches, pipeline_p2p_time
 from cost_models.pipeline import simulate
 
 from ..plan import Plan
@@ -23,14 +22,10 @@ US = 1e6
 
 def p2p_seconds(plan: Plan) -> float:
     """Time of one activation (or gradient) message between neighbouring pipeline ranks, as the cost model
-    charges it (cost_models.estimate.estimate)."""
-    cfg, cl = plan.parallel, plan.cluster
-    if cfg.pp == 1:
-        return 0.0
-    ctx = context(cl, plan.training, cfg)
-    nbytes = ctx.tokens * plan.model.hidden_size * ctx.act_bytes / cfg.tp
-    cross = cfg.tp * cfg.cp * (cfg.dp or 1) >= cl.gpus_per_node and cl.num_nodes > 1
-    return comm.p2p(cl, nbytes, cross)
+    charges it."""
+    cfg = plan.parallel
+    return pipeline_p2p_time(plan.cluster, plan.training, hidden=plan.model.hidden_size, pp=cfg.pp, tp=cfg.tp,
+                             cp=cfg.cp, dp=cfg.dp or 1, mbs=cfg.mbs)
 
 
 def _slices(plan: Plan, est: Estimate):

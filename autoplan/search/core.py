@@ -40,7 +40,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cost_models import comm
 from cost_models.compute import Context, LayerCost, layer_cost
 from cost_models.errors import ConfigError, DoesNotFitError
 from cost_models.estimate import (
@@ -52,6 +51,7 @@ from cost_models.estimate import (
     estimate,
     optimizer_time,
     param_gather_exposed,
+    pipeline_p2p_time,
     zero3_block_exposed,
 )
 from cost_models.pipeline import in_flight
@@ -255,14 +255,9 @@ class _Searcher:
         return self.training.global_batch_size // (mesh.dp * mesh.mbs)
 
     def p2p_time(self, mesh: Mesh) -> float:
-        """One activation message between neighbouring pipeline stages (as `estimate`)."""
-        if mesh.pp == 1:
-            return 0.0
-        tokens = mesh.mbs * self.training.seq_length // mesh.cp
-        e = 4 if self.training.dtype in ("fp32", "tf32") else 2
-        nbytes = tokens * self.profiles[0].hidden * e / mesh.tp
-        cross = mesh.tp * mesh.cp * mesh.dp >= self.cluster.gpus_per_node and self.cluster.num_nodes > 1
-        return comm.p2p(self.cluster, nbytes, cross)
+        """One activation message between neighbouring pipeline stages (the cost model's)."""
+        return pipeline_p2p_time(self.cluster, self.training, hidden=self.profiles[0].hidden, pp=mesh.pp,
+                                 tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, mbs=mesh.mbs)
 
     def p2p_proxy(self, mesh: Mesh, kn: Knobs) -> float:
         """Exposed point-to-point time: the closed form's 2 (pp - 1) messages; the interleaved schedule's
