@@ -213,7 +213,7 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     expert = sum(s.expert_params for s in stages)
     shard_d = cfg.dp * cfg.cp
     shard_e = max(1, shard_d // cfg.ep)
-    w_bytes = 4 if training.dtype in ("fp32", "tf32") else 2
+    w_bytes = training.weight_bytes
     g_bytes = training.grad_bytes
     master = 0 if training.dtype in ("fp32", "tf32") else 4
     opt_bytes = master + 8  # fp32 master copy + Adam first and second moments
@@ -242,7 +242,7 @@ def dp_sync(dense: float, expert: float, *, dp: int, cp: int, tp: int, ep: int, 
     if n <= 1:
         return 0.0, 0.0, 0.0
     g_bytes = training.grad_bytes
-    w_bytes = 4 if training.dtype in ("fp32", "tf32") else 2
+    w_bytes = training.weight_bytes
     grp_d = comm.group_of(cluster, n, tp)
     grp_e = comm.group_of(cluster, max(1, n // ep), tp * ep)
     if zero == 0:
@@ -293,7 +293,7 @@ def zero3_block_exposed(params_local: float, fwd_s: float, bwd_s: float, *, dp: 
     backward, and its gradients reduce-scattered; each is prefetched behind the neighbouring block's compute
     (FSDP's one-unit prefetch), so only what compute cannot hide is exposed, plus interference."""
     grp = comm.group_of(cluster, dp * cp, tp)
-    w_bytes = 4 if training.dtype in ("fp32", "tf32") else 2
+    w_bytes = training.weight_bytes
     ag = comm.all_gather(cluster, grp, params_local * w_bytes)
     rs = comm.reduce_scatter(cluster, grp, params_local * training.grad_bytes)
     exposed = max(0.0, ag - fwd_s) + max(0.0, ag + rs - bwd_s)
@@ -307,7 +307,7 @@ def pipeline_p2p_time(cluster: ClusterSpec, training: TrainingSpec, *, hidden: i
     states, split across tp (sequence-parallel / scatter-gather), across nodes once tp*cp*dp fills a node."""
     if pp <= 1:
         return 0.0
-    e = 4 if training.dtype in ("fp32", "tf32") else 2
+    e = training.weight_bytes  # activations share the weights' dtype
     nbytes = mbs * training.seq_length // cp * hidden * e / tp
     cross = tp * cp * dp >= cluster.gpus_per_node and cluster.num_nodes > 1
     return comm.p2p(cluster, nbytes, cross)

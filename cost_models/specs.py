@@ -262,6 +262,11 @@ class TrainingSpec(_Frozen):
         return self.kernels == "fused"
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes per parameter of the weights the GEMMs read (16-bit copies in mixed precision)."""
+        return 4 if self.dtype in ("fp32", "tf32") else 2
+
+    @property
     def grad_bytes(self) -> int:
         if self.dtype in ("fp32", "tf32"):
             return 4

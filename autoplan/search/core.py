@@ -159,7 +159,7 @@ class CostTable:
         for u in self.block_uids:
             self.block_counts[u] = self.block_counts.get(u, 0) + 1
         self._layer: dict[tuple, list[LayerCost]] = {}
-        self.w_bytes = 4 if training.dtype in ("fp32", "tf32") else 2
+        self.w_bytes = training.weight_bytes
         self.g_bytes = training.grad_bytes
         self.opt_bytes = (0 if training.dtype in ("fp32", "tf32") else 4) + 8
 
