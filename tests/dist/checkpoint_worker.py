@@ -57,4 +57,6 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    from runtime.train import exit_process
+
+    exit_process(main())

@@ -67,6 +67,9 @@ def _run(rank: int, init_file: str) -> None:
                rtol=1e-5, atol=1e-4)
     finally:
         dist.destroy_process_group()
+    from runtime.train import exit_process  # a spawned child finalises like a script: see exit_process
+
+    exit_process(0)
 
 
 def main() -> int:
