@@ -145,8 +145,12 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
         return 0.0, 0.0
     grp = comm.group_of(ctx.cluster, ctx.tp, 1)
     nbytes = ctx.tokens * p.hidden * ctx.act_bytes
-    # With sp, each all-reduce becomes a reduce-scatter + all-gather pair: the same bytes on the wire.
-    one = comm.all_reduce(ctx.cluster, grp, nbytes)
+    # With sp, each all-reduce becomes a reduce-scatter + all-gather pair: the same bytes and hops on an NCCL
+    # ring, but more on gloo (whose reduce-scatter is a whole all-reduce, see comm.reduce_scatter).
+    if ctx.sp:
+        one = comm.reduce_scatter(ctx.cluster, grp, nbytes) + comm.all_gather(ctx.cluster, grp, nbytes)
+    else:
+        one = comm.all_reduce(ctx.cluster, grp, nbytes)
     n_fwd = p.tp_allreduces if p.kind != "head" else 0
     n_bwd = p.tp_allreduces if p.kind != "embedding" else 0
     fwd, bwd = n_fwd * one, n_bwd * one

@@ -8,13 +8,14 @@ breakdown, and MFU/HFU. The search calls the same pieces (`stage_costs`, `memory
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 from . import comm
 from .compute import Context, LayerCost, layer_cost
 from .errors import ConfigError
-from .pipeline import Timeline, closed_form_makespan, in_flight, simulate
+from .pipeline import Timeline, closed_form_makespan, in_flight, rank_end_lower_bounds, simulate
 from .profile import LayerProfile
 from .specs import ClusterSpec, ParallelConfig, TrainingSpec
 
@@ -264,6 +265,38 @@ def interference(cluster: ClusterSpec, hidden_s: float) -> float:
     return cluster.gpu.calibration.overlap_interference * max(0.0, hidden_s)
 
 
+def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: ClusterSpec,
+                training: TrainingSpec) -> list[tuple[float, float, float, float]]:
+    """Per pipeline rank, what follows its last backward: (gradient reduction, its last-bucket tail, optimizer,
+    exposed parameter gather)."""
+    out = []
+    for stages in by_rank:
+        dense = sum(s.params - s.expert_params for s in stages)
+        expert = sum(s.expert_params for s in stages)
+        red, gather, tail = dp_sync(dense, expert, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero,
+                                    cluster=cluster, training=training)
+        opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster)
+        out.append((red, tail, opt, param_gather_exposed(gather, cluster, training)))
+    return out
+
+
+def step_time_lower_bound(est: Estimate, cluster: ClusterSpec, training: TrainingSpec, p2p_s: float) -> float:
+    """A time the simulated estimate of `est`'s configuration and layout cannot beat, from its stage costs
+    (which the closed form and the simulation share): each rank's `rank_end_lower_bounds`, then its gradient
+    sync with the most overlap any timeline allows, optimizer and parameter gather. The search keys closed-form
+    finalists by this, so an uneven pipeline the closed form overstates is still simulated before it is ruled out."""
+    cfg = est.config
+    m = training.global_batch_size // (cfg.dp * cfg.mbs)
+    by_rank: list[list[StageCost]] = [[] for _ in range(cfg.pp)]
+    for s in est.stages:
+        by_rank[s.index % cfg.pp].append(s)
+    ends = rank_end_lower_bounds([s.fwd_s for s in est.stages], [s.bwd_s for s in est.stages], cfg.pp, m, cfg.vp,
+                                 p2p_s if cfg.pp > 1 else 0.0)
+    return max(end + dp_exposed(red, tail, math.inf, cluster, training) + opt + g_exp
+               for end, (red, tail, opt, g_exp) in zip(ends, _rank_tails(by_rank, cfg, cluster, training),
+                                                        strict=True))
+
+
 def dp_exposed(red: float, tail: float, window: float, cluster: ClusterSpec, training: TrainingSpec) -> float:
     """Gradient-reduction time past the end of the pipeline: with overlap, buckets reduce during the last
     micro-batch's backward (`window`), leaving at least the last bucket; without, all of it."""
@@ -357,15 +390,8 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
     for s in stages:
         by_rank[s.index % cfg.pp].append(s)
     finish, dp_times, opt_time, gather_times = [], [], [], []
-    for r in range(cfg.pp):
-        dense = sum(s.params - s.expert_params for s in by_rank[r])
-        expert = sum(s.expert_params for s in by_rank[r])
-        red, gather, tail = dp_sync(dense, expert, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero,
-                                    cluster=cluster, training=training)
-        window = rank_end[r] - last_b[r]
-        dp_t = dp_exposed(red, tail, window, cluster, training)
-        opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster)
-        g_exp = param_gather_exposed(gather, cluster, training)
+    for r, (red, tail, opt, g_exp) in enumerate(_rank_tails(by_rank, cfg, cluster, training)):
+        dp_t = dp_exposed(red, tail, rank_end[r] - last_b[r], cluster, training)
         finish.append(rank_end[r] + dp_t + opt + g_exp)
         dp_times.append(dp_t)
         opt_time.append(opt)

@@ -194,6 +194,25 @@ def simulate(
     return Timeline(slices=slices if keep_slices else [], rank_end=free, last_backward_start=last_b, busy=busy)
 
 
+def rank_end_lower_bounds(fwd: list[float], bwd: list[float], pp: int, m: int, vp: int = 1,
+                          p2p_s: float = 0.0) -> list[float]:
+    """Per rank, a time before which `simulate` (any schedule) cannot finish that rank's work; exact for the
+    last rank's chain with even stages, and valid for uneven ones, where `closed_form_makespan` can overstate.
+
+    Rank r starts no earlier than its first input arrives (stage r = its chunk 0, after the forwards of stages
+    0..r-1 and r messages) and then runs m * (its stages' f + b). Its last action is a backward of stage r (every
+    other action of that micro-batch on rank r precedes it), whose gradient then crosses stages r-1..0 before
+    rank 0 can finish: rank 0 ends no earlier than any rank's bound plus that backward chain.
+    """
+    n = pp * vp
+    work = [0.0] * pp
+    for s in range(n):
+        work[s % pp] += fwd[s] + bwd[s]
+    ends = [sum(fwd[:r]) + r * p2p_s + m * work[r] for r in range(pp)]
+    ends[0] = max(ends[r] + sum(bwd[:r]) + r * p2p_s for r in range(pp))
+    return ends
+
+
 def closed_form_makespan(fwd: list[float], bwd: list[float], pp: int, m: int, vp: int = 1,
                          p2p_s: float = 0.0) -> float:
     """Fast estimate used by the search: (m-1) * max stage + the sum of all stages, with the interleaved

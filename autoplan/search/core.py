@@ -52,6 +52,7 @@ from cost_models.estimate import (
     optimizer_time,
     param_gather_exposed,
     pipeline_p2p_time,
+    step_time_lower_bound,
     zero3_block_exposed,
 )
 from cost_models.pipeline import in_flight
@@ -417,7 +418,7 @@ class _Searcher:
                         counter += 1
             elif kind == 1:  # a candidate: rank it with the greedy layout
                 mesh, kn = item[3], item[4]
-                twin = _dominating_twin(mesh, kn)
+                twin = _dominating_twin(mesh, kn, sp_dominates=self.cluster.backend != "gloo")
                 if twin is not None and twin in self.proxies and len(item) == 5:
                     # dominated: its proxy is at least its twin's (or it cannot fit when the twin cannot)
                     tp_ = self.proxies[twin]
@@ -447,7 +448,10 @@ class _Searcher:
                 _, _, _, mesh, kn, prob = item
                 fin = self.finalise(mesh, kn, prob, item[0])
                 if fin is not None:
-                    heapq.heappush(heap, (fin.estimate.step_time_s, 3, counter, fin))
+                    # keyed by what its simulation cannot beat: the closed form overstates uneven pipelines
+                    key = fin.estimate.step_time_s if fin.simulated else step_time_lower_bound(
+                        fin.estimate, self.cluster, self.training, self.p2p_time(mesh))
+                    heapq.heappush(heap, (key, 3, counter, fin))
                     counter += 1
                     screened += 1
                 if self.progress:
@@ -534,13 +538,14 @@ class _Searcher:
         return StageSolution(tuple(stages), obj, mem, "even") if feasible(prob, mem) else None
 
 
-def _dominating_twin(mesh: Mesh, kn: Knobs) -> tuple[Mesh, Knobs] | None:
+def _dominating_twin(mesh: Mesh, kn: Knobs, *, sp_dominates: bool = True) -> tuple[Mesh, Knobs] | None:
     """A candidate that is never worse under the search's model: 1F1B has GPipe's closed-form time with fewer
     micro-batches in flight; sequence parallelism (sp=1) has sp=0's communication with less elementwise work
-    and fewer activations. A dominated candidate is ranked only if its twin's proxy leaves it a chance."""
+    and fewer activations -- except on gloo, whose reduce-scatter costs a whole all-reduce (`sp_dominates`
+    False). A dominated candidate is ranked only if its twin's proxy leaves it a chance."""
     if kn.schedule == "gpipe":
         return mesh, Knobs(kn.zero, "1f1b", 1)
-    if not mesh.sp and mesh.tp > 1:
+    if sp_dominates and not mesh.sp and mesh.tp > 1:
         twin = Mesh(mesh.tp, mesh.cp, mesh.ep, mesh.pp, mesh.dp, mesh.mbs, True)
         return twin, kn
     return None

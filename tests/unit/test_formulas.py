@@ -7,11 +7,19 @@ Korthikanti et al. 2022 eq. 7 (model FLOPs) and Table 2 (activation bytes per la
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from autoplan.specs import ModelSpec, ParallelConfig, TrainingSpec, load_cluster, load_model
 from cost_models.compute import Context, layer_cost
 from cost_models.estimate import estimate
-from cost_models.pipeline import bubble_fraction, in_flight, simulate
+from cost_models.pipeline import (
+    bubble_fraction,
+    closed_form_makespan,
+    in_flight,
+    rank_end_lower_bounds,
+    simulate,
+)
 from cost_models.profile import profile_from_spec
 from cost_models.specs import check_config
 
@@ -153,3 +161,40 @@ def test_kernel_sets_change_the_elementwise_time_only():
     assert times["fused"].model_flops == times["torch"].model_flops
     # the chunked cross-entropy never holds the fp32 softmax of the logits
     assert times["fused"].memory[0].activations < times["megatron"].memory[0].activations
+
+
+# ---- rank_end_lower_bounds: what the search keys closed-form finalists by
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), pp=st.integers(2, 4), vp=st.integers(1, 3), schedule=st.sampled_from(["1f1b", "gpipe"]),
+       p2p=st.sampled_from([0.0, 0.05]))
+def test_rank_end_lower_bounds_never_exceed_the_simulation(data, pp, vp, schedule, p2p):
+    if schedule == "gpipe":
+        vp = 1
+    elif vp > 1:
+        schedule = "interleaved"
+    m = data.draw(st.integers(pp, 3 * pp).map(lambda x: x - x % pp if vp > 1 else x))
+    times = st.lists(st.floats(0.1, 3.0), min_size=pp * vp, max_size=pp * vp)
+    fwd, bwd = data.draw(times), data.draw(times)
+    sim = simulate(schedule, pp, m, vp, fwd, bwd, p2p)
+    lb = rank_end_lower_bounds(fwd, bwd, pp, m, vp, p2p)
+    for r in range(pp):
+        assert lb[r] <= sim.rank_end[r] + 1e-9
+
+
+@pytest.mark.parametrize("pp,vp,m", [(2, 1, 2), (4, 1, 8), (4, 2, 8), (3, 3, 6)])
+def test_rank_end_lower_bound_is_exact_for_even_stages(pp, vp, m):
+    fwd, bwd = [1.0] * (pp * vp), [2.0] * (pp * vp)
+    schedule = "interleaved" if vp > 1 else "1f1b"
+    sim = simulate(schedule, pp, m, vp, fwd, bwd)  # without messages: with them neither formula is exact
+    assert max(rank_end_lower_bounds(fwd, bwd, pp, m, vp)) == pytest.approx(sim.makespan, rel=1e-12)
+    assert closed_form_makespan(fwd, bwd, pp, m, vp) == pytest.approx(sim.makespan, rel=1e-12)
+
+
+def test_closed_form_overstates_an_uneven_pipeline_and_the_bound_does_not():
+    # stage 0 twice stage 1, 2 micro-batches: stage 0's extra work hides under stage 1's round trip
+    fwd, bwd = [1.0, 0.5], [1.0, 0.5]
+    assert simulate("1f1b", 2, 2, 1, fwd, bwd).makespan == pytest.approx(4.0)
+    assert closed_form_makespan(fwd, bwd, 2, 2) == pytest.approx(5.0)
+    assert max(rank_end_lower_bounds(fwd, bwd, 2, 2)) == pytest.approx(4.0)
