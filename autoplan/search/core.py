@@ -16,14 +16,15 @@ The procedure (every number is the cost model's; nothing is measured):
    re-keyed by their twin's proxy and usually never ranked.
 4. **Solve**: a popped ranked candidate gets its stage ILP (`ilp.py`, pulp/CBC; identical sub-problems are
    solved once) and is estimated with the cost model's closed-form pipeline (`estimate(...,
-   simulate_pipeline=False)`, exact memory and data-parallel tail) and pushed back with that time.
+   simulate_pipeline=False)`, exact memory and data-parallel tail) and pushed back keyed by what its
+   simulation cannot beat (`estimate.step_time_lower_bound`: the closed form overstates uneven pipelines).
 5. **Simulate**: a popped closed-form finalist is re-estimated with `cost_models.estimate.estimate` and its
    pipeline simulation. The search stops when the smallest key left is no better than the best simulated
    step and `top` finalists are in hand; everything left is *pruned by bound*. The best plan is always a
    simulated one; runners-up that were not simulated say so (`"pipeline": "closed-form"`).
 
-Shortcuts (named so they can be revisited): the keys are lower bounds only up to the cost model's own
-closed-form vs simulation gap (the simulated pipeline is usually slower than the closed form, which keeps
+Shortcuts (named so they can be revisited): the mesh and ranked-candidate keys are lower bounds only up to the
+cost model's own closed-form vs simulation gap (`benchmarks/search_exactness.py` counts the misses) (the simulated pipeline is usually slower than the closed form, which keeps
 the keys optimistic, but not provably so); the ILP's objective is the closed form, so its layout is optimal
 for the closed form and then simulated; the data-parallel tail used in keys, the ZeRO-3 exposed traffic
 (per block) and the ZeRO-3 gathered-weights buffer (as if a stage held one block plus the embedding or head)
