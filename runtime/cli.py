@@ -1,4 +1,5 @@
-"""`autoplan run plan.json [--nproc-per-node N] [-- training args]`: train a plan under torchrun."""
+"""`autoplan run plan.json [--nproc-per-node N] [--nnodes N --rdzv-endpoint HOST:PORT] [-- training args]`: train a
+plan under torchrun."""
 
 from __future__ import annotations
 
@@ -8,13 +9,20 @@ import argparse
 def cmd_run(args: argparse.Namespace) -> int:
     from .launch import run
 
-    return run(args.plan, nproc_per_node=args.nproc_per_node, train_args=list(args.extra_args))
+    return run(args.plan, nproc_per_node=args.nproc_per_node, train_args=list(args.extra_args), nnodes=args.nnodes,
+               rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, print_command=args.print_command)
 
 
 def register(sub) -> None:
     p = sub.add_parser("run", help="train a plan with torchrun (checks the plan and process count first)")
     p.add_argument("plan", help="plan.json from `autoplan search -o` or `autoplan estimate -o`")
     p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="processes to launch (default: the plan's world size, on one node)")
+                   help="processes to launch per node (default: the plan's world size / --nnodes)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes taking part; run the same command on each")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="where the nodes meet (torchrun c10d rendezvous); needed with --nnodes > 1")
+    p.add_argument("--rdzv-id", default="autoplan", help="job id shared by the nodes (default: autoplan)")
+    p.add_argument("--print-command", action="store_true",
+                   help="print the torchrun command for this node instead of running it (SLURM scripts)")
     p.epilog = "Arguments after -- go to runtime.train: --steps N --data FILE --log FILE --lr ..."
     p.set_defaults(func=cmd_run)

@@ -60,10 +60,15 @@ class ParallelDims:
         """Check the launch against the plan: the world size and the plan's own consistency."""
         cfg = plan.parallel
         if plan.world_size != world_size:
+            gpn = plan.cluster.gpus_per_node
+            if plan.world_size > gpn and plan.world_size % gpn == 0:
+                launch = f"--nnodes {plan.world_size // gpn} --nproc-per-node {gpn}"
+            else:
+                launch = f"--nproc-per-node {plan.world_size}"
             raise PlanError(
                 f"plan {plan.short_hash} is for {plan.world_size} ranks but {world_size} processes were launched",
                 f"{plan.model.name} on {plan.cluster.name} with {cfg.to_string()}",
-                f"launch with --nproc-per-node {plan.world_size}, or re-plan with --gpus {world_size}",
+                f"launch with {launch}, or re-plan with --gpus {world_size}",
             )
         return cls(pp=cfg.pp, dp=cfg.dp or 1, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, world_size=world_size,
                    device_type=device_type)

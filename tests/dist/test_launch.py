@@ -37,7 +37,7 @@ def test_plan_for_8_ranks_on_4_processes_stops_at_startup(tmp_path):
     proc = _torchrun(4, "--plan", str(plan), "--steps", "1", timeout=120)
     assert proc.returncode != 0
     assert "is for 8 ranks but 4 processes were launched" in proc.stderr
-    assert "--nproc-per-node 8" in proc.stderr
+    assert "--nnodes 2 --nproc-per-node 4" in proc.stderr
 
 
 def test_plan_for_another_model_stops_at_startup(tmp_path):
@@ -94,3 +94,30 @@ class _redirect_stdout:
         sys.stdout.flush()
         os.dup2(self.saved, 1)
         os.close(self.saved)
+
+
+def test_two_node_launch_on_one_machine(tmp_path):
+    """`autoplan run --nnodes 2 --rdzv-endpoint` as on a cluster: two launchers (the two "nodes", 2 processes
+    each) meet at one c10d rendezvous and train a dp2 x tp2 plan made for 2 GPUs per node."""
+    import socket
+
+    base = load_cluster("local-cpu")
+    cluster = base.model_copy(update={"gpus_per_node": 2, "num_nodes": 2})
+    plan = make_plan(load_model("tiny-gpt"), cluster, TrainingSpec(global_batch_size=8, seq_length=64,
+                                                                    dtype="fp32"), "dp=2,tp=2", kernels="torch")
+    plan_path = plan.save(tmp_path / "plan.json")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "log.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "autoplan.cli", "run", str(plan_path), "--nnodes", "2", "--rdzv-endpoint",
+           f"127.0.0.1:{port}", "--rdzv-id", "two-node-test", "--", "--steps", "3", "--log", str(log), "--quiet"]
+    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [n.communicate(timeout=240) for n in nodes]
+    for n, (_, err) in zip(nodes, outs, strict=True):
+        assert n.returncode == 0, err[-3000:]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(0 < r["loss"] < 10 for r in rows)

@@ -33,7 +33,8 @@ def test_plan_for_8_ranks_launched_on_4_is_refused():
     with pytest.raises(PlanError) as e:
         ParallelDims.from_plan(plan, world_size=4)
     msg = str(e.value)
-    assert "is for 8 ranks but 4 processes were launched" in msg and "--nproc-per-node 8" in msg
+    assert "is for 8 ranks but 4 processes were launched" in msg
+    assert "--nnodes 2 --nproc-per-node 4" in msg  # local-cpu has 4 "GPUs" per node: 8 ranks are 2 nodes
 
 
 def test_inconsistent_degrees_are_refused():
@@ -222,3 +223,43 @@ def test_train_cli_single_process(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "runtime.train", "--plan", str(tmp_path / "plan.json"),
                           "--model", "tiny-gpt"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "made for model 'tiny-llama', not 'tiny-gpt'" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- multi-node launch (no processes)
+
+
+def test_multi_node_command_uses_c10d_rendezvous():
+    from runtime.launch import torchrun_command
+
+    cmd = torchrun_command("p.json", 8, ["--steps", "5"], python="py", nnodes=16, rdzv_endpoint="node0:29500",
+                           rdzv_id="job7")
+    assert cmd[:3] == ["py", "-m", "torch.distributed.run"]
+    joined = " ".join(cmd)
+    assert "--nnodes 16 --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id job7 --nproc-per-node 8" in joined
+    assert "--standalone" not in cmd
+    assert cmd[cmd.index("--") + 1:] == ["--plan", "p.json", "--steps", "5"]
+    assert "--standalone" in torchrun_command("p.json", 4)
+
+
+def test_multi_node_launch_checks():
+    from runtime.launch import check_launch
+
+    plan = plan_for(gpus=8, config="tp=2,pp=2")  # local-cpu: 4 per node, so 2 nodes
+    assert check_launch(plan, None, 2, "h:1") == (4, [])
+    nproc, warnings = check_launch(plan, 2, 4, "h:1")  # 4 nodes of 2: runs, but not as planned
+    assert nproc == 2 and "made for 4 GPUs per node" in warnings[0]
+    with pytest.raises(PlanError, match="needs a rendezvous address"):
+        check_launch(plan, None, 2, None)
+    with pytest.raises(PlanError, match="not a multiple of --nnodes 3"):
+        check_launch(plan, None, 3, "h:1")
+    with pytest.raises(PlanError, match="is for 8 ranks but 6 processes"):
+        check_launch(plan, 3, 2, "h:1")
+
+
+def test_print_command_prints_one_line_per_node(tmp_path, capsys):
+    from runtime.launch import run
+
+    path = plan_for(gpus=8, config="tp=2,pp=2").save(tmp_path / "p.json")
+    assert run(path, nnodes=2, rdzv_endpoint="node0:29500", train_args=["--steps", "3"], print_command=True) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.count("\n") == 0 and "--nnodes 2" in out and "--nproc-per-node 4" in out and str(path) in out
