@@ -186,6 +186,9 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
             if start >= args.steps:
                 print(f"checkpoint is at step {start}, --steps is {args.steps}: nothing to train", flush=True)
         predicted = plan.prediction.step_time_s
+        # this rank's pipeline stage: the memory the plan predicts for it (on a GPU, compare with the allocator's
+        # peak; on the CPU the measured figure is the process's RSS, interpreter and libraries included)
+        predicted_mem = plan.prediction.memory_gib["per_stage"][dims.rank("pp")]
         for step in range(start, args.steps):
             torch.manual_seed((rng_seed * 1_000_033 + step) % (2**63))
             lr = args.lr * min(1.0, (step + 1) / args.warmup) if args.warmup else args.lr
@@ -199,6 +202,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                 "tokens_per_s": tokens_per_step(plan) / res.step_time_s,
                 "peak_memory_gib": peak_memory_gib(device),
                 "predicted_step_time_s": predicted,
+                "predicted_memory_gib": predicted_mem,
                 "grad_norm": res.grad_norm,
                 "lr": lr,
             }

@@ -62,9 +62,11 @@ def test_four_process_run_logs_measured_and_predicted(tmp_path):
     assert rc == 0, out.read_text()[-4000:]
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    predicted = json.loads(plan_path.read_text())["prediction"]["step_time_s"]
+    prediction = json.loads(plan_path.read_text())["prediction"]
+    predicted = prediction["step_time_s"]
     for r in rows:
         assert r["predicted_step_time_s"] == predicted
+        assert r["predicted_memory_gib"] == prediction["memory_gib"]["per_stage"][0]  # rank 0 is pp stage 0
         assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0
         assert 0 < r["loss"] < 10
     assert rows[-1]["loss"] < rows[0]["loss"]  # a periodic token stream is learnable

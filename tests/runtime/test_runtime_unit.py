@@ -217,7 +217,8 @@ def test_train_cli_single_process(tmp_path):
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        assert {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_gib", "predicted_step_time_s"} <= set(r)
+        assert {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_gib", "predicted_step_time_s",
+                "predicted_memory_gib"} <= set(r)
         assert 3 < r["loss"] < 6 and r["step_time_s"] > 0
         assert r["predicted_step_time_s"] == plan.prediction.step_time_s
     bad = subprocess.run([sys.executable, "-m", "runtime.train", "--plan", str(tmp_path / "plan.json"),
