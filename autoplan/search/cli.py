@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from autoplan.inspect.common import short_config
 from cost_models.errors import ConfigError
 
 
@@ -69,35 +70,73 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
-def render_search(con, result, model, cluster, training, output: str | None) -> None:
+_WIDE_COLUMNS = 150  # below this width the knobs go into one configuration column
+
+
+def _recompute_label(e) -> str:
+    c = e.config
+    rec = c.recompute + (f"({c.recompute_layers})" if c.recompute_layers is not None else "")
+    if any(s.layout.recompute != e.stages[0].layout.recompute for s in e.stages):
+        rec += " per-stage"
+    return rec
+
+
+def _wide_table(title: str, ests, notes, cap: float):
+    """One column per knob."""
     from rich.table import Table
+
+    t = Table(title=title)
+    cols = ("#", "step s", "TF/s/GPU", "MFU", "peak GiB", "headroom", "tp", "pp", "dp", "cp", "ep", "vp", "mbs", "sp",
+            "zero", "recompute", "schedule", "why not #1")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("recompute", "schedule", "why not #1") else "right")
+    for i, (e, note) in enumerate(zip(ests, notes, strict=True)):
+        c = e.config
+        t.add_row(str(i + 1), f"{e.step_time_s:.3f}", f"{e.tflops_per_gpu:.0f}", f"{100 * e.mfu:.1f}%",
+                  f"{e.peak_memory_gib:.1f}", f"{cap - e.peak_memory_gib:.1f}", str(c.tp), str(c.pp), str(c.dp),
+                  str(c.cp), str(c.ep), str(c.vp), str(c.mbs), str(int(c.sp)), str(c.zero), _recompute_label(e),
+                  c.schedule, note)
+    return t
+
+
+def _narrow_table(title: str, ests, cap: float):
+    """80 columns: the knobs at non-default values in one column, headroom only (the peak follows the table for
+    the best plan); why each runner-up loses is printed after the table."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in ("#", "step s", "MFU", "GiB free", "configuration"):
+        t.add_column(c, justify="left" if c == "configuration" else "right",
+                     overflow="fold" if c == "configuration" else "ellipsis")
+    for i, e in enumerate(ests):
+        cfg = short_config(e.config).replace(",", " ")  # wraps between knobs
+        if "per-stage" in _recompute_label(e):
+            cfg += " (recompute per stage)"
+        t.add_row(str(i + 1), f"{e.step_time_s:.3f}", f"{100 * e.mfu:.1f}%", f"{cap - e.peak_memory_gib:.1f}", cfg)
+    return t
+
+
+def render_search(con, result, model, cluster, training, output: str | None) -> None:
 
     from cost_models.estimate import GIB
 
     st = result.stats
     cap = cluster.gpu.hbm_gib
-    t = Table(title=f"autoplan search: {model.name} on {cluster.num_gpus}x {cluster.gpu.name}, "
-                    f"batch {training.global_batch_size} x {training.seq_length} ({training.dtype})")
-    cols = ("#", "step s", "TF/s/GPU", "MFU", "peak GiB", "headroom", "tp", "pp", "dp", "cp", "ep", "vp", "mbs", "sp",
-            "zero", "recompute", "schedule", "why not #1")
-    for c in cols:
-        t.add_column(c, justify="left" if c in ("recompute", "schedule", "why not #1") else "right")
+    title = (f"autoplan search: {model.name} on {cluster.num_gpus}x {cluster.gpu.name}, "
+             f"batch {training.global_batch_size} x {training.seq_length} ({training.dtype})")
     ests = [result.best, *result.runners_up]
     notes = [""] + [r.note for r in result.plan.runners_up]
-    for i, (e, note) in enumerate(zip(ests, notes, strict=True)):
-        c = e.config
-        rec = c.recompute + (f"({c.recompute_layers})" if c.recompute_layers is not None else "")
-        if any(s.layout.recompute != e.stages[0].layout.recompute for s in e.stages):
-            rec += " per-stage"
-        t.add_row(str(i + 1), f"{e.step_time_s:.3f}", f"{e.tflops_per_gpu:.0f}", f"{100 * e.mfu:.1f}%",
-                  f"{e.peak_memory_gib:.1f}", f"{cap - e.peak_memory_gib:.1f}", str(c.tp), str(c.pp), str(c.dp),
-                  str(c.cp), str(c.ep), str(c.vp), str(c.mbs), str(int(c.sp)), str(c.zero), rec, c.schedule, note)
+    t = _wide_table(title, ests, notes, cap) if con.width >= _WIDE_COLUMNS else _narrow_table(title, ests, cap)
     con.print(t)
+    if con.width < _WIDE_COLUMNS:
+        for i, note in enumerate(notes[1:], start=2):
+            if note:
+                con.print(f"#{i} loses by: {note}")
     best = result.best
     sizes = [s.layout.layers[1] - s.layout.layers[0] for s in best.stages]
     if len(set(sizes)) > 1:
         con.print(f"stages (blocks per stage): {sizes}  (embedding on stage 0, LM head on stage {len(sizes) - 1})")
-    con.print(f"best: {best.config.to_string()}  peak {best.peak_memory_gib:.1f} of {best.capacity_bytes / GIB:.1f} GiB")
+    con.print(f"best: {best.config.to_string() if con.width >= _WIDE_COLUMNS else short_config(best.config)}  peak {best.peak_memory_gib:.1f} of {best.capacity_bytes / GIB:.1f} GiB")
     con.print(f"searched {st.candidates} candidates on {st.meshes} meshes: {st.pruned_memory} cannot fit, "
               f"{st.pruned_bound} pruned by bound, {st.ranked} ranked, {st.ilp_solved} ILPs solved "
               f"(+{st.ilp_cached} cached), {st.estimated} simulated, in {st.search_time_s:.2f} s")

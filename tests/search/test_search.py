@@ -3,6 +3,7 @@ configurations of the calibration runs."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -147,3 +148,21 @@ def test_never_slower_than_published(index):
     pub = estimate_config(model, cluster, training, cfg)
     best = search(model, cluster, training, top=3).best
     assert best.step_time_s <= pub.step_time_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_search_table_fits_the_terminal(width):
+    from rich.console import Console
+
+    from autoplan.inspect.common import short_config
+    from autoplan.search.cli import render_search
+
+    m, c, t = _gpt13()
+    res = search(m, c, t, top=3)
+    con = Console(width=width, record=True, file=io.StringIO())
+    render_search(con, res, m, c, t, None)
+    text = con.export_text()
+    assert max(len(line) for line in text.splitlines()) <= width
+    best = short_config(res.best.config)
+    assert (best.replace(",", " ") if width < 150 else str(res.best.config.tp)) in text
+    assert "…" not in text  # nothing cut off
