@@ -65,7 +65,9 @@ def run_demo(args: argparse.Namespace) -> int:
         plan = make_plan(tiny, local, tiny_train, "tp=2,pp=2", kernels="torch")
     out = Path(tempfile.mkdtemp(prefix="autoplan-demo-"))
     plan_path = plan.save(out / "tiny-plan.json")
-    con.print(f"plan {plan.parallel.to_string()}  ->  {plan_path}")
+    from .inspect.common import short_config
+
+    con.print(f"plan {short_config(plan.parallel)} ({plan.short_hash}), written to {plan_path}")
     con.print(f"predicted step time {plan.prediction.step_time_s:.4f} s, peak memory "
               f"{plan.prediction.memory_gib['peak']:.3f} GiB per process")
     if args.no_run:
@@ -76,7 +78,7 @@ def run_demo(args: argparse.Namespace) -> int:
     log = out / "train.jsonl"
     cmd = [sys.executable, "-m", "autoplan.cli", "run", str(plan_path), "--nproc-per-node",
            str(plan.world_size), "--", "--steps", "20", "--lr", "3e-3", "--log", str(log)]
-    con.print("$ " + " ".join(cmd[2:]))
+    con.print("$ autoplan " + " ".join(cmd[3:]))
     rc = subprocess.call(cmd)
     if rc != 0:
         con.print(f"[red]training exited with status {rc}[/]")
@@ -85,6 +87,8 @@ def run_demo(args: argparse.Namespace) -> int:
     steady = rows[1:] or rows
     measured = sorted(r["step_time_s"] for r in steady)[len(steady) // 2]
     con.print(f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} over {len(rows)} steps")
-    con.print(f"step time: predicted {plan.prediction.step_time_s:.4f} s, measured (median after the first) "
-              f"{measured:.4f} s, ratio {measured / plan.prediction.step_time_s:.2f}")
+    con.print(f"step time: predicted {plan.prediction.step_time_s:.4f} s, measured {measured:.4f} s "
+              "(median after the first step)")
+    con.print(f"measured / predicted = {measured / plan.prediction.step_time_s:.2f} (local-cpu: 4 processes share "
+              "2 cores; host overheads of DTensor and hooks are not modelled)")
     return 0

@@ -101,3 +101,11 @@ def test_memory_limit_keeps_headroom(capsys):
     assert not limited["fits"] and limited["step_time_s"] == pytest.approx(full["step_time_s"])
     assert main(["estimate", *base, "--memory-limit", "81"]) == 2
     assert "--memory-limit must be" in capsys.readouterr().err
+
+
+def test_demo_plans_without_running(capsys):
+    assert main(["demo", "--no-run"]) == 0
+    out = capsys.readouterr().out
+    assert "best: tp=" in out and "GiB free" in out  # the 175B search, in the 80-column table
+    assert "plan tp=" in out and "predicted step time" in out  # the tiny plan for local-cpu
+    assert "…" not in out
