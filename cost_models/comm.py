@@ -68,6 +68,11 @@ def all_reduce(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
     return _hierarchical(cluster, grp, nbytes, 2.0)
 
 
+def native_reduce_scatter(cluster: ClusterSpec) -> bool:
+    """Whether the backend runs reduce-scatter as its own algorithm (NCCL) rather than a whole all-reduce (gloo)."""
+    return cluster.backend != "gloo"
+
+
 def reduce_scatter(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
     """`nbytes` is the full (unscattered) buffer.
 
@@ -75,7 +80,7 @@ def reduce_scatter(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
     only), so torch runs it as a full all-reduce and keeps its shard: priced as one. Measured with 2 gloo ranks on
     this machine, 16 KB-4 MB: reduce_scatter_tensor 1.3-5.9 ms vs all_reduce 0.8-3.6 ms (session-2 note on issue 2).
     """
-    if cluster.backend == "gloo":
+    if not native_reduce_scatter(cluster):
         return all_reduce(cluster, grp, nbytes)
     return _hierarchical(cluster, grp, nbytes, 1.0)
 

@@ -265,6 +265,14 @@ def interference(cluster: ClusterSpec, hidden_s: float) -> float:
     return cluster.gpu.calibration.overlap_interference * max(0.0, hidden_s)
 
 
+def _stages_by_rank(stages: list[StageCost], pp: int) -> list[list[StageCost]]:
+    """The (virtual) stages each pipeline rank holds: stage s runs on rank s mod pp."""
+    by_rank: list[list[StageCost]] = [[] for _ in range(pp)]
+    for s in stages:
+        by_rank[s.index % pp].append(s)
+    return by_rank
+
+
 def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: ClusterSpec,
                 training: TrainingSpec) -> list[tuple[float, float, float, float]]:
     """Per pipeline rank, what follows its last backward: (gradient reduction, its last-bucket tail, optimizer,
@@ -286,10 +294,8 @@ def step_time_lower_bound(est: Estimate, cluster: ClusterSpec, training: Trainin
     sync with the most overlap any timeline allows, optimizer and parameter gather. The search keys closed-form
     finalists by this, so an uneven pipeline the closed form overstates is still simulated before it is ruled out."""
     cfg = est.config
-    m = training.global_batch_size // (cfg.dp * cfg.mbs)
-    by_rank: list[list[StageCost]] = [[] for _ in range(cfg.pp)]
-    for s in est.stages:
-        by_rank[s.index % cfg.pp].append(s)
+    m = num_microbatches(cfg, training)
+    by_rank = _stages_by_rank(est.stages, cfg.pp)
     ends = rank_end_lower_bounds([s.fwd_s for s in est.stages], [s.bwd_s for s in est.stages], cfg.pp, m, cfg.vp,
                                  p2p_s if cfg.pp > 1 else 0.0)
     return max(end + dp_exposed(red, tail, math.inf, cluster, training) + opt + g_exp
@@ -386,9 +392,7 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
         rank_end = [makespan] * cfg.pp
         last_b = [makespan - (stages[-1].bwd_s if cfg.pp == 1 else per_rank[r] / 2 / cfg.vp) for r in range(cfg.pp)]
     # Data-parallel gradient sync and the optimizer, per pipeline rank.
-    by_rank: list[list[StageCost]] = [[] for _ in range(cfg.pp)]
-    for s in stages:
-        by_rank[s.index % cfg.pp].append(s)
+    by_rank = _stages_by_rank(stages, cfg.pp)
     finish, dp_times, opt_time, gather_times = [], [], [], []
     for r, (red, tail, opt, g_exp) in enumerate(_rank_tails(by_rank, cfg, cluster, training)):
         dp_t = dp_exposed(red, tail, rank_end[r] - last_b[r], cluster, training)

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cost_models.comm import native_reduce_scatter
 from cost_models.compute import Context, LayerCost, layer_cost
 from cost_models.errors import ConfigError, DoesNotFitError
 from cost_models.estimate import (
@@ -419,7 +420,7 @@ class _Searcher:
                         counter += 1
             elif kind == 1:  # a candidate: rank it with the greedy layout
                 mesh, kn = item[3], item[4]
-                twin = _dominating_twin(mesh, kn, sp_dominates=self.cluster.backend != "gloo")
+                twin = _dominating_twin(mesh, kn, sp_dominates=native_reduce_scatter(self.cluster))
                 if twin is not None and twin in self.proxies and len(item) == 5:
                     # dominated: its proxy is at least its twin's (or it cannot fit when the twin cannot)
                     tp_ = self.proxies[twin]
