@@ -9,9 +9,9 @@ import hashlib
 import json
 import platform
 
-from cost_models.estimate import GIB, Estimate, StageLayout, even_layout
-from cost_models.profile import LayerProfile
-from cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec, check_config
+from autoplan.cost_models.estimate import GIB, Estimate, StageLayout, even_layout
+from autoplan.cost_models.profile import LayerProfile
+from autoplan.cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec, check_config
 
 from . import __version__
 from .estimate_api import estimate_config
@@ -67,7 +67,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, pa
     if stage_layers is not None:
         base = even_layout(model.num_layers, cfg)
         if len(stage_layers) != len(base):
-            from cost_models.errors import ConfigError
+            from autoplan.cost_models.errors import ConfigError
             raise ConfigError("stage_layers must list pp*vp stages", f"got {len(stage_layers)}, need {len(base)}",
                               "give one (start, stop) per stage")
         layout = [StageLayout(tuple(r), cfg.recompute, (r[1] - r[0]) if cfg.recompute == "full" else 0)

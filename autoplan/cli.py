@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from cost_models.errors import AutoplanError
+from autoplan.cost_models.errors import AutoplanError
 
 # ------------------------------------------------------------------------------------------ shared options
 
@@ -36,7 +36,7 @@ def add_json(p: argparse.ArgumentParser) -> None:
 
 def load_workload(args: argparse.Namespace):
     """(model, cluster, training, profiles-or-None) from the shared options."""
-    from cost_models.specs import TrainingSpec
+    from autoplan.cost_models.specs import TrainingSpec
 
     from .specs import load_cluster
     from .workload import resolve_model
@@ -46,7 +46,7 @@ def load_workload(args: argparse.Namespace):
     limit = getattr(args, "memory_limit", None)
     if limit is not None:
         if not 0 < limit <= cluster.gpu.hbm_gib:
-            from cost_models.errors import SpecError
+            from autoplan.cost_models.errors import SpecError
 
             raise SpecError("--memory-limit must be positive and at most the GPU's memory",
                             f"got {limit} GiB, {cluster.gpu.name} has {cluster.gpu.hbm_gib} GiB",
@@ -57,7 +57,7 @@ def load_workload(args: argparse.Namespace):
         training = TrainingSpec(global_batch_size=args.global_batch, seq_length=seq, dtype=args.dtype,
                                 kernels=getattr(args, "kernels", "fused"))
     except Exception as e:  # pydantic validation -> one line naming the field
-        from cost_models.errors import SpecError
+        from autoplan.cost_models.errors import SpecError
 
         errs = e.errors() if hasattr(e, "errors") else []
         detail = (f"{'.'.join(str(x) for x in errs[0]['loc'])} {errs[0]['msg'].lower()}, got {errs[0].get('input')!r}"
@@ -101,7 +101,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from cost_models.profile import profile_from_spec
+    from autoplan.cost_models.profile import profile_from_spec
 
     from .presets import MODEL_PRESETS
 
@@ -128,7 +128,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_clusters(args: argparse.Namespace) -> int:
-    from cost_models.hardware import CLUSTER_PRESETS
+    from autoplan.cost_models.hardware import CLUSTER_PRESETS
 
     rows = []
     for c in CLUSTER_PRESETS.values():
@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_json(p)
     p.set_defaults(func=cmd_demo)
 
-    for mod in ("autoplan.search.cli", "autoplan.inspect.cli", "runtime.cli", "codegen.cli"):
+    for mod in ("autoplan.search.cli", "autoplan.inspect.cli", "autoplan.runtime.cli", "autoplan.codegen.cli"):
         try:
             module = __import__(mod, fromlist=["register"])
         except ModuleNotFoundError as e:

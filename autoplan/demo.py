@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cost_models.specs import TrainingSpec
+from autoplan.cost_models.specs import TrainingSpec
 
 from .specs import load_cluster, load_model
 
@@ -26,7 +26,7 @@ def _search_available() -> bool:
 
 
 def _runtime_available() -> bool:
-    return importlib.util.find_spec("runtime.train") is not None
+    return importlib.util.find_spec("autoplan.runtime.train") is not None
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cost_models.estimate import Estimate, StageLayout, estimate
-from cost_models.profile import LayerProfile, profile_from_spec
-from cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec, check_config
+from autoplan.cost_models.estimate import Estimate, StageLayout, estimate
+from autoplan.cost_models.profile import LayerProfile, profile_from_spec
+from autoplan.cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec, check_config
 
 
 def estimate_config(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig | str,

@@ -14,8 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cost_models.errors import PlanError
-from cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, Recompute, TrainingSpec
+from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, Recompute, TrainingSpec
 
 SCHEMA_VERSION = 1
 

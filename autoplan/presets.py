@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cost_models.specs import ModelSpec, MoESpec
+from autoplan.cost_models.specs import ModelSpec, MoESpec
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, *, seq: int = 2048, vocab: int = 51200,

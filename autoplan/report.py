@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from cost_models.estimate import Estimate
-from cost_models.specs import ClusterSpec, ModelSpec, TrainingSpec
+from autoplan.cost_models.estimate import Estimate
+from autoplan.cost_models.specs import ClusterSpec, ModelSpec, TrainingSpec
 
 
 def render_estimate(con: Console, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,

@@ -1,6 +1,6 @@
 """Loading specs: presets, YAML/JSON spec files and Hugging Face `config.json` files.
 
-The spec classes themselves live in `cost_models.specs` (the cost model may import nothing else of ours);
+The spec classes themselves live in `autoplan.cost_models.specs` (the cost model may import nothing else of ours);
 they are re-exported here so users write `from autoplan.specs import ModelSpec`.
 """
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import yaml
 
-from cost_models.errors import AutoplanError, ConfigError, SpecError
-from cost_models.hardware import CLUSTER_PRESETS, GPU_PRESETS, cluster_preset, gpu_preset
-from cost_models.specs import (
+from autoplan.cost_models.errors import AutoplanError, ConfigError, SpecError
+from autoplan.cost_models.hardware import CLUSTER_PRESETS, GPU_PRESETS, cluster_preset, gpu_preset
+from autoplan.cost_models.specs import (
     ClusterSpec,
     GPUCalibration,
     GPUSpec,

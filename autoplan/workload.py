@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from cost_models.profile import LayerProfile
-from cost_models.specs import ModelSpec, MoESpec
+from autoplan.cost_models.profile import LayerProfile
+from autoplan.cost_models.specs import ModelSpec, MoESpec
 
 from .specs import load_model, model_from_hf_config
 

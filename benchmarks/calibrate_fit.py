@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from autoplan.cost_models.hardware import GPU_PRESETS  # noqa: E402
 from benchmarks.fidelity import DEFAULT_REF, evaluate  # noqa: E402
-from cost_models.hardware import GPU_PRESETS  # noqa: E402
 
 # Physical bounds of each constant (fraction of peak, dims, microseconds).
 BOUNDS = {

@@ -34,8 +34,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import traffic
+from autoplan import kernels
+from autoplan.kernels import traffic
 
 # HBM bandwidth in GB/s by device-name fragment (NVIDIA datasheets, as in cost_models/hardware.py:
 # H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80GB 2.04 TB/s, A100 40GB 1.56 TB/s, B200 8 TB/s).
@@ -146,7 +146,7 @@ def _cases(device: str, dtype: torch.dtype, smoke: bool) -> list[Case]:
     b, s, hq, hk, d = (1, 16, 4, 2, 64) if smoke else (4, 4096, 32, 8, 128)
 
     def rope():
-        from kernels.rope import rope_cache
+        from autoplan.kernels.rope import rope_cache
 
         q, k = torch.randn(b, s, hq, d, **dev), torch.randn(b, s, hk, d, **dev)
         cos, sin = rope_cache(s, d, device=device)

@@ -4,7 +4,7 @@
                                  [--global-batch 8] [--seq-len 64] [--dtype fp32] [--json]
 
 For every configuration: a Plan from the planner's API (`make_plan`, the configuration fixed) on the
-`local-cpu` cluster resized to --nproc ranks, one `torchrun -m runtime.train` launch with --log, and the
+`local-cpu` cluster resized to --nproc ranks, one `torchrun -m autoplan.runtime.train` launch with --log, and the
 median step time of the steps after the first (warm-up: shape inference, DTensor caches, allocator).
 Prints measured, predicted and their ratio; --json prints one object per configuration.
 """
@@ -41,7 +41,7 @@ def run_one(model: str, nproc: int, config: str, training: TrainingSpec, steps: 
     log = workdir / f"log-{plan.short_hash}.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), "-m", "runtime.train", "--",
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), "-m", "autoplan.runtime.train", "--",
            "--plan", str(plan_path), "--steps", str(steps), "--log", str(log), "--quiet"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:

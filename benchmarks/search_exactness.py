@@ -17,13 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from autoplan.cost_models.errors import DoesNotFitError  # noqa: E402
+from autoplan.cost_models.estimate import StageLayout, estimate  # noqa: E402
+from autoplan.cost_models.profile import profile_from_spec  # noqa: E402
 from autoplan.search.core import _Searcher, search  # noqa: E402
 from autoplan.search.problem import brute_force  # noqa: E402
 from autoplan.search.space import Knobs, Mesh, all_configs  # noqa: E402
 from autoplan.specs import ModelSpec, TrainingSpec, load_cluster  # noqa: E402
-from cost_models.errors import DoesNotFitError  # noqa: E402
-from cost_models.estimate import StageLayout, estimate  # noqa: E402
-from cost_models.profile import profile_from_spec  # noqa: E402
 
 
 def brute_force_best(model: ModelSpec, cluster, training: TrainingSpec) -> tuple[float, str]:

@@ -6,7 +6,7 @@ fused-kernel substitution), emitted as readable Python source.
     codegen.fuse.substitute_kernels(model, mode)          kernels.modules substitution (imports torch)
 
 The runtime executes the same emitted source (runtime.parallelize.load_stage_program). Importing this package
-and `codegen.emit` does not import torch.
+and `autoplan.codegen.emit` does not import torch.
 """
 
 from .emit import emit_source, stage_source, write_program

@@ -31,9 +31,9 @@ from torch.distributed.tensor.parallel import (  # noqa: F401
 
 from autoplan.plan import StagePlan
 from autoplan.zoo import build_model, init_weights
-from codegen.fuse import substitute_kernels  # noqa: F401
-from cost_models.specs import ModelSpec
-from runtime.parallelize import (  # noqa: F401
+from autoplan.codegen.fuse import substitute_kernels  # noqa: F401
+from autoplan.cost_models.specs import ModelSpec
+from autoplan.runtime.parallelize import (  # noqa: F401
     PositionsSequenceParallel,
     apply_cp,
     apply_dp,
@@ -218,7 +218,7 @@ def write_program(plan: Plan, out_dir: str | Path) -> list[Path]:
         f"# autoplan program for plan {plan.short_hash}\n\n{_describe_model(plan)}, `{plan.parallel.to_string()}` "
         f"on {plan.world_size} ranks.\n\n| stage | pp rank | ranks | layers | file |\n|---|---|---|---|---|\n"
         + "\n".join(rows)
-        + f"\n\nRun: `torchrun --nproc-per-node {plan.world_size} -m runtime.train --plan plan.json --steps 10`\n"
+        + f"\n\nRun: `torchrun --nproc-per-node {plan.world_size} -m autoplan.runtime.train --plan plan.json --steps 10`\n"
     )
     written.append(readme)
     return written

@@ -1,9 +1,9 @@
-"""Fused-kernel substitution: replace norm and activation modules of a (zoo) model by `kernels.modules`.
+"""Fused-kernel substitution: replace norm and activation modules of a (zoo) model by `autoplan.kernels.modules`.
 
 `substitute_kernels(model, "fused")` finds what it can fuse; `substitute_kernels(model, {path: class_name})`
 applies an explicit table (what the emitted stage source passes, from codegen.program.kernel_substitutions).
 The replacements share the original parameters, so weights, names and optimizer state are unchanged. A
-missing `kernels.modules` (or a class it does not have) is skipped with a note, never an error.
+missing `autoplan.kernels.modules` (or a class it does not have) is skipped with a note, never an error.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def substitute_kernels(model: nn.Module, mode: str | dict[str, str]) -> list[str
         return []
     table = _fusable(model) if mode == "fused" else dict(mode)
     try:
-        import kernels.modules as km
+        import autoplan.kernels.modules as km
     except Exception as e:  # kernels not installed or broken: keep torch modules
-        return [f"kernels.modules unavailable ({type(e).__name__}): torch modules kept"]
+        return [f"autoplan.kernels.modules unavailable ({type(e).__name__}): torch modules kept"]
     notes = []
     for path, cls_name in table.items():
         parent_path, _, leaf = path.rpartition(".")

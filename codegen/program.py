@@ -1,5 +1,5 @@
 """What each (virtual) pipeline stage of a Plan runs, as data: the single source for the emitted source code
-(`codegen.emit`) and for the runtime (which executes that emitted code).
+(`autoplan.codegen.emit`) and for the runtime (which executes that emitted code).
 
 No torch here: placements and parallel styles are described by name and rendered to code by `Style.code()`.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autoplan.cost_models.specs import ModelSpec
 from autoplan.plan import Plan, StagePlan
-from cost_models.specs import ModelSpec
 
 
 @dataclass(frozen=True)

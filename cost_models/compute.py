@@ -193,7 +193,7 @@ def _ep_comm(p: LayerProfile, ctx: Context) -> tuple[float, float]:
 
 def _eager_extra_bytes(p: LayerProfile, ctx: Context, seq_div: int) -> tuple[float, float]:
     """Bytes eager PyTorch moves beyond fused kernels for the norms, activation and RoPE of one micro-batch
-    (the profile's elementwise counts are those of fused kernels; `kernels.traffic` has the counts)."""
+    (the profile's elementwise counts are those of fused kernels; `autoplan.kernels.traffic` has the counts)."""
     if ctx.training.kernels != "torch":
         return 0.0, 0.0
     f = b = 0.0

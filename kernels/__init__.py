@@ -1,6 +1,6 @@
 """Fused Triton kernels with autograd wrappers and plain-torch references, behind a registry.
 
-    import kernels
+    from autoplan import kernels
     rms_norm = kernels.get("rms_norm")          # picks the implementation at each call
     y = rms_norm(x, weight, eps=1e-6)
 
@@ -12,7 +12,7 @@ Rule for `impl=None` (decided per call from the first tensor argument):
 arguments and are autograd-aware.
 
 Importing this package imports neither torch nor triton and does not touch CUDA: the kernel
-files are imported on first use, so the planner can read `kernels.traffic` cheaply.
+files are imported on first use, so the planner can read `autoplan.kernels.traffic` cheaply.
 """
 
 from __future__ import annotations
@@ -21,21 +21,21 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from kernels._env import interpret_enabled, triton_installed
+from autoplan.kernels._env import interpret_enabled, triton_installed
 
 IMPLS = ("triton", "torch")
 
 # name -> (module, Triton function, torch reference); both functions have the same signature.
 _OPS: dict[str, tuple[str, str, str]] = {
-    "rms_norm": ("kernels.rms_norm", "rms_norm", "rms_norm_reference"),
-    "layer_norm": ("kernels.layer_norm", "layer_norm", "layer_norm_reference"),
-    "bias_gelu": ("kernels.bias_gelu", "bias_gelu", "bias_gelu_reference"),
-    "swiglu": ("kernels.swiglu", "swiglu", "swiglu_reference"),
-    "rope": ("kernels.rope", "rope", "rope_reference"),
-    "softmax": ("kernels.softmax", "softmax", "softmax_reference"),
-    "cross_entropy": ("kernels.cross_entropy", "cross_entropy", "cross_entropy_reference"),
+    "rms_norm": ("autoplan.kernels.rms_norm", "rms_norm", "rms_norm_reference"),
+    "layer_norm": ("autoplan.kernels.layer_norm", "layer_norm", "layer_norm_reference"),
+    "bias_gelu": ("autoplan.kernels.bias_gelu", "bias_gelu", "bias_gelu_reference"),
+    "swiglu": ("autoplan.kernels.swiglu", "swiglu", "swiglu_reference"),
+    "rope": ("autoplan.kernels.rope", "rope", "rope_reference"),
+    "softmax": ("autoplan.kernels.softmax", "softmax", "softmax_reference"),
+    "cross_entropy": ("autoplan.kernels.cross_entropy", "cross_entropy", "cross_entropy_reference"),
     "vocab_parallel_cross_entropy": (
-        "kernels.cross_entropy",
+        "autoplan.kernels.cross_entropy",
         "vocab_parallel_cross_entropy",
         "vocab_parallel_cross_entropy_reference",
     ),
@@ -84,7 +84,7 @@ class KernelOp:
         self.impl = impl
 
     def __repr__(self) -> str:
-        return f"kernels.get({self.name!r}, impl={self.impl!r})"
+        return f"autoplan.kernels.get({self.name!r}, impl={self.impl!r})"
 
     def impl_for(self, *args: Any, **kwargs: Any) -> str:
         """The implementation a call with these arguments would run."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import KernelUnavailableError, interpret_enabled
+from autoplan.kernels._triton import KernelUnavailableError, interpret_enabled
 
 # The dtypes every kernel here accepts for activations; math inside runs in fp32.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -26,7 +26,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels._env import interpret_enabled, triton_installed  # noqa: F401  (re-exported)
+from autoplan.kernels._env import interpret_enabled, triton_installed  # noqa: F401  (re-exported)
 
 
 class _LanguagePlaceholder:

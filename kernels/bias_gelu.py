@@ -18,8 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels._checks import as_rows, check_same_device, check_tensor, check_triton_device, check_vector
-from kernels._triton import cdiv, jit, next_power_of_2, num_warps_for, persistent_programs, tl
+from autoplan.kernels._checks import (
+    as_rows,
+    check_same_device,
+    check_tensor,
+    check_triton_device,
+    check_vector,
+)
+from autoplan.kernels._triton import cdiv, jit, next_power_of_2, num_warps_for, persistent_programs, tl
 
 OP = "bias_gelu"
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._checks import as_rows, check_same_device, check_tensor, check_triton_device
-from kernels._triton import cdiv, jit, next_power_of_2, num_warps_for, tl
+from autoplan.kernels._checks import as_rows, check_same_device, check_tensor, check_triton_device
+from autoplan.kernels._triton import cdiv, jit, next_power_of_2, num_warps_for, tl
 
 OP = "cross_entropy"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._checks import (
+from autoplan.kernels._checks import (
     as_rows,
     check_max_row,
     check_same_device,
@@ -23,7 +23,7 @@ from kernels._checks import (
     check_triton_device,
     check_vector,
 )
-from kernels._triton import (
+from autoplan.kernels._triton import (
     cdiv,
     jit,
     num_warps_for,
@@ -31,7 +31,7 @@ from kernels._triton import (
     persistent_programs,
     tl,
 )
-from kernels.rms_norm import (  # same tiling and register budget (reasons there)
+from autoplan.kernels.rms_norm import (  # same tiling and register budget (reasons there)
     _MAX_REGISTER_ACCUMULATOR,
     _tile,
 )

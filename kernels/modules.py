@@ -3,7 +3,7 @@
 Each module has the constructor arguments and parameter names of its torch counterpart
 (`weight`, `bias`), so state dicts load either way; `from_torch(m)` builds one that shares the
 original module's Parameter objects, and `fuse_module(m)` does that for any module it knows.
-`impl` is passed to `kernels.get` (None: Triton on CUDA, torch elsewhere; see kernels/__init__).
+`impl` is passed to `autoplan.kernels.get` (None: Triton on CUDA, torch elsewhere; see kernels/__init__).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
+from autoplan import kernels
 
 
 def _last_dim(op: str, normalized_shape) -> int:
@@ -164,7 +164,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0, interleaved: bool = False,
                  device=None, impl: str | None = None):
         super().__init__()
-        from kernels.rope import rope_cache  # torch only; the kernel itself loads on first call
+        from autoplan.kernels.rope import rope_cache  # torch only; the kernel itself loads on first call
 
         cos, sin = rope_cache(max_positions, head_dim, base, device=device)
         self.register_buffer("cos", cos, persistent=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._checks import (
+from autoplan.kernels._checks import (
     as_rows,
     check_max_row,
     check_same_device,
@@ -22,7 +22,7 @@ from kernels._checks import (
     check_triton_device,
     check_vector,
 )
-from kernels._triton import (
+from autoplan.kernels._triton import (
     cdiv,
     jit,
     next_power_of_2,

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor, check_triton_device
-from kernels._triton import jit, next_power_of_2, num_warps_for, tl
+from autoplan.kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor, check_triton_device
+from autoplan.kernels._triton import jit, next_power_of_2, num_warps_for, tl
 
 OP = "rope"
 

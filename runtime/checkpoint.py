@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cost_models.errors import AutoplanError
+from autoplan.cost_models.errors import AutoplanError
 
 FORMAT = 1
 META_FILE = "autoplan_checkpoint.json"

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cost_models.errors import SpecError
+from autoplan.cost_models.errors import SpecError
 
 
 class SyntheticDataset:

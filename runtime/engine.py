@@ -1,5 +1,5 @@
 """The training step for any layout: micro-batches (or the pipeline schedule), gradient synchronisation,
-global gradient-norm clipping, AdamW. Shared by `runtime.train` and the parity tests.
+global gradient-norm clipping, AdamW. Shared by `autoplan.runtime.train` and the parity tests.
 
 Loss convention: the loss of a micro-batch is the mean over its tokens; a step's gradient is the mean over
 micro-batches (1/n scaling) and over data- and context-parallel ranks (FSDP/replicate average over dp x cp),
@@ -61,7 +61,7 @@ class Trainer:
         self.n_micro = self.gbs // (dims.dp * cfg.mbs)
         self.max_grad_norm = max_grad_norm
         if dims.pp_enabled and cfg.schedule == "1f1b" and self.n_micro < cfg.pp:
-            from cost_models.errors import PlanError
+            from autoplan.cost_models.errors import PlanError
 
             raise PlanError("the 1F1B schedule needs at least pp micro-batches per step",
                             f"global batch {self.gbs} / (dp {dims.dp} x mbs {cfg.mbs}) = {self.n_micro} < pp={cfg.pp}",

@@ -1,6 +1,6 @@
-"""Launch `runtime.train` under torchrun for a plan: what `autoplan run plan.json --nproc-per-node N -- ARGS` calls.
+"""Launch `autoplan.runtime.train` under torchrun for a plan: what `autoplan run plan.json --nproc-per-node N -- ARGS` calls.
 
-    from runtime.launch import run
+    from autoplan.runtime.launch import run
     rc = run("plan.json", nproc_per_node=4, train_args=["--steps", "10", "--log", "log.jsonl"])
 
 One node: `--standalone` rendezvous on a free local port. Several nodes: the same command on every node,
@@ -37,12 +37,12 @@ def torchrun_command(plan_path: str | Path, nproc_per_node: int, train_args: Seq
         rendezvous = ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", str(rdzv_endpoint),
                       "--rdzv-id", rdzv_id]
     return [python, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(nproc_per_node),
-            "-m", "runtime.train", "--", "--plan", str(plan_path), *args]
+            "-m", "autoplan.runtime.train", "--", "--plan", str(plan_path), *args]
 
 
 def check_launch(plan, nproc_per_node: int | None, nnodes: int, rdzv_endpoint: str | None) -> tuple[int, list[str]]:
     """The processes per node to start, and warnings; raises PlanError for a launch the plan cannot run."""
-    from cost_models.errors import PlanError
+    from autoplan.cost_models.errors import PlanError
 
     from .parallel_dims import ParallelDims
 

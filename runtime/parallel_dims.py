@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cost_models.errors import PlanError
+from autoplan.cost_models.errors import PlanError
 
 if TYPE_CHECKING:  # torch is imported lazily: validating a launch must not need it
     from torch.distributed.device_mesh import DeviceMesh
@@ -137,7 +137,7 @@ class ParallelDims:
 
 def check_model_matches(plan: Plan, model_spec_or_name) -> None:
     """A plan made for another model must not run: compare the spec the user asked for with the plan's."""
-    from cost_models.specs import ModelSpec
+    from autoplan.cost_models.specs import ModelSpec
 
     name = model_spec_or_name.name if isinstance(model_spec_or_name, ModelSpec) else str(model_spec_or_name)
     if isinstance(model_spec_or_name, ModelSpec):

@@ -133,7 +133,7 @@ def apply_tp(model: TransformerLM, tp_mesh, *, sp: bool, stage: StagePlan | None
 
     The layout comes from codegen.program.tp_layout, the same table the emitted stage source is printed from.
     """
-    from codegen.program import tp_layout
+    from autoplan.codegen.program import tp_layout
 
     if stage is None:
         keys = [int(k) for k in model.layers]
@@ -444,7 +444,7 @@ def load_stage_program(program) -> Callable:
     The source is registered with linecache so tracebacks show the generated lines."""
     import linecache
 
-    from codegen.emit import stage_source
+    from autoplan.codegen.emit import stage_source
 
     src = stage_source(program)
     filename = f"<autoplan {program.plan.short_hash} stage_{program.stage.index}.py>"
@@ -462,7 +462,7 @@ def parallelize(spec, plan: Plan, dims: ParallelDims, *, seed: int, device: torc
     parallelize_module calls, 4 apply_ep, 5 apply_cp, 6 apply_recompute, 7 apply_mixed_precision, 8 apply_dp;
     then 9 apply_pipeline here. `spec` must be the plan's model (checked at start-up by the runtime).
     """
-    from codegen.program import stage_programs
+    from autoplan.codegen.program import stage_programs
 
     pp_rank = dims.rank("pp") if dims.pp_enabled else 0
     stages = []

@@ -1,6 +1,6 @@
 """Train a zoo model with exactly a Plan's layout, under torchrun.
 
-    torchrun --nproc-per-node N -m runtime.train -- --plan plan.json --steps 20 [--data tokens.bin] [--log log.jsonl]
+    torchrun --nproc-per-node N -m autoplan.runtime.train -- --plan plan.json --steps 20 [--data tokens.bin] [--log log.jsonl]
         [--save DIR [--save-every K]] [--resume DIR]
 
 (`--` keeps torchrun from reading --log as its own --log-dir; `--log-file` is the same option without it.)
@@ -33,11 +33,11 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from cost_models.errors import AutoplanError
+from autoplan.cost_models.errors import AutoplanError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m autoplan.runtime.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", required=True, help="plan.json made by `autoplan search|estimate -o`")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--data", default=None, help="flat binary token file (uint16, or int32 with --data-dtype)")
@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="continue from a checkpoint (a step_<n> dir, or its parent with `latest`); any layout")
     ap.add_argument("--quiet", action="store_true")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:  # torchrun ... -m runtime.train -- --plan p.json --log f
+    if argv[:1] == ["--"]:  # torchrun ... -m autoplan.runtime.train -- --plan p.json --log f
         argv = argv[1:]
     return ap.parse_args(argv)
 
@@ -127,7 +127,7 @@ def _run(args, plan, dims, rank: int, world: int) -> int:
     backend = "nccl" if use_cuda else "gloo"
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if use_cuda else None)
-    else:  # plain `python -m runtime.train` with a 1-rank plan
+    else:  # plain `python -m autoplan.runtime.train` with a 1-rank plan
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         return train_loop(args, plan, dims, device)

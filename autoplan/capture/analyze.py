@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from cost_models.profile import Attention, Gemm, LayerProfile
+from autoplan.cost_models.profile import Attention, Gemm, LayerProfile
 
 from .errors import CaptureError
 from .graph import BlockGroup, LayerInfo, ModelGraph, OpNode, RawCapture, TensorMeta
@@ -102,7 +102,7 @@ SKIP_OPS = {"_assert_tensor_metadata", "sym_size", "_assert_scalar", "sym_constr
 _DEBUG = bool(os.environ.get("AUTOPLAN_CAPTURE_DEBUG"))
 NORM_MODULE = re.compile(r"norm", re.IGNORECASE)
 # Constructs that are one op in the graph but several kernels at run time; the same conventions as
-# `cost_models.profile.profile_from_spec`, so that a capture and a spec of the same model cost the same.
+# `autoplan.cost_models.profile.profile_from_spec`, so that a capture and a spec of the same model cost the same.
 # Cross-entropy over logits (eager PyTorch / Megatron): max (read), subtract and exp (read 2, write 2), sum
 # (read), normalise for backward (read, write): 8 logits-sized passes, 7 launches with the target gather
 # and the mean.

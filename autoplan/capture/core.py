@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cost_models.specs import ModelSpec
+from autoplan.cost_models.specs import ModelSpec
 
 from .errors import CaptureError
 from .graph import ModelGraph

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cost_models.errors import AutoplanError
+from autoplan.cost_models.errors import AutoplanError
 
 
 class CaptureError(AutoplanError):

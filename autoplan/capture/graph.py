@@ -11,7 +11,7 @@ from typing import Any
 
 import networkx as nx
 
-from cost_models.profile import LayerProfile
+from autoplan.cost_models.profile import LayerProfile
 
 FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "complex64",
                 "complex128"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cost_models.profile import LayerProfile
+from autoplan.cost_models.profile import LayerProfile
 
 from .graph import LayerInfo, ModelGraph
 

@@ -102,7 +102,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _gpu_list(text: str) -> list[int]:
-    from cost_models.errors import SpecError
+    from autoplan.cost_models.errors import SpecError
 
     try:
         out = [int(x) for x in text.replace(" ", "").split(",") if x]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cost_models.errors import AutoplanError, ConfigError
-from cost_models.estimate import GIB, Estimate, StageLayout, even_layout
-from cost_models.specs import ParallelConfig, check_config
+from autoplan.cost_models.errors import AutoplanError, ConfigError
+from autoplan.cost_models.estimate import GIB, Estimate, StageLayout, even_layout
+from autoplan.cost_models.specs import ParallelConfig, check_config
 
 from ..estimate_api import estimate_config
 from ..plan import Plan

@@ -9,11 +9,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from cost_models.errors import AutoplanError, ConfigError
-from cost_models.estimate import estimate, even_layout, num_microbatches
-from cost_models.pipeline import bubble_fraction
-from cost_models.profile import profile_from_spec
-from cost_models.specs import ParallelConfig
+from autoplan.cost_models.errors import AutoplanError, ConfigError
+from autoplan.cost_models.estimate import estimate, even_layout, num_microbatches
+from autoplan.cost_models.pipeline import bubble_fraction
+from autoplan.cost_models.profile import profile_from_spec
+from autoplan.cost_models.specs import ParallelConfig
 
 from ..plan import Plan
 from .common import (

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from cost_models.errors import AutoplanError
-from cost_models.specs import ClusterSpec, ModelSpec, TrainingSpec
+from autoplan.cost_models.errors import AutoplanError
+from autoplan.cost_models.specs import ClusterSpec, ModelSpec, TrainingSpec
 
 from .common import InspectError, fmt_s, short_config
 

@@ -6,8 +6,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from cost_models.estimate import num_microbatches
-from cost_models.pipeline import simulate
+from autoplan.cost_models.estimate import num_microbatches
+from autoplan.cost_models.pipeline import simulate
 
 from ..plan import Plan
 from .common import COMPONENT_SHORT, config_diff, fmt_s, mesh_info, short_config

@@ -8,8 +8,8 @@ step. Times are the cost model's predictions; open the file in https://ui.perfet
 
 from __future__ import annotations
 
-from cost_models.estimate import Estimate, num_microbatches, pipeline_p2p_time
-from cost_models.pipeline import simulate
+from autoplan.cost_models.estimate import Estimate, num_microbatches, pipeline_p2p_time
+from autoplan.cost_models.pipeline import simulate
 
 from ..plan import Plan
 from .common import reestimate

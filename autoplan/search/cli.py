@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from autoplan.cost_models.errors import ConfigError
 from autoplan.inspect.common import short_config
-from cost_models.errors import ConfigError
 
 
 def register(subparsers) -> None:
@@ -118,7 +118,7 @@ def _narrow_table(title: str, ests, cap: float):
 
 def render_search(con, result, model, cluster, training, output: str | None) -> None:
 
-    from cost_models.estimate import GIB
+    from autoplan.cost_models.estimate import GIB
 
     st = result.stats
     cap = cluster.gpu.hbm_gib

@@ -18,7 +18,7 @@ The procedure (every number is the cost model's; nothing is measured):
    solved once) and is estimated with the cost model's closed-form pipeline (`estimate(...,
    simulate_pipeline=False)`, exact memory and data-parallel tail) and pushed back keyed by what its
    simulation cannot beat (`estimate.step_time_lower_bound`: the closed form overstates uneven pipelines).
-5. **Simulate**: a popped closed-form finalist is re-estimated with `cost_models.estimate.estimate` and its
+5. **Simulate**: a popped closed-form finalist is re-estimated with `autoplan.cost_models.estimate.estimate` and its
    pipeline simulation. The search stops when the smallest key left is no better than the best simulated
    step and `top` finalists are in hand; everything left is *pruned by bound*. The best plan is always a
    simulated one; runners-up that were not simulated say so (`"pipeline": "closed-form"`).
@@ -41,10 +41,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cost_models.comm import native_reduce_scatter
-from cost_models.compute import Context, LayerCost, layer_cost
-from cost_models.errors import ConfigError, DoesNotFitError
-from cost_models.estimate import (
+from autoplan.cost_models.comm import native_reduce_scatter
+from autoplan.cost_models.compute import Context, LayerCost, layer_cost
+from autoplan.cost_models.errors import ConfigError, DoesNotFitError
+from autoplan.cost_models.estimate import (
     GIB,
     Estimate,
     StageLayout,
@@ -57,9 +57,9 @@ from cost_models.estimate import (
     step_time_lower_bound,
     zero3_block_exposed,
 )
-from cost_models.pipeline import in_flight
-from cost_models.profile import LayerProfile, profile_from_spec
-from cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec, check_config
+from autoplan.cost_models.pipeline import in_flight
+from autoplan.cost_models.profile import LayerProfile, profile_from_spec
+from autoplan.cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec, check_config
 
 from .ilp import is_cached, solve_stage_problem
 from .problem import (

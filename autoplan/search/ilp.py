@@ -40,7 +40,7 @@ Two formulations, chosen automatically:
   stage s iff sum_{j<=i} y_{s,j} - sum_{j<=i} z_{s,j} = 1.
 
 The objective is the schedule's closed form, not the simulated pipeline: the search re-estimates the chosen
-candidates with `cost_models.estimate.estimate` (simulation) before ranking them. CBC runs single-threaded
+candidates with `autoplan.cost_models.estimate.estimate` (simulation) before ranking them. CBC runs single-threaded
 with a fixed seed, so the same problem always gives the same answer (ties between equal-objective layouts
 are broken by CBC's deterministic search, not by a rule of ours).
 """

@@ -4,7 +4,7 @@ and choose each stage's recomputation.
 This module holds the problem's data (`StageProblem`), its solution (`StageSolution`), the evaluation of a
 given layout under the search's model (`evaluate`), an exhaustive solver for tests (`brute_force`) and the fast
 rank-level local search (`greedy_bound`) the search uses to rank candidates before the ILP (`ilp.py`) solves the
-best of them exactly. The model mirrors `cost_models.estimate.stage_cost` and `memory_of_rank`:
+best of them exactly. The model mirrors `autoplan.cost_models.estimate.stage_cost` and `memory_of_rank`:
 
 - stage s holds blocks [a_s, a_{s+1}); stage 0 also the embedding, stage S-1 the LM head; stage s runs on
   pipeline rank s % pp; S = pp * vp;

@@ -1,11 +1,11 @@
 """The search space: legal meshes (tp, cp, ep, pp, dp) and knobs (mbs, sp, ZeRO, schedule, vp).
 
-The rules are those of `cost_models.specs.check_config` (with `stage_layers=False`: the search places uneven
+The rules are those of `autoplan.cost_models.specs.check_config` (with `stage_layers=False`: the search places uneven
 stages itself), restated as divisor enumeration so that millions of combinations are never built one by one;
 `tests/search/test_space.py` checks that every candidate enumerated here passes `check_config`. Two rules are
 stricter than `check_config`: tp divides the node size, so that a tp group never straddles two nodes (ranks
 are placed tp innermost, then cp, dp, pp); and the interleaved schedule needs the micro-batch count to be a
-multiple of pp (Megatron-LM's rule; `cost_models.pipeline.simulate` deadlocks otherwise).
+multiple of pp (Megatron-LM's rule; `autoplan.cost_models.pipeline.simulate` deadlocks otherwise).
 
 Recomputation is not enumerated here: it is chosen per stage by the stage ILP (`ilp.py`).
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from cost_models.errors import ConfigError
-from cost_models.specs import _ALIASES, ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec
+from autoplan.cost_models.errors import ConfigError
+from autoplan.cost_models.specs import _ALIASES, ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec
 
 FIXABLE = ("tp", "pp", "dp", "cp", "ep", "vp", "mbs", "sp", "zero", "recompute", "recompute_layers", "schedule")
 

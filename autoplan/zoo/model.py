@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cost_models.specs import ModelSpec
+from autoplan.cost_models.specs import ModelSpec
 
 # torch's RMSNorm (Zhang & Sennrich 2019); kernels.modules.fuse_module knows it, DTensor shards it under SP.
 RMSNorm = nn.RMSNorm

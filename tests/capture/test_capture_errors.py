@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from autoplan.capture import CaptureError, capture, capture_model_ref, load_module_factory
-from cost_models.errors import AutoplanError
+from autoplan.cost_models.errors import AutoplanError
 
 HERE = Path(__file__).parent
 

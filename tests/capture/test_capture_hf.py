@@ -17,8 +17,8 @@ from autoplan.capture import (  # noqa: E402
     capture_model_ref,
     hf_model_from_config,
 )
+from autoplan.cost_models.profile import profile_from_spec  # noqa: E402
 from autoplan.specs import model_from_hf_config  # noqa: E402
-from cost_models.profile import profile_from_spec  # noqa: E402
 
 GPT2 = dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
 LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

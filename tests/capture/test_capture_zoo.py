@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
+from autoplan.cost_models.profile import profile_from_spec
 from autoplan.specs import ModelSpec, MoESpec, load_model
-from cost_models.profile import profile_from_spec
 
 # Fields where capture and the analytic profile legitimately differ (see the capture module docstrings):
 # GEMM names are module paths in a capture, and kernel launches follow a structural rule there.
@@ -151,9 +151,9 @@ def test_gpt3_175b_full_capture_under_20s_and_2gib(gpt3_175b):
 @pytest.mark.parametrize("cfg", ["tp=8,pp=16,dp=8", "tp=8,pp=8,dp=16,recompute=selective",
                                  "tp=8,pp=8,dp=16,sp=1,recompute=full", "tp=4,pp=16,dp=16,vp=2"])
 def test_gpt3_175b_step_estimate_within_1pct_of_spec(gpt3_175b, cfg):
+    from autoplan.cost_models.estimate import estimate
+    from autoplan.cost_models.profile import LayerProfile
     from autoplan.specs import ParallelConfig, TrainingSpec, check_config, load_cluster
-    from cost_models.estimate import estimate
-    from cost_models.profile import LayerProfile
 
     spec = load_model("gpt3-175b")
     cluster = load_cluster("dgx-a100-80g", 1024)

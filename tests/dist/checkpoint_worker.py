@@ -1,9 +1,9 @@
-"""Checkpoint worker, run under torchrun by tests/dist/test_checkpoint.py: several `runtime.train` runs (each a
+"""Checkpoint worker, run under torchrun by tests/dist/test_checkpoint.py: several `autoplan.runtime.train` runs (each a
 full argument list, e.g. a resume under another layout) in one launch, sharing one process group.
 
     torchrun --nproc-per-node 2 tests/dist/checkpoint_worker.py --out results.json "ARGS" ["ARGS" ...]
 
-Each run goes through the same start-up checks and training loop as `python -m runtime.train ARGS`.
+Each run goes through the same start-up checks and training loop as `python -m autoplan.runtime.train ARGS`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autoplan.plan import load_plan  # noqa: E402
-from runtime.parallel_dims import ParallelDims  # noqa: E402
-from runtime.train import check_checkpoint_args, parse_args, train_loop  # noqa: E402
+from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
+from autoplan.runtime.train import check_checkpoint_args, parse_args, train_loop  # noqa: E402
 
 
 def main() -> int:
@@ -57,6 +57,6 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from runtime.train import exit_process
+    from autoplan.runtime.train import exit_process
 
     exit_process(main())

@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from autoplan.api import make_plan  # noqa: E402
 from autoplan.specs import TrainingSpec, load_cluster, load_model  # noqa: E402
 from autoplan.zoo import build_model, cross_entropy_loss  # noqa: E402
-from runtime.data import SyntheticDataset  # noqa: E402
-from runtime.engine import Trainer  # noqa: E402
-from runtime.parallel_dims import ParallelDims  # noqa: E402
+from autoplan.runtime.data import SyntheticDataset  # noqa: E402
+from autoplan.runtime.engine import Trainer  # noqa: E402
+from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
 
 STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 10, 4, 64, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
 RTOL = 1e-5
@@ -168,6 +168,6 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from runtime.train import exit_process
+    from autoplan.runtime.train import exit_process
 
     exit_process(main())

@@ -2,7 +2,7 @@
 others (DCP reshards), including back to one process.
 
 Two torchrun launches of 2 processes:
-  1. `runtime.train` (the CLI) with dp=2: 8 steps, --save-every 3 -> the uninterrupted losses and step_3, step_6,
+  1. `autoplan.runtime.train` (the CLI) with dp=2: 8 steps, --save-every 3 -> the uninterrupted losses and step_3, step_6,
      step_8 checkpoints written mid-run.
   2. tests/dist/checkpoint_worker.py: resume step_3 to step 6 under dp=2 (same layout), pp=2 (tied head copy),
      pp=2 interleaved, tp=2 with sp, dp=2 ZeRO-3; the pp=2 run saves its step 6.
@@ -52,7 +52,7 @@ def _losses(log: Path) -> dict[int, float]:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpt")
     ref_log, ckpt = tmp / "ref.jsonl", tmp / "ckpt"
-    proc = _torchrun("-m", "runtime.train", "--", "--plan", str(_plan(tmp, 2, "dp=2")), "--steps", "8",
+    proc = _torchrun("-m", "autoplan.runtime.train", "--", "--plan", str(_plan(tmp, 2, "dp=2")), "--steps", "8",
                      "--save", str(ckpt), "--save-every", "3", "--log", str(ref_log), "--quiet")
     if proc.returncode != 0:
         pytest.fail(f"reference run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -100,7 +100,7 @@ def _check_resumed(runs, config: str, rtol: float) -> None:
 
 
 def test_single_process_resumes_a_pipeline_checkpoint(runs, monkeypatch, capsys):
-    from runtime import train
+    from autoplan.runtime import train
 
     for var in ("MASTER_ADDR", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)

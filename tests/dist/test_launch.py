@@ -1,4 +1,4 @@
-"""`python -m runtime.train` under torchrun: wrong launches stop at start-up with one clear line (no hang), and
+"""`python -m autoplan.runtime.train` under torchrun: wrong launches stop at start-up with one clear line (no hang), and
 a 4-process run on a memory-mapped token file writes the JSON-lines log with measured and predicted times."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 def _torchrun(nproc: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "-m", "runtime.train", *args]
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "-m", "autoplan.runtime.train", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -49,12 +49,12 @@ def test_plan_for_another_model_stops_at_startup(tmp_path):
 
 
 def test_four_process_run_logs_measured_and_predicted(tmp_path):
-    from runtime.data import write_token_file
+    from autoplan.runtime.data import write_token_file
 
     plan_path = _plan(tmp_path, "tiny-llama", 4, "tp=2,pp=2,sp=1", dtype="bf16")
     data = write_token_file(tmp_path / "tokens.bin", [(i * 7919) % 128 for i in range(20_000)], "uint16")
     log = tmp_path / "log.jsonl"
-    from runtime.launch import run  # what `autoplan run plan.json --nproc-per-node 4 -- ...` calls
+    from autoplan.runtime.launch import run  # what `autoplan run plan.json --nproc-per-node 4 -- ...` calls
 
     out = tmp_path / "stdout.txt"
     with open(out, "w") as f, _redirect_stdout(f):
@@ -74,8 +74,8 @@ def test_four_process_run_logs_measured_and_predicted(tmp_path):
 
 
 def test_launcher_refuses_a_wrong_process_count_without_starting(tmp_path):
-    from cost_models.errors import PlanError
-    from runtime.launch import run
+    from autoplan.cost_models.errors import PlanError
+    from autoplan.runtime.launch import run
 
     with pytest.raises(PlanError, match="is for 8 ranks but 4 processes"):
         run(_plan(tmp_path, "tiny-gpt", 8, "tp=2,pp=2"), 4, ["--steps", "1"])

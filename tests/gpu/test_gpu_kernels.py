@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _pair(name):
-    import kernels
+    from autoplan import kernels
 
     return kernels.get(name, impl="triton"), kernels.get(name, impl="torch")
 
@@ -65,9 +65,9 @@ def test_cross_entropy_matches_and_saves_memory(dtype_name):
 def test_tiny_gpt_step_on_cuda_with_fused_kernels_matches_torch():
     import torch
 
+    from autoplan.codegen.fuse import substitute_kernels
     from autoplan.specs import load_model
     from autoplan.zoo import build_model
-    from codegen.fuse import substitute_kernels
 
     spec = load_model("tiny-llama")
     tokens = torch.randint(0, spec.vocab_size, (2, 65), device="cuda")

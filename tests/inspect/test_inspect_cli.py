@@ -9,8 +9,8 @@ import pytest
 from inspect_helpers import assert_fits_width
 
 from autoplan.cli import main
+from autoplan.cost_models.estimate import num_microbatches
 from autoplan.inspect.trace import slice_counts
-from cost_models.estimate import num_microbatches
 
 
 @pytest.fixture()

@@ -140,7 +140,7 @@ def test_why_not_vp_off_switches_schedule(plan_interleaved):
 
 
 def test_why_not_bad_string(plan_interleaved):
-    from cost_models.errors import ConfigError
+    from autoplan.cost_models.errors import ConfigError
 
     with pytest.raises(ConfigError):
         why_not(plan_interleaved, "tq=4")

@@ -13,11 +13,11 @@ import pytest
 from inspect_helpers import assert_fits_width, check_published, render
 
 from autoplan.api import make_plan
+from autoplan.cost_models.errors import DoesNotFitError
 from autoplan.inspect import render_scaling, scaling_rows
 from autoplan.inspect.png import line_chart
 from autoplan.inspect.scaling import parse_fix, plot_scaling
 from autoplan.specs import TrainingSpec, load_cluster, load_model
-from cost_models.errors import DoesNotFitError
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT.parent / "shared" / "reference" / "calibration_runs.json"

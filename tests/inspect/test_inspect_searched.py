@@ -7,6 +7,7 @@ import json
 import pytest
 from inspect_helpers import assert_fits_width, parse, render
 
+from autoplan.cost_models.estimate import num_microbatches
 from autoplan.inspect import (
     compare_json,
     explain_json,
@@ -21,7 +22,6 @@ from autoplan.inspect import (
 from autoplan.inspect.scaling import plan_of
 from autoplan.inspect.trace import slice_counts
 from autoplan.specs import TrainingSpec, load_cluster, load_model
-from cost_models.estimate import num_microbatches
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import json
 import pytest
 from inspect_helpers import assert_fits_width, render
 
+from autoplan.cost_models.estimate import num_microbatches
 from autoplan.inspect import mesh_info, render_show, show_json, timeline_grid
 from autoplan.inspect.show import memory_bar
-from cost_models.estimate import num_microbatches
 
 NAMES = ["interleaved", "1f1b", "uneven", "uneven_vp", "barely", "pp1"]
 

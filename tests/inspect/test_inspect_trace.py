@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from autoplan.cost_models.estimate import num_microbatches
 from autoplan.inspect import trace_events
 from autoplan.inspect.trace import TID_COMPUTE, TID_P2P, slice_counts
-from cost_models.estimate import num_microbatches
 
 
 def _roundtrip(plan, tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.cross_entropy as ce
-from kernels.cross_entropy import cross_entropy, cross_entropy_reference
+import autoplan.kernels.cross_entropy as ce
+from autoplan.kernels.cross_entropy import cross_entropy, cross_entropy_reference
 
 
 def _loss_and_grads(fn, hidden, weight, target, upcast=False, grad_scale=1.0, **kwargs):

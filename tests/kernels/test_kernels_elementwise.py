@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.bias_gelu import bias_gelu, bias_gelu_reference
-from kernels.swiglu import swiglu, swiglu_reference
+from autoplan.kernels.bias_gelu import bias_gelu, bias_gelu_reference
+from autoplan.kernels.swiglu import swiglu, swiglu_reference
 
 DTYPES = [torch.float32, torch.bfloat16]
 

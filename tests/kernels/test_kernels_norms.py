@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._triton import KernelUnavailableError
-from kernels.layer_norm import layer_norm, layer_norm_reference
-from kernels.rms_norm import rms_norm, rms_norm_reference
+from autoplan.kernels._triton import KernelUnavailableError
+from autoplan.kernels.layer_norm import layer_norm, layer_norm_reference
+from autoplan.kernels.rms_norm import rms_norm, rms_norm_reference
 
 
 def _check_against_truth(run, close, fused, reference, inputs, dtype, *args):

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-import kernels
-from kernels import modules, traffic
-from kernels._triton import KernelUnavailableError
+from autoplan import kernels
+from autoplan.kernels import modules, traffic
+from autoplan.kernels._triton import KernelUnavailableError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,10 +74,11 @@ def test_both_impls_agree_through_the_registry():
 def test_import_is_lazy():
     proc = _python("""
         import sys
-        import kernels, kernels.traffic
+        from autoplan import kernels
+        import autoplan.kernels.traffic
         assert "torch" not in sys.modules, "importing kernels must not import torch"
         kernels.available(); kernels.traffic.bytes_per_element("rms_norm")
-        import kernels.modules
+        import autoplan.kernels.modules
         op = kernels.get("rms_norm")
         assert "triton" not in sys.modules, sorted(m for m in sys.modules if "triton" in m)
         import torch
@@ -100,7 +101,7 @@ def test_works_without_triton_installed():
                 return None
         sys.meta_path.insert(0, HideTriton())
         import torch, kernels
-        from kernels._triton import KernelUnavailableError
+        from autoplan.kernels._triton import KernelUnavailableError
         assert not kernels.triton_installed()
         assert kernels.select_impl("cuda") == "torch"
         x = torch.randn(3, 10, requires_grad=True)
@@ -206,7 +207,7 @@ def test_cross_entropy_memory_model():
     fused = traffic.cross_entropy_peak_bytes(tokens, vocab, hidden, "fused")
     assert eager == tokens * vocab * 14
     assert fused < eager / 4
-    from kernels.cross_entropy import _default_chunk
+    from autoplan.kernels.cross_entropy import _default_chunk
 
     for shape in [(8192, 131072, 4096), (100, 50000, 512), (65536, 32000, 16384)]:
         tokens, vocab, hidden = shape

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kernels.rope import rope, rope_cache, rope_reference
-from kernels.softmax import softmax, softmax_reference
+from autoplan.kernels.rope import rope, rope_cache, rope_reference
+from autoplan.kernels.softmax import softmax, softmax_reference
 
 
 def _rope_run(fn, q, k, cos, sin, offset, interleaved, dq, dk, upcast=False):
@@ -60,7 +60,7 @@ def test_rope_matches_hf_rotate_half_formula(close):
 def test_rope_backward_is_inverse_rotation(close):
     # A rotation is orthogonal: its gradient map is the inverse rotation, so rotating the rotated
     # tensor "backward" restores it.
-    from kernels.rope import rope_apply
+    from autoplan.kernels.rope import rope_apply
 
     q, k = torch.randn(2, 5, 4, 32), torch.randn(2, 5, 1, 32)
     cos, sin = rope_cache(64, 32)

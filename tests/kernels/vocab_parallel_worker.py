@@ -27,9 +27,9 @@ def _run(rank: int, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        import kernels
-        from kernels.cross_entropy import cross_entropy_reference
-        from kernels.modules import FusedLinearCrossEntropy
+        from autoplan import kernels
+        from autoplan.kernels.cross_entropy import cross_entropy_reference
+        from autoplan.kernels.modules import FusedLinearCrossEntropy
 
         gen = torch.Generator().manual_seed(0)  # same problem on every rank
         hidden = torch.randn(N, HIDDEN, generator=gen)
@@ -67,7 +67,9 @@ def _run(rank: int, init_file: str) -> None:
                rtol=1e-5, atol=1e-4)
     finally:
         dist.destroy_process_group()
-    from runtime.train import exit_process  # a spawned child finalises like a script: see exit_process
+    from autoplan.runtime.train import (
+        exit_process,  # a spawned child finalises like a script: see exit_process
+    )
 
     exit_process(0)
 

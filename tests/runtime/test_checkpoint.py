@@ -30,7 +30,7 @@ def _one_process(monkeypatch):
 
 
 def _train(*args) -> int:
-    from runtime import train
+    from autoplan.runtime import train
 
     return train.main([*map(str, args), "--quiet"])
 
@@ -42,7 +42,7 @@ def _losses(log: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """tiny-gpt trained 4 steps uninterrupted (log), checkpoints at steps 2 and 4."""
-    from runtime import train
+    from autoplan.runtime import train
 
     tmp = tmp_path_factory.mktemp("ckpt")
     plan = _plan(tmp)
@@ -80,7 +80,7 @@ def test_save_and_resume_equals_uninterrupted(base, tmp_path):
 
 
 def test_resume_from_the_parent_follows_latest(base, tmp_path):
-    from runtime import checkpoint
+    from autoplan.runtime import checkpoint
 
     assert checkpoint.inspect(base / "ck")["step"] == 4
     log = tmp_path / "log.jsonl"
@@ -142,7 +142,7 @@ def test_checkpoint_of_another_model(base, tmp_path, capsys):
 
 def test_checkpoint_of_another_shape_or_batch(base, tmp_path, capsys):
     from autoplan.plan import load_plan
-    from runtime import checkpoint
+    from autoplan.runtime import checkpoint
 
     meta = checkpoint.inspect(base / "ck")
     plan = load_plan(_plan(tmp_path))

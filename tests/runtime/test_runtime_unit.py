@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from autoplan.api import make_plan
+from autoplan.cost_models.errors import PlanError
+from autoplan.runtime.parallel_dims import ParallelDims, check_model_matches, check_module_matches
 from autoplan.specs import TrainingSpec, load_cluster, load_model
-from cost_models.errors import PlanError
-from runtime.parallel_dims import ParallelDims, check_model_matches, check_module_matches
 
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
@@ -60,8 +60,8 @@ def test_plan_for_another_model_is_refused():
 
 
 def test_synthetic_data_is_reproducible_and_sliced_by_rank():
-    from runtime.data import SyntheticDataset, local_batch
-    from runtime.parallelize import load_balanced_positions
+    from autoplan.runtime.data import SyntheticDataset, local_batch
+    from autoplan.runtime.parallelize import load_balanced_positions
 
     ds = SyntheticDataset(128, 64, 8, seed=1)
     assert torch.equal(ds.batch(3), SyntheticDataset(128, 64, 8, seed=1).batch(3))
@@ -75,7 +75,7 @@ def test_synthetic_data_is_reproducible_and_sliced_by_rank():
 
 
 def test_load_balanced_chunks_cover_the_sequence():
-    from runtime.parallelize import load_balanced_positions
+    from autoplan.runtime.parallelize import load_balanced_positions
 
     p = [load_balanced_positions(16, 2, r).tolist() for r in range(2)]
     assert p == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
@@ -83,7 +83,7 @@ def test_load_balanced_chunks_cover_the_sequence():
 
 
 def test_memmap_dataset(tmp_path):
-    from runtime.data import MemmapTokenDataset, write_token_file
+    from autoplan.runtime.data import MemmapTokenDataset, write_token_file
 
     path = write_token_file(tmp_path / "tok.bin", list(range(100)) * 5, "uint16")
     ds = MemmapTokenDataset(path, seq_length=8, global_batch=2, vocab_size=128)
@@ -92,7 +92,7 @@ def test_memmap_dataset(tmp_path):
     assert b[0].tolist() == list(range(9)) and b[1].tolist() == list(range(8, 17))
     path32 = write_token_file(tmp_path / "tok.i32", list(range(50)), "int32")
     assert MemmapTokenDataset(path32, 8, 1, 128).batch(1)[0, 0].item() == 8
-    from cost_models.errors import SpecError
+    from autoplan.cost_models.errors import SpecError
 
     with pytest.raises(SpecError, match="ids up to 499"):
         MemmapTokenDataset(write_token_file(tmp_path / "big.bin", range(500)), 8, 2, vocab_size=128)
@@ -118,8 +118,8 @@ def _count_ops(fn) -> dict[str, int]:
 
 
 def test_recompute_regions_rerun_the_right_ops():
+    from autoplan.runtime.parallelize import ATTENTION_CORE_OPS, apply_recompute, canonical_name
     from autoplan.zoo import build_model, cross_entropy_loss
-    from runtime.parallelize import ATTENTION_CORE_OPS, apply_recompute, canonical_name
 
     spec = load_model("tiny-llama")
     tokens = torch.randint(0, 128, (1, 16))
@@ -148,7 +148,7 @@ def test_recompute_regions_rerun_the_right_ops():
 
 
 def test_emitted_program_names_plan_layers_styles_and_kernels(tmp_path):
-    from codegen.emit import write_program
+    from autoplan.codegen.emit import write_program
 
     plan = plan_for("tiny-llama", gpus=4, config="tp=2,pp=2,recompute=selective", kernels="fused")
     paths = write_program(plan, tmp_path)
@@ -170,9 +170,9 @@ def test_emitted_program_names_plan_layers_styles_and_kernels(tmp_path):
 
 
 def test_emitted_single_rank_program_builds_the_zoo_model():
+    from autoplan.codegen.program import stage_programs
+    from autoplan.runtime.parallelize import load_stage_program
     from autoplan.zoo import build_model
-    from codegen.program import stage_programs
-    from runtime.parallelize import load_stage_program
 
     for kernels in ("torch", "fused"):
         plan = plan_for("tiny-gpt", gpus=1, config="tp=1", kernels=kernels)
@@ -186,8 +186,8 @@ def test_emitted_single_rank_program_builds_the_zoo_model():
 
 
 def test_substitute_kernels_shares_parameters():
+    from autoplan.codegen.fuse import substitute_kernels
     from autoplan.zoo import build_model
-    from codegen.fuse import substitute_kernels
 
     model = build_model(load_model("tiny-llama"))
     w = model.layers["0"].attention_norm.weight
@@ -210,7 +210,7 @@ def test_train_cli_single_process(tmp_path):
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
     log = tmp_path / "log.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "runtime.train", "--plan", str(tmp_path / "plan.json"),
+    proc = subprocess.run([sys.executable, "-m", "autoplan.runtime.train", "--plan", str(tmp_path / "plan.json"),
                            "--steps", "3", "--log", str(log), "--quiet"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -221,7 +221,7 @@ def test_train_cli_single_process(tmp_path):
                 "predicted_memory_gib"} <= set(r)
         assert 3 < r["loss"] < 6 and r["step_time_s"] > 0
         assert r["predicted_step_time_s"] == plan.prediction.step_time_s
-    bad = subprocess.run([sys.executable, "-m", "runtime.train", "--plan", str(tmp_path / "plan.json"),
+    bad = subprocess.run([sys.executable, "-m", "autoplan.runtime.train", "--plan", str(tmp_path / "plan.json"),
                           "--model", "tiny-gpt"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "made for model 'tiny-llama', not 'tiny-gpt'" in bad.stderr
 
@@ -230,7 +230,7 @@ def test_train_cli_single_process(tmp_path):
 
 
 def test_multi_node_command_uses_c10d_rendezvous():
-    from runtime.launch import torchrun_command
+    from autoplan.runtime.launch import torchrun_command
 
     cmd = torchrun_command("p.json", 8, ["--steps", "5"], python="py", nnodes=16, rdzv_endpoint="node0:29500",
                            rdzv_id="job7")
@@ -243,7 +243,7 @@ def test_multi_node_command_uses_c10d_rendezvous():
 
 
 def test_multi_node_launch_checks():
-    from runtime.launch import check_launch
+    from autoplan.runtime.launch import check_launch
 
     plan = plan_for(gpus=8, config="tp=2,pp=2")  # local-cpu: 4 per node, so 2 nodes
     assert check_launch(plan, None, 2, "h:1") == (4, [])
@@ -258,7 +258,7 @@ def test_multi_node_launch_checks():
 
 
 def test_print_command_prints_one_line_per_node(tmp_path, capsys):
-    from runtime.launch import run
+    from autoplan.runtime.launch import run
 
     path = plan_for(gpus=8, config="tp=2,pp=2").save(tmp_path / "p.json")
     assert run(path, nnodes=2, rdzv_endpoint="node0:29500", train_args=["--steps", "3"], print_command=True) == 0

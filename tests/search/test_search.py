@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoplan.cli import main
+from autoplan.cost_models.errors import ConfigError, DoesNotFitError
 from autoplan.search.core import search
 from autoplan.specs import ClusterSpec, ModelSpec, TrainingSpec, load_cluster, load_model
-from cost_models.errors import ConfigError, DoesNotFitError
 
 
 def brute_force_best(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> float:

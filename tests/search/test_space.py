@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from autoplan.cost_models.errors import ConfigError
 from autoplan.search.space import all_configs, parse_fix
 from autoplan.specs import TrainingSpec, check_config, load_cluster, load_model
-from cost_models.errors import ConfigError
 
 CASES = [
     ("tiny-gpt", "dgx-a100-80g", 8, 16, 64),

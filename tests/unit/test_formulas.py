@@ -10,18 +10,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoplan.specs import ModelSpec, ParallelConfig, TrainingSpec, load_cluster, load_model
-from cost_models.compute import Context, layer_cost
-from cost_models.estimate import estimate
-from cost_models.pipeline import (
+from autoplan.cost_models.compute import Context, layer_cost
+from autoplan.cost_models.estimate import estimate
+from autoplan.cost_models.pipeline import (
     bubble_fraction,
     closed_form_makespan,
     in_flight,
     rank_end_lower_bounds,
     simulate,
 )
-from cost_models.profile import profile_from_spec
-from cost_models.specs import check_config
+from autoplan.cost_models.profile import profile_from_spec
+from autoplan.cost_models.specs import check_config
+from autoplan.specs import ModelSpec, ParallelConfig, TrainingSpec, load_cluster, load_model
 
 SC21 = ["sc21-1.7b", "sc21-18.4b", "sc21-145.6b", "sc21-1t"]
 
@@ -137,8 +137,8 @@ def test_pipeline_grid_uses_action_notation():
 
 
 def test_kernel_traffic_copy_matches_the_kernels_table():
-    from cost_models.kernel_traffic import BYTES_PER_ELEMENT
-    from kernels.traffic import bytes_per_element
+    from autoplan.cost_models.kernel_traffic import BYTES_PER_ELEMENT
+    from autoplan.kernels.traffic import bytes_per_element
 
     for op, (ff, fb, ef, eb) in BYTES_PER_ELEMENT.items():
         assert bytes_per_element(op, "fused", "fwd") == ff, op

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from autoplan.api import make_plan
+from autoplan.cost_models.errors import PlanError
 from autoplan.plan import SCHEMA_VERSION, Plan, load_plan
 from autoplan.specs import TrainingSpec, load_cluster, load_model
-from cost_models.errors import PlanError
 
 
 @pytest.fixture(scope="module")

@@ -179,7 +179,7 @@ HF = {
 
 
 def test_hf_configs_map_to_specs(tmp_path):
-    from cost_models.profile import profile_from_spec
+    from autoplan.cost_models.profile import profile_from_spec
 
     llama = model_from_hf_config(HF["llama"])
     assert (llama.activation, llama.norm, llama.position, llama.ffn) == ("swiglu", "rmsnorm", "rope", 11008)
