@@ -64,7 +64,7 @@ def run_case(case: str, world: int, steps_before: int) -> dict | None:
     data = SyntheticDataset(spec.vocab_size, SEQ, GBS, seed=0)
     for s in range(steps_before):
         trainer.step(data.batch(s))
-    rec = profile_record(trainer, steps_before + 1, data.batch(steps_before))
+    _, rec = profile_record(trainer, steps_before + 1, data.batch(steps_before))
     dist.barrier()
     return rec if dist.get_rank() == 0 else None
 

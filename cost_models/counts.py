@@ -77,11 +77,36 @@ def _stage_layers(stage: StageCost, profiles: list[LayerProfile]) -> list[tuple[
     return out
 
 
+def _gemm_flops(g, ctx: Context) -> float:
+    """Forward FLOPs of one weight GEMM on this GPU. Experts are not split over tp: the runtime keeps them whole
+    on every tp rank and feeds them the whole sequence (runtime.parallelize.apply_tp)."""
+    n, k = g.n, g.k
+    if not g.expert:
+        if g.tp in ("col", "vocab"):
+            n = -(-n // ctx.tp)
+        elif g.tp == "row":
+            k = -(-k // ctx.tp)
+    return 2.0 * ctx.tokens * g.tokens_per_token * n * k
+
+
+def _early_stop_skipped(p: LayerProfile, ctx: Context) -> float:
+    """Forward FLOPs a full recomputation does not redo: torch.utils.checkpoint stops once every saved tensor is
+    back (early stop, its default), so a dense block's last GEMM (w2, whose output nothing saves) is not re-run."""
+    last = p.gemms[-1] if p.gemms else None
+    if p.kind != "block" or last is None or last.expert or p.moe_top_k:
+        return 0.0
+    return _gemm_flops(last, ctx)
+
+
 def layer_flops(p: LayerProfile, ctx: Context, recompute: str) -> dict[str, float]:
     """FLOPs of one layer for one micro-batch on one GPU, by phase."""
-    gemm = _gemms(p, ctx)[1]
+    gemm = sum(_gemm_flops(g, ctx) for g in p.gemms)
     attn = _attention(p, ctx)[2]
-    rec = gemm + attn if recompute == "full" else (attn if recompute == "selective" else 0.0)
+    rec = 0.0
+    if recompute == "full":
+        rec = gemm + attn - _early_stop_skipped(p, ctx)
+    elif recompute == "selective":
+        rec = attn
     return {"forward": gemm + attn, "backward": 2.0 * gemm + ATTN_BWD_FACTOR * attn, "recompute": rec}
 
 
@@ -89,12 +114,18 @@ def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times
     """TP, CP and EP collectives of one layer, forward and backward, `times` micro-batches."""
     e = ctx.act_bytes
     tok = ctx.tokens
-    if ctx.tp > 1 and p.tp_allreduces:
+    if ctx.tp > 1:
+        # Per block: the two row-parallel outputs in forward, the two column-parallel inputs' gradients in
+        # backward. The vocab-parallel embedding reduces its output in forward; the LM head (column-parallel over
+        # the vocabulary) reduces its input's gradient in backward. With sp each becomes a reduce-scatter and an
+        # all-gather (forward and backward swap them).
+        # A MoE block's experts are not tensor-parallel: only its attention reduces.
         nbytes = tok * p.hidden * e
-        n_f = p.tp_allreduces if p.kind != "head" else 0
-        n_b = p.tp_allreduces if p.kind != "embedding" else 0
-        if recompute == "full":
-            n_f *= 2
+        per_block = 1 if p.moe_top_k else p.tp_allreduces
+        n_f = {"block": per_block, "embedding": 1, "head": 0}[p.kind]
+        n_b = {"block": per_block, "embedding": 0, "head": 1}[p.kind]
+        if recompute == "full":  # the recomputed forward reduces again, except after the last GEMM (early stop)
+            n_f += 1 if not p.moe_top_k else per_block
         for coll in (("reduce_scatter", "all_gather") if ctx.sp else ("all_reduce",)):
             comm.add(coll, "tp", nbytes, times * (n_f + n_b))
     if ctx.cp > 1 and p.attention is not None:
@@ -147,16 +178,69 @@ def dp_comm(dense: float, expert: float, cfg: ParallelConfig, training: Training
         else:
             syncs = m if cfg.zero >= 2 and cfg.pp == 1 else 1
             comm.add("reduce_scatter", "dp", dense * g, syncs)
-            gathers = 1 if cfg.zero < 3 else (2 * m if cfg.pp == 1 else m + 1)
+            # FSDP2 reshards after every backward unless the sync is deferred (zero 1, or the pipeline schedule):
+            # zero 2 gathers again for every micro-batch's forward, zero 3 for every forward and backward
+            gathers = 1 if cfg.zero == 1 or cfg.pp > 1 else (m if cfg.zero == 2 else 2 * m)
+            if cfg.zero >= 3 and cfg.pp > 1:
+                gathers = m + 1
             comm.add("all_gather", "dp", dense * w, gathers)
     if expert and edp > 1:
         comm.add("all_reduce", "edp", expert * g)
 
 
-def memory_bytes(mem, cluster: ClusterSpec) -> dict[str, float]:
+def step_comm(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
+              training: TrainingSpec, comm: _Comm) -> None:
+    """Once-per-step collectives besides data parallelism: with sp, the gradients of the weights that see
+    sequence-sharded inputs (norms, learned positions) are partial sums reduced over tp; a tied embedding/LM head
+    on the first and last pipeline stages sums its two gradients. (The scalar all-reduces of the gradient norm and
+    the loss are left out: a few bytes each.)"""
+    g = training.grad_bytes
+    if ctx.sp and ctx.tp > 1:
+        for s in stages:
+            for p, _ in _stage_layers(s, profiles):
+                if p.norm_kind:
+                    per_norm = p.hidden * (2 if p.norm_kind == "layernorm" else 1)
+                    norms = 2 if p.kind == "block" else 1
+                    comm.add("all_reduce", "tp", p.hidden * g, norms * per_norm // p.hidden)
+                if p.kind == "embedding" and p.params_replicated:
+                    comm.add("all_reduce", "tp", p.params_replicated * g)
+    head = profiles[-1]
+    tied = head.gemms and head.gemms[0].count == 0
+    if cfg.pp > 1 and tied and any(s.has_head or s.has_embedding for s in stages):
+        comm.add("all_reduce", "pp" if cfg.pp == 2 else "other", head.gemms[0].n * head.gemms[0].k / ctx.tp * g)
+
+
+def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
+                 cluster: ClusterSpec, training: TrainingSpec, m: int) -> dict[str, float]:
+    """The memory categories of `estimate.memory_of_rank`, plus what autoplan's runtime holds on top of them:
+    - FSDP2 keeps each sharded parameter beside its unsharded copy: a full second copy under `replicate`
+      (zero 0 with dp x cp > 1), a 1/(dp x cp) shard under zero 1/2;
+    - experts are whole on every tp rank (not split over tp), with their gradients and optimizer state;
+    - a tied LM head on the last of several pipeline stages is its own copy (kept equal by an all-reduce);
+    - the pipeline schedule keeps the last stage's output (the logits) of every micro-batch until the step ends.
+    Without the framework overhead (a process constant that tensor tracking does not see)."""
     overhead = cluster.gpu.calibration.framework_overhead_gib * GIB
+    w, g = training.weight_bytes, training.grad_bytes
+    master = 0 if training.dtype in ("fp32", "tf32") else 4
+    n = cfg.dp * cfg.cp
     out = {"parameters": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,
            "activations": mem.activations, "temporaries": max(0.0, mem.other - overhead)}
+    dense = sum(s.params - s.expert_params for s in stages)
+    expert = sum(s.expert_params for s in stages)
+    extra = expert * (ctx.tp - 1)  # experts whole on every tp rank
+    head = profiles[-1]
+    if cfg.pp > 1 and any(s.has_head for s in stages) and head.gemms and head.gemms[0].count == 0:
+        extra += head.gemms[0].n * head.gemms[0].k / ctx.tp  # the tied head's own copy
+    shard_d, shard_e = (n, max(1, n // cfg.ep)) if cfg.zero >= 1 else (1, 1)
+    out["parameters"] += extra / (shard_d if cfg.zero >= 3 else 1) * w
+    out["gradients"] += extra / (shard_d if cfg.zero >= 2 and cfg.pp == 1 else 1) * g
+    out["optimizer"] += extra / shard_d * (master + 8)
+    if n > 1 and cfg.zero == 0:
+        out["parameters"] += (dense + extra) * w
+    elif n > 1 and cfg.zero in (1, 2):
+        out["parameters"] += (dense + extra) / n * w + expert / shard_e * w
+    if cfg.pp > 1 and any(s.has_head for s in stages):
+        out["activations"] += m * ctx.tokens * head.logits_per_token / ctx.tp * 4  # fp32 logits kept per micro-batch
     out["peak"] = sum(out.values())
     return out
 
@@ -176,7 +260,8 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
         dense = sum(s.params - s.expert_params for s in stages)
         expert = sum(s.expert_params for s in stages)
         dp_comm(dense, expert, cfg, training, m, comm, [])
+        step_comm(stages, profiles, ctx, cfg, training, comm)
+        mem = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m)
         out.append({"flops": {k: int(round(v)) for k, v in flops.items()}, "comm": comm.as_list(),
-                    "memory_bytes": {k: int(round(v)) for k, v in memory_bytes(est.memory[r], cluster).items()},
-                    "in_flight": fl[r]})
+                    "memory_bytes": {k: int(round(v)) for k, v in mem.items()}, "in_flight": fl[r]})
     return out

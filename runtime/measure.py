@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -143,19 +144,23 @@ _FUNCTIONAL = {
 class CommCounter(TorchDispatchMode):
     """Count and bytes of every collective by (collective, mesh dimension), seen at the dispatcher."""
 
-    def __init__(self, group_names: dict[str, str]) -> None:
+    def __init__(self, group_names: dict[tuple[int, ...], str]) -> None:
         super().__init__()
-        self.group_names = group_names  # process-group name -> mesh dimension
+        self.group_names = group_names  # ranks of a group -> mesh dimension
         self.records: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
 
     def _dim(self, group) -> str:
-        name = group if isinstance(group, str) else getattr(group, "group_name", None)
-        if name is None:
-            try:
-                name = group.group_name
-            except Exception:
-                return "?"
-        return self.group_names.get(name, "other")
+        """The mesh dimension of a collective's group (a functional collective's group name, or the c10d op's
+        boxed ProcessGroup), matched by its ranks."""
+        try:
+            if isinstance(group, str):
+                pg = _resolve_process_group(group)
+            else:
+                pg = group if isinstance(group, ProcessGroup) else ProcessGroup.unbox(group)
+            ranks = tuple(dist.get_process_group_ranks(pg))
+        except Exception:
+            return "other"
+        return self.group_names.get(ranks, "other")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -179,22 +184,21 @@ class CommCounter(TorchDispatchMode):
                 for (c, d), (n, b) in sorted(self.records.items())]
 
 
-def group_names(dims) -> dict[str, str]:
-    """Process-group name -> the mesh dimension it belongs to. Where two views share ranks (dp_cp is dp when
-    cp=1), the more specific name wins: tp, cp, ep, pp, then dp (gradient reduction over dp x cp is "dp")."""
-    out: dict[str, str] = {}
+def group_names(dims) -> dict[tuple[int, ...], str]:
+    """Ranks of a group -> the mesh dimension it belongs to. Where two views share ranks (dp_cp is dp when cp=1,
+    tp is the world on a tp-only layout), the more specific name wins: tp, cp, ep, pp, then dp (gradient reduction
+    over dp x cp is reported as "dp", over the expert data-parallel ranks as "edp"); any other group is "world"
+    (all ranks) or "other" (the tied-embedding group of the first and last pipeline stages)."""
+    out: dict[tuple[int, ...], str] = {tuple(range(dist.get_world_size())): "world"}
     order = ["dp_cp", "edp_cp", "edp", "dp", "pp", "ep", "cp", "tp"]  # later wins
     for view in order:
         try:
             mesh = dims[view]
         except KeyError:
             continue
-        label = {"dp_cp": "dp", "edp_cp": "edp", "edp": "edp"}.get(view, view)
         if mesh.size() > 1:
-            out[mesh.get_group().group_name] = label
-    world = dist.group.WORLD
-    if world is not None and world.group_name not in out:
-        out[world.group_name] = "world"
+            label = {"dp_cp": "dp", "edp_cp": "edp"}.get(view, view)
+            out[tuple(dist.get_process_group_ranks(mesh.get_group()))] = label
     return out
 
 
@@ -257,9 +261,9 @@ def _ref_name(k) -> str:
 # ------------------------------------------------------------------------------------------- one step
 
 
-def measure_step(trainer, batch: torch.Tensor) -> dict:
-    """Run `trainer.step(batch)` under the three instruments; this rank's measured counts (the `measured` part
-    of the run log's profile record)."""
+def measure_step(trainer, batch: torch.Tensor) -> tuple[Any, dict]:
+    """Run `trainer.step(batch)` under the three instruments: (its StepResult, this rank's measured counts, the
+    `measured` part of the run log's profile record)."""
     dims = trainer.dims
     flops = PhaseFlopCounter()
     comm = CommCounter(group_names(dims))
@@ -281,26 +285,115 @@ def measure_step(trainer, batch: torch.Tensor) -> dict:
                                            "peak")},
         "memory_at_peak_bytes": m["at_peak"],
         "time_s": {"step": wall},
-        "loss": res.loss,
     }
     if trainer.device.type == "cuda":
         out["memory_bytes"]["allocator_peak"] = int(torch.cuda.max_memory_allocated(trainer.device))
-    return out
+    return res, out
 
 
-def profile_record(trainer, step: int, batch: torch.Tensor) -> dict | None:
-    """Measure this step on every rank, gather to rank 0 and return the run log's profile record there (None on
-    the other ranks): {"event": "profile", "step": N, "ranks": [{"rank", "pp_stage", "measured", "predicted"}]}.
-    Every rank must call it (it gathers)."""
+def profile_record(trainer, step: int, batch: torch.Tensor) -> tuple[Any, dict | None]:
+    """Measure this step on every rank, gather to rank 0: (the StepResult, the run log's profile record on rank 0,
+    None on the others): {"event": "profile", "step": N, "ranks": [{"rank", "pp_stage", "measured",
+    "predicted"}]}. Every rank must call it (it gathers)."""
     from autoplan.counts import counts_of_plan
 
     dims = trainer.dims
-    measured = measure_step(trainer, batch)
+    res, measured = measure_step(trainer, batch)
     pp_rank = dims.rank("pp") if dims.pp_enabled else 0
     predicted = counts_of_plan(trainer.plan)[pp_rank]
     mine = {"rank": dist.get_rank(), "pp_stage": pp_rank, "measured": measured, "predicted": predicted}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:
+        return res, None
+    return res, {"event": "profile", "step": step, "ranks": gathered}
+
+
+def memory_step(trainer, batch: torch.Tensor) -> tuple[Any, dict]:
+    """Run one step under MemTracker alone (cheaper than the full profile): (StepResult, memory categories)."""
+    mem = StepMemTracker()
+    for s in trainer.pm.stages:
+        mem.track_external(s.module)
+    mem.track_external(trainer.optimizer)
+    with mem:
+        res = trainer.step(batch)
+    m = mem.summary()
+    return res, {k: m[k] for k in ("parameters", "gradients", "optimizer", "activations", "temporaries", "peak")}
+
+
+class StepMemory:
+    """The tensor-memory figures of every run-log line. On a GPU, the allocator's peak of each step
+    (torch.cuda.max_memory_allocated, reset before the step). On the CPU there is no allocator to ask, so the
+    tensor peak is measured with MemTracker on one step (`memory_step`, by default step 2: the first step with
+    optimizer state during forward and backward, or the profiled step) and carried on the lines after it, with
+    the step it was measured on; the process RSS is logged beside it as `rss_gib`."""
+
+    def __init__(self, device: torch.device, measure_at: int | None) -> None:
+        self.device = device
+        self.measure_at = measure_at
+        self.peak_bytes: float | None = None
+        self.measured_step: int | None = None
+
+    def before(self, step: int) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def wants(self, step: int) -> bool:
+        return self.device.type != "cuda" and step == self.measure_at
+
+    def record(self, step: int, peak_bytes: float) -> None:
+        self.peak_bytes, self.measured_step = float(peak_bytes), step
+
+    def fields(self, step: int) -> dict:
+        if self.device.type == "cuda":
+            self.record(step, torch.cuda.max_memory_allocated(self.device))
+        gib = None if self.peak_bytes is None else self.peak_bytes / 2**30
+        return {"peak_memory_gib": gib, "memory_measured_step": self.measured_step, "rss_gib": rss_gib()}
+
+
+def rss_gib() -> float | None:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux): the process's RSS
+    except Exception:
         return None
-    return {"event": "profile", "step": step, "ranks": gathered}
+
+
+def render_profile(record: dict, console=None) -> None:
+    """A readable table of a profile record: per rank, measured vs predicted FLOPs, bytes and memory."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    t = Table(title=f"profile of step {record['step']}: measured / predicted", title_justify="left")
+    for col in ("rank", "stage", "FLOPs fwd", "FLOPs bwd", "FLOPs recompute", "comm bytes", "peak MiB",
+                "params MiB", "grads MiB", "optim MiB", "activ MiB"):
+        t.add_column(col, justify="right")
+    for r in record["ranks"]:
+        m, p = r["measured"], r["predicted"]
+
+        def pair(a, b, scale=1.0, fmt="{:.3g}"):
+            return f"{fmt.format(a / scale)} / {fmt.format(b / scale)}"
+
+        mb, pb = sum(c["bytes"] for c in m["comm"]), sum(c["bytes"] for c in p["comm"])
+        mm, pm = m["memory_bytes"], p["memory_bytes"]
+        t.add_row(str(r["rank"]), str(r["pp_stage"]),
+                  *(pair(m["flops"][k], p["flops"][k]) for k in ("forward", "backward", "recompute")),
+                  pair(mb, pb),
+                  *(pair(mm[k], pm[k], 2**20, "{:.2f}") for k in ("peak", "parameters", "gradients", "optimizer",
+                                                                 "activations")))
+    console.print(t)
+    comm = Table(title="collectives (all ranks): count and bytes, measured / predicted", title_justify="left")
+    for col in ("collective", "mesh dim", "count", "bytes"):
+        comm.add_column(col, justify="right")
+    agg: dict = {}
+    for r in record["ranks"]:
+        for side, off in (("measured", 0), ("predicted", 2)):
+            for c in r[side]["comm"]:
+                e = agg.setdefault((c["collective"], c["mesh_dim"]), [0, 0, 0, 0])
+                e[off] += c["count"]
+                e[off + 1] += c["bytes"]
+    for (c, d), (mn, mbytes, pn, pbytes) in sorted(agg.items()):
+        comm.add_row(c, d, f"{mn} / {pn}", f"{mbytes:.4g} / {pbytes:.4g}")
+    console.print(comm)

@@ -20,7 +20,11 @@ Checkpoints (runtime.checkpoint, torch.distributed.checkpoint):
 Start-up checks run before any process group exists, so a wrong launch (a plan for 8 ranks started on 4, a
 plan for another model) stops with one clear line instead of hanging in a collective. Rank 0 writes one JSON
 object per step to --log: step, loss, step_time_s, tokens_per_s, peak_memory_gib, predicted_step_time_s
-(plus grad_norm and lr). The process group is destroyed on exit, error or not.
+(plus predicted_memory_gib, memory_measured_step, rss_gib, grad_norm and lr). peak_memory_gib is tensor memory,
+not the process RSS: the allocator's peak of each step on a GPU; on the CPU, MemTracker's peak of one step
+(--memory-step, default 2) carried on the lines after it (null before). --profile-step N adds one
+{"event": "profile", "step": N, "ranks": [{"rank", "pp_stage", "measured", "predicted"}]} record (measured with
+autoplan.runtime.measure, predicted by autoplan.cost_models.counts) and prints it as a table. The process group is destroyed on exit, error or not.
 """
 
 from __future__ import annotations
@@ -57,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--save-every", type=int, default=0, metavar="K", help="also checkpoint every K steps")
     ap.add_argument("--resume", default=None, metavar="DIR",
                     help="continue from a checkpoint (a step_<n> dir, or its parent with `latest`); any layout")
+    ap.add_argument("--profile-step", type=int, default=0, metavar="N",
+                    help="measure step N on every rank (FLOPs by phase, bytes per collective and mesh dimension, "
+                         "memory by category) beside the cost model's prediction: one {\"event\": \"profile\"} "
+                         "record in the log and a table on rank 0")
+    ap.add_argument("--memory-step", type=int, default=None, metavar="N",
+                    help="CPU: the step whose tensor-memory peak (MemTracker) the log lines carry (default: the "
+                         "profiled step, else step 2, or 1 for a one-step run); GPUs measure every step")
     ap.add_argument("--quiet", action="store_true")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # torchrun ... -m autoplan.runtime.train -- --plan p.json --log f
@@ -91,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         dims = ParallelDims.from_plan(plan, world)
         if args.steps < 1:
             raise AutoplanError("--steps must be >= 1", f"got {args.steps}", "pass --steps 10")
+        if args.profile_step < 0 or args.profile_step > args.steps:
+            raise AutoplanError("--profile-step must name a step of this run", f"got {args.profile_step} with "
+                                f"--steps {args.steps}", f"pass --profile-step between 1 and {args.steps}")
         check_checkpoint_args(args, plan)
     except AutoplanError as e:
         if rank == 0:
@@ -147,7 +161,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
 
     from . import checkpoint
     from .data import MemmapTokenDataset, SyntheticDataset
-    from .engine import Trainer, peak_memory_gib, tokens_per_step
+    from .engine import Trainer, tokens_per_step
+    from .measure import StepMemory, memory_step, profile_record, render_profile
 
     rank = dist.get_rank()
     log = None
@@ -189,24 +204,39 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         # this rank's pipeline stage: the memory the plan predicts for it (on a GPU, compare with the allocator's
         # peak; on the CPU the measured figure is the process's RSS, interpreter and libraries included)
         predicted_mem = plan.prediction.memory_gib["per_stage"][dims.rank("pp")]
+        mem = StepMemory(device, args.memory_step or args.profile_step or min(2, args.steps))
         for step in range(start, args.steps):
             torch.manual_seed((rng_seed * 1_000_033 + step) % (2**63))
             lr = args.lr * min(1.0, (step + 1) / args.warmup) if args.warmup else args.lr
             for group in trainer.optimizer.param_groups:
                 group["lr"] = lr
-            res = trainer.step(data.batch(step))
+            mem.before(step + 1)
+            profile = None
+            if step + 1 == args.profile_step:
+                res, profile = profile_record(trainer, step + 1, data.batch(step))
+                if profile:  # rank 0, the rank that writes the log
+                    mem.record(step + 1, _my_peak(profile, rank))
+            elif mem.wants(step + 1):
+                res, m = memory_step(trainer, data.batch(step))
+                mem.record(step + 1, m["peak"])
+            else:
+                res = trainer.step(data.batch(step))
             rec = {
                 "step": step + 1,
                 "loss": res.loss,
                 "step_time_s": res.step_time_s,
                 "tokens_per_s": tokens_per_step(plan) / res.step_time_s,
-                "peak_memory_gib": peak_memory_gib(device),
+                **mem.fields(step + 1),  # tensor peak (not RSS): peak_memory_gib, memory_measured_step, rss_gib
                 "predicted_step_time_s": predicted,
                 "predicted_memory_gib": predicted_mem,
                 "grad_norm": res.grad_norm,
                 "lr": lr,
             }
             if rank == 0:
+                if log and profile:
+                    log.write(json.dumps(profile) + "\n")
+                if profile and not args.quiet:
+                    render_profile(profile)
                 if log:
                     log.write(json.dumps(rec) + "\n")
                     log.flush()
@@ -221,6 +251,10 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
     finally:
         if log:
             log.close()
+
+
+def _my_peak(profile: dict, rank: int) -> float:
+    return next(r["measured"]["memory_bytes"]["peak"] for r in profile["ranks"] if r["rank"] == rank)
 
 
 def exit_process(rc: int) -> NoReturn:
