@@ -96,11 +96,18 @@ class Plan(_Frozen):
     prediction: Prediction
     runners_up: list[RunnerUp] = Field(default_factory=list)
     provenance: Provenance
+    runtime_semantics: dict[str, str] = Field(
+        default_factory=dict,
+        description="Where autoplan's runtime executes a knob differently from its textbook form, what runs and "
+                    "how it is priced (cost_models.counts.runtime_semantics): e.g. ZeRO-2/3 under pipeline "
+                    "parallelism, context-parallel attention.")
     content_hash: str = Field(default="", description="sha256 of the plan without this field.")
 
     # ---- hashing and files
     def compute_hash(self) -> str:
-        body = self.model_dump(mode="json", exclude={"content_hash"})
+        # runtime_semantics is left out when empty, so plans written before it existed keep their hash
+        body = self.model_dump(mode="json", exclude={"content_hash"} | (set() if self.runtime_semantics
+                                                                          else {"runtime_semantics"}))
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     def sealed(self) -> Plan:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .compute import Context, _attention, _gemms
+from .compute import Context, _attention
 from .estimate import (
     GIB,
     StageCost,
     StageLayout,
     _stages_by_rank,
+    cached_layer_cost,
     context,
     estimate,
     num_microbatches,
@@ -96,6 +97,10 @@ def _early_stop_skipped(p: LayerProfile, ctx: Context) -> float:
     if p.kind != "block" or last is None or last.expert or p.moe_top_k:
         return 0.0
     return _gemm_flops(last, ctx)
+
+
+def _layer_costs(stage: StageCost, profiles: list[LayerProfile], ctx: Context):
+    return [cached_layer_cost(p, ctx) for p, _ in _stage_layers(stage, profiles)]
 
 
 def layer_flops(p: LayerProfile, ctx: Context, recompute: str) -> dict[str, float]:
@@ -215,7 +220,8 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     """The memory categories of `estimate.memory_of_rank`, plus what autoplan's runtime holds on top of them:
     - FSDP2 keeps each sharded parameter beside its unsharded copy: a full second copy under `replicate`
       (zero 0 with dp x cp > 1), a 1/(dp x cp) shard under zero 1/2;
-    - experts are whole on every tp rank (not split over tp), with their gradients and optimizer state;
+    - experts are whole on every tp rank (not split over tp), with their gradients and optimizer state, and
+      ZeRO does not shard them (FSDP2 ignores them);
     - a tied LM head on the last of several pipeline stages is its own copy (kept equal by an all-reduce);
     - the pipeline schedule keeps the last stage's output (the logits) of every micro-batch until the step ends.
     Without the framework overhead (a process constant that tensor tracking does not see)."""
@@ -227,20 +233,29 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
            "activations": mem.activations, "temporaries": max(0.0, mem.other - overhead)}
     dense = sum(s.params - s.expert_params for s in stages)
     expert = sum(s.expert_params for s in stages)
-    extra = expert * (ctx.tp - 1)  # experts whole on every tp rank
     head = profiles[-1]
+    tied = 0.0
     if cfg.pp > 1 and any(s.has_head for s in stages) and head.gemms and head.gemms[0].count == 0:
-        extra += head.gemms[0].n * head.gemms[0].k / ctx.tp  # the tied head's own copy
+        tied = head.gemms[0].n * head.gemms[0].k / ctx.tp  # the tied head's own copy
+    extra = tied + expert * (ctx.tp - 1)  # experts whole on every tp rank
     shard_d, shard_e = (n, max(1, n // cfg.ep)) if cfg.zero >= 1 else (1, 1)
     out["parameters"] += extra / (shard_d if cfg.zero >= 3 else 1) * w
     out["gradients"] += extra / (shard_d if cfg.zero >= 2 and cfg.pp == 1 else 1) * g
     out["optimizer"] += extra / shard_d * (master + 8)
     if n > 1 and cfg.zero == 0:
-        out["parameters"] += (dense + extra) * w
+        out["parameters"] += (dense + tied) * w
     elif n > 1 and cfg.zero in (1, 2):
-        out["parameters"] += (dense + extra) / n * w + expert / shard_e * w
+        out["parameters"] += (dense + tied) / n * w
+    # FSDP2 ignores expert parameters (apply_dp): ZeRO does not shard them, their gradients or their Adam state
+    unshard_e = expert * (1 - 1 / shard_e)
+    out["optimizer"] += unshard_e * (master + 8)
+    out["gradients"] += unshard_e * g if cfg.zero >= 2 and cfg.pp == 1 else 0.0
+    out["parameters"] += unshard_e * w if cfg.zero >= 3 else 0.0
     if cfg.pp > 1 and any(s.has_head for s in stages):
         out["activations"] += m * ctx.tokens * head.logits_per_token / ctx.tp * 4  # fp32 logits kept per micro-batch
+    # Backward transients (an approximation, not a count): while one layer runs backward it holds the gradients
+    # of its activations, about the size of what it saved; the largest layer of the rank sets the peak.
+    out["temporaries"] += max((c.act_none for s in stages for c in _layer_costs(s, profiles, ctx)), default=0.0)
     out["peak"] = sum(out.values())
     return out
 
@@ -264,4 +279,25 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
         mem = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m)
         out.append({"flops": {k: int(round(v)) for k, v in flops.items()}, "comm": comm.as_list(),
                     "memory_bytes": {k: int(round(v)) for k, v in mem.items()}, "in_flight": fl[r]})
+    return out
+
+
+def runtime_semantics(cfg: ParallelConfig) -> dict[str, str]:
+    """Knobs that autoplan's runtime executes differently from their textbook form, and how the cost model prices
+    them (recorded in the plan)."""
+    out = {}
+    if cfg.pp > 1 and cfg.zero >= 2:
+        out["zero"] = (f"ZeRO-{cfg.zero} under pipeline parallelism: the pipeline schedule defers FSDP2's gradient "
+                       "reduce-scatter to the last micro-batch, so gradients stay whole during the step; priced as "
+                       f"run (whole gradients; parameters and optimizer state sharded as ZeRO-{cfg.zero})")
+    if cfg.cp > 1:
+        out["cp"] = ("context-parallel attention all-gathers K and V (backward: an all-to-all of their gradients), "
+                     "the same bytes per rank as ring attention; the step time prices ring attention's overlap")
+    if cfg.ep > 1 and cfg.tp > 1:
+        out["ep"] = ("experts are whole on every tp rank (no expert tensor parallelism): the runtime's FLOPs and "
+                     "expert memory are tp times the step-time model's (cost_models.counts prices what runs)")
+    if cfg.ep > 1 and cfg.zero >= 1:
+        out["ep_zero"] = ("ZeRO does not shard expert parameters, gradients or optimizer state (FSDP2 ignores "
+                          "them; they are reduced over the expert data-parallel ranks); cost_models.counts prices "
+                          "what runs, the step-time memory model shards them")
     return out
