@@ -168,8 +168,16 @@ def rank_counts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Cont
     return flops, comm
 
 
-def dp_comm(dense: float, expert: float, cfg: ParallelConfig, training: TrainingSpec, m: int, comm: _Comm,
-            unit_params: list[float]) -> None:
+def _tied_copy(stages: list[StageCost], profiles: list[LayerProfile], cfg: ParallelConfig, ctx: Context) -> float:
+    """Parameters of a tied LM head's own copy on the last of several pipeline stages (the profile counts the
+    tied head once, on the embedding)."""
+    head = profiles[-1]
+    if cfg.pp > 1 and any(s.has_head for s in stages) and head.gemms and head.gemms[0].count == 0:
+        return head.gemms[0].n * head.gemms[0].k / ctx.tp
+    return 0.0
+
+
+def dp_comm(dense: float, expert: float, cfg: ParallelConfig, training: TrainingSpec, m: int, comm: _Comm) -> None:
     """Gradient reduction and parameter gathers over dp x cp of one rank's `dense`/`expert` parameters, as FSDP2
     (zero 1-3) and replicate (zero 0) run them: zero 0/1 reduce once per step, zero 2/3 after every micro-batch
     (once under pipeline parallelism, which defers the sync to the last micro-batch); zero 1/2 gather parameters
@@ -234,9 +242,7 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     dense = sum(s.params - s.expert_params for s in stages)
     expert = sum(s.expert_params for s in stages)
     head = profiles[-1]
-    tied = 0.0
-    if cfg.pp > 1 and any(s.has_head for s in stages) and head.gemms and head.gemms[0].count == 0:
-        tied = head.gemms[0].n * head.gemms[0].k / ctx.tp  # the tied head's own copy
+    tied = _tied_copy(stages, profiles, cfg, ctx)  # the tied head's own copy
     extra = tied + expert * (ctx.tp - 1)  # experts whole on every tp rank
     shard_d, shard_e = (n, max(1, n // cfg.ep)) if cfg.zero >= 1 else (1, 1)
     out["parameters"] += extra / (shard_d if cfg.zero >= 3 else 1) * w
@@ -272,9 +278,9 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
     fl = in_flight(cfg.schedule, cfg.pp, m, cfg.vp)
     for r, stages in enumerate(_stages_by_rank(est.stages, cfg.pp)):
         flops, comm = rank_counts(stages, profiles, ctx, cfg, m, n_stages, training)
-        dense = sum(s.params - s.expert_params for s in stages)
+        dense = sum(s.params - s.expert_params for s in stages) + _tied_copy(stages, profiles, cfg, ctx)
         expert = sum(s.expert_params for s in stages)
-        dp_comm(dense, expert, cfg, training, m, comm, [])
+        dp_comm(dense, expert, cfg, training, m, comm)
         step_comm(stages, profiles, ctx, cfg, training, comm)
         mem = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m)
         out.append({"flops": {k: int(round(v)) for k, v in flops.items()}, "comm": comm.as_list(),

@@ -235,7 +235,7 @@ class StepMemTracker(MemTracker):
                 self._peak_mem_snap[dev] = dict(dev_snap)
 
     def summary(self) -> dict:
-        """{category: max bytes over the step, ..., peak, peak_breakdown: {category: bytes at the peak}}."""
+        """{category: max bytes over the step, ..., "peak": bytes, "at_peak": {category: bytes at the peak}}."""
         out = {k: 0 for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")}
         for k, v in self.category_max.items():  # buffers and "other" are folded into temporaries: the larger
             cat = _CATEGORIES.get(_ref_name(k))
@@ -281,9 +281,11 @@ def measure_step(trainer, batch: torch.Tensor) -> tuple[Any, dict]:
     out = {
         "flops": dict(flops.flops),
         "comm": comm.as_list(),
-        "memory_bytes": {k: m[k] for k in ("parameters", "gradients", "optimizer", "activations", "temporaries",
-                                           "peak")},
-        "memory_at_peak_bytes": m["at_peak"],
+        # the categories at the moment of the peak (they add up to it); each category's own maximum over the step
+        # (e.g. optimizer state plus the foreach step's temporaries) beside them
+        "memory_bytes": {**m["at_peak"], "peak": m["peak"]},
+        "memory_max_bytes": {k: m[k] for k in ("parameters", "gradients", "optimizer", "activations",
+                                               "temporaries")},
         "time_s": {"step": wall},
     }
     if trainer.device.type == "cuda":
@@ -318,7 +320,7 @@ def memory_step(trainer, batch: torch.Tensor) -> tuple[Any, dict]:
     with mem:
         res = trainer.step(batch)
     m = mem.summary()
-    return res, {k: m[k] for k in ("parameters", "gradients", "optimizer", "activations", "temporaries", "peak")}
+    return res, {**m["at_peak"], "peak": m["peak"]}
 
 
 class StepMemory:
