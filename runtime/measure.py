@@ -33,7 +33,7 @@ from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
