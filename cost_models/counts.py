@@ -223,15 +223,38 @@ def step_comm(stages: list[StageCost], profiles: list[LayerProfile], ctx: Contex
         comm.add("all_reduce", "pp" if cfg.pp == 2 else "other", head.gemms[0].n * head.gemms[0].k / ctx.tp * g)
 
 
+def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec) -> float:
+    """Activation bytes of one micro-batch that the runtime's eager modules save beyond the profile's (Megatron's)
+    counts: eager SwiGLU keeps silu(w1 x) as well as w1 x (a fused kernel recomputes it), the MoE combine keeps
+    the k expert outputs of each token for the gradient of the router weights, and experts are whole on every tp
+    rank."""
+    if p.kind != "block":
+        return 0.0
+    per_token = 0.0
+    if p.act_kind == "swiglu" and training.kernels == "torch":
+        per_token += p.act_elems / (1 if p.moe_top_k else ctx.tp)
+    if p.moe_top_k:
+        per_token += p.moe_top_k * p.hidden
+    extra = ctx.tokens * per_token * ctx.act_bytes
+    if p.moe_top_k and ctx.tp > 1:
+        # the profile divides the experts' saved activations by tp; the runtime runs whole experts on every tp
+        # rank (2-byte units as in profile._block: fc1 outputs, fc2 input, dispatched tokens, router probabilities)
+        k, gated = p.moe_top_k, p.act_kind == "swiglu"
+        moe_act = 2 * p.act_elems * (2 if gated else 1) + 2 * p.act_elems + 2 * p.hidden * k + 4 * p.moe_experts
+        extra += ctx.tokens * moe_act * (1 - 1 / ctx.tp) * ctx.act_bytes / 2.0
+    return extra
+
+
 def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
-                 cluster: ClusterSpec, training: TrainingSpec, m: int) -> dict[str, float]:
+                 cluster: ClusterSpec, training: TrainingSpec, m: int, in_flight: float) -> dict[str, float]:
     """The memory categories of `estimate.memory_of_rank`, plus what autoplan's runtime holds on top of them:
     - FSDP2 keeps each sharded parameter beside its unsharded copy: a full second copy under `replicate`
       (zero 0 with dp x cp > 1), a 1/(dp x cp) shard under zero 1/2;
     - experts are whole on every tp rank (not split over tp), with their gradients and optimizer state, and
       ZeRO does not shard them (FSDP2 ignores them);
     - a tied LM head on the last of several pipeline stages is its own copy (kept equal by an all-reduce);
-    - the pipeline schedule keeps the last stage's output (the logits) of every micro-batch until the step ends.
+    - the pipeline schedule keeps the last stage's output (the logits) of every micro-batch until the step ends;
+    - eager modules save a little more than the profile's (Megatron's) activation counts (`_eager_extra_act`).
     Without the framework overhead (a process constant that tensor tracking does not see)."""
     overhead = cluster.gpu.calibration.framework_overhead_gib * GIB
     w, g = training.weight_bytes, training.grad_bytes
@@ -259,6 +282,8 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     out["parameters"] += unshard_e * w if cfg.zero >= 3 else 0.0
     if cfg.pp > 1 and any(s.has_head for s in stages):
         out["activations"] += m * ctx.tokens * head.logits_per_token / ctx.tp * 4  # fp32 logits kept per micro-batch
+    out["activations"] += in_flight * sum(_eager_extra_act(p, ctx, training) for s in stages
+                                          for p, rec in _stage_layers(s, profiles) if rec != "full")
     # Backward transients (an approximation, not a count): while one layer runs backward it holds the gradients
     # of its activations, about the size of what it saved; the largest layer of the rank sets the peak.
     out["temporaries"] += max((c.act_none for s in stages for c in _layer_costs(s, profiles, ctx)), default=0.0)
@@ -282,7 +307,7 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
         expert = sum(s.expert_params for s in stages)
         dp_comm(dense, expert, cfg, training, m, comm)
         step_comm(stages, profiles, ctx, cfg, training, comm)
-        mem = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m)
+        mem = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m, fl[r])
         out.append({"flops": {k: int(round(v)) for k, v in flops.items()}, "comm": comm.as_list(),
                     "memory_bytes": {k: int(round(v)) for k, v in mem.items()}, "in_flight": fl[r]})
     return out
