@@ -177,6 +177,12 @@ def _tied_copy(stages: list[StageCost], profiles: list[LayerProfile], cfg: Paral
     return 0.0
 
 
+def dp_dim(cfg: ParallelConfig) -> str:
+    """The mesh dimension named for gradient reduction over dp x cp: "dp", or "cp" when dp is 1 (the group is then
+    the cp group, and a measurement cannot tell the two roles apart: runtime.measure.group_names)."""
+    return "cp" if cfg.dp == 1 and cfg.cp > 1 else "dp"
+
+
 def dp_comm(dense: float, expert: float, cfg: ParallelConfig, training: TrainingSpec, m: int, comm: _Comm) -> None:
     """Gradient reduction and parameter gathers over dp x cp of one rank's `dense`/`expert` parameters, as FSDP2
     (zero 1-3) and replicate (zero 0) run them: zero 0/1 reduce once per step, zero 2/3 after every micro-batch
@@ -185,18 +191,19 @@ def dp_comm(dense: float, expert: float, cfg: ParallelConfig, training: Training
     n = cfg.dp * cfg.cp
     g, w = training.grad_bytes, training.weight_bytes
     edp = n // cfg.ep
+    dim = dp_dim(cfg)
     if n > 1:
         if cfg.zero == 0:
-            comm.add("all_reduce", "dp", dense * g)
+            comm.add("all_reduce", dim, dense * g)
         else:
             syncs = m if cfg.zero >= 2 and cfg.pp == 1 else 1
-            comm.add("reduce_scatter", "dp", dense * g, syncs)
+            comm.add("reduce_scatter", dim, dense * g, syncs)
             # FSDP2 reshards after every backward unless the sync is deferred (zero 1, or the pipeline schedule):
             # zero 2 gathers again for every micro-batch's forward, zero 3 for every forward and backward
             gathers = 1 if cfg.zero == 1 or cfg.pp > 1 else (m if cfg.zero == 2 else 2 * m)
             if cfg.zero >= 3 and cfg.pp > 1:
                 gathers = m + 1
-            comm.add("all_gather", "dp", dense * w, gathers)
+            comm.add("all_gather", dim, dense * w, gathers)
     if expert and edp > 1:
         comm.add("all_reduce", "edp", expert * g)
 
