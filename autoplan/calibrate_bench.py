@@ -145,11 +145,11 @@ def _bench_p2p(peer_a: int, peer_b: int, rank: int, level: str, ppn: int, sizes,
     return rows
 
 
-def bench_collectives(rank: int, world: int, local_world: int, device: str) -> list[dict]:
+def bench_collectives(rank: int, world: int, local_world: int, device: str, sizes=None) -> list[dict]:
     """Every process calls this; returns the rows (complete on rank 0)."""
     import torch.distributed as dist
 
-    sizes = GPU_SIZES if device == "cuda" else CPU_SIZES
+    sizes = sizes or (GPU_SIZES if device == "cuda" else CPU_SIZES)
     nodes = world // local_world
     node, local = divmod(rank, local_world)
     rows: list[dict] = []
@@ -173,7 +173,7 @@ def bench_collectives(rank: int, world: int, local_world: int, device: str) -> l
     return rows
 
 
-def _spawned(rank: int, world: int, port: int, out: str, device: str) -> None:
+def _spawned(rank: int, world: int, port: int, out: str, device: str, sizes) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -182,14 +182,14 @@ def _spawned(rank: int, world: int, port: int, out: str, device: str) -> None:
 
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
-    rows = bench_collectives(rank, world, world, device)
+    rows = bench_collectives(rank, world, world, device, sizes)
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run_collectives(nproc: int, device: str) -> list[dict]:
+def run_collectives(nproc: int, device: str, sizes: tuple[int, ...] | None = None) -> list[dict]:
     """Collective rows: under torchrun (RANK in the environment) on the launched processes, else `nproc`
     processes started here on this node."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -201,7 +201,7 @@ def run_collectives(nproc: int, device: str) -> list[dict]:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device == "cuda" else "gloo")
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        return bench_collectives(dist.get_rank(), dist.get_world_size(), local, device)
+        return bench_collectives(dist.get_rank(), dist.get_world_size(), local, device, sizes)
     if nproc < 2:
         return []
     import socket
@@ -213,5 +213,5 @@ def run_collectives(nproc: int, device: str) -> list[dict]:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
-        mp.spawn(_spawned, args=(nproc, port, out, device), nprocs=nproc, join=True)
+        mp.spawn(_spawned, args=(nproc, port, out, device, sizes), nprocs=nproc, join=True)
         return json.loads(Path(out).read_text())

@@ -27,9 +27,9 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=int, default=6, help="training steps per candidate (the first is warm-up)")
     p.add_argument("--budget", type=float, default=600.0, metavar="SECONDS",
                    help="stop launching candidates when the next would end past this (default 600)")
-    p.add_argument("--bench", default=None, metavar="FILE",
+    p.add_argument("--bench", action="append", default=None, metavar="FILE",
                    help="micro-benchmarks from `autoplan calibrate --bench-out FILE` (fit rows for GEMMs and "
-                   "collectives)")
+                   "collectives); repeatable")
     p.add_argument("--cluster-out", default=None, metavar="FILE", help="write the refit cluster YAML here")
     p.add_argument("--workdir", default=None, help="keep plans and run logs here (default: a temporary folder)")
     p.add_argument("-o", "--output", help="write the measured fastest plan (re-predicted with the refit cluster)")

@@ -233,20 +233,26 @@ def run_sample(c: Candidate) -> RunSample:
                      components=comps, label=c.config)
 
 
-def load_bench(path: str | Path | None) -> tuple[list[GemmSample], list[CollectiveSample]]:
-    """Micro-benchmarks written by `autoplan calibrate --bench-out FILE` (JSON: {"gemm": [...], "collectives": [...]})."""
-    if path is None:
+def load_bench(paths) -> tuple[list[GemmSample], list[CollectiveSample]]:
+    """Micro-benchmarks written by `autoplan calibrate --bench-out FILE` (JSON: {"gemm": [...], "collectives":
+    [...]}); `paths` is one file, several (e.g. one per process count), or None."""
+    if paths is None:
         return [], []
-    p = Path(path)
-    if not p.exists():
-        raise SpecError(f"no micro-benchmark file {str(p)!r}", "", "write one with `autoplan calibrate --bench-out FILE`")
-    try:
-        data = json.loads(p.read_text())
-        return ([GemmSample.model_validate(g) for g in data.get("gemm", [])],
-                [CollectiveSample.model_validate(c) for c in data.get("collectives", [])])
-    except (ValueError, TypeError) as e:
-        raise SpecError("malformed micro-benchmark file", f"{p}: {str(e).splitlines()[0]}",
-                        "re-run `autoplan calibrate --bench-out FILE`") from None
+    gemms: list[GemmSample] = []
+    colls: list[CollectiveSample] = []
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        p = Path(path)
+        if not p.exists():
+            raise SpecError(f"no micro-benchmark file {str(p)!r}", "",
+                            "write one with `autoplan calibrate --bench-out FILE`")
+        try:
+            data = json.loads(p.read_text())
+            gemms += [GemmSample.model_validate(g) for g in data.get("gemm", [])]
+            colls += [CollectiveSample.model_validate(c) for c in data.get("collectives", [])]
+        except (ValueError, TypeError, AttributeError) as e:
+            raise SpecError("malformed micro-benchmark file", f"{p}: {str(e).splitlines()[0]}",
+                            "re-run `autoplan calibrate --bench-out FILE`") from None
+    return gemms, colls
 
 
 def prepare_cluster(cluster: ClusterSpec) -> ClusterSpec:
