@@ -215,6 +215,7 @@ class FitResult:
     after: dict[str, float]
     free: list[str]
     undetermined: list[str]  # knobs the data hardly sees (kept near their starting value)
+    collinear: list[list[str]] = field(default_factory=list)  # knobs only whose combination the data determines
     rows: list[dict] = field(default_factory=list)  # one per residual: kind, label, measured, before, after
     count_mismatches: list[str] = field(default_factory=list)
     cost: float = 0.0
@@ -247,6 +248,8 @@ class FitResult:
         for name in self.free:
             tag = " (undetermined by the data: kept near its start)" if name in self.undetermined else ""
             lines.append(f"{name}: {self.before[name]:.6g} -> {self.after[name]:.6g}{tag}")
+        lines.extend("only the combination of " + " and ".join(g) + " is determined (they trade off)"
+                     for g in self.collinear)
         lines.extend(f"count mismatch: {m}" for m in self.count_mismatches)
         return lines
 
@@ -347,16 +350,39 @@ def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Seq
     jac = np.asarray(sol.jac)[:n_data]
     sens = np.sqrt((jac**2).sum(axis=0)) if n_data else np.zeros(len(free))
     undetermined = [k for k, s in zip(free, sens, strict=True) if s < _MIN_SENSITIVITY]
+    collinear = _collinear_groups(jac, sens, free, undetermined)
     before_pred, after_pred = predictions(x0), predictions(sol.x)
     rows = _rows(gemms, collectives, runs, measured, before_pred, after_pred)
     before = {k: start[k] for k in free}
     return FitResult(cluster=refit, before=before, after=after_vals, free=free, undetermined=undetermined,
-                     rows=rows, cost=float(sol.cost), evaluations=int(nfev))
+                     collinear=collinear, rows=rows, cost=float(sol.cost), evaluations=int(nfev))
 
 
 # A knob whose data rows move by less than this (root-sum-square of d log(predicted) / d log(knob)) is reported
 # as undetermined: a 10% change of it would move the predictions by under 0.1% in total.
 _MIN_SENSITIVITY = 0.01
+
+def _collinear_groups(jac, sens, free: list[str], undetermined: list[str]) -> list[list[str]]:
+    """Knobs the data see only in combination: directions of the column-normalised Jacobian with a small
+    singular value (a change along them moves no prediction), named by the knobs that make them up."""
+    import numpy as np
+
+    keep = [i for i, k in enumerate(free) if k not in undetermined]
+    if len(keep) < 2 or jac.shape[0] == 0:
+        return []
+    jn = jac[:, keep] / sens[keep]
+    _, sv, vt = np.linalg.svd(jn, full_matrices=False)
+    groups = []
+    for value, vec in zip(sv, vt, strict=True):
+        if value < _MIN_SINGULAR:
+            names = [free[keep[j]] for j in np.flatnonzero(np.abs(vec) > 0.3)]
+            if len(names) >= 2:
+                groups.append(names)
+    return groups
+
+
+# A direction of the normalised Jacobian whose singular value is below this is not determined by the data.
+_MIN_SINGULAR = 0.02
 
 # Starting points of stage 2, as factors on the stage-1 values: as measured, host-bound, device-bound.
 _STARTS: tuple[dict[str, float], ...] = (

@@ -126,6 +126,8 @@ def render_tune(con, result, args) -> None:
         for k in fit.free:
             tag = "  [dim](undetermined: kept near its start)[/dim]" if k in fit.undetermined else ""
             con.print(f"  {k:<26} {fit.before[k]:>12.5g} -> {fit.after[k]:<12.5g}{tag}")
+        for g in fit.collinear:
+            con.print(f"  [dim]only the combination of {' and '.join(g)} is determined by these runs[/dim]")
         for m in fit.count_mismatches[:10]:
             con.print(f"  [yellow]count mismatch[/yellow] {m}")
     for n in result.notes:

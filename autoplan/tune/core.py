@@ -104,6 +104,7 @@ class TuneResult:
             "refit_choice_measured_s": self.refit_choice_measured_s,
             "fit": None if self.fit is None else {
                 "before": self.fit.before, "after": self.fit.after, "undetermined": self.fit.undetermined,
+                "collinear": self.fit.collinear,
                 "mean_abs_error_before": self.fit.mean_abs_error("run", "before"),
                 "mean_abs_error_after": self.fit.mean_abs_error("run"),
                 "count_mismatches": self.fit.count_mismatches},

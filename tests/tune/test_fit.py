@@ -72,7 +72,7 @@ def test_fit_recovers_known_constants_within_1_percent(with_components):
     start = with_knobs(_base(), {k: v * (1.3 if i % 2 else 0.7) for i, (k, v) in enumerate(TRUTH.items())})
     res = fit_cluster(start, runs, gemms, colls)
     assert set(res.free) == set(TRUTH), res.free
-    assert not res.undetermined
+    assert not res.undetermined and not res.collinear
     for k, v in TRUTH.items():
         assert res.after[k] == pytest.approx(v, rel=0.01), (k, res.after[k], v)
     assert res.mean_abs_error("run", "before") > 0.05  # the start was really wrong
@@ -91,6 +91,7 @@ def test_runs_alone_leave_primitives_collinear_knobs_reported():
     total = res.after["intra_latency_us"] + 0.5 * res.after["oversubscription_wait_us"]
     assert total == pytest.approx(TRUTH["intra_latency_us"] + 0.5 * TRUTH["oversubscription_wait_us"], rel=0.01)
     assert res.mean_abs_error("run") < 1e-3
+    assert ["intra_latency_us", "oversubscription_wait_us"] in res.collinear, res.collinear
 
 
 def test_efficiency_above_one_raises_the_peak_and_predicts_the_same():
