@@ -103,15 +103,19 @@ class RunLog(BaseModel):
     """What tune keeps of one run's log: step times (all steps) and the profile record, if any."""
 
     step_times_s: list[float] = Field(default_factory=list)
+    steps: list[int] = Field(default_factory=list, description="The step number of each time.")
     predicted_step_time_s: float | None = None
     profile: ProfileRecord | None = None
     final_loss: float | None = None
 
     def measured_step_s(self, warmup: int = 1) -> float:
-        """Median step time after `warmup` steps (shape inference, DTensor caches, the allocator's first use)."""
+        """Median step time after `warmup` steps (shape inference, DTensor caches, the allocator's first use),
+        leaving out the profiled step (its instruments slow it down)."""
         if not self.step_times_s:
             raise SpecError("the run logged no steps", "empty log", "check the run's stderr")
-        times = self.step_times_s[warmup:] or self.step_times_s
+        skip = self.profile.step if self.profile is not None else None
+        pairs = list(zip(self.steps or range(1, len(self.step_times_s) + 1), self.step_times_s, strict=False))
+        times = [t for i, (n, t) in enumerate(pairs) if i >= warmup and n != skip] or self.step_times_s
         return statistics.median(times)
 
 
@@ -127,6 +131,7 @@ def read_run_log(path: str | Path) -> RunLog:
             log.profile = parse_profile_record(obj)
         elif "step_time_s" in obj and obj.get("event") in (None, "step"):
             log.step_times_s.append(float(obj["step_time_s"]))
+            log.steps.append(int(obj.get("step", len(log.steps) + 1)))
             if obj.get("predicted_step_time_s") is not None:
                 log.predicted_step_time_s = float(obj["predicted_step_time_s"])
             if obj.get("loss") is not None:

@@ -143,11 +143,12 @@ def test_profile_record_parser_on_a_hand_written_record(tmp_path):
     assert len(mism) == 2 and all(m.startswith("rank 1 flops.") for m in mism), mism
     log = tmp_path / "log.jsonl"
     steps = [{"step": i, "loss": 4.0 - i, "step_time_s": t, "predicted_step_time_s": 0.01}
-             for i, t in enumerate([0.5, 0.1, 0.12, 0.11])]
-    log.write_text("\n".join(json.dumps(o) for o in [*steps[:2], rec, *steps[2:]]) + "\n")
+             for i, t in enumerate([0.5, 0.1, 0.12, 0.11, 0.9], start=1)]
+    rec["step"] = 5  # the profiled step is slow and left out of the median
+    log.write_text("\n".join(json.dumps(o) for o in [*steps[:2], rec, *steps[2:], {"event": "other"}]) + "\n")
     rl = read_run_log(log)
     assert rl.measured_step_s() == pytest.approx(0.11)
-    assert rl.profile is not None and rl.profile.step == 2 and rl.final_loss == 1.0
+    assert rl.profile is not None and rl.profile.step == 5 and rl.final_loss == -1.0
     from autoplan.cost_models.errors import SpecError
 
     with pytest.raises(SpecError, match="ranks"):
