@@ -126,10 +126,12 @@ def select_candidates(model: ModelSpec, cluster: ClusterSpec, training: Training
     out: list[Candidate] = []
     seen: set[str] = set()
 
+    def key(plan) -> str:
+        return plan.parallel.to_string() + repr([s.layers for s in plan.stages])
+
     def add(plan, why: str) -> None:
-        key = plan.parallel.to_string() + repr([s.layers for s in plan.stages])
-        if key not in seen:
-            seen.add(key)
+        if key(plan) not in seen:
+            seen.add(key(plan))
             out.append(Candidate(plan=plan, why=why))
 
     if seed_plan is not None:
@@ -143,10 +145,15 @@ def select_candidates(model: ModelSpec, cluster: ClusterSpec, training: Training
             break
         pins = {**(fix or {}), **pin(cluster.num_gpus)}
         try:
-            r = search(model, cluster, training, profiles=profiles, fix=pins, top=1, kernels=kernels)
+            r = search(model, cluster, training, profiles=profiles, fix=pins, top=3, kernels=kernels)
         except (ConfigError, DoesNotFitError, SpecError):
             continue  # that knob cannot move here (too few GPUs, heads, layers or memory)
-        add(r.plan, f"different: {name}")
+        # the best plan with the pin that is not measured already
+        for f in r.finalists[:3]:
+            plan = plan_from_estimate(model, cluster, training, f.estimate, kernels=kernels)
+            if key(plan) not in seen:
+                add(plan, f"different: {name}")
+                break
     return out
 
 
@@ -263,13 +270,14 @@ def prepare_cluster(cluster: ClusterSpec) -> ClusterSpec:
     return cluster
 
 
-def refit(cluster: ClusterSpec, candidates: list[Candidate], bench: str | Path | None = None,
-          profiles=None) -> FitResult | None:
-    """Fit the cluster to the measured candidates; fills each candidate's predicted-after."""
+def refit(cluster: ClusterSpec, candidates: list[Candidate],
+          bench: tuple[list[GemmSample], list[CollectiveSample]] = ([], []), profiles=None) -> FitResult | None:
+    """Fit the cluster to the measured candidates (and micro-benchmark rows); fills each candidate's
+    predicted-after."""
     from autoplan.cost_models.fit import predict_run
 
     measured = [c for c in candidates if c.measured_s is not None]
-    gemms, colls = load_bench(bench)
+    gemms, colls = bench
     if not measured and not (gemms or colls):
         return None
     samples = [run_sample(c) for c in measured]
@@ -288,6 +296,7 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top:
          kernels: str = "torch", seed_plan=None, bench: str | Path | None = None, workdir: Path | None = None,
          progress: Callable[[str, int, int], None] | None = None, run_timeout_s: float | None = None) -> TuneResult:
     """The whole loop (see the module docstring). Ctrl-C while measuring keeps what was measured."""
+    bench_rows = load_bench(bench)  # a bad file fails now, not after the runs
     cluster = prepare_cluster(cluster)
     cands = select_candidates(model, cluster, training, top=top, diverse=diverse, profiles=profiles, fix=fix,
                               kernels=kernels, seed_plan=seed_plan)
@@ -323,7 +332,7 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top:
     finally:
         if tmp is not None:
             tmp.cleanup()
-    result.fit = refit(cluster, cands, bench, profiles)
+    result.fit = refit(cluster, cands, bench_rows, profiles)
     if result.fit is not None:
         _refit_choice(result, model, training, profiles, fix, kernels)
     return result
