@@ -65,3 +65,43 @@ def test_bad_input_is_one_line(argv, message, capsys, monkeypatch):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "fix:" in err, err
+
+
+def _fake_runs(monkeypatch, *, interrupt_at: int | None = None, wall_s: float = 1.0):
+    """Replace the torchrun launch by a stand-in measuring 3x the prediction (the real one is
+    test_tune_real.py); raise KeyboardInterrupt at launch number `interrupt_at`."""
+    import autoplan.tune.core as core
+
+    calls = []
+
+    def fake(c, workdir, **kw):
+        calls.append(c.config)
+        if interrupt_at is not None and len(calls) == interrupt_at:
+            c.error = "interrupted"
+            raise KeyboardInterrupt
+        c.measured_s, c.wall_s = 3.0 * c.predicted_before_s, wall_s
+
+    monkeypatch.setattr(core, "run_candidate", fake)
+    return calls
+
+
+def test_ctrl_c_keeps_what_was_measured(monkeypatch):
+    from autoplan.tune.core import tune
+
+    calls = _fake_runs(monkeypatch, interrupt_at=3)
+    model, cluster, training = _workload()
+    res = tune(model, cluster, training, top=2, diverse=2, steps=3, kernels="torch")
+    assert res.interrupted and len(calls) == 3
+    assert len(res.measured) == 2 and res.fit is not None and res.fastest in res.measured
+    assert [c.error for c in res.candidates[2:]] == ["interrupted", "not run: interrupted"]
+
+
+def test_budget_stops_launching(monkeypatch):
+    from autoplan.tune.core import tune
+
+    calls = _fake_runs(monkeypatch, wall_s=50.0)
+    model, cluster, training = _workload()
+    res = tune(model, cluster, training, top=2, diverse=2, steps=3, budget_s=40.0, kernels="torch")
+    # two always run; the third would end past the budget (judged by the longest run so far, 50 s)
+    assert len(calls) == 2 and not res.interrupted
+    assert all(c.error == "skipped: over --budget" for c in res.candidates[2:])
