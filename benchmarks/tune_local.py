@@ -41,6 +41,20 @@ HELD_OUT = [
 ]
 
 
+def micro_benchmarks(model: str, seq: int, nproc: int) -> dict:
+    """What `autoplan calibrate --bench-out` measures: GEMMs at the model's shapes (one micro-batch of 1-2
+    sequences), collectives among `nproc` and 2 processes (two process counts separate the descheduling wait
+    from the hop latency)."""
+    import os
+
+    from autoplan.calibrate_bench import bench_gemms, model_gemm_shapes, run_collectives
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    shapes = sorted(set(model_gemm_shapes(model, seq, 1, nproc) + model_gemm_shapes(model, seq, 2, nproc)))
+    colls = run_collectives(nproc, "cpu") + (run_collectives(2, "cpu") if nproc > 2 else [])
+    return {"gemm": bench_gemms(shapes, "cpu", "fp32"), "collectives": colls}
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     from scipy.stats import spearmanr
 
@@ -58,15 +72,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--diverse", type=int, default=4)
     ap.add_argument("--min-held-out", type=int, default=12)
+    ap.add_argument("--no-bench", action="store_true",
+                    help="skip the micro-benchmarks (calibrate's GEMMs and collectives at 4 and 2 processes)")
+    ap.add_argument("--save", default=None, help="write every measurement (tuned and held out) to this JSON file")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     model = load_model(args.model)
     cluster = prepare_cluster(load_cluster("local-cpu").with_gpus(args.nproc))
     training = TrainingSpec(global_batch_size=args.global_batch, seq_length=args.seq_len, dtype="fp32",
                             kernels="torch")
+    bench_file = None
+    t0 = time.perf_counter()
+    if not args.no_bench:
+        bench_file = Path(tempfile.mkdtemp(prefix="tune-bench-")) / "bench.json"
+        bench_file.write_text(json.dumps(micro_benchmarks(args.model, args.seq_len, args.nproc)))
+    t_bench = time.perf_counter() - t0
     t0 = time.perf_counter()
     res = tune(model, cluster, training, top=args.top, diverse=args.diverse, steps=args.steps,
-               budget_s=args.budget, kernels="torch",
+               budget_s=args.budget, kernels="torch", bench=bench_file,
                progress=lambda d, i, n: print(f"[tune {i}/{n}] {d}", file=sys.stderr, flush=True))
     t_tune = time.perf_counter() - t0
     if res.fit is None:
@@ -113,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     e_before = sum(abs(r["before_s"] / r["measured_s"] - 1) for r in ok) / max(1, len(ok))
     fastest = min(known.values())
     ratio = chosen_s / fastest if chosen_s else float("nan")
-    summary = {"tune_s": t_tune, "tuned": sorted(tuned), "fit_after": res.fit.after,
+    if args.save:
+        Path(args.save).write_text(json.dumps({
+            "tuned": [{"parallel": c.config, "measured_s": c.measured_s, "plan": json.loads(c.plan.to_json())}
+                      for c in res.measured],
+            "held_out": rows, "bench": json.loads(bench_file.read_text()) if bench_file else None}, default=float))
+    summary = {"tune_s": t_tune, "bench_s": t_bench, "tuned": sorted(tuned), "fit_after": res.fit.after,
                "undetermined": res.fit.undetermined, "held_out": rows, "spearman_after": s_after,
                "spearman_before": s_before, "mean_error_after": e_after, "mean_error_before": e_before,
                "chosen": choice.parallel.to_string(), "chosen_s": chosen_s, "fastest_s": fastest,
@@ -121,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary, default=float))
     else:
-        print(f"tune: {len(tuned)} layouts measured in {t_tune:.0f} s; fitted "
+        print(f"micro-benchmarks {t_bench:.0f} s; tune: {len(tuned)} layouts measured in {t_tune:.0f} s; fitted "
               + ", ".join(f"{k}={v:.4g}" for k, v in res.fit.after.items()))
         for c in res.candidates:
             m = f"{c.measured_s * 1e3:8.1f}" if c.measured_s else f"{c.error or '-':>8}"

@@ -1,8 +1,8 @@
 """Refit a cluster's constants to measurements: the half of `autoplan tune` that learns from what it ran.
 
-The cost model's constants (GEMM and attention efficiency, memory efficiency, host time per operator, latency
-and bandwidth of each network level, and the wait for descheduled peers on an oversubscribed node) are fitted
-once per GPU type on published runs. On a cluster the model has not seen they can be far off; this module
+The cost model's constants (GEMM and attention efficiency, memory efficiency, host time per operator and its
+extra under tensor parallelism, latency and bandwidth of each network level, and the wait for descheduled peers
+on an oversubscribed node) are fitted once per GPU type on published runs. On a cluster the model has not seen they can be far off; this module
 fits them to that cluster's own measurements by nonlinear least squares *through the cost model itself*, so a
 refit cluster predicts with exactly the code the search uses.
 
@@ -64,6 +64,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "fraction of memory bandwidth an elementwise kernel reaches"),
     Knob("kernel_launch_us", ("gpu", "calibration", "kernel_launch_us"), 1e-2, 1e5,
          "host time per operator (Python, dispatch, launch), us"),
+    Knob("tp_op_overhead_us", ("gpu", "calibration", "tp_op_overhead_us"), 1e-2, 1e6,
+         "extra host time per operator of a tensor-parallel (DTensor) layer, us"),
     Knob("intra_latency_us", ("intra_node", "latency_us"), 1e-2, 1e6, "intra-node hop latency (alpha), us"),
     Knob("intra_bandwidth_gbps", ("intra_node", "bandwidth_gbps"), 1e-4, 1e5,
          "intra-node bandwidth (1/beta), GB/s"),
@@ -260,6 +262,8 @@ def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
     the oversubscription wait only when the cluster's cores are known and some run oversubscribes them."""
     free = ["matmul_max_efficiency", "matmul_half_dim", "attention_efficiency", "memory_efficiency",
             "kernel_launch_us", "intra_latency_us", "intra_bandwidth_gbps"]
+    if any(r.parallel.tp > 1 for r in runs):
+        free.append("tp_op_overhead_us")
     if any(r.world > cluster.gpus_per_node for r in runs) or any(c.level == "inter" for c in collectives):
         free += ["inter_latency_us", "inter_bandwidth_gbps"]
     cores = cluster.cores_per_node
@@ -286,7 +290,7 @@ def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Seq
     free = list(free if free is not None else default_free_knobs(cluster, runs, collectives))
     # Knobs stuck at 0 (e.g. the oversubscription wait of a preset) start from a small physical value.
     start = knob_values(cluster)
-    starts = {"oversubscription_wait_us": 100.0}
+    starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0}
     x0_vals = {k: start[k] if start[k] > 0 else starts.get(k, 1.0) for k in free}
     lo = np.array([math.log(KNOBS[k].lower) for k in free])
     hi = np.array([math.log(KNOBS[k].upper) for k in free])
@@ -387,8 +391,9 @@ _MIN_SINGULAR = 0.02
 # Starting points of stage 2, as factors on the stage-1 values: as measured, host-bound, device-bound.
 _STARTS: tuple[dict[str, float], ...] = (
     {},
-    {"kernel_launch_us": 3.0, "attention_efficiency": 3.0, "memory_efficiency": 3.0},
-    {"kernel_launch_us": 1 / 3, "attention_efficiency": 1 / 3, "memory_efficiency": 1 / 3},
+    {"kernel_launch_us": 3.0, "attention_efficiency": 3.0, "memory_efficiency": 3.0, "tp_op_overhead_us": 3.0},
+    {"kernel_launch_us": 1 / 3, "attention_efficiency": 1 / 3, "memory_efficiency": 1 / 3,
+     "tp_op_overhead_us": 1 / 3},
     {"kernel_launch_us": 3.0},
     {"kernel_launch_us": 1 / 3},
 )

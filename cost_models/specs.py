@@ -150,6 +150,12 @@ class GPUCalibration(_Frozen):
     kernel_launch_us: float = Field(
         default=4.0, ge=0, description="Host time to issue one kernel (Python, dispatch, launch), microseconds."
     )
+    tp_op_overhead_us: float = Field(
+        default=0.0, ge=0,
+        description="Extra host time per operator of a tensor-parallel layer, microseconds: DTensor's sharding "
+        "propagation and redistribution run in Python for every op (autoplan's runtime); 0 where tensor "
+        "parallelism is hand-written (Megatron-LM). Fitted by `autoplan tune`.",
+    )
     framework_overhead_gib: float = Field(
         default=2.0, ge=0, description="Memory the CUDA context, allocator fragmentation and workspaces take."
     )

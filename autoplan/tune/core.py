@@ -3,8 +3,8 @@ cluster's constants to the measurements, and choose the plan by measurement.
 
 The procedure:
 1. **Candidates.** The search's `top` best plans, then `diverse` more, each the best plan the search finds with
-   one knob pinned away from the leaders (tensor parallel, pipeline parallel, pure data parallel, ZeRO-3, full
-   recomputation), so that every term of the cost model is exercised by at least one run.
+   one knob pinned away from the leaders (tensor parallel, pipeline parallel, ZeRO-3, full recomputation, one
+   sequence per micro-batch, pure data parallel), so that every term of the cost model is exercised by a run.
 2. **Measure.** Each candidate runs for real (`torchrun -m autoplan.runtime.train`, `--steps N`, `--log`), with
    `--profile-step` when the runtime supports it (detected from its source, without importing torch); the
    median step time after the first step is the measurement. Candidates are run until `--budget` seconds would
@@ -46,9 +46,10 @@ from .records import RunLog, read_run_log
 DIVERSE_PINS: tuple[tuple[str, Callable[[int], dict[str, str]]], ...] = (
     ("tp", lambda w: {"tp": "2"}),
     ("pp", lambda w: {"pp": "2"}),
-    ("dp", lambda w: {"dp": str(w)}),
     ("zero", lambda w: {"zero": "3"}),
     ("recompute", lambda w: {"recompute": "full"}),
+    ("mbs", lambda w: {"mbs": "1"}),
+    ("dp", lambda w: {"dp": str(w)}),
     ("tp+pp", lambda w: {"tp": "2", "pp": "2"}),
 )
 

@@ -28,7 +28,7 @@ from autoplan.specs import load_cluster
 
 TRUTH = {"matmul_max_efficiency": 0.6, "matmul_half_dim": 40.0, "attention_efficiency": 0.25,
          "memory_efficiency": 0.5, "kernel_launch_us": 25.0, "intra_latency_us": 300.0,
-         "intra_bandwidth_gbps": 0.8, "oversubscription_wait_us": 900.0}
+         "intra_bandwidth_gbps": 0.8, "oversubscription_wait_us": 900.0, "tp_op_overhead_us": 80.0}
 SMALL = ModelSpec(name="small-gpt", num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
                   vocab_size=512, max_seq_length=256)
 
