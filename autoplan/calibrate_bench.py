@@ -91,6 +91,19 @@ def _timed(fn, sync, barrier) -> float:
     return statistics.median(times)
 
 
+def _all_gather(out, inp, group):
+    import torch.distributed as dist
+
+    # all_gather_single replaces all_gather_into_tensor (deprecated) in recent torch
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
+
+
+def _reduce_scatter(out, inp, group):
+    import torch.distributed as dist
+
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp, group=group)
+
+
 def _bench_group(group, ranks: int, level: str, ppn: int, sizes, device: str) -> list[dict]:
     """All-reduce, all-gather, reduce-scatter and all-to-all over `group` at each size (fp32 buffers)."""
     import torch
@@ -106,8 +119,8 @@ def _bench_group(group, ranks: int, level: str, ppn: int, sizes, device: str) ->
         out = torch.empty_like(full)
         ops = {
             "all_reduce": lambda f=full: dist.all_reduce(f, group=group),
-            "all_gather": lambda f=full, s=shard: dist.all_gather_into_tensor(f, s, group=group),
-            "reduce_scatter": lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f, group=group),
+            "all_gather": lambda f=full, s=shard: _all_gather(f, s, group=group),
+            "reduce_scatter": lambda f=full, s=shard: _reduce_scatter(s, f, group=group),
             "all_to_all": lambda f=full, o=out: dist.all_to_all_single(o, f, group=group),
         }
         for name, fn in ops.items():

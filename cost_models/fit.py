@@ -366,6 +366,7 @@ def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Seq
 # as undetermined: a 10% change of it would move the predictions by under 0.1% in total.
 _MIN_SENSITIVITY = 0.01
 
+
 def _collinear_groups(jac, sens, free: list[str], undetermined: list[str]) -> list[list[str]]:
     """Knobs the data see only in combination: directions of the column-normalised Jacobian with a small
     singular value (a change along them moves no prediction), named by the knobs that make them up."""
