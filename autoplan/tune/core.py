@@ -311,6 +311,7 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top:
         workdir = Path(tmp.name)
     workdir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
+    old_term = _term_as_interrupt()
     try:
         for i, c in enumerate(cands):
             done = [x.wall_s for x in cands[:i] if x.wall_s]
@@ -331,12 +332,29 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top:
             if c.measured_s is None and c.error is None:
                 c.error = "not run: interrupted"
     finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
         if tmp is not None:
             tmp.cleanup()
     result.fit = refit(cluster, cands, bench_rows, profiles)
     if result.fit is not None:
         _refit_choice(result, model, training, profiles, fix, kernels)
     return result
+
+
+def _term_as_interrupt():
+    """While measuring, SIGTERM (a job scheduler, `kill`) stops like Ctrl-C: the current launch is stopped by
+    process group rather than left running without its parent. Returns the previous handler (None off the main
+    thread, where signals cannot be handled)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _refit_choice(result: TuneResult, model, training, profiles, fix, kernels) -> None:
