@@ -93,6 +93,9 @@ class Plan(_Frozen):
     parallel: ParallelConfig = Field(description="The chosen configuration, dp resolved.")
     stages: list[StagePlan] = Field(description="pp*vp stages in model order.")
     kernels: Literal["fused", "torch"] = Field(default="fused", description="Fused Triton kernels or torch ops.")
+    stack: str | None = Field(
+        default=None, description="Software-stack profile the prediction assumes (`autoplan stacks`), with any "
+        "--stack-set overrides after a '+'; its knobs are in `training`. None = autoplan's runtime.")
     prediction: Prediction
     runners_up: list[RunnerUp] = Field(default_factory=list)
     provenance: Provenance
@@ -100,7 +103,9 @@ class Plan(_Frozen):
 
     # ---- hashing and files
     def compute_hash(self) -> str:
-        body = self.model_dump(mode="json", exclude={"content_hash"})
+        # A plan without a stack hashes as before the field existed, so older plan files still load.
+        exclude = {"content_hash"} | ({"stack"} if self.stack is None else set())
+        body = self.model_dump(mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     def sealed(self) -> Plan:

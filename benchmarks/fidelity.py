@@ -2,56 +2,109 @@
 
     python benchmarks/fidelity.py [--json] [--reference PATH]
 
-Runs come from shared/reference/calibration_runs.json. SC21 rows use the published configuration with full
-recomputation, fp16 and Megatron-LM 2021's runtime (unfused softmax attention, fp16 gradients all-reduced
-after the backward pass without overlap, no distributed optimizer). Megatron-LM README H100 rows do not publish micro-batch, recomputation
-or sequence parallelism: we assume mbs=1, sp=1, zero=1 (distributed optimizer), recompute=selective, bf16,
-and Megatron-Core r0.8.0's runtime (flash attention, --overlap-grad-reduce, --overlap-param-gather,
---tp-comm-overlap), as the issue prescribes. Errors are signed: (predicted - published) / published.
+Runs come from shared/reference/calibration_runs.json. Every run is expressed as the `autoplan estimate`
+command a user would type (`--commands` prints them) and resolved through the CLI's own path. SC21 rows use
+the published configuration with full recomputation and `--stack megatron-2021` (fp16, unfused softmax
+attention, fp16 gradients all-reduced after the backward pass without overlap, no distributed optimizer).
+Megatron-LM README H100 rows do not publish micro-batch, recomputation or sequence parallelism: we assume
+mbs=1, sp=1, zero=1 (distributed optimizer), recompute=selective and `--stack megatron-core` (bf16, flash
+attention, --overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap). Errors are signed: (predicted - published) / published.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autoplan.estimate_api import estimate_config  # noqa: E402
-from autoplan.specs import GPUCalibration, ModelSpec, ParallelConfig, TrainingSpec, load_cluster  # noqa: E402
-
-DEFAULT_REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "calibration_runs.json"
+from autoplan.specs import GPUCalibration, ModelSpec, ParallelConfig, TrainingSpec  # noqa: E402
 
 
-def run_setting(run: dict) -> tuple[ModelSpec, str, TrainingSpec, ParallelConfig, str]:
-    """Model, cluster preset, training and configuration of one published run."""
+def _find_reference() -> Path:
+    """shared/reference/calibration_runs.json beside the repository (or beside a worktree's parent)."""
+    for parent in Path(__file__).resolve().parents[1:]:
+        cand = parent / "shared" / "reference" / "calibration_runs.json"
+        if cand.exists():
+            return cand
+    return Path(__file__).resolve().parents[2] / "shared" / "reference" / "calibration_runs.json"
+
+
+DEFAULT_REF = _find_reference()
+_SPEC_DIR = Path(tempfile.mkdtemp(prefix="autoplan-fidelity-"))
+
+
+def model_file(spec: dict) -> str:
+    """Write a model spec as a YAML file (what a user would pass to --model) and return its path."""
+    text = yaml.safe_dump(spec, sort_keys=False)
+    path = _SPEC_DIR / f"{spec['name']}-{hashlib.sha256(text.encode()).hexdigest()[:8]}.yaml"
+    if not path.exists():
+        path.write_text(text)
+    return str(path)
+
+
+def run_command(run: dict) -> tuple[list[str], str]:
+    """The `autoplan estimate` arguments that express one published run, and its table's name."""
     m = run["model"]
     sc21 = "SC21" in run["source"]
-    model = ModelSpec(name=m["name"], num_layers=m["layers"], hidden_size=m["hidden"],
-                      num_attention_heads=m["heads"], ffn_hidden_size=m["ffn"], vocab_size=m["vocab"],
-                      max_seq_length=m["seq"], dropout=0.1, tie_embeddings=sc21)
+    spec = {"name": m["name"], "num_layers": m["layers"], "hidden_size": m["hidden"],
+            "num_attention_heads": m["heads"], "ffn_hidden_size": m["ffn"], "vocab_size": m["vocab"],
+            "max_seq_length": m["seq"], "dropout": 0.1, "tie_embeddings": sc21}
     p, b = run["parallel"], run["batch"]
     if sc21:
-        cluster = "dgx-a100-80g"
-        training = TrainingSpec(global_batch_size=b["global"], seq_length=m["seq"], dtype="fp16",
-                                grad_reduce_dtype="fp16", flash_attention=False, overlap_grad_reduce=False, overlap_param_gather=False,
-                                tp_comm_overlap=False, kernels="megatron")
         vp = p.get("vp") or 1
         cfg = ParallelConfig(tp=p["tp"], pp=p["pp"], dp=p["dp"], vp=vp, mbs=b["micro"], recompute="full",
                              schedule="interleaved" if vp > 1 else "1f1b")
-        table = "SC21 (A100)"
+        cluster, stack, table = "dgx-a100-80g", "megatron-2021", "SC21 (A100)"
     else:
-        cluster = "dgx-h100"
-        training = TrainingSpec(global_batch_size=b["global"], seq_length=m["seq"], dtype="bf16",
-                                flash_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
-                                tp_comm_overlap=True, kernels="megatron")
         cfg = ParallelConfig(tp=p["tp"], pp=p["pp"], dp=p["dp"], mbs=1, sp=p["tp"] > 1, zero=1,
                              recompute="selective")
-        table = "Megatron-LM H100"
-    return model, cluster, training, cfg, table
+        cluster, stack, table = "dgx-h100", "megatron-core", "Megatron-LM H100"
+    argv = ["estimate", "--model", model_file(spec), "--cluster", cluster, "--gpus", str(run["cluster"]["num_gpus"]),
+            "--global-batch", str(b["global"]), "--seq-len", str(m["seq"]), "--stack", stack,
+            "--parallel", short_parallel(cfg)]
+    return argv, table
+
+
+def short_parallel(cfg: ParallelConfig) -> str:
+    """The configuration string without the keys at their defaults (what a user would type)."""
+    default = ParallelConfig().as_dict()
+    return ",".join(f"{k}={v}" for k, v in cfg.as_dict().items() if v is not None and v != default.get(k))
+
+
+def setting_of(argv: list[str]):
+    """Model, cluster, training, configuration and layout exactly as `autoplan <argv>` resolves them."""
+    from autoplan.cli import build_parser, load_workload
+
+    args = build_parser().parse_args(argv)
+    model, cluster, training, profiles = load_workload(args)
+    return model, cluster, training, ParallelConfig.parse(args.parallel), args
+
+
+def run_setting(run: dict) -> tuple[ModelSpec, str, TrainingSpec, ParallelConfig, str]:
+    """Model, cluster preset, training and configuration of one published run (through the CLI's path)."""
+    argv, table = run_command(run)
+    model, _cluster, training, cfg, args = setting_of(argv)
+    return model, args.cluster, training, cfg, table
+
+
+def predict(argv: list[str], calibration: dict[str, GPUCalibration] | None = None):
+    """(model, cluster, configuration, Estimate) of `autoplan <argv>`; `calibration` overrides a GPU's
+    constants (calibrate_fit.py tries candidate constants this way)."""
+    model, cluster, training, cfg, args = setting_of(argv)
+    if calibration and cluster.gpu.name in calibration:
+        gpu = cluster.gpu.model_copy(update={"calibration": calibration[cluster.gpu.name]})
+        cluster = cluster.model_copy(update={"gpu": gpu})
+    est = estimate_config(model, cluster, training, cfg)
+    return model, cluster, est.config, est
 
 
 def evaluate(ref_path: Path, calibration: dict[str, GPUCalibration] | None = None) -> list[dict]:
@@ -59,17 +112,14 @@ def evaluate(ref_path: Path, calibration: dict[str, GPUCalibration] | None = Non
     runs = json.loads(ref_path.read_text())["runs"]
     rows = []
     for run in runs:
-        model, cluster_name, training, cfg, table = run_setting(run)
-        cluster = load_cluster(cluster_name, gpus=run["cluster"]["num_gpus"])
-        if calibration and cluster.gpu.name in calibration:
-            gpu = cluster.gpu.model_copy(update={"calibration": calibration[cluster.gpu.name]})
-            cluster = cluster.model_copy(update={"gpu": gpu})
-        est = estimate_config(model, cluster, training, cfg)
+        argv, table = run_command(run)
+        model, cluster, cfg, est = predict(argv, calibration)
         published_t = run["derived"]["iter_time_s"]
         sc21 = table.startswith("SC21")
         pred_tflops = est.hfu * est.peak_flops / 1e12 if sc21 else est.tflops_per_gpu
         rows.append({
             "table": table, "model": model.name, "gpus": cluster.num_gpus, "config": cfg.to_string(),
+            "pp": cfg.pp, "command": "autoplan " + " ".join(argv),
             "published_step_s": published_t, "predicted_step_s": est.step_time_s,
             "step_error": (est.step_time_s - published_t) / published_t,
             "published_tflops": run["reported"]["tflops_per_gpu"], "predicted_tflops": pred_tflops,

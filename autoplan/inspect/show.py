@@ -28,7 +28,7 @@ def header_lines(plan: Plan) -> list[str]:
     nodes = f"{cl.num_nodes} node{'s' if cl.num_nodes > 1 else ''} x {cl.gpus_per_node}"
     return [
         f"{plan.model.name} on {cl.num_gpus} x {cl.gpu.name} ({cl.name}, {nodes})",
-        f"batch {tr.global_batch_size} x {tr.seq_length} tokens, {tr.dtype}, "
+        f"batch {tr.global_batch_size} x {tr.seq_length} tokens, {tr.dtype}, stack {plan.stack or 'autoplan'}, "
         f"{tr.kernels} kernels, {m} micro-batches of {cfg.mbs} per step",
         f"plan {plan.short_hash}: {short_config(cfg)}",
     ]
@@ -102,6 +102,7 @@ def show_json(plan: Plan, *, timeline: bool = False) -> dict:
         "global_batch_size": plan.training.global_batch_size,
         "seq_length": plan.training.seq_length,
         "dtype": plan.training.dtype,
+        "stack": plan.stack or "autoplan",
         "microbatches": num_microbatches(plan.parallel, plan.training),
         "parallel": plan.parallel.as_dict(),
         "step_time_s": p.step_time_s,
