@@ -124,13 +124,34 @@ def print_json(obj) -> None:
 # -------------------------------------------------------------------------------------------- commands
 
 
+def parallel_of(args: argparse.Namespace, model):
+    """The configuration of --parallel, with the stage layout of --layout or --uneven (one of them) applied."""
+    from autoplan.cost_models.errors import ConfigError
+    from autoplan.cost_models.layout import normalize, parse_uneven, uneven
+    from autoplan.cost_models.specs import ParallelConfig
+
+    cfg = ParallelConfig.parse(args.parallel)
+    given = [f for f in ("layout", "uneven") if getattr(args, f, None)]
+    if cfg.layout is not None:
+        given.insert(0, "layout= in --parallel")
+    if len(given) > 1:
+        raise ConfigError("give the stage layout once", f"got {' and '.join(given)}",
+                          "use one of --layout, --uneven or layout= in --parallel")
+    if getattr(args, "layout", None):
+        cfg = cfg.model_copy(update={"layout": normalize(args.layout)})
+    elif getattr(args, "uneven", None):
+        first, last = parse_uneven(args.uneven)
+        cfg = cfg.model_copy(update={"layout": uneven(model.num_layers, cfg.pp * cfg.vp, first, last)})
+    return cfg
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from .api import plan_from_estimate
     from .estimate_api import estimate_config
     from .report import render_estimate
 
     model, cluster, training, profiles = load_workload(args)
-    est = estimate_config(model, cluster, training, args.parallel, profiles=profiles)
+    est = estimate_config(model, cluster, training, parallel_of(args, model), profiles=profiles)
     if args.output:
         plan = plan_from_estimate(model, cluster, training, est, kernels=args.kernels,
                                   command=" ".join(sys.argv))
@@ -269,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("estimate", help="predict one fixed parallel configuration")
     add_workload_args(p)
     p.add_argument("--parallel", required=True, help="e.g. tp=8,pp=8,dp=16,mbs=1,sp=1,recompute=selective")
+    p.add_argument("--layout", metavar="LAYOUT",
+                   help="explicit stage layout: Megatron-Core's string (E embedding, t block, L loss, | stage "
+                        "boundary, X*N repeats; e.g. 'Et*3|(t*4|)*6,t*3L') or blocks per stage ('3,4,4,3')")
+    p.add_argument("--uneven", metavar="first=N,last=M",
+                   help="N blocks on the first stage and M on the last, the rest spread evenly")
     p.add_argument("-o", "--output", help="also write the configuration as a plan file")
     add_json(p)
     p.set_defaults(func=cmd_estimate)

@@ -103,8 +103,13 @@ class Plan(_Frozen):
 
     # ---- hashing and files
     def compute_hash(self) -> str:
-        # A plan without a stack hashes as before the field existed, so older plan files still load.
-        exclude = {"content_hash"} | ({"stack"} if self.stack is None else set())
+        # Fields added later (stack, parallel.layout) are left out while unset, so a plan without them hashes
+        # as before they existed and older plan files still load.
+        exclude: dict = {"content_hash": True}
+        if self.stack is None:
+            exclude["stack"] = True
+        if self.parallel.layout is None:
+            exclude["parallel"] = {"layout"}
         body = self.model_dump(mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 

@@ -82,11 +82,11 @@ def short_parallel(cfg: ParallelConfig) -> str:
 
 def setting_of(argv: list[str]):
     """Model, cluster, training, configuration and layout exactly as `autoplan <argv>` resolves them."""
-    from autoplan.cli import build_parser, load_workload
+    from autoplan.cli import build_parser, load_workload, parallel_of
 
     args = build_parser().parse_args(argv)
     model, cluster, training, profiles = load_workload(args)
-    return model, cluster, training, ParallelConfig.parse(args.parallel), args
+    return model, cluster, training, parallel_of(args, model), args
 
 
 def run_setting(run: dict) -> tuple[ModelSpec, str, TrainingSpec, ParallelConfig, str]:

@@ -143,11 +143,19 @@ def cached_layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
 
 
 def even_layout(num_layers: int, cfg: ParallelConfig) -> list[StageLayout]:
+    """The configuration's stages: its explicit `layout` if it has one, else blocks spread evenly over pp*vp
+    stages (any remainder on the first stages)."""
     n = cfg.pp * cfg.vp
-    base, extra = divmod(num_layers, n)
+    if cfg.layout is not None:
+        from .layout import counts
+
+        sizes = counts(cfg.layout)
+    else:
+        base, extra = divmod(num_layers, n)
+        sizes = [base + (1 if i < extra else 0) for i in range(n)]
     out, start = [], 0
     for i in range(n):
-        stop = start + base + (1 if i < extra else 0)
+        stop = start + sizes[i]
         nrec = stop - start if cfg.recompute == "full" else 0
         if cfg.recompute == "full" and cfg.recompute_layers is not None:
             nrec = min(stop - start, -(-cfg.recompute_layers // cfg.vp))
