@@ -80,13 +80,20 @@ def add_json(p: argparse.ArgumentParser) -> None:
 
 def load_workload(args: argparse.Namespace):
     """(model, cluster, training, profiles-or-None) from the shared options."""
+    from autoplan.cost_models.errors import SpecError
     from autoplan.cost_models.specs import TrainingSpec
 
     from .specs import load_cluster
     from .workload import resolve_model
 
+    for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len), ("--global-batch", args.global_batch)):
+        if value is not None and value <= 0:  # 0 must not fall back to a default
+            raise SpecError(f"{flag} must be positive", f"got {flag} {value}", f"pass {flag} N with N >= 1")
     model, profiles = resolve_model(args.model)
-    cluster = load_cluster(args.cluster, gpus=args.gpus)
+    notes: list[str] = []
+    cluster = load_cluster(args.cluster, gpus=args.gpus, notes=notes)
+    for note in notes:
+        print(f"autoplan: note: {note}", file=sys.stderr)
     limit = getattr(args, "memory_limit", None)
     if limit is not None:
         if not 0 < limit <= cluster.gpu.hbm_gib:
