@@ -14,7 +14,9 @@ attention, --overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap). Er
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import statistics
 import sys
@@ -85,7 +87,8 @@ def setting_of(argv: list[str]):
     from autoplan.cli import build_parser, load_workload, parallel_of
 
     args = build_parser().parse_args(argv)
-    model, cluster, training, profiles = load_workload(args)
+    with contextlib.redirect_stderr(io.StringIO()):  # the CLI's notes (e.g. a preset grown by --gpus)
+        model, cluster, training, profiles = load_workload(args)
     return model, cluster, training, parallel_of(args, model), args
 
 

@@ -348,6 +348,18 @@ def zero3_block_exposed(params_local: float, fwd_s: float, bwd_s: float, *, dp: 
     return exposed + interference(cluster, hidden)
 
 
+def grad_accum_time(params_local: float, cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """Per micro-batch, the pass that adds this stage's fresh 16-bit gradients into an fp32 accumulation buffer
+    when the weight-gradient GEMMs do not accumulate in place (DeepSpeed's BF16_Optimizer and ZeRO hooks;
+    Megatron fuses it, gradient_accumulation_fusion): read the 16-bit gradient and the fp32 buffer, write the
+    buffer. Memory-bound."""
+    if training.grad_accum_fused:
+        return 0.0
+    gpu = cluster.gpu
+    nbytes = params_local * (training.weight_bytes + 4 + 4)
+    return nbytes / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
+
+
 def pipeline_p2p_time(cluster: ClusterSpec, training: TrainingSpec, *, hidden: int, pp: int, tp: int, cp: int,
                       dp: int, mbs: int) -> float:
     """One activation (or gradient) message between neighbouring pipeline stages: a micro-batch's hidden
@@ -355,7 +367,9 @@ def pipeline_p2p_time(cluster: ClusterSpec, training: TrainingSpec, *, hidden: i
     if pp <= 1:
         return 0.0
     e = training.weight_bytes  # activations share the weights' dtype
-    nbytes = mbs * training.seq_length // cp * hidden * e / tp
+    # Megatron splits the message over the tp ranks (scatter/gather, SC21 sec. 4.1); DeepSpeed's engine does not.
+    split = tp if training.p2p_scatter_gather else 1
+    nbytes = mbs * training.seq_length // cp * hidden * e / split
     cross = tp * cp * dp >= cluster.gpus_per_node and cluster.num_nodes > 1
     return comm.p2p(cluster, nbytes, cross)
 
@@ -380,6 +394,8 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
                 s.zero3_s += zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=cfg.dp, cp=cfg.cp,
                                                  tp=cfg.tp, cluster=cluster, training=training)
             s.bwd_s += s.zero3_s
+    for s in stages:  # unfused gradient accumulation: a memory-bound pass per micro-batch (compute time)
+        s.bwd_s += grad_accum_time(s.params, cluster, training)
     p2p_s = pipeline_p2p_time(cluster, training, hidden=profiles[0].hidden, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp,
                               dp=cfg.dp, mbs=cfg.mbs)
     fwd = [s.fwd_s for s in stages]

@@ -257,6 +257,15 @@ class TrainingSpec(_Frozen):
     tp_comm_overlap: bool = Field(
         default=False, description="Tensor-parallel collectives overlap the GEMMs (Megatron userbuffers)."
     )
+    tp_bwd_comm_overlap: bool = Field(
+        default=False, description="In the backward pass, one TP collective per linear pair runs beside the "
+        "weight-gradient GEMM (Megatron-LM's async tensor-parallel all-reduce / SP all-gather, 2022).")
+    p2p_scatter_gather: bool = Field(
+        default=True, description="Pipeline activations cross stages split over the tp ranks (SC21 sec. 4.1); "
+        "false = every tp rank sends the whole hidden state (DeepSpeed's pipeline engine).")
+    grad_accum_fused: bool = Field(
+        default=True, description="Weight-gradient GEMMs accumulate straight into the gradient buffer; false = "
+        "each micro-batch's gradients are added into an fp32 buffer by a separate memory-bound pass (DeepSpeed).")
     @property
     def fused_kernels(self) -> bool:
         return self.kernels == "fused"

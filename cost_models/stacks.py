@@ -23,7 +23,9 @@ DEFAULT_STACK = "autoplan"
 # The TrainingSpec fields a stack may set (the runtime's software, not the workload: batch and sequence length
 # are never part of a stack).
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
-               "tp_comm_overlap", "kernels")
+               "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "grad_accum_fused", "kernels")
+# Values every stack has unless it says otherwise (TrainingSpec's defaults for these knobs).
+_COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "grad_accum_fused": True}
 
 
 class Stack(BaseModel):
@@ -39,8 +41,12 @@ class Stack(BaseModel):
     source: str = Field(default="", description="Where the assumptions come from.")
 
 
+def _stack(**kw) -> Stack:
+    return Stack(**{**kw, "knobs": {**_COMMON, **kw["knobs"]}})
+
+
 STACKS: dict[str, Stack] = {s.name: s for s in (
-    Stack(
+    _stack(
         name="autoplan", title="autoplan's own runtime (default)",
         knobs={"flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                "tp_comm_overlap": False, "kernels": "fused", "grad_reduce_dtype": None},
@@ -49,7 +55,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                 "TP collectives not overlapped; gradients reduced in the compute dtype",
         source="runtime/parallelize.py (apply_dp, apply_fused_kernels)",
     ),
-    Stack(
+    _stack(
         name="megatron-2021", title="Megatron-LM as in Narayanan et al. SC21",
         knobs={"dtype": "fp16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "kernels": "megatron",
@@ -60,17 +66,18 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         typical="recompute=full, schedule=interleaved, zero=0",
         source="Narayanan et al. 2021 (SC21) sections 4-5; Megatron-LM v2.x (2021) training.py/distributed.py",
     ),
-    Stack(
+    _stack(
         name="megatron-2022", title="Megatron-LM with selective recomputation and SP (Korthikanti et al. 2022)",
         knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
-               "overlap_param_gather": False, "tp_comm_overlap": False, "kernels": "megatron",
-               "grad_reduce_dtype": None},
+               "overlap_param_gather": False, "tp_comm_overlap": False, "tp_bwd_comm_overlap": True,
+               "kernels": "megatron", "grad_reduce_dtype": None},
         assumes="bf16; unfused softmax attention (selective recomputation recomputes it); Megatron's fused kernels; "
-                "gradient all-reduce after the backward, not overlapped; TP collectives not overlapped",
+                "gradient all-reduce after the backward, not overlapped; forward TP collectives exposed, in the "
+                "backward one collective per linear pair beside the weight-gradient GEMM (async TP all-reduce)",
         typical="sp=1, recompute=selective, zero=0",
         source="Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models', sec. 4-6",
     ),
-    Stack(
+    _stack(
         name="megatron-core", title="Megatron-Core with Transformer Engine and overlaps (2024+)",
         knobs={"dtype": "bf16", "flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                "tp_comm_overlap": True, "kernels": "megatron", "grad_reduce_dtype": None},
@@ -80,17 +87,30 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         typical="sp=1, zero=1 (--use-distributed-optimizer), recompute=selective",
         source="Megatron-LM README performance table (Megatron-Core r0.8.0); megatron/core arguments",
     ),
-    Stack(
+    _stack(
+        name="megatron-deepspeed", title="Megatron-DeepSpeed (2021-22): MT-NLG 530B, BLOOM 176B",
+        knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
+               "overlap_param_gather": False, "tp_comm_overlap": False, "p2p_scatter_gather": False,
+               "grad_accum_fused": False, "kernels": "megatron", "grad_reduce_dtype": "fp32"},
+        assumes="Megatron's TP layers and fused kernels, unfused softmax attention, run by DeepSpeed's pipeline "
+                "engine: whole hidden states sent between stages by every tp rank (no scatter/gather); "
+                "gradients accumulated into fp32 buffers by a separate pass per micro-batch and reduced in fp32 "
+                "after the pipeline flush (BF16_Optimizer / ZeRO-1), not overlapped",
+        typical="zero=1, recompute=full, schedule=1f1b",
+        source="Smith et al. 2022 (MT-NLG, arXiv 2201.11990) sec. 2-3; BigScience BLOOM (arXiv 2211.05100) "
+               "sec. 3.4; DeepSpeed pipe/engine.py and runtime/bf16_optimizer.py",
+    ),
+    _stack(
         name="deepspeed-zero3", title="DeepSpeed ZeRO-3 on a Hugging Face-style model",
         knobs={"dtype": "bf16", "flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
-               "tp_comm_overlap": False, "kernels": "torch", "grad_reduce_dtype": "fp32"},
+               "tp_comm_overlap": False, "grad_accum_fused": False, "kernels": "torch", "grad_reduce_dtype": "fp32"},
         assumes="bf16 with eager PyTorch ops (no fused norms/activations); SDPA flash attention; overlap_comm "
-                "(parameter prefetch and gradient reduce-scatter behind compute); gradients reduced in fp32 "
-                "(bf16 optimizer with fp32 gradient accumulation)",
+                "(parameter prefetch and gradient reduce-scatter behind compute); gradients accumulated in fp32 "
+                "by a separate pass per micro-batch and reduced in fp32",
         typical="zero=3, tp=1, pp=1, recompute=full",
         source="DeepSpeed ZeRO-3 config docs (overlap_comm, stage3_prefetch_bucket_size); Rajbhandari et al. 2020",
     ),
-    Stack(
+    _stack(
         name="torchtitan", title="torchtitan: FSDP2 + async TP + torch.compile",
         knobs={"dtype": "bf16", "flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                "tp_comm_overlap": True, "kernels": "fused", "grad_reduce_dtype": "fp32"},
