@@ -61,7 +61,8 @@ def _rec_label(s) -> str:
 
 
 def _layers_label(layers: list[list[int]]) -> str:
-    return " ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in layers)
+    # an empty virtual stage (only the embedding or the loss) prints as "-"
+    return " ".join(f"{a}-{b - 1}" if b - a > 1 else (f"{a}" if b > a else "-") for a, b in layers)
 
 
 def timeline_grid(plan: Plan, max_microbatches: int | None = None) -> dict:
