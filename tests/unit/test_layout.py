@@ -108,3 +108,34 @@ def test_plan_carries_the_layout_to_show_trace_export(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["stages"][0]["embedding"]
     assert main(["trace", str(out), "-o", str(tmp_path / "t.json"), "--json"]) == 0
     assert main(["explain", str(out), "--json"]) == 0
+
+
+def test_plans_without_the_new_fields_still_load(tmp_path, capsys):
+    """A plan file written before `stack`, `parallel.layout` and the new stack knobs existed keeps its hash."""
+    from autoplan.plan import Plan, load_plan
+
+    out = tmp_path / "p.json"
+    _est(capsys, "--parallel", "tp=2,pp=4", "-o", str(out))
+    data = json.loads(out.read_text())
+    assert data["stack"] is None and data["parallel"]["layout"] is None
+    data.pop("stack")
+    data["parallel"].pop("layout")
+    for k in ("tp_bwd_comm_overlap", "p2p_scatter_gather", "grad_accum_fused"):
+        data["training"].pop(k)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    plan = load_plan(old)  # the stored hash, computed with the new fields present, still verifies
+    assert plan.content_hash == Plan.model_validate(data).compute_hash() == json.loads(out.read_text())["content_hash"]
+
+
+def test_search_balances_the_head_of_a_large_vocabulary(tmp_path, capsys):
+    """The search weighs the LM head (a 256K vocabulary on a 2048-wide model) when it places stages: the last
+    stage gets fewer blocks than the others."""
+    spec = tmp_path / "bigvocab.yaml"
+    spec.write_text("name: bigvocab\nnum_layers: 24\nhidden_size: 2048\nnum_attention_heads: 16\n"
+                    "vocab_size: 256000\nmax_seq_length: 2048\n")
+    assert main(["search", "--model", str(spec), "--cluster", "dgx-a100-80g", "--gpus", "32", "--global-batch", "64",
+                 "--fix", "tp=8,pp=4,vp=1,mbs=1", "--top", "1", "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    sizes = [s["layers"][1] - s["layers"][0] for s in stages]
+    assert sum(sizes) == 24 and sizes[-1] < min(sizes[:-1]), sizes
