@@ -265,14 +265,47 @@ class StopFlag:
         return int(t[0]) or None
 
 
+class Heartbeat:
+    """Each rank records its last finished step in the job's store (one small set per step), so a rank that
+    times out in a collective can name the ranks that are behind it: the missing ones."""
+
+    def __init__(self, store, rank: int) -> None:
+        self.store, self.rank, self.step = store, rank, 0
+
+    def beat(self, step: int) -> None:
+        self.step = step
+        if self.store is not None:
+            with contextlib.suppress(Exception):  # a heartbeat must never stop training
+                self.store.set(f"heartbeat/{self.rank}", str(step))
+
+    def missing(self, world: int) -> str | None:
+        """'rank 1 is missing (last finished step 2; this rank finished 3)' or None when unknown."""
+        if self.store is None:
+            return None
+        behind = []
+        for r in range(world):
+            if r == self.rank:
+                continue
+            try:
+                last = int(self.store.get(f"heartbeat/{r}")) if self.store.check([f"heartbeat/{r}"]) else 0
+            except Exception:
+                return None
+            if last < self.step:
+                behind.append(f"rank {r} (last finished step {last})")
+        if not behind:
+            return None
+        return f"missing: {', '.join(behind[:8])}; this rank finished step {self.step}"
+
+
 def maybe_inject_fault(rank: int, step: int) -> None:
-    """AUTOPLAN_FAULT="kill:RANK:STEP": SIGKILL this process after STEP on the first attempt (tests only)."""
+    """AUTOPLAN_FAULT="kill:RANK:STEP" SIGKILLs that rank after STEP, "hang:RANK:STEP" SIGSTOPs it there (a hung
+    rank: alive, never reaching the next collective); both on the first attempt only (tests)."""
     spec = os.environ.get("AUTOPLAN_FAULT", "")
-    if not spec.startswith("kill:") or restart_count() > 0:
+    if not spec.startswith(("kill:", "hang:")) or restart_count() > 0:
         return
-    _, r, s = spec.split(":")
+    kind, r, s = spec.split(":")
     if int(r) == rank and int(s) == step:
         stamp = os.environ.get("AUTOPLAN_FAULT_STAMP")
         if stamp:
-            Path(stamp).write_text(json.dumps({"killed_at": time.time(), "rank": rank, "after_step": step}))
-        os.kill(os.getpid(), signal.SIGKILL)
+            Path(stamp).write_text(json.dumps({"fault": kind, "at": time.time(), "rank": rank, "after_step": step}))
+        os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)

@@ -165,9 +165,11 @@ def _run(args, plan, dims, rank: int, world: int) -> int:
     from datetime import timedelta
 
     timeout = timedelta(seconds=args.collective_timeout)  # gloo's default is 30 minutes of silence
+    args.store = None
     if "MASTER_ADDR" in os.environ:
+        args.store = _attempt_store(world, timeout)
         dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if use_cuda else None,
-                                timeout=timeout)
+                                timeout=timeout, store=args.store)
     else:  # plain `python -m autoplan.runtime.train` with a 1-rank plan
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:
@@ -181,13 +183,31 @@ def _run(args, plan, dims, rank: int, world: int) -> int:
     except RuntimeError as e:  # gloo: "Timed out waiting ...ms for recv operation" / a peer that closed
         if not _is_peer_failure(e):
             raise
-        print(f"[rank {rank}] autoplan run: a collective did not complete: {_first_line(e)}. fix: another rank "
-              f"is missing or hung (see its own message; --collective-timeout is {args.collective_timeout:g} s); "
-              "with `autoplan run --max-restarts N` the job restarts from the last checkpoint", file=sys.stderr)
+        from .faults import Heartbeat
+
+        who = Heartbeat(args.store, rank).missing(world)
+        print(f"[rank {rank}] autoplan run: a collective did not complete within --collective-timeout "
+              f"{args.collective_timeout:g} s: {who or 'another rank failed'} ({_first_line(e)[:120]}). fix: see "
+              "that rank's own message; `autoplan run --max-restarts N` restarts the job from the last checkpoint",
+              file=sys.stderr)
         return 3
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _attempt_store(world: int, timeout):
+    """The process group's keys in a store of their own per torchrun attempt: torchrun shares its rendezvous
+    TCPStore with the workers, and the previous attempt's gloo addresses left in it make the restarted ranks
+    connect to dead peers (pytorch/pytorch#135712). The heartbeats (runtime.faults.Heartbeat) live there too."""
+    import torch.distributed as dist
+
+    from .faults import restart_count
+
+    n = restart_count()
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                         timeout=timeout)
+    return dist.PrefixStore(f"autoplan-attempt-{n}", base)
 
 
 def _is_peer_failure(e: BaseException) -> bool:
@@ -243,6 +263,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         # peak; on the CPU the measured figure is the process's RSS, interpreter and libraries included)
         predicted_mem = plan.prediction.memory_gib["per_stage"][dims.rank("pp")]
         spikes = faults.SpikeDetector(args.loss_spike_factor)
+        heartbeat = faults.Heartbeat(getattr(args, "store", None), rank)
         stop.install()
         for step in range(start, args.steps):
             torch.manual_seed((rng_seed * 1_000_033 + step) % (2**63))
@@ -267,6 +288,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                 rec["skipped"] = nonfinite
             if rank == 0:
                 _report_step(args, log, rec, predicted, spikes)
+            heartbeat.beat(step + 1)
             faults.maybe_inject_fault(rank, step + 1)
             signum = stop.agreed(device) if dims.world_size > 1 else stop.signum
             last = step + 1 == args.steps or signum is not None
