@@ -410,7 +410,7 @@ def save(trainer, root: str | Path, step: int, *, data: dict[str, Any] | None = 
     except BaseException as e:  # DCP's CheckpointException (a full disk, a dead peer) is a BaseException
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving checkpoint {final} failed", f"{type(e).__name__}: {e}"[:300],
+        raise CheckpointError(f"saving checkpoint {final} failed", f"{type(e).__name__}: {' '.join(str(e).split())}"[:300],
                               f"the previous checkpoint in {root} is untouched") from None
     err = None
     if rank == 0:
