@@ -266,35 +266,80 @@ class StopFlag:
 
 
 class Heartbeat:
-    """Each rank records its last finished step in the job's store (one small set per step), so a rank that
-    times out in a collective can name the ranks that are behind it: the missing ones."""
+    """Each rank publishes "<last finished step> <wall time>" to the job's store every `PERIOD_S` from a thread
+    of its own (no per-step cost), so a rank that times out in a collective can name the missing ones: those
+    whose heartbeat stopped (killed, SIGSTOPped, a dead host) or that are behind it."""
+
+    PERIOD_S = 1.0
+    STALE_S = 5.0  # a heartbeat older than this (5 periods, room for a loaded machine) means the rank is gone
 
     def __init__(self, store, rank: int) -> None:
+        import threading
+
         self.store, self.rank, self.step = store, rank, 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        if store is not None:
+            self._thread = threading.Thread(target=self._publish, daemon=True, name="autoplan-heartbeat")
+            self._thread.start()
+
+    @classmethod
+    def for_job(cls, rank: int):
+        """A heartbeat on its own client of torchrun's store (the process group's client stays untouched)."""
+        if "MASTER_ADDR" not in os.environ:
+            return cls(None, rank)
+        try:
+            import torch.distributed as dist
+
+            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                 timeout=__import__("datetime").timedelta(seconds=30))
+            return cls(dist.PrefixStore(f"autoplan-heartbeat-{restart_count()}", base), rank)
+        except Exception:
+            return cls(None, rank)
 
     def beat(self, step: int) -> None:
         self.step = step
-        if self.store is not None:
+
+    def _set(self) -> None:
+        with self._lock:
+            self.store.set(f"hb/{self.rank}", f"{self.step} {time.time()}")
+
+    def _publish(self) -> None:
+        while not self._stop.is_set():
             with contextlib.suppress(Exception):  # a heartbeat must never stop training
-                self.store.set(f"heartbeat/{self.rank}", str(step))
+                self._set()
+            self._stop.wait(self.PERIOD_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
 
     def missing(self, world: int) -> str | None:
-        """'rank 1 is missing (last finished step 2; this rank finished 3)' or None when unknown."""
+        """'missing: rank 1 (no heartbeat for 12 s, last finished step 2); this rank finished step 2' or None."""
         if self.store is None:
             return None
-        behind = []
+        now, gone = time.time(), []
         for r in range(world):
             if r == self.rank:
                 continue
             try:
-                last = int(self.store.get(f"heartbeat/{r}")) if self.store.check([f"heartbeat/{r}"]) else 0
+                with self._lock:
+                    raw = self.store.get(f"hb/{r}").decode() if self.store.check([f"hb/{r}"]) else None
             except Exception:
                 return None
-            if last < self.step:
-                behind.append(f"rank {r} (last finished step {last})")
-        if not behind:
+            if raw is None:
+                gone.append(f"rank {r} (never started)")
+                continue
+            step, at = raw.split()
+            if now - float(at) > self.STALE_S:
+                gone.append(f"rank {r} (no heartbeat for {now - float(at):.0f} s, last finished step {step})")
+            elif int(step) < self.step:
+                gone.append(f"rank {r} (alive but behind: last finished step {step})")
+        if not gone:
             return None
-        return f"missing: {', '.join(behind[:8])}; this rank finished step {self.step}"
+        return f"missing: {', '.join(gone[:8])}; this rank finished step {self.step}"
 
 
 def maybe_inject_fault(rank: int, step: int) -> None:

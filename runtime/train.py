@@ -185,7 +185,8 @@ def _run(args, plan, dims, rank: int, world: int) -> int:
             raise
         from .faults import Heartbeat
 
-        who = Heartbeat(args.store, rank).missing(world)
+        hb = getattr(args, "heartbeat", None) or Heartbeat(None, rank)
+        who = hb.missing(world)
         print(f"[rank {rank}] autoplan run: a collective did not complete within --collective-timeout "
               f"{args.collective_timeout:g} s: {who or 'another rank failed'} ({_first_line(e)[:120]}). fix: see "
               "that rank's own message; `autoplan run --max-restarts N` restarts the job from the last checkpoint",
@@ -263,7 +264,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         # peak; on the CPU the measured figure is the process's RSS, interpreter and libraries included)
         predicted_mem = plan.prediction.memory_gib["per_stage"][dims.rank("pp")]
         spikes = faults.SpikeDetector(args.loss_spike_factor)
-        heartbeat = faults.Heartbeat(getattr(args, "store", None), rank)
+        heartbeat = args.heartbeat = faults.Heartbeat.for_job(rank) if dims.world_size > 1 else \
+            faults.Heartbeat(None, rank)
         stop.install()
         for step in range(start, args.steps):
             torch.manual_seed((rng_seed * 1_000_033 + step) % (2**63))
@@ -303,6 +305,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         return 0
     finally:
         stop.restore()
+        if getattr(args, "heartbeat", None) is not None:
+            args.heartbeat.close()
         if log:
             log.close()
 

@@ -311,14 +311,21 @@ def test_restarts_need_save_and_resume_from_it(tmp_path):
 
 
 def test_heartbeats_name_the_missing_rank():
+    import time
+
     import torch.distributed as dist
 
     from autoplan.runtime.faults import Heartbeat
 
     store = dist.HashStore()
-    for r, step in ((0, 5), (1, 5), (2, 3)):
-        Heartbeat(store, r).beat(step)
-    hb = Heartbeat(store, 0)
-    hb.beat(5)
-    assert hb.missing(4) == ("missing: rank 2 (last finished step 3), rank 3 (last finished step 0); this rank "
-                             "finished step 5")
+    beats = [Heartbeat(store, r) for r in range(3)]
+    for hb, step in zip(beats, (5, 4, 5), strict=True):
+        hb.beat(step)
+        hb._set()
+    beats[2].close()
+    store.set("hb/2", f"5 {time.time() - 60}")  # rank 2 stopped publishing a minute ago
+    line = beats[0].missing(4)
+    for hb in beats:
+        hb.close()
+    assert line.startswith("missing: rank 1 (alive but behind: last finished step 4), rank 2 (no heartbeat for 60 s")
+    assert "rank 3 (never started)" in line and line.endswith("this rank finished step 5")
