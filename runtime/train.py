@@ -17,6 +17,15 @@ Checkpoints (runtime.checkpoint, torch.distributed.checkpoint):
                     the same model (names and shapes), global batch and sequence length. A missing, incomplete
                     or corrupt checkpoint, or one of another model, stops at start-up with one line.
 
+Long runs (runtime.faults, runtime.indexed_data):
+  --keep-last K     retention; --overwrite a --save DIR holding another run's checkpoints; --auto-resume from the
+                    newest checkpoint that verifies (skipping broken ones; `autoplan run --max-restarts` passes it)
+  --on-nonfinite    stop (default) or skip a step whose loss or gradient norm is NaN/inf; a NaN update is never
+                    applied and never checkpointed. --loss-spike-factor F warns on spikes.
+  --collective-timeout S   (default 300) a collective waiting longer ends the job, naming the missing rank.
+  --data            Megatron PREFIX (.bin/.idx), a weighted blend "0.7 A 0.3 B", or a flat file with a declared
+                    dtype. SIGTERM/SIGINT: every rank stops after the same step, saves, and exits.
+
 Start-up checks run before any process group exists, so a wrong launch (a plan for 8 ranks started on 4, a
 plan for another model) stops with one clear line instead of hanging in a collective. Rank 0 writes one JSON
 object per step to --log: step, loss, step_time_s, tokens_per_s, peak_memory_gib, predicted_step_time_s
@@ -40,7 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m autoplan.runtime.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", required=True, help="plan.json made by `autoplan search|estimate -o`")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--data", default=None, help="flat binary token file (uint16, or int32 with --data-dtype)")
+    ap.add_argument("--data", default=None,
+                    help="Megatron dataset PREFIX (.bin/.idx), a blend 'W1 PREFIX1 W2 PREFIX2', or a flat token file "
+                         "(.u16/.i32, or --data-dtype)")
     ap.add_argument("--data-dtype", default=None, choices=["uint16", "int32"])
     ap.add_argument("--log", "--log-file", dest="log", default=None,
                     help="JSON-lines metrics file (rank 0). Under torchrun write --log-file, or put the training "
