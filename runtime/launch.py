@@ -240,11 +240,36 @@ def supervise(cmd: list[str], env: dict[str, str], term_timeout: float) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        _kill_group(proc.pid)  # nothing of this job outlives the launcher
+        if proc.poll() is None:  # interrupted ourselves: nothing of this job outlives the launcher
+            _kill_group(proc.pid)
         reader.join(timeout=5)
     return 128 + got[0] if got else rc
 
 
-def _kill_group(pgid: int) -> None:
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc): torchrun starts each worker in a session of its own, so killing
+    torchrun's process group would miss them."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL torchrun and everything it started (a stopped or hung worker included): no orphans."""
+    victims = _descendants(pid) if Path("/proc").is_dir() else []
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
+    for v in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(v, signal.SIGKILL)
