@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     for mod in ("autoplan.search.cli", "autoplan.inspect.cli", "autoplan.runtime.cli", "autoplan.codegen.cli",
-                "autoplan.tune.cli"):
+                "autoplan.tune.cli", "autoplan.prepare_data"):
         try:
             module = __import__(mod, fromlist=["register"])
         except ModuleNotFoundError as e:

@@ -69,7 +69,7 @@ def _error(capsys) -> str:
 
 def test_save_and_resume_equals_uninterrupted(base, tmp_path):
     ck = base / "ck"
-    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_2", "step_4"]
+    assert sorted(p.name for p in ck.iterdir() if not p.name.startswith(".")) == ["latest", "step_2", "step_4"]
     assert (ck / "latest").read_text().strip() == "step_4"
     log = tmp_path / "resumed.jsonl"
     assert _train("--plan", _plan(tmp_path), "--steps", "4", "--resume", ck / "step_2", "--log", log) == 0
@@ -167,7 +167,7 @@ def test_failed_save_keeps_the_previous_checkpoint(base, tmp_path, monkeypatch, 
     assert _train("--plan", _plan(tmp_path), "--steps", "6", "--resume", ck, "--save", ck) == 2
     line = _error(capsys)
     assert "saving checkpoint" in line and "step_6 failed" in line and "disk full" in line
-    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_2", "step_4"]  # no step_6, no temporary
+    assert sorted(p.name for p in ck.iterdir() if not p.name.startswith(".")) == ["latest", "step_2", "step_4"]  # no step_6, no temporary
     assert (ck / "latest").read_text().strip() == "step_4"
     monkeypatch.setattr(dcp, "save", real_save)
     log = tmp_path / "after.jsonl"
