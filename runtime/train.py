@@ -253,7 +253,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
 
     from . import checkpoint, faults
     from .engine import Trainer, tokens_per_step
-    from .measure import StepMemory, memory_step, profile_record, render_profile
+    from .measure import StepMemory, memory_step, profile_record
 
     rank = dist.get_rank()
     log = None
@@ -387,6 +387,8 @@ def _report_step(args: argparse.Namespace, log, rec: dict, predicted: float, spi
     if log and profile:
         log.write(json.dumps(profile) + "\n")
     if profile and not args.quiet:
+        from .measure import render_profile
+
         render_profile(profile)
     if log:
         log.write(json.dumps(rec) + "\n")
