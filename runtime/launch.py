@@ -66,6 +66,18 @@ def check_launch(plan, nproc_per_node: int | None, nnodes: int, rdzv_endpoint: s
     return nproc_per_node, warnings
 
 
+def _resume_dir(train_args: Sequence[str]) -> str | None:
+    """The DIR of `--resume DIR` / `--resume=DIR` among the training arguments (the last one wins, as argparse)."""
+    found = None
+    args = list(train_args)
+    for i, a in enumerate(args):
+        if a == "--resume" and i + 1 < len(args):
+            found = args[i + 1]
+        elif a.startswith("--resume="):
+            found = a.split("=", 1)[1]
+    return found
+
+
 def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Sequence[str] = (),
         env: dict[str, str] | None = None, *, nnodes: int = 1, rdzv_endpoint: str | None = None,
         rdzv_id: str = "autoplan", print_command: bool = False) -> int:
@@ -79,6 +91,11 @@ def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Se
     nproc, warnings = check_launch(plan, nproc_per_node, nnodes, rdzv_endpoint)
     for w in warnings:
         print(f"autoplan run: warning: {w}", file=sys.stderr)
+    resume = _resume_dir(train_args)
+    if resume is not None:  # refuse a foreign checkpoint here, before any rank could unpickle it (SECURITY.md)
+        from autoplan.runtime import checkpoint
+
+        checkpoint.check_trusted(checkpoint.resolve(resume))
     cmd = torchrun_command(plan_path, nproc, train_args, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     if print_command:
         print(f"PYTHONPATH={shlex.quote(str(ROOT))} OMP_NUM_THREADS=1 " + shlex.join(cmd))
