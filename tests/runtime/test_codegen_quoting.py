@@ -88,7 +88,7 @@ def _free_string_paths(plan: Plan) -> list[tuple]:
     base = plan.model_dump(mode="python")
     free = []
     for path, v in _walk(base):
-        if not isinstance(v, str):
+        if not isinstance(v, str) and v is not None:  # None: an optional field that may hold text
             continue
         trial = plan.model_dump(mode="python")
         _set(trial, path, _PROBE)
