@@ -201,7 +201,6 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
     not run: a layout whose degrees do not multiply to the world size, a micro-batch that leaves sequences of
     the global batch untrained, stages that skip or repeat layers, names that would print control characters.
     """
-    from autoplan.cost_models.errors import ConfigError
     from autoplan.cost_models.specs import check_config
 
     def bad(rule: str, detail: str) -> PlanError:
@@ -217,7 +216,7 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
         raise bad("parallel.dp must be resolved", "dp is null")
     try:
         check_config(c, plan.model, plan.cluster, plan.training, stage_layers=False)
-    except ConfigError as e:
+    except AutoplanError as e:  # ConfigError, or the layout parser's own error
         raise bad(e.rule, e.detail) from None
     n = c.pp * c.vp
     if len(plan.stages) != n:

@@ -73,7 +73,7 @@ def _header(p: StageProgram) -> str:
         f"plan          {one_line(plan.content_hash or plan.compute_hash())}",
         f"model         {_describe_model(plan)}",
         f"cluster       {one_line(plan.cluster.name)}, {plan.world_size} ranks ({plan.cluster.backend})",
-        f"parallel      {c.to_string()}",
+        f"parallel      {one_line(c.to_string())}",
         f"stage         {st.index} on pipeline rank {st.pp_rank} (ranks {', '.join(map(str, p.ranks))}): "
         + " + ".join(parts),
         f"schedule      {c.schedule if c.pp > 1 else 'none (pp=1)'}; {n_micro} micro-batches of {c.mbs} "

@@ -121,6 +121,7 @@ def _stage(i, **kw):
     (lambda d: d["parallel"].update(sp=0), "parallel.sp: Input should be a valid boolean"),
     (lambda d: d["stages"][0].update(forward_s=-1.0), "greater than or equal to 0"),
     (lambda d: d["parallel"].update(tensor=2), "Extra inputs are not permitted"),
+    (lambda d: d["parallel"].update(layout='Et|tL"""\nimport os'), "is inconsistent"),
     (lambda d: d["model"].update(activation="os.system"), "does not match the schema"),
 ])
 def test_rehashed_edits_are_refused(small, tmp_path, edit, needle):
