@@ -256,26 +256,56 @@ def resolve(path: str | Path) -> Path:
                           "pass a step_<n> directory written by --save, or its parent")
 
 
-def inspect(path: str | Path, *, checksums: bool = True) -> dict[str, Any]:
-    """Validate a checkpoint without any process group (manifest and checksums first); returns its
-    autoplan_checkpoint.json plus "path"."""
-    ckpt = resolve(path)
-    verify(ckpt, checksums=checksums)
-    incomplete_hint = "resume from an earlier checkpoint (the parent's `latest` names the last complete one)"
+# The keys autoplan's own checkpoint file always holds (see `save`).
+_AUTOPLAN_KEYS = ("format", "step", "plan_hash", "layout", "model", "global_batch_size", "seq_length")
+
+
+def check_trusted(step_dir: str | Path, *, checksums: bool = True) -> dict[str, Any]:
+    """Refuse a checkpoint directory that autoplan did not write, before anything in it is unpickled.
+
+    DCP's `.metadata` is a pickle: loading it runs whatever code it names (SECURITY.md), so `--resume` reads it
+    only from a directory whose checksum manifest (`read_manifest`: `"writer": "autoplan"`, written last) verifies
+    and which holds autoplan's own checkpoint file. This tells autoplan's checkpoints from other tools' DCP
+    directories, unfinished saves and files changed after saving; it is not a signature (anyone can write a
+    manifest), so a checkpoint from someone else must still be trusted like their code. Returns the parsed
+    autoplan_checkpoint.json.
+    """
+    ckpt = Path(step_dir)
+    hint = ("resume only from a checkpoint written by `autoplan run --save` that you trust (SECURITY.md), or an "
+            "earlier complete one (the parent's `latest` names it)")
+    if not (ckpt / MANIFEST_NAME).is_file():
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete or was not written by autoplan",
+                              f"no {MANIFEST_NAME} (autoplan writes it last, after every shard); its DCP .metadata "
+                              "is a pickle and is not read", hint)
+    verify(ckpt, checksums=checksums)  # manifest: writer, version, every file's size (and sha256)
     meta_path = ckpt / META_FILE
     if not meta_path.is_file():
-        raise CheckpointError(f"checkpoint {ckpt} is incomplete", f"no {META_FILE} (written after every shard)",
-                              incomplete_hint)
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete or was not written by autoplan",
+                              f"no {META_FILE} (autoplan writes it after every shard); its DCP .metadata is a pickle "
+                              "and is not read", hint)
     try:
         meta = json.loads(meta_path.read_text())
-        step = int(meta["step"])
+        missing = [k for k in _AUTOPLAN_KEYS if k not in meta]
+        if missing:
+            raise KeyError(", ".join(missing))
+        meta["step"] = int(meta["step"])
         meta["model"]["name"]  # noqa: B018 (presence check)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt} is corrupt", f"{META_FILE}: {type(e).__name__}: {e}",
-                              incomplete_hint) from None
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt or was not written by autoplan",
+                              f"{META_FILE}: {type(e).__name__}: {e}"[:300], hint) from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {ckpt} has format {meta.get('format')!r}", f"this runtime reads {FORMAT}",
                               "resume with the autoplan version that wrote it")
+    return meta
+
+
+def inspect(path: str | Path, *, checksums: bool = True) -> dict[str, Any]:
+    """Validate a checkpoint without any process group (manifest and checksums first, then autoplan's own file);
+    returns its autoplan_checkpoint.json plus "path"."""
+    ckpt = resolve(path)
+    incomplete_hint = "resume from an earlier checkpoint (the parent's `latest` names the last complete one)"
+    meta = check_trusted(ckpt, checksums=checksums)  # before read_dcp_metadata: a foreign .metadata is never unpickled
+    step = meta["step"]
     md = read_dcp_metadata(ckpt)
     need: dict[str, int] = {}
     for info in md.storage_data.values():

@@ -160,6 +160,18 @@ def _value(args: list[str], flag: str) -> str | None:
     return None
 
 
+def _resume_dir(train_args: Sequence[str]) -> str | None:
+    """The DIR of `--resume DIR` / `--resume=DIR` among the training arguments (the last one wins, as argparse)."""
+    found = None
+    args = list(train_args)
+    for i, a in enumerate(args):
+        if a == "--resume" and i + 1 < len(args):
+            found = args[i + 1]
+        elif a.startswith("--resume="):
+            found = a.split("=", 1)[1]
+    return found
+
+
 def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Sequence[str] = (),
         env: dict[str, str] | None = None, *, nnodes: int = 1, rdzv_endpoint: str | None = None,
         rdzv_id: str = "autoplan", print_command: bool = False, max_restarts: int = 0,
@@ -186,6 +198,12 @@ def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Se
     for w in warnings:
         print(f"autoplan run: warning: {w}", file=sys.stderr)
     args = restart_args(list(train_args), max_restarts)
+    resume = _resume_dir(train_args)
+    if resume is not None:  # refuse a foreign checkpoint here, before any rank could unpickle it (SECURITY.md)
+        from autoplan.runtime import checkpoint
+
+        # manifest and sizes only: the workers verify every checksum (and fall back on restarts) themselves
+        checkpoint.check_trusted(checkpoint.resolve(resume), checksums=False)
     cmd = torchrun_command(plan_path, nproc, args, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                            max_restarts=max_restarts)
     if print_command:
