@@ -274,7 +274,7 @@ def check_trusted(step_dir: str | Path, *, checksums: bool = True) -> dict[str, 
     hint = ("resume only from a checkpoint written by `autoplan run --save` that you trust (SECURITY.md), or an "
             "earlier complete one (the parent's `latest` names it)")
     if not (ckpt / MANIFEST_NAME).is_file():
-        raise CheckpointError(f"checkpoint {ckpt} is incomplete or was not written by autoplan",
+        raise ManifestError(f"checkpoint {ckpt} is incomplete or was not written by autoplan",
                               f"no {MANIFEST_NAME} (autoplan writes it last, after every shard); its DCP .metadata "
                               "is a pickle and is not read", hint)
     verify(ckpt, checksums=checksums)  # manifest: writer, version, every file's size (and sha256)

@@ -129,7 +129,7 @@ def test_foreign_missing_or_corrupt_manifest_is_a_typed_error(base, tmp_path):
     with pytest.raises(checkpoint.ManifestError, match="is corrupt"):
         checkpoint.read_manifest(ck / "step_4")
     man.unlink()
-    with pytest.raises(checkpoint.ManifestError, match="is incomplete: no autoplan-manifest.json"):
+    with pytest.raises(checkpoint.ManifestError, match="was not written by autoplan: no autoplan-manifest.json"):
         checkpoint.inspect(ck / "step_4")
     (ck / "step_3" / "extra.distcp").write_bytes(b"x")
     with pytest.raises(checkpoint.CheckpointError, match="files its manifest does not list"):
