@@ -87,9 +87,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     model, cluster, training, profiles = load_workload(args)
     est = estimate_config(model, cluster, training, args.parallel, profiles=profiles)
     if args.output:
+        from .models.source import attach
+
         plan = plan_from_estimate(model, cluster, training, est, kernels=args.kernels,
                                   command=" ".join(sys.argv))
-        plan.save(args.output)
+        attach(plan, args.model).save(args.output)
     if args.json:
         d = est.as_dict()
         d["memory_breakdown_gib"] = [m.gib() for m in est.memory]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -96,11 +96,16 @@ class Plan(_Frozen):
     prediction: Prediction
     runners_up: list[RunnerUp] = Field(default_factory=list)
     provenance: Provenance
+    model_source: dict[str, Any] | None = Field(
+        default=None, description="What the runtime builds with autoplan.models.load: {'hf_config': {...}} (the "
+        "Hugging Face config) or {'factory': 'pkg.module:fn'}; null = the zoo model of `model` (presets, spec files).")
     content_hash: str = Field(default="", description="sha256 of the plan without this field.")
 
     # ---- hashing and files
     def compute_hash(self) -> str:
-        body = self.model_dump(mode="json", exclude={"content_hash"})
+        # model_source left out when null, so plans written before the field existed keep their hash
+        skip = {"content_hash"} | ({"model_source"} if self.model_source is None else set())
+        body = self.model_dump(mode="json", exclude=skip)
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     def sealed(self) -> Plan:

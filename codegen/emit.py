@@ -18,6 +18,8 @@ from .program import StageProgram, stage_programs
 
 _IMPORTS = '''from __future__ import annotations
 
+import json  # noqa: F401
+
 import torch
 from torch.distributed.tensor import Replicate, Shard  # noqa: F401
 from torch.distributed.tensor.parallel import (  # noqa: F401
@@ -30,7 +32,7 @@ from torch.distributed.tensor.parallel import (  # noqa: F401
 )
 
 from autoplan.plan import StagePlan
-from autoplan.zoo import build_model, init_weights
+from autoplan.models import build as build_model, init_weights
 from autoplan.codegen.fuse import substitute_kernels  # noqa: F401
 from autoplan.cost_models.specs import ModelSpec
 from autoplan.runtime.parallelize import (  # noqa: F401
@@ -118,12 +120,19 @@ def _dict_literal(styles: dict, indent: str) -> str:
 
 def stage_source(p: StageProgram) -> str:
     """The Python source of one stage (see the module docstring)."""
+    from autoplan.models import layout_spec
+
     plan, st, c = p.plan, p.stage, p.plan.parallel
+    tied = layout_spec(plan).tie_embeddings
     spec_json = json.dumps(plan.model.model_dump(mode="json"))
     stage_json = json.dumps(st.model_dump(mode="json"))
     out = [_header(p), _IMPORTS, ""]
     out.append(f'PLAN_HASH = "{plan.short_hash}"')
     out.append(f"SPEC = ModelSpec.model_validate_json({spec_json!r})")
+    if plan.model_source and "hf_config" in plan.model_source:
+        out.append(f"SOURCE = json.loads({json.dumps(plan.model_source['hf_config'])!r})  # Hugging Face config")
+    else:
+        out.append("SOURCE = SPEC  # the zoo model of this spec")
     out.append(f"STAGE = StagePlan.model_validate_json({stage_json!r})")
     out.append("")
     out.append("")
@@ -132,7 +141,7 @@ def stage_source(p: StageProgram) -> str:
          'mesh built."""']
     lo, hi = st.layers
     b.append(f"    # 1. pipeline cut: keep layers {lo}..{hi - 1} of {plan.model.num_layers} (global keys kept)")
-    b.append('    model = build_model(SPEC, device="meta")')
+    b.append('    model = build_model(SOURCE, device="meta")  # autoplan.models.build: the planned architecture')
     if p.deleted_layers:
         keys = ", ".join(f'"{i}"' for i in p.deleted_layers)
         b.append(f"    for key in [{keys}]:")
@@ -144,7 +153,7 @@ def stage_source(p: StageProgram) -> str:
         b.append("    model.norm = None")
         b.append("    model.output = None")
     b.append("    model = model.to_empty(device=device)")
-    if plan.model.tie_embeddings and st.has_embedding and st.has_head:
+    if tied and st.has_embedding and st.has_head:
         b.append("    model.output.weight = model.tok_embeddings.weight  # tied")
     b.append("    init_weights(model, seed)  # values depend only on (seed, parameter name): same as one process")
     if p.kernels:
@@ -161,7 +170,7 @@ def stage_source(p: StageProgram) -> str:
             b.append(f"    parallelize_module({target}, tp, {_dict_literal(plain, '    ')})")
             if len(plain) != len(styles):
                 b.append("    PositionsSequenceParallel.apply(model.pos_embeddings, tp)")
-        if plan.model.tie_embeddings and st.has_embedding and st.has_head:
+        if tied and st.has_embedding and st.has_head:
             b.append("    model.output.weight = model.tok_embeddings.weight  # re-tie: both Shard(0) over the vocab")
     else:
         b.append("    # 3. tensor parallelism: none")

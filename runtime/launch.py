@@ -76,6 +76,9 @@ def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Se
     from autoplan.plan import load_plan
 
     plan = load_plan(plan_path)
+    from autoplan.models import check_plan_model
+
+    check_plan_model(plan)  # the recorded architecture builds as planned: refused before launch, not in torchrun
     nproc, warnings = check_launch(plan, nproc_per_node, nnodes, rdzv_endpoint)
     for w in warnings:
         print(f"autoplan run: warning: {w}", file=sys.stderr)

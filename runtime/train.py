@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--save-every", type=int, default=0, metavar="K", help="also checkpoint every K steps")
     ap.add_argument("--resume", default=None, metavar="DIR",
                     help="continue from a checkpoint (a step_<n> dir, or its parent with `latest`); any layout")
+    ap.add_argument("--init-from", default=None, metavar="DIR",
+                    help="start from a Hugging Face checkpoint (safetensors + config.json); the plan must be for "
+                         "that config. Each rank reads only its slices. --resume takes precedence")
     ap.add_argument("--quiet", action="store_true")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # torchrun ... -m autoplan.runtime.train -- --plan p.json --log f
@@ -84,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         from .parallel_dims import ParallelDims, check_model_matches
 
         plan = load_plan(args.plan)
+        from autoplan.models import check_plan_model
+
+        check_plan_model(plan)  # the recorded architecture builds as planned (refuses unsupported fields)
         if args.model:
             from autoplan.specs import load_model
 
@@ -92,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps < 1:
             raise AutoplanError("--steps must be >= 1", f"got {args.steps}", "pass --steps 10")
         check_checkpoint_args(args, plan)
+        if args.init_from:
+            from .hf_init import check_init_from
+
+            check_init_from(plan, args.init_from)
     except AutoplanError as e:
         if rank == 0:
             print(f"autoplan run: {type(e).__name__}: {e.one_line()}", file=sys.stderr, flush=True)
@@ -158,7 +168,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         # again at every step, so a resumed run draws the masks an uninterrupted one would (same layout).
         rng_seed = args.seed + 1_000_003 * (dims.rank("dp") * dims.cp + dims.rank("cp")) + 7_919 * dims.rank("pp")
         trainer = Trainer(plan, dims, device=device, seed=args.seed, lr=args.lr,
-                          weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm)
+                          weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                          init_from=None if args.resume else args.init_from)
         t = plan.training
         if args.data:
             data = MemmapTokenDataset(args.data, t.seq_length, t.global_batch_size, plan.model.vocab_size,

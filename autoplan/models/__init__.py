@@ -128,3 +128,77 @@ def check_same_arch(arch: Arch, directory: str | Path) -> None:
                         f"{f}: planned {getattr(arch, f)!r}, checkpoint {getattr(other, f)!r}"
                         + (f" (+{len(diff) - 1} more fields)" if len(diff) > 1 else ""),
                         "plan with --model DIR/config.json of this checkpoint")
+
+
+def init_weights(model, seed: int = 0) -> None:
+    """Deterministic (seed, name) initialisation of a zoo or Hugging Face-family model (or a pipeline stage of
+    one); the runtime calls it after materialising a meta-device stage."""
+    from .blocks import CausalLM
+
+    if isinstance(model, CausalLM):
+        from .blocks import init_weights as init_hf
+
+        init_hf(model, seed)
+    else:
+        from autoplan.zoo import init_weights as init_zoo
+
+        init_zoo(model, seed)
+
+
+class LayoutSpec:
+    """What codegen's layout tables read from a ModelSpec (position, activation, norm, MoE layers), answered
+    from an Arch, so tensor parallelism follows the real module tree (irregular MoE layers, Gemma 2's
+    sandwich norms, a gated MLP whatever the activation)."""
+
+    def __init__(self, arch: Arch) -> None:
+        self.arch = arch
+        self.position = arch.position
+        self.activation = "swiglu" if arch.gated_mlp else ("relu" if arch.act == "relu" else "gelu")
+        self.norm = arch.norm
+        self.sandwich_norms = arch.sandwich_norms
+        self.residual = arch.residual
+        self.final_norm = arch.final_norm
+        self.moe = arch.moe
+        self.tie_embeddings = arch.tie_embeddings
+        self.num_layers = arch.num_layers
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.arch.is_moe_layer(i)
+
+
+def layout_spec(plan):
+    """The plan's model as codegen's tables read it: the ModelSpec for the zoo, a LayoutSpec for HF families."""
+    src = plan.model_source or {}
+    if "hf_config" in src:
+        return LayoutSpec(arch_from_hf(src["hf_config"]))
+    return plan.model
+
+
+def check_plan_model(plan) -> None:
+    """Start-up check of `autoplan run` (before any process group): the plan's recorded model can be built as
+    planned. Refuses unsupported config fields (UnsupportedConfigError), a config whose sizes differ from the
+    plan's ModelSpec, and layouts the family's attention cannot take (context parallelism with windows,
+    soft-caps or a non-default scale, which the cp attention core does not implement)."""
+    from autoplan.cost_models.errors import ConfigError, PlanError
+
+    src = plan.model_source or {}
+    if "hf_config" not in src:
+        return
+    arch = arch_from_hf(src["hf_config"])
+    m = plan.model
+    for name, planned, built in (("num_layers", m.num_layers, arch.num_layers),
+                                 ("hidden_size", m.hidden_size, arch.hidden_size),
+                                 ("num_attention_heads", m.num_attention_heads, arch.num_heads),
+                                 ("kv_heads", m.kv_heads, arch.num_kv_heads),
+                                 ("vocab_size", m.vocab_size, arch.vocab_size)):
+        if planned != built:
+            raise PlanError("the plan's model summary and its recorded Hugging Face config disagree",
+                            f"{name}: summary {planned}, config {built}", "re-plan with autoplan search")
+    c = plan.parallel
+    if c.cp > 1:
+        why = [f for f, bad in (("sliding_window", any(arch.is_sliding(i) for i in range(arch.num_layers))),
+                                ("attn_logit_softcapping", arch.attn_softcap is not None),
+                                ("query_pre_attn_scalar", arch.attn_scale is not None)) if bad]
+        if why:
+            raise ConfigError(f"context parallelism does not implement {arch.family}'s {why[0]}",
+                              f"cp={c.cp}", "re-plan with --fix cp=1")

@@ -28,7 +28,7 @@ class Rule:
     kind: str = "copy"
 
 
-def _llama_layer(arch: Arch, i: int) -> list[Rule]:
+def _llama_layer(arch: Arch, i: int, disk: bool) -> list[Rule]:
     p, o = f"model.layers.{i}.", f"layers.{i}."
     rules = [Rule(p + "input_layernorm.weight", (o + "attention_norm.weight",)),
              Rule(p + "post_attention_layernorm.weight", (o + "mlp_norm.weight",))]
@@ -48,7 +48,21 @@ def _llama_layer(arch: Arch, i: int) -> list[Rule]:
     rules.append(Rule(p + "self_attn.o_proj.weight", (o + "attention.wo.weight",)))
     if arch.o_bias:
         rules.append(Rule(p + "self_attn.o_proj.bias", (o + "attention.wo.bias",)))
-    if arch.is_moe_layer(i):
+    if arch.is_moe_layer(i) and disk:  # checkpoint files keep one tensor per expert (Hub and save_pretrained)
+        m = arch.moe
+        mixtral = arch.family == "mixtral"
+        moe = p + ("block_sparse_moe." if mixtral else "mlp.")
+        rules.append(Rule(moe + "gate.weight", (o + "mlp.router.weight",)))
+        names = (("w1", "w1"), ("w3", "w3"), ("w2", "w2")) if mixtral else \
+            (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
+        for e in range(m.num_experts):
+            for hf, w in names:
+                rules.append(Rule(moe + f"experts.{e}.{hf}.weight", (o + f"mlp.experts.{e}.{w}.weight",)))
+        if m.shared_ffn:
+            for hf, w in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+                rules.append(Rule(p + f"mlp.shared_expert.{hf}.weight", (o + f"mlp.shared_expert.{w}.weight",)))
+            rules.append(Rule(p + "mlp.shared_expert_gate.weight", (o + "mlp.shared_expert_gate.weight",)))
+    elif arch.is_moe_layer(i):  # transformers 5 modules: experts fused into 3-D tensors
         m = arch.moe
         rules.append(Rule(p + "mlp.gate.weight", (o + "mlp.router.weight",)))
         rules.append(Rule(p + "mlp.experts.gate_up_proj",
@@ -71,11 +85,11 @@ def _llama_layer(arch: Arch, i: int) -> list[Rule]:
     return rules
 
 
-def _llama(arch: Arch) -> list[Rule]:
+def _llama(arch: Arch, disk: bool) -> list[Rule]:
     rules = [Rule("model.embed_tokens.weight", ("tok_embeddings.weight",)),
              Rule("model.norm.weight", ("norm.weight",))]
     for i in range(arch.num_layers):
-        rules += _llama_layer(arch, i)
+        rules += _llama_layer(arch, i, disk)
     return rules
 
 
@@ -140,13 +154,15 @@ def _opt(arch: Arch) -> list[Rule]:
 
 
 _FAMILY_RULES = {"gpt2": _gpt2, "gpt_neox": _gpt_neox, "opt": _opt}
-# the head: "lm_head.weight" in every family here (absent from the files when tied)
 
 
-def rules(arch: Arch) -> list[Rule]:
-    out = _FAMILY_RULES.get(arch.family, _llama)(arch)
-    if not arch.tie_embeddings:
-        out.append(Rule("lm_head.weight", ("output.weight",)))
+def rules(arch: Arch, *, disk: bool = True) -> list[Rule]:
+    """The family's rules. disk=True: the names in checkpoint files (what save_pretrained writes and the Hub
+    holds); disk=False: the names of transformers' modules (state_dict), which differ for MoE experts only."""
+    out = _FAMILY_RULES[arch.family](arch) if arch.family in _FAMILY_RULES else _llama(arch, disk)
+    if not arch.tie_embeddings:  # GPT-NeoX files name the head embed_out (its module: lm_head)
+        head = "embed_out.weight" if disk and arch.family == "gpt_neox" else "lm_head.weight"
+        out.append(Rule(head, ("output.weight",)))
     return out
 
 
@@ -198,15 +214,17 @@ def split(rule: Rule, t: torch.Tensor, shapes: list[torch.Size], arch: Arch) -> 
     raise ValueError(k)
 
 
-def to_hf(state: dict[str, torch.Tensor], arch: Arch) -> dict[str, torch.Tensor]:
-    """Our full (unsharded) state dict -> HF tensors (tied head omitted, as transformers saves it)."""
-    return {r.hf: join(r, [state[n] for n in r.ours], arch) for r in rules(arch)}
+def to_hf(state: dict[str, torch.Tensor], arch: Arch, *, disk: bool = False) -> dict[str, torch.Tensor]:
+    """Our full (unsharded) state dict -> HF tensors (tied head omitted, as transformers saves it); disk=False
+    gives transformers' module names, disk=True the checkpoint files' names."""
+    return {r.hf: join(r, [state[n] for n in r.ours], arch) for r in rules(arch, disk=disk)}
 
 
-def from_hf(tensors: dict[str, torch.Tensor], arch: Arch, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+def from_hf(tensors: dict[str, torch.Tensor], arch: Arch, shapes: dict[str, torch.Size], *,
+            disk: bool = False) -> dict[str, torch.Tensor]:
     """HF tensors -> our state dict. `shapes`: our parameter shapes (from a meta model)."""
     out: dict[str, torch.Tensor] = {}
-    for r in rules(arch):
+    for r in rules(arch, disk=disk):
         out.update(zip(r.ours, split(r, tensors[r.hf], [shapes[n] for n in r.ours], arch), strict=True))
     return out
 
@@ -281,7 +299,7 @@ def load_full(directory, arch: Arch, shapes: dict[str, torch.Size]) -> dict[str,
     """Our full state dict from a checkpoint directory (single process)."""
     files = CheckpointFiles(directory)
     check_names(files, arch)
-    return from_hf({r.hf: files.get(r.hf) for r in rules(arch)}, arch, shapes)
+    return from_hf({r.hf: files.get(r.hf) for r in rules(arch)}, arch, shapes, disk=True)
 
 
 def save(state: dict[str, torch.Tensor], arch: Arch, directory, *, max_shard_bytes: int = 5 << 30) -> list:
@@ -293,7 +311,7 @@ def save(state: dict[str, torch.Tensor], arch: Arch, directory, *, max_shard_byt
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in to_hf(state, arch).items()}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in to_hf(state, arch, disk=True).items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, v in tensors.items():
@@ -329,3 +347,50 @@ def save(state: dict[str, torch.Tensor], arch: Arch, directory, *, max_shard_byt
         (out / "generation_config.json").write_text(json.dumps(gen, indent=1))
         written.append(out / "generation_config.json")
     return written
+
+
+# ------------------------------------------------------------------------------------ sliced reading
+
+
+def rule_index(arch: Arch) -> dict[str, tuple[Rule, int]]:
+    """Our parameter name -> (its rule, its position among the rule's tensors); a tied head reads the embedding."""
+    out = {n: (r, j) for r in rules(arch) for j, n in enumerate(r.ours)}
+    if arch.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def read_box(files: CheckpointFiles, rule: Rule, j: int, shapes: list[torch.Size], offset: tuple[int, ...],
+             size: tuple[int, ...], arch: Arch) -> torch.Tensor:
+    """The box [offset, offset + size) of our tensor number j of `rule`, read from the HF file with
+    safetensors' get_slice: only those rows/columns are read, never the whole tensor (nor the whole model)."""
+    sl = files.get_slice(rule.hf)
+    box = tuple(slice(o, o + n) for o, n in zip(offset, size, strict=True))
+    k = rule.kind
+    if k == "copy":
+        return sl[box] if box else sl[:]
+    if k == "t":
+        return sl[box[1], box[0]].t().contiguous()
+    if k in ("cat", "cat_t"):
+        start = sum(s[0] for s in shapes[:j])
+        rows = slice(start + box[0].start, start + box[0].stop)
+        if k == "cat_t":  # HF (in, out): our rows are its columns
+            return sl[box[1], rows].t().contiguous() if len(box) > 1 else sl[rows]
+        return sl[(rows, *box[1:])]
+    if k == "heads3":  # our row r of part j (head r // dh) is HF row (r // dh) * 3 dh + j dh + r % dh
+        dh = arch.head_dim
+        pieces, r = [], box[0].start
+        while r < box[0].stop:
+            head, within = divmod(r, dh)
+            n = min(dh - within, box[0].stop - r)
+            src = head * 3 * dh + j * dh + within
+            pieces.append(sl[(slice(src, src + n), *box[1:])])
+            r += n
+        return torch.cat(pieces, 0)
+    if k == "stack_cat":  # (E, 2F, h): our tensor j is expert j // 2, gate (even) or up (odd) rows
+        e, half = divmod(j, 2)
+        start = half * shapes[j][0]
+        return sl[e, start + box[0].start : start + box[0].stop, box[1]]
+    if k == "stack":
+        return sl[(j, *box)]
+    raise ValueError(k)

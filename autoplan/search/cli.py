@@ -62,7 +62,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         result = search(model, cluster, training, profiles=profiles, fix=fix, top=args.top,
                         command=" ".join(["autoplan", *sys.argv[1:]]), kernels=args.kernels)
     if args.output:
-        result.plan.save(args.output)
+        from autoplan.models.source import attach
+
+        attach(result.plan, args.model).save(args.output)
     if args.json:
         print_json(result.as_json())
         return 0
