@@ -232,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_json(p)
     p.set_defaults(func=cmd_demo)
 
-    for mod in ("autoplan.search.cli", "autoplan.inspect.cli", "autoplan.runtime.cli", "autoplan.codegen.cli"):
+    for mod in ("autoplan.search.cli", "autoplan.inspect.cli", "autoplan.runtime.cli", "autoplan.codegen.cli",
+                "autoplan.models.cli"):
         try:
             module = __import__(mod, fromlist=["register"])
         except ModuleNotFoundError as e:

@@ -196,6 +196,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                   f"{trainer.n_micro} micro-batches of {trainer.mbs}, {device.type}", flush=True)
             if start >= args.steps:
                 print(f"checkpoint is at step {start}, --steps is {args.steps}: nothing to train", flush=True)
+        n_params = trainer_parameter_count(trainer)  # the whole model's, summed over the pipeline stages
         predicted = plan.prediction.step_time_s
         # this rank's pipeline stage: the memory the plan predicts for it (on a GPU, compare with the allocator's
         # peak; on the CPU the measured figure is the process's RSS, interpreter and libraries included)
@@ -215,6 +216,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                 "predicted_step_time_s": predicted,
                 "predicted_memory_gib": predicted_mem,
                 "grad_norm": res.grad_norm,
+                "parameters_trained": n_params,
                 "lr": lr,
             }
             if rank == 0:
@@ -232,6 +234,31 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
     finally:
         if log:
             log.close()
+
+
+def trainer_parameter_count(trainer) -> int:
+    """Parameters of the whole model being trained (global shapes, tied weights once), summed over pipeline
+    stages: what the capture counts for the same model."""
+    import torch.distributed as dist
+
+    local = sum(p.numel() for _, p in trainer.pm.named_parameters() if not _tied_copy(trainer, _))
+    dims = trainer.dims
+    if not dims.pp_enabled:
+        return local
+    import torch
+
+    t = torch.tensor([local], dtype=torch.int64)
+    group = dims["pp"].get_group()
+    dist.all_reduce(t, group=group)
+    return int(t.item())
+
+
+def _tied_copy(trainer, name: str) -> bool:
+    """A pipeline's second copy of a tied LM head (the first stage holds the embedding it mirrors)."""
+    from autoplan.models import layout_spec
+
+    return (name == "output.weight" and layout_spec(trainer.plan).tie_embeddings
+            and not any(s.plan.has_embedding for s in trainer.pm.stages))
 
 
 def exit_process(rc: int) -> NoReturn:

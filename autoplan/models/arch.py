@@ -11,6 +11,7 @@ them (search/estimate print warnings) and `arch_from_hf(cfg)` raises `Unsupporte
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Callable
@@ -115,7 +116,7 @@ def read_hf_config(source: str | Path | dict) -> dict:
     """A config.json path, its directory, or a dict -> the config normalised by transformers (defaults filled,
     rope fields gathered into rope_parameters). transformers is the `hf` extra."""
     if isinstance(source, dict):
-        raw = dict(source)
+        raw = copy.deepcopy(source)  # transformers writes into nested dicts (rope_scaling) it is given
     else:
         p = Path(source)
         if p.is_dir():

@@ -43,10 +43,12 @@ CONFIGS: dict[str, dict] = {
 
 def hf_model(cfg: dict, seed: int = 0):
     """transformers' own model for `cfg`, eager attention, random weights (biases and norms randomised too)."""
+    import copy
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = {k: v for k, v in cfg.items() if k != "model_type"}
+    kw = copy.deepcopy({k: v for k, v in cfg.items() if k != "model_type"})  # transformers edits nested dicts
     config = AutoConfig.for_model(cfg["model_type"], **kw)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
