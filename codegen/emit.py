@@ -131,6 +131,8 @@ def stage_source(p: StageProgram) -> str:
     out.append(f"SPEC = ModelSpec.model_validate_json({spec_json!r})")
     if plan.model_source and "hf_config" in plan.model_source:
         out.append(f"SOURCE = json.loads({json.dumps(plan.model_source['hf_config'])!r})  # Hugging Face config")
+    elif plan.model_source and "factory" in plan.model_source:
+        out.append(f"SOURCE = {plan.model_source['factory']!r}  # the user's module factory")
     else:
         out.append("SOURCE = SPEC  # the zoo model of this spec")
     out.append(f"STAGE = StagePlan.model_validate_json({stage_json!r})")
@@ -139,6 +141,9 @@ def stage_source(p: StageProgram) -> str:
     b = ["def build(dims, *, seed: int = 0, device: torch.device = torch.device(\"cpu\")) -> torch.nn.Module:",
          f'    """Stage {st.index} as rank(s) {", ".join(map(str, p.ranks))} run it. dims: runtime.ParallelDims, '
          'mesh built."""']
+    if plan.model_source and "factory" in plan.model_source:
+        out.append("\n".join(b + _factory_body(plan)))
+        return "\n".join(out) + "\n"
     lo, hi = st.layers
     b.append(f"    # 1. pipeline cut: keep layers {lo}..{hi - 1} of {plan.model.num_layers} (global keys kept)")
     b.append('    model = build_model(SOURCE, device="meta")  # autoplan.models.build: the planned architecture')
@@ -191,6 +196,20 @@ def stage_source(p: StageProgram) -> str:
     b.append("    return model")
     out.append("\n".join(b))
     return "\n".join(out) + "\n"
+
+
+def _factory_body(plan: Plan) -> list[str]:
+    """A user module (autoplan.models.factory): data parallelism only (other layouts are refused at start-up)."""
+    c = plan.parallel
+    b = ["    # 1. the module the factory returns, materialised and initialised under the seed (same on every rank)",
+         "    model = build_model(SOURCE, device=device, seed=seed)",
+         f"    # 7. precision: {plan.training.dtype}",
+         f'    apply_mixed_precision(model, "{plan.training.dtype}", device.type)']
+    if (c.dp or 1) * c.cp > 1:
+        b.append(f"    # 8. data parallelism over dp x cp, ZeRO-{c.zero}: one unit per repeated block, plus the root")
+        b.append(f'    apply_dp(model, dims["dp_cp"], {c.zero})')
+    b.append("    return model")
+    return b
 
 
 class _Lit:

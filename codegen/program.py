@@ -140,13 +140,14 @@ def stage_programs(plan: Plan) -> list[StageProgram]:
 
     c = plan.parallel
     spec = layout_spec(plan)
+    factory = "factory" in (plan.model_source or {})  # a user module: no kernel substitution (its own modules)
     out = []
     for st in plan.stages:
         out.append(StageProgram(
             plan=plan, stage=st,
             tp=tp_layout(spec, st, c.sp) if c.tp > 1 else {},
             recompute=recompute_regions(st),
-            kernels=kernel_substitutions(spec, st, plan.kernels, c.sp and c.tp > 1),
+            kernels={} if factory else kernel_substitutions(spec, st, plan.kernels, c.sp and c.tp > 1),
             ranks=stage_ranks(plan, st),
         ))
     return out

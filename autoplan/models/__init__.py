@@ -7,7 +7,8 @@
   * a Hugging Face config.json, its directory, or a config dict -> `blocks.CausalLM`, the family's own
     architecture (arch.FAMILIES: llama, mistral, mixtral, qwen2, qwen2_moe, gemma, gemma2, phi3, gpt2,
     gpt_neox, opt), every forward-relevant config field honoured or refused (`UnsupportedConfigError`)
-  * `package.module:factory` (or `path/file.py:factory`) -> the module the factory returns
+  * `package.module:factory` (or `path/file.py:factory`) -> the module the factory returns (factory.FactoryModel:
+    materialised and seeded if built on meta; forward returns the logits)
 
 `init_from=DIR` loads a Hugging Face safetensors checkpoint (hf_weights); its config must describe the same model.
 Weights are otherwise initialised deterministically by (seed, parameter name), as the runtime does.
@@ -70,10 +71,9 @@ def build(source: Any, *, device="cpu", seed: int = 0):
             init_weights(model, seed)
         return model
     if isinstance(source, str) and is_factory(source):
-        from autoplan.capture import load_module_factory
+        from .factory import build_factory
 
-        module, _inputs = load_module_factory(source)
-        return module.to(device) if torch.device(device).type != "meta" else module
+        return build_factory(source, device=device, seed=seed)
     from autoplan.specs import load_model
     from autoplan.zoo import build_model
 
@@ -182,6 +182,11 @@ def check_plan_model(plan) -> None:
     from autoplan.cost_models.errors import ConfigError, PlanError
 
     src = plan.model_source or {}
+    if "factory" in src:
+        from .factory import check_factory_plan
+
+        check_factory_plan(plan)
+        return
     if "hf_config" not in src:
         return
     arch = arch_from_hf(src["hf_config"])

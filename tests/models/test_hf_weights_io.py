@@ -123,3 +123,36 @@ def test_planning_warns_about_fields_the_runtime_refuses(tmp_path, capsys):
     problems = warn_unsupported(bad)
     assert [p.field for p in problems] == ["router_jitter_noise"]
     assert "router_jitter_noise=0.1" in capsys.readouterr().err
+
+
+def test_module_factory_trains_the_factory_module_with_fsdp(tmp_path):
+    """`autoplan run` of a module:factory plan trains the module the factory returns (dp=2, FSDP ZeRO-3 over its
+    blocks); the log's parameter count equals the capture's; a plan with tp is refused naming the module."""
+    from autoplan.capture import capture, load_module_factory
+    from autoplan.cost_models.errors import ConfigError
+    from autoplan.models import check_plan_model
+    from autoplan.plan import load_plan
+    from autoplan.workload import resolve_model
+
+    ref = "tests/capture/_models.py:tiny_lm"
+    spec, _profiles = resolve_model(ref)
+    cluster = load_cluster("local-cpu").with_gpus(2)
+    training = TrainingSpec(global_batch_size=4, seq_length=8, dtype="fp32")
+    plan = attach(make_plan(spec, cluster, training, "dp=2,zero=3", kernels="torch"), ref).save(tmp_path / "p.json")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "autoplan.cli", "run", str(plan), "--", "--steps", "2", "--quiet",
+           "--log-file", str(tmp_path / "log.jsonl")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    module, inputs = load_module_factory(ref)
+    captured = capture(module, inputs, name="tiny_lm")
+    assert recs[0]["parameters_trained"] == sum(p.numel() for p in module.parameters())
+    assert recs[0]["parameters_trained"] == captured.num_parameters
+    from autoplan.zoo import build_model
+
+    # the zoo model of the captured summary (what ran before) has another parameter count: the check can fail
+    assert sum(p.numel() for p in build_model(spec, device="meta").parameters()) != captured.num_parameters
+    tp_plan = attach(make_plan(spec, cluster, training, "tp=2", kernels="torch"), ref)
+    with pytest.raises(ConfigError, match="module tests/capture/_models.py:tiny_lm cannot be sharded as planned: tp=2"):
+        check_plan_model(load_plan(tp_plan.save(tmp_path / "tp.json")))
