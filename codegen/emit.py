@@ -58,7 +58,7 @@ def _header(p: StageProgram) -> str:
     n = len(plan.stages)
     dp = c.dp or 1
     n_micro = plan.training.global_batch_size // (dp * c.mbs)
-    parts = [f"layers {st.layers[0]}..{st.layers[1] - 1}"]
+    parts = [f"layers {st.layers[0]}..{st.layers[1] - 1}" if st.layers[1] > st.layers[0] else "no blocks"]
     if st.has_embedding:
         parts.insert(0, "embedding")
     if st.has_head:
@@ -145,7 +145,8 @@ def stage_source(p: StageProgram) -> str:
         out.append("\n".join(b + _factory_body(plan)))
         return "\n".join(out) + "\n"
     lo, hi = st.layers
-    b.append(f"    # 1. pipeline cut: keep layers {lo}..{hi - 1} of {plan.model.num_layers} (global keys kept)")
+    kept = f"layers {lo}..{hi - 1}" if hi > lo else "no blocks"
+    b.append(f"    # 1. pipeline cut: keep {kept} of {plan.model.num_layers} (global keys kept)")
     b.append('    model = build_model(SOURCE, device="meta")  # autoplan.models.build: the planned architecture')
     if p.deleted_layers:
         keys = ", ".join(f'"{i}"' for i in p.deleted_layers)
