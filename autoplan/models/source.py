@@ -48,12 +48,15 @@ def warn_unsupported(ref: Any, *, stream=None) -> list:
     cfg = hf_config_of(ref)
     if cfg is None:
         return []
+    from autoplan.cost_models.errors import AutoplanError
+
     try:
         problems = check(cfg)
-    except Exception as e:  # an unknown family or no transformers: say so, planning goes on analytically
-        problems = []
-        print(f"autoplan: warning: {getattr(e, 'rule', e)}; `autoplan run` will refuse this model",
-              file=stream or sys.stderr)
+    except AutoplanError as e:  # an unknown family or no transformers: planning goes on, the run would not
+        print(f"autoplan: warning: {e.rule}; `autoplan run` will refuse this model", file=stream or sys.stderr)
+        return []
+    except Exception:  # noqa: BLE001 (a config transformers rejects: the planner's own checks report it)
+        return []
     for p in problems:
         print(f"autoplan: warning: {cfg.get('model_type')}: config field {p.field}={p.value!r} cannot be honoured "
               f"by the runtime ({p.reason}); `autoplan run` will refuse it", file=stream or sys.stderr)
