@@ -25,7 +25,11 @@ def read_model_state(path: str | Path) -> tuple[dict, dict]:
     md = checkpoint.read_dcp_metadata(Path(meta["path"]))
     want = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    dcp.load(want, storage_reader=dcp.FileSystemReader(meta["path"]), no_dist=True)
+    import warnings
+
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(want, storage_reader=dcp.FileSystemReader(meta["path"]), no_dist=True)
     return meta, {k[len("model."):]: v for k, v in want.items()}
 
 
