@@ -160,9 +160,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     model, cluster, training, profiles = load_workload(args)
     est = estimate_config(model, cluster, training, parallel_of(args, model), profiles=profiles)
     if args.output:
+        from .models.source import attach
+
         plan = plan_from_estimate(model, cluster, training, est, kernels=args.kernels,
                                   command=" ".join(sys.argv))
-        with_stack(plan, args).save(args.output)
+        attach(with_stack(plan, args), args.model).save(args.output)
     if args.json:
         d = est.as_dict()
         d["memory_breakdown_gib"] = [m.gib() for m in est.memory]
@@ -346,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     for mod in ("autoplan.search.cli", "autoplan.inspect.cli", "autoplan.runtime.cli", "autoplan.codegen.cli",
-                "autoplan.tune.cli", "autoplan.prepare_data"):
+                "autoplan.tune.cli", "autoplan.prepare_data", "autoplan.models.cli"):
         try:
             module = __import__(mod, fromlist=["register"])
         except ModuleNotFoundError as e:

@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -21,7 +21,7 @@ from autoplan.cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, R
 SCHEMA_VERSION = 1
 # Fields added after version 1, hashed only when set (see Plan.compute_hash).
 _LATER_FIELDS: dict[str, tuple[str, ...]] = {
-    "plan": ("stack", "runtime_semantics"),
+    "plan": ("stack", "runtime_semantics", "model_source"),
     "parallel": ("layout",),
     "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "grad_accum_fused"),
 }
@@ -111,6 +111,9 @@ class Plan(_Frozen):
         description="Where autoplan's runtime executes a knob differently from its textbook form, what runs and "
                     "how it is priced (cost_models.counts.runtime_semantics): e.g. ZeRO-2/3 under pipeline "
                     "parallelism, context-parallel attention.")
+    model_source: dict[str, Any] | None = Field(
+        default=None, description="What the runtime builds with autoplan.models.load: {'hf_config': {...}} (the "
+        "Hugging Face config) or {'factory': 'pkg.module:fn'}; null = the zoo model of `model` (presets, spec files).")
     content_hash: str = Field(default="", description="sha256 of the plan without this field.")
 
     # ---- hashing and files

@@ -32,10 +32,15 @@ def resolve_model(ref: str | ModelSpec) -> tuple[ModelSpec, list[LayerProfile] |
         graph = capture(module, inputs, name=ref.split(":")[-1])
         return spec_from_profiles(graph.profiles, name=ref.split(":")[-1], seq=graph.seq), graph.profiles
     path = Path(ref)
+    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face checkpoint directory
+        path = path / "config.json"
     if path.suffix == ".json" and path.exists():
         data = _read_mapping(path)  # a syntax error is one line naming the file and the position
         if isinstance(data, dict) and ("model_type" in data or "architectures" in data):
-            spec = model_from_hf_config(data, name=path.parent.name or path.stem)
+            spec = model_from_hf_config(data, name=path.parent.name or path.stem)  # bad input fails here first
+            from .models.source import warn_unsupported
+
+            warn_unsupported(data)
             try:
                 from .capture import capture_hf_config
 

@@ -23,6 +23,8 @@ from .quote import comment, docstring, literal, one_line
 
 _IMPORTS = '''from __future__ import annotations
 
+import json  # noqa: F401
+
 import torch
 from torch.distributed.tensor import Replicate, Shard  # noqa: F401
 from torch.distributed.tensor.parallel import (  # noqa: F401
@@ -35,7 +37,7 @@ from torch.distributed.tensor.parallel import (  # noqa: F401
 )
 
 from autoplan.plan import StagePlan
-from autoplan.zoo import build_model, init_weights
+from autoplan.models import build as build_model, init_weights
 from autoplan.codegen.fuse import substitute_kernels  # noqa: F401
 from autoplan.cost_models.specs import ModelSpec
 from autoplan.runtime.parallelize import (  # noqa: F401
@@ -123,20 +125,32 @@ def _dict_literal(styles: dict, indent: str) -> str:
 
 def stage_source(p: StageProgram) -> str:
     """The Python source of one stage (see the module docstring)."""
+    from autoplan.models import layout_spec
+
     plan, st, c = p.plan, p.stage, p.plan.parallel
+    tied = layout_spec(plan).tie_embeddings
     out = [_header(p), _IMPORTS, ""]
     out.append(f"PLAN_HASH = {literal(plan.short_hash)}")
     out.append(f"SPEC = ModelSpec.model_validate({literal(plan.model.model_dump(mode='python'))})")
+    if plan.model_source and "hf_config" in plan.model_source:
+        out.append(f"SOURCE = {literal(plan.model_source['hf_config'])}  # Hugging Face config")
+    elif plan.model_source and "factory" in plan.model_source:
+        out.append(f"SOURCE = {literal(plan.model_source['factory'])}  # the user's module factory")
+    else:
+        out.append("SOURCE = SPEC  # the zoo model of this spec")
     out.append(f"STAGE = StagePlan.model_validate({literal(st.model_dump(mode='python'))})")
     out.append("")
     out.append("")
     b = ["def build(dims, *, seed: int = 0, device: torch.device = torch.device(\"cpu\")) -> torch.nn.Module:",
          "    " + docstring(f"Stage {st.index} as rank(s) {', '.join(map(str, p.ranks))} run it. dims: "
                        "runtime.ParallelDims, mesh built.")]
+    if plan.model_source and "factory" in plan.model_source:
+        out.append("\n".join(b + _factory_body(plan)))
+        return "\n".join(out) + "\n"
     lo, hi = st.layers
     kept = f"layers {lo}..{hi - 1}" if hi > lo else "no blocks"
     b.append("    " + comment(f"1. pipeline cut: keep {kept} of {plan.model.num_layers} (global keys kept)"))
-    b.append('    model = build_model(SPEC, device="meta")')
+    b.append('    model = build_model(SOURCE, device="meta")  # autoplan.models.build: the planned architecture')
     if p.deleted_layers:
         b.append(f"    for key in {literal([str(i) for i in p.deleted_layers])}:")
         b.append("        del model.layers[key]")
@@ -147,7 +161,7 @@ def stage_source(p: StageProgram) -> str:
         b.append("    model.norm = None")
         b.append("    model.output = None")
     b.append("    model = model.to_empty(device=device)")
-    if plan.model.tie_embeddings and st.has_embedding and st.has_head:
+    if tied and st.has_embedding and st.has_head:
         b.append("    model.output.weight = model.tok_embeddings.weight  # tied")
     b.append("    init_weights(model, seed)  # values depend only on (seed, parameter name): same as one process")
     if p.kernels:
@@ -164,7 +178,7 @@ def stage_source(p: StageProgram) -> str:
             b.append(f"    parallelize_module({target}, tp, {_dict_literal(plain, '    ')})")
             if len(plain) != len(styles):
                 b.append("    PositionsSequenceParallel.apply(model.pos_embeddings, tp)")
-        if plan.model.tie_embeddings and st.has_embedding and st.has_head:
+        if tied and st.has_embedding and st.has_head:
             b.append("    model.output.weight = model.tok_embeddings.weight  # re-tie: both Shard(0) over the vocab")
     else:
         b.append("    # 3. tensor parallelism: none")
@@ -185,6 +199,20 @@ def stage_source(p: StageProgram) -> str:
     b.append("    return model")
     out.append("\n".join(b))
     return "\n".join(out) + "\n"
+
+
+def _factory_body(plan: Plan) -> list[str]:
+    """A user module (autoplan.models.factory): data parallelism only (other layouts are refused at start-up)."""
+    c = plan.parallel
+    b = ["    # 1. the module the factory returns, materialised and initialised under the seed (same on every rank)",
+         "    model = build_model(SOURCE, device=device, seed=seed)",
+         "    " + comment(f"7. precision: {plan.training.dtype}"),
+         f"    apply_mixed_precision(model, {literal(plan.training.dtype)}, device.type)"]
+    if (c.dp or 1) * c.cp > 1:
+        b.append(f"    # 8. data parallelism over dp x cp, ZeRO-{c.zero}: one unit per repeated block, plus the root")
+        b.append(f'    apply_dp(model, dims["dp_cp"], {c.zero})')
+    b.append("    return model")
+    return b
 
 
 class _Lit:

@@ -35,8 +35,11 @@ def tp_layout(spec: ModelSpec, stage: StagePlan, sp: bool) -> dict[str, dict[str
                                        "vocab-parallel embedding")
         if sp and spec.position == "learned":
             root["pos_embeddings"] = Style("PositionsSequenceParallel", (), "positions of this rank's sequence shard")
+    # post-norm blocks (OPT do_layer_norm_before=False) add the residual to the norm's output: keep it local
+    post = getattr(spec, "residual", "pre") == "post"
+    block_norm = Style("SequenceParallel", (("use_local_output", "True"),)) if post else Style("SequenceParallel")
     if stage.has_head:
-        if sp:
+        if sp and getattr(spec, "final_norm", True):
             root["norm"] = Style("SequenceParallel", (), "norm on the sequence shard")
         root["output"] = Style("ColwiseParallel", (("input_layouts", seq), ("output_layouts", "Shard(-1)"),
                                                    ("use_local_output", "False")),
@@ -45,7 +48,7 @@ def tp_layout(spec: ModelSpec, stage: StagePlan, sp: bool) -> dict[str, dict[str
     for i in range(*stage.layers):
         lp: dict[str, Style] = {}
         if sp:
-            lp["attention_norm"] = Style("SequenceParallel")
+            lp["attention_norm"] = block_norm
         lp["attention"] = Style("PrepareModuleInput", (("input_layouts", f"({seq}, None)"),
                                                        ("desired_input_layouts", "(Replicate(), None)")),
                                 "gather the sequence once for q, k, v" if sp else "one all-reduce for q, k, v grads")
@@ -53,7 +56,10 @@ def tp_layout(spec: ModelSpec, stage: StagePlan, sp: bool) -> dict[str, dict[str
             lp[f"attention.{w}"] = Style("ColwiseParallel", (), "heads split" if w == "wq" else "KV heads split")
         lp["attention.wo"] = Style("RowwiseParallel", (("output_layouts", seq),))
         if sp:
-            lp["mlp_norm"] = Style("SequenceParallel")
+            lp["mlp_norm"] = block_norm
+            if getattr(spec, "sandwich_norms", False):  # Gemma 2: norms on the branch outputs (sequence shards)
+                lp["post_attention_norm"] = Style("SequenceParallel", (("use_local_output", "True"),))
+                lp["post_mlp_norm"] = Style("SequenceParallel", (("use_local_output", "True"),))
         if spec.is_moe_layer(i):
             lp["mlp"] = Style("PrepareModuleInputOutput", (
                 ("input_layouts", f"({seq},)"), ("desired_input_layouts", "(Replicate(),)"),
@@ -86,8 +92,8 @@ def kernel_substitutions(spec: ModelSpec, stage: StagePlan, mode: str, sp: bool)
 
     Norms under sequence parallelism run on DTensors, which the fused kernels do not take: they stay torch.
     """
-    if mode != "fused":
-        return {}
+    if mode != "fused" or not isinstance(spec, ModelSpec):
+        return {}  # Hugging Face families run torch ops: the fused kernels implement the zoo's norms/activations
     norm = "FusedRMSNorm" if spec.norm == "rmsnorm" else "FusedLayerNorm"
     act = "FusedSwiGLU" if spec.activation == "swiglu" else ("FusedGELU" if spec.activation == "gelu" else None)
     subs: dict[str, str] = {}
@@ -130,14 +136,18 @@ class StageProgram:
 
 
 def stage_programs(plan: Plan) -> list[StageProgram]:
+    from autoplan.models import layout_spec
+
     c = plan.parallel
+    spec = layout_spec(plan)
+    factory = "factory" in (plan.model_source or {})  # a user module: no kernel substitution (its own modules)
     out = []
     for st in plan.stages:
         out.append(StageProgram(
             plan=plan, stage=st,
-            tp=tp_layout(plan.model, st, c.sp) if c.tp > 1 else {},
+            tp=tp_layout(spec, st, c.sp) if c.tp > 1 else {},
             recompute=recompute_regions(st),
-            kernels=kernel_substitutions(plan.model, st, plan.kernels, c.sp and c.tp > 1),
+            kernels={} if factory else kernel_substitutions(spec, st, plan.kernels, c.sp and c.tp > 1),
             ranks=stage_ranks(plan, st),
         ))
     return out

@@ -447,6 +447,7 @@ def save(trainer, root: str | Path, step: int, *, data: dict[str, Any] | None = 
         meta = {
             "format": FORMAT, "step": step, "plan_hash": plan.short_hash, "layout": plan.parallel.to_string(),
             "world_size": plan.world_size, "model": plan.model.model_dump(mode="json"),
+            "model_source": plan.model_source,  # the HF config (autoplan export-weights writes it back out)
             "global_batch_size": plan.training.global_batch_size, "seq_length": plan.training.seq_length,
             "data": {**(data or {}), "next_step": step,
                      "sequences_consumed": step * plan.training.global_batch_size},

@@ -9,7 +9,15 @@ import argparse
 def cmd_run(args: argparse.Namespace) -> int:
     from .launch import run
 
-    return run(args.plan, nproc_per_node=args.nproc_per_node, train_args=list(args.extra_args), nnodes=args.nnodes,
+    extra = list(args.extra_args)
+    if args.init_from:
+        from autoplan.plan import load_plan
+
+        from .hf_init import check_init_from
+
+        check_init_from(load_plan(args.plan), args.init_from)  # before launch: a wrong checkpoint stops here
+        extra += ["--init-from", str(args.init_from)]
+    return run(args.plan, nproc_per_node=args.nproc_per_node, train_args=extra, nnodes=args.nnodes,
                rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, print_command=args.print_command,
                max_restarts=args.max_restarts, term_timeout=args.term_timeout, force=args.force)
 
@@ -33,5 +41,8 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true",
                    help="run a plan that does not suit this machine (too many processes, another GPU type, "
                         "predicted not to fit) with a warning instead of an error")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from a Hugging Face checkpoint directory (safetensors + config.json of the planned "
+                        "model); each rank reads only its slices")
     p.epilog = "Arguments after -- go to runtime.train: --steps N --data FILE --log FILE --lr ..."
     p.set_defaults(func=cmd_run)

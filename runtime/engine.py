@@ -54,7 +54,8 @@ def optimizer_groups(params) -> list[dict]:
 
 class Trainer:
     def __init__(self, plan: Plan, dims: ParallelDims, *, device: torch.device, seed: int = 0, lr: float = 3e-4,
-                 weight_decay: float = 0.1, betas=(0.9, 0.95), max_grad_norm: float = 1.0) -> None:
+                 weight_decay: float = 0.1, betas=(0.9, 0.95), max_grad_norm: float = 1.0,
+                 init_from: str | None = None) -> None:
         self.plan, self.dims, self.device = plan, dims, device
         cfg = plan.parallel
         self.gbs = plan.training.global_batch_size
@@ -69,6 +70,10 @@ class Trainer:
                             "raise the global batch, lower mbs, or use schedule=gpipe")
         self.pm: ParallelModel = parallelize(plan.model, plan, dims, seed=seed, device=device,
                                              n_microbatches=self.n_micro, loss_fn=loss_fn)
+        if init_from is not None:  # Hugging Face weights, each rank reading only its slices
+            from .hf_init import load_hf_checkpoint
+
+            load_hf_checkpoint(self.pm, init_from, plan)
         self.optimizer = torch.optim.AdamW(optimizer_groups(p for _, p in self.pm.named_parameters()), lr=lr,
                                            betas=betas, weight_decay=weight_decay, foreach=True)
         self.cp_positions = (load_balanced_positions(plan.training.seq_length, dims.cp, dims.rank("cp"))
@@ -238,7 +243,9 @@ def _set_sync(model, zero: int, last: bool) -> None:
 
 def _tied_group(plan: Plan, dims: ParallelDims):
     """The process group of the first and last pipeline ranks (same dp/cp/tp coordinates) for tied weights."""
-    if not (plan.model.tie_embeddings and dims.pp_enabled):
+    from autoplan.models import layout_spec
+
+    if not (layout_spec(plan).tie_embeddings and dims.pp_enabled):
         return None
     if dims.pp == 2:
         return dims["pp"].get_group()

@@ -189,6 +189,9 @@ def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Se
     if not term_timeout > 0:
         raise PlanError("--term-timeout must be > 0 seconds", f"got {term_timeout}", "pass --term-timeout 60")
     plan = load_plan(plan_path)
+    from autoplan.models import check_plan_model
+
+    check_plan_model(plan)  # the recorded architecture builds as planned: refused before launch, not in torchrun
     nproc, warnings = check_launch(plan, nproc_per_node, nnodes, rdzv_endpoint)
     problems = check_machine(plan, nproc)
     if problems and not force and not print_command:

@@ -47,7 +47,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from autoplan.plan import Plan, StagePlan
-from autoplan.zoo.model import MoE, TransformerLM, init_weights, run_experts
+from autoplan.zoo.model import MoE, TransformerLM, run_experts
 
 from .parallel_dims import ParallelDims
 
@@ -76,13 +76,14 @@ class StageModule:
 
 def split_stages(spec, plan: Plan, pp_rank: int, *, seed: int, device: torch.device) -> list[StageModule]:
     """The stages of `plan` that pipeline rank `pp_rank` runs, as pruned copies of the full model."""
-    from autoplan.zoo import build_model
+    from autoplan.models import build, init_weights
+    from autoplan.models.source import runtime_source
 
     out = []
     for st in plan.stages:
         if st.pp_rank != pp_rank:
             continue
-        model = build_model(spec, device="meta")
+        model = build(runtime_source(plan), device="meta")
         keep = {str(i) for i in range(*st.layers)}
         for key in list(model.layers.keys()):
             if key not in keep:
@@ -94,7 +95,7 @@ def split_stages(spec, plan: Plan, pp_rank: int, *, seed: int, device: torch.dev
             model.norm = None
             model.output = None
         model = model.to_empty(device=device)
-        if spec.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
+        if model.spec.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
             model.output.weight = model.tok_embeddings.weight
         init_weights(model, seed)
         out.append(StageModule(st, model, {"stage": [f"layers {st.layers[0]}..{st.layers[1] - 1}"]}))
@@ -141,7 +142,10 @@ def apply_tp(model: TransformerLM, tp_mesh, *, sp: bool, stage: StagePlan | None
                           has_embedding=model.tok_embeddings is not None, has_head=model.output is not None,
                           recompute="none", recompute_layers=0, forward_s=0, backward_s=0)
     notes = []
-    for group, styles in tp_layout(model.spec, stage, sp).items():
+    from autoplan.models import LayoutSpec
+
+    spec = LayoutSpec(model.arch) if hasattr(model, "arch") else model.spec  # HF families: the real module tree
+    for group, styles in tp_layout(spec, stage, sp).items():
         target = model if not group else model.get_submodule(group)
         plain = {k: _make_style(v.code()) for k, v in styles.items() if v.name != "PositionsSequenceParallel"}
         parallelize_module(target, tp_mesh, plain)

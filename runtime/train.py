@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="warn when a loss exceeds F times the mean of the previous 20")
     ap.add_argument("--collective-timeout", type=float, default=300.0, metavar="S",
                     help="seconds a collective may wait for a missing rank before the job ends (default 300)")
+    ap.add_argument("--init-from", default=None, metavar="DIR",
+                    help="start from a Hugging Face checkpoint (safetensors + config.json); the plan must be for "
+                         "that config. Each rank reads only its slices. --resume takes precedence")
     ap.add_argument("--quiet", action="store_true")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # torchrun ... -m autoplan.runtime.train -- --plan p.json --log f
@@ -119,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         from .parallel_dims import ParallelDims, check_model_matches
 
         plan = load_plan(args.plan)
+        from autoplan.models import check_plan_model
+
+        check_plan_model(plan)  # the recorded architecture builds as planned (refuses unsupported fields)
         if args.model:
             from autoplan.specs import load_model
 
@@ -133,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         check_checkpoint_args(args, plan, rank)
         check_data_args(args, plan)
         lock = prepare_save_dir(args, plan, args.resume_path) if args.save and rank == 0 else None
+        if args.steps < 1:
+            raise AutoplanError("--steps must be >= 1", f"got {args.steps}", "pass --steps 10")
+        check_checkpoint_args(args, plan)
+        if args.init_from:
+            from .hf_init import check_init_from
+
+            check_init_from(plan, args.init_from)
     except AutoplanError as e:
         if rank == 0:
             print(f"autoplan run: {type(e).__name__}: {e.one_line()}", file=sys.stderr, flush=True)
@@ -265,7 +278,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         # again at every step, so a resumed run draws the masks an uninterrupted one would (same layout).
         rng_seed = args.seed + 1_000_003 * (dims.rank("dp") * dims.cp + dims.rank("cp")) + 7_919 * dims.rank("pp")
         trainer = Trainer(plan, dims, device=device, seed=args.seed, lr=args.lr,
-                          weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm)
+                          weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                          init_from=None if getattr(args, "resume_path", args.resume) else args.init_from)
         data, data_desc = _open_data(args, plan)
         start = 0
         resume_path = getattr(args, "resume_path", args.resume)
@@ -285,6 +299,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                   f"{trainer.n_micro} micro-batches of {trainer.mbs}, {device.type}", flush=True)
             if start >= args.steps:
                 print(f"checkpoint is at step {start}, --steps is {args.steps}: nothing to train", flush=True)
+        n_params = trainer_parameter_count(trainer)  # the whole model's, summed over the pipeline stages
         predicted = plan.prediction.step_time_s
         # this rank's pipeline stage: the memory the plan predicts for it (on a GPU, compare with the allocator's
         # peak; on the CPU the measured figure is the process's RSS, interpreter and libraries included)
@@ -319,6 +334,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                 "predicted_step_time_s": predicted,
                 "predicted_memory_gib": predicted_mem,
                 "grad_norm": res.grad_norm,
+                "parameters_trained": n_params,
                 "lr": lr,
                 "time": time.time(),
             }
@@ -416,6 +432,31 @@ def _print_stopped(args: argparse.Namespace, signum: int, step: int) -> None:
     else:
         how = "nothing saved (no --save DIR); pass --save DIR to make a run resumable"
     print(f"autoplan run: stopped by {name} after step {step}: {how}", file=sys.stderr, flush=True)
+
+
+def trainer_parameter_count(trainer) -> int:
+    """Parameters of the whole model being trained (global shapes, tied weights once), summed over pipeline
+    stages: what the capture counts for the same model."""
+    import torch.distributed as dist
+
+    local = sum(p.numel() for _, p in trainer.pm.named_parameters() if not _tied_copy(trainer, _))
+    dims = trainer.dims
+    if not dims.pp_enabled:
+        return local
+    import torch
+
+    t = torch.tensor([local], dtype=torch.int64)
+    group = dims["pp"].get_group()
+    dist.all_reduce(t, group=group)
+    return int(t.item())
+
+
+def _tied_copy(trainer, name: str) -> bool:
+    """A pipeline's second copy of a tied LM head (the first stage holds the embedding it mirrors)."""
+    from autoplan.models import layout_spec
+
+    return (name == "output.weight" and layout_spec(trainer.plan).tie_embeddings
+            and not any(s.plan.has_embedding for s in trainer.pm.stages))
 
 
 def exit_process(rc: int) -> NoReturn:

@@ -65,7 +65,9 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     result.plan = with_stack(result.plan, args)
     if args.output:
-        result.plan.save(args.output)
+        from autoplan.models.source import attach
+
+        attach(result.plan, args.model).save(args.output)
     if args.json:
         print_json(result.as_json())
         return 0

@@ -16,5 +16,5 @@ def test_pytest_tests_collects_every_tier():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for tier in ("tests/unit/", "tests/dist/test_parity.py", "tests/dist/test_checkpoint.py", "tests/kernels/",
                  "tests/capture/", "tests/search/", "tests/inspect/", "tests/runtime/", "tests/zoo/", "tests/gpu/",
-                 "tests/tune/"):
+                 "tests/tune/", "tests/models/"):
         assert tier in r.stdout, f"{tier} not collected by `pytest tests`"

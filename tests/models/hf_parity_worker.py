@@ -1,0 +1,181 @@
+"""Sharded runs of Hugging Face families against the unsharded transformers model, under torchrun.
+
+For each case (family, parallel configuration), rank 0 saves transformers' own randomly initialised model with
+save_pretrained; the plan is made with the planner's API and records the HF config; the runtime's Trainer builds
+the sharded model with autoplan.models and fills it with --init-from (each rank reading its slices); then 3
+training steps. Rank 0 compares the losses of every step, and the gradients of the first step (after clipping,
+mapped to autoplan's names), with transformers' model trained on the full batch by torch's AdamW.
+
+    torchrun --nproc-per-node 2 tests/models/hf_parity_worker.py --out results.json FAMILY:CONFIG ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from autoplan.api import make_plan  # noqa: E402
+from autoplan.models import arch_from_hf, hf_weights  # noqa: E402
+from autoplan.models.blocks import spec_of  # noqa: E402
+from autoplan.models.source import attach  # noqa: E402
+from autoplan.runtime.data import SyntheticDataset  # noqa: E402
+from autoplan.runtime.engine import Trainer  # noqa: E402
+from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
+from autoplan.specs import TrainingSpec, load_cluster  # noqa: E402
+from autoplan.zoo import cross_entropy_loss  # noqa: E402
+from tests.models.hf_configs import CONFIGS, hf_model  # noqa: E402
+
+STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 3, 4, 16, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
+RTOL = 1e-5
+GRAD_FLOOR = 1e-3  # relative errors against max(|ref grad|, 1e-3 * largest gradient entry), as tests/dist
+NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dropout": 0.0, "attention_dropout": 0.0,
+              "hidden_dropout": 0.0}
+
+
+def config(family: str) -> dict:
+    cfg = dict(CONFIGS[family])
+    cfg.update({k: v for k, v in NO_DROPOUT.items() if k in cfg or family.startswith(("gpt2", "opt"))})
+    return cfg
+
+
+def reference(model) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
+    data = SyntheticDataset(model.config.vocab_size, SEQ, GBS, seed=SEED)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        b = data.batch(step)
+        opt.zero_grad()
+        loss = cross_entropy_loss(model(input_ids=b[:, :-1]).logits, b[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    return float((a - b).abs().max() / max(float(b.abs().max()), floor, 1e-30))
+
+
+def run_case(case: str, world: int, tmp: Path) -> dict:
+    family, layout = case.split(":", 1)
+    rank = dist.get_rank()
+    t0 = time.perf_counter()
+    cfg = config(family)
+    arch = arch_from_hf(cfg)
+    ckpt = tmp / family
+    ref = None
+    if rank == 0:
+        ref = hf_model(cfg, seed=SEED)
+        if not ckpt.exists():
+            ref.save_pretrained(ckpt)
+    dist.barrier()
+    training = TrainingSpec(global_batch_size=GBS, seq_length=SEQ, dtype="fp32")
+    uneven = [(0, 2), (2, 3)] if "pp=2" in layout and arch.num_layers == 3 else None  # searched plans do this
+    plan = attach(make_plan(spec_of(arch), load_cluster("local-cpu").with_gpus(world), training, layout,
+                            kernels="torch", stage_layers=uneven), cfg)
+    dims = ParallelDims.from_plan(plan, world).build_mesh()
+    trainer = Trainer(plan, dims, device=torch.device("cpu"), seed=SEED, lr=LR, weight_decay=WD, betas=BETAS,
+                      max_grad_norm=CLIP, init_from=str(ckpt))
+    captured: dict = {}
+
+    def hook(pm):
+        if captured:
+            return
+        for n, p in pm.named_parameters():
+            if p.grad is not None:
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                captured["tok_embeddings.weight" if arch.tie_embeddings and n == "output.weight" else n] = g.clone()
+
+    trainer.last_grads_hook = hook
+    data = SyntheticDataset(arch.vocab_size, SEQ, GBS, seed=SEED)
+    losses = [trainer.step(data.batch(s)).loss for s in range(STEPS)]
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, captured)
+    result = {"case": case, "seconds": 0.0}
+    if rank == 0:
+        ref_losses, hf_grads = reference(ref)
+        shapes = {n: p.shape for n, p in spec_model_shapes(arch).items()}
+        ref_grads = hf_weights.from_hf(hf_grads, arch, shapes)
+        merged, replica_err = {}, 0.0
+        for d in gathered:
+            for n, g in d.items():
+                if n in merged:
+                    replica_err = max(replica_err, rel_err(g, merged[n]))
+                else:
+                    merged[n] = g
+        missing, extra = sorted(set(ref_grads) - set(merged)), sorted(set(merged) - set(ref_grads))
+        floor = GRAD_FLOOR * max(float(g.abs().max()) for g in ref_grads.values())
+        grad_errs = {n: rel_err(merged[n], ref_grads[n], floor) for n in ref_grads if n in merged}
+        worst = max(grad_errs, key=grad_errs.get)
+        loss_errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
+        result.update(losses=losses, ref_losses=ref_losses, max_loss_rel_err=max(loss_errs),
+                      max_grad_rel_err=grad_errs[worst], worst_grad=worst, replica_rel_err=replica_err,
+                      missing=missing, extra=extra)
+        result["ok"] = (not missing and not extra and max(loss_errs) <= RTOL and grad_errs[worst] <= RTOL
+                        and replica_err <= RTOL)
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def spec_model_shapes(arch) -> dict:
+    from autoplan.models.blocks import CausalLM
+
+    with torch.device("meta"):
+        return dict(CausalLM(arch).named_parameters())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("cases", nargs="+")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = []
+    tmp_obj = [tempfile.mkdtemp(prefix="hfparity-") if rank == 0 else None]
+    dist.broadcast_object_list(tmp_obj)
+    tmp = Path(tmp_obj[0])
+    try:
+        for case in args.cases:
+            try:
+                r = run_case(case, world, tmp)
+            except Exception as e:  # one broken layout must not hide the others
+                r = {"case": case, "ok": False, "error": f"{type(e).__name__}: {e}",
+                     "traceback": traceback.format_exc()[-3000:]}
+                print(f"[rank {rank}] {case}: {r['error']}", file=sys.stderr, flush=True)
+                results.append(r)
+                break  # ranks may now be out of step
+            results.append(r)
+            if rank == 0:
+                print(f"{case}: ok={r.get('ok')} loss_err={r.get('max_loss_rel_err')} "
+                      f"grad_err={r.get('max_grad_rel_err')} ({r['seconds']:.1f}s)", flush=True)
+        if rank == 0:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from autoplan.runtime.train import exit_process
+
+    exit_process(main())
