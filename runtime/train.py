@@ -155,7 +155,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         dims.build_mesh()
         # Dropout RNG: different across data/context/pipeline ranks (different tokens), the same across tp ranks
         # (their replicated activations must stay identical). Weights do not use it (init is by name). Seeded
-        # again at every step, so a resumed run draws the masks an uninterrupted one would (same layout).
+        # again at every step when the model has dropout, so a resumed run draws the masks an uninterrupted one
+        # would (same layout); without dropout nothing draws from it and the step is not seeded.
         rng_seed = args.seed + 1_000_003 * (dims.rank("dp") * dims.cp + dims.rank("cp")) + 7_919 * dims.rank("pp")
         trainer = Trainer(plan, dims, device=device, seed=args.seed, lr=args.lr,
                           weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm)
@@ -189,27 +190,37 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         # this rank's pipeline stage: the memory the plan predicts for it (on a GPU, compare with the allocator's
         # peak; on the CPU the measured figure is the process's RSS, interpreter and libraries included)
         predicted_mem = plan.prediction.memory_gib["per_stage"][dims.rank("pp")]
+        # Per-step work outside the step is kept to what a plain script does: the RNG is re-seeded only when
+        # the model draws from it (dropout), the learning rate is written only when warm-up changes it, and the
+        # metrics (getrusage, JSON) are made on rank 0 only; the log is flushed at most every LOG_FLUSH_S.
+        reseed = plan.model.dropout > 0
+        lr = args.lr
+        _set_lr(trainer.optimizer, lr)
+        last_flush = time.monotonic()
         for step in range(start, args.steps):
-            torch.manual_seed((rng_seed * 1_000_033 + step) % (2**63))
-            lr = args.lr * min(1.0, (step + 1) / args.warmup) if args.warmup else args.lr
-            for group in trainer.optimizer.param_groups:
-                group["lr"] = lr
+            if reseed:
+                torch.manual_seed((rng_seed * 1_000_033 + step) % (2**63))
+            if args.warmup and step < args.warmup:
+                lr = args.lr * (step + 1) / args.warmup
+                _set_lr(trainer.optimizer, lr)
             res = trainer.step(data.batch(step))
-            rec = {
-                "step": step + 1,
-                "loss": res.loss,
-                "step_time_s": res.step_time_s,
-                "tokens_per_s": tokens_per_step(plan) / res.step_time_s,
-                "peak_memory_gib": peak_memory_gib(device),
-                "predicted_step_time_s": predicted,
-                "predicted_memory_gib": predicted_mem,
-                "grad_norm": res.grad_norm,
-                "lr": lr,
-            }
             if rank == 0:
+                rec = {
+                    "step": step + 1,
+                    "loss": res.loss,
+                    "step_time_s": res.step_time_s,
+                    "tokens_per_s": tokens_per_step(plan) / res.step_time_s,
+                    "peak_memory_gib": peak_memory_gib(device),
+                    "predicted_step_time_s": predicted,
+                    "predicted_memory_gib": predicted_mem,
+                    "grad_norm": res.grad_norm,
+                    "lr": lr,
+                }
                 if log:
                     log.write(json.dumps(rec) + "\n")
-                    log.flush()
+                    if time.monotonic() - last_flush > LOG_FLUSH_S or step + 1 == args.steps:
+                        log.flush()
+                        last_flush = time.monotonic()
                 if not args.quiet:
                     print(f"step {step + 1:4d}  loss {res.loss:.4f}  {res.step_time_s * 1e3:8.1f} ms "
                           f"(predicted {predicted * 1e3:.1f} ms)  {rec['tokens_per_s']:.0f} tok/s", flush=True)
@@ -221,6 +232,16 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
     finally:
         if log:
             log.close()
+
+
+# How often the JSON-lines log is flushed: a tail -f / a crash loses at most this much (a plain script logs
+# through a buffered file the same way); a flush per step was a system call on every step's critical path.
+LOG_FLUSH_S = 1.0
+
+
+def _set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def exit_process(rc: int) -> NoReturn:
