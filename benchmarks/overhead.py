@@ -502,7 +502,7 @@ def worker(args) -> int:
             plan = make_plan(spec, load_cluster("local-cpu").with_gpus(nproc), training, config, kernels="torch")
             reps = []
             try:
-                if not warm:  # the process's first run pays imports and lazy initialisation: untimed, both sides
+                if not warm and args.warmup:  # the process's first run pays imports and lazy initialisation: untimed, both sides
                     run_autoplan(spec, plan, 2, workdir)
                     run_plain(spec, plan, 2)
                     warm = True
@@ -554,7 +554,7 @@ def launch(names: list[str], nproc: int, args, root: Path) -> list[dict]:
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), str(Path(__file__).resolve()),
            "--worker", "--out", str(out), "--reps", str(args.reps), "--steps", str(args.steps),
-           "--layouts", *names]
+           *([] if args.warmup else ["--no-warmup"]), "--layouts", *names]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
     if not out.exists():
         return [{"layout": n, "error": f"launch failed (rc {proc.returncode}): {proc.stderr[-2000:]}"}
@@ -591,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", default=str(ROOT), help="import autoplan from this tree (e.g. an export of main)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--save", metavar="FILE", help="also write every result (per repetition) as JSON")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="skip the untimed first run of each side (tests: only the losses matter)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
