@@ -39,7 +39,8 @@ def _megatron_layout(plan: Plan, warnings: list[str]) -> list[tuple[str, object]
     per_rank = _layers_per_rank(plan)
     first, last, middle = per_rank[0], per_rank[-1], per_rank[1:-1]
     mid_sizes = {n for r in middle for n in r}
-    expressible = (len(set(first)) == 1 and len(set(last)) == 1 and len(mid_sizes) <= 1)
+    expressible = (len(set(first)) == 1 and len(set(last)) == 1 and len(mid_sizes) <= 1
+                   and min(first + last) > 0)  # a stage of only the embedding or loss needs the layout string
     if expressible:
         mid = next(iter(mid_sizes)) if mid_sizes else None
         # Megatron splits the first/last pipeline rank's layers evenly over its virtual stages and the rest
@@ -54,7 +55,8 @@ def _megatron_layout(plan: Plan, warnings: list[str]) -> list[tuple[str, object]
     for s in plan.stages:
         p = ("E" if s.has_embedding else "") + "t" * s.num_layers + ("L" if s.has_head else "")
         parts.append(p)
-    flags.append(("--pipeline-model-parallel-layout", "|".join(parts)))
+    # The plan's own (compact, same grammar) layout string when it has one.
+    flags.append(("--pipeline-model-parallel-layout", cfg.layout or "|".join(parts)))
     warnings.append("the stage layout is not uneven only at the first/last pipeline rank; exported as "
                     "--pipeline-model-parallel-layout (Megatron-Core >= 0.13), stages in model order")
     return flags
