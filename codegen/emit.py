@@ -195,7 +195,8 @@ def stage_source(p: StageProgram) -> str:
     b.append(f"    apply_mixed_precision(model, {literal(plan.training.dtype)}, device.type)")
     if (c.dp or 1) * c.cp > 1:
         b.append("    " + comment(f"8. data parallelism over dp x cp, ZeRO-{c.zero}"))
-        b.append(f'    apply_dp(model, dims["dp_cp"], {literal(c.zero)})')
+        pipelined = ", pipelined=True" if c.pp > 1 else ""  # DDP needs its own forward; the schedule drives it
+        b.append(f'    apply_dp(model, dims["dp_cp"], {literal(c.zero)}{pipelined})')
     b.append("    return model")
     out.append("\n".join(b))
     return "\n".join(out) + "\n"

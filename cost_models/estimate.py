@@ -247,9 +247,10 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
 
 
 def dp_sync(dense: float, expert: float, *, dp: int, cp: int, tp: int, ep: int, zero: int, cluster: ClusterSpec,
-            training: TrainingSpec) -> tuple[float, float, float]:
+            training: TrainingSpec, units: int = 0) -> tuple[float, float, float]:
     """(gradient reduction, parameter all-gather after the step, last-bucket tail) of one pipeline rank holding
-    `dense` and `expert` parameters. Gradients reduce over dp*cp (expert ones over dp*cp/ep), as Megatron."""
+    `dense` and `expert` parameters. Gradients reduce over dp*cp (expert ones over dp*cp/ep), as Megatron.
+    `units`: ZeRO-0 reduced per block and root rather than in buckets (see runtime_dp_units)."""
     n = dp * cp
     if n <= 1:
         return 0.0, 0.0, 0.0
@@ -259,6 +260,10 @@ def dp_sync(dense: float, expert: float, *, dp: int, cp: int, tp: int, ep: int, 
     grp_e = comm.group_of(cluster, max(1, n // ep), tp * ep)
     if zero == 0:
         red = comm.all_reduce(cluster, grp_d, dense * g_bytes) + comm.all_reduce(cluster, grp_e, expert * g_bytes)
+        # The runtime's per-block `replicate` sends one all-reduce per unit where bucketed DDP sends one per
+        # bucket: the extra collectives' latency (bytes are the same).
+        buckets = math.ceil((dense + expert) / _BUCKET_PARAMS)
+        red += max(0, units - buckets) * comm.all_reduce(cluster, grp_d, 1.0)
         gather = 0.0
     else:
         red = comm.reduce_scatter(cluster, grp_d, dense * g_bytes) + comm.reduce_scatter(cluster, grp_e,
@@ -268,6 +273,15 @@ def dp_sync(dense: float, expert: float, *, dp: int, cp: int, tp: int, ep: int, 
     bucket = max(_BUCKET_PARAMS, 1e6 * dp)
     tail = red * min(1.0, bucket / max(dense + expert, 1.0))
     return red, gather, tail
+
+
+def runtime_dp_units(stages: list[StageCost], cfg: ParallelConfig) -> int:
+    """Gradient all-reduces of autoplan's runtime at ZeRO-0 that a bucketed DDP would not send: 0 where it runs
+    torch's DDP (no TP, no pipeline: runtime.parallelize.apply_ddp), else one per block plus one per stage root
+    (`replicate` per block, which works with DTensor TP and under the pipeline schedule)."""
+    if cfg.zero != 0 or (cfg.tp == 1 and cfg.pp == 1):
+        return 0
+    return sum(s.layout.layers[1] - s.layout.layers[0] + 1 for s in stages)
 
 
 def interference(cluster: ClusterSpec, hidden_s: float) -> float:
@@ -293,7 +307,7 @@ def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: Cl
         dense = sum(s.params - s.expert_params for s in stages)
         expert = sum(s.expert_params for s in stages)
         red, gather, tail = dp_sync(dense, expert, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero,
-                                    cluster=cluster, training=training)
+                                    cluster=cluster, training=training, units=runtime_dp_units(stages, cfg))
         opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster)
         out.append((red, tail, opt, param_gather_exposed(gather, cluster, training)))
     return out

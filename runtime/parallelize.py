@@ -358,10 +358,14 @@ def apply_mixed_precision(model: nn.Module, dtype: str, device_type: str) -> lis
 # --------------------------------------------------------------------------------------------- 7. DP
 
 
-def apply_dp(model: TransformerLM, dp_mesh, zero: int) -> list[str]:
+def apply_dp(model: TransformerLM, dp_mesh, zero: int, *, pipelined: bool = False) -> list[str]:
     """Data parallelism over the dp x cp ranks, one unit per block plus the root (embedding, norm, head).
 
-    zero=0: `replicate` (FSDP2-based DDP: gradients all-reduced; works around DTensor TP, classic DDP does not).
+    zero=0: DistributedDataParallel when no parameter is a DTensor and the stage is not pipelined (apply_ddp: one
+            bucketed all-reduce overlapped with backward, as a plain DDP script); otherwise `replicate` per block
+            and at the root (FSDP2-based DDP: works with DTensor TP, classic DDP does not; one all-reduce per
+            block, and parameters become DTensors). `pipelined` stages keep `replicate` because the pipeline
+            schedule drives their backward outside a DDP forward (DDP's reducer must see each forward).
     zero=1: fully_shard(reshard_after_forward=False) and the runtime skips gradient sync and resharding until the
             last micro-batch: full parameters and gradients during accumulation, sharded optimizer states and
             master weights -- ZeRO-1 within a step (between steps parameters are sharded, a bit less memory).
@@ -373,6 +377,8 @@ def apply_dp(model: TransformerLM, dp_mesh, zero: int) -> list[str]:
     from torch.distributed.fsdp import fully_shard
 
     ignored = {p for n, p in model.named_parameters() if is_expert_param(n)} or None
+    if zero == 0 and not any(isinstance(p, DTensor) for p in model.parameters()) and not pipelined:
+        return apply_ddp(model, dp_mesh, ignored)
     if zero == 0:
         for block in model.layers.values():
             replicate(block, mesh=dp_mesh, ignored_params=ignored)
@@ -383,6 +389,48 @@ def apply_dp(model: TransformerLM, dp_mesh, zero: int) -> list[str]:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
     return [f"fully_shard over dp_cp={dp_mesh.size()}, ZeRO-{zero}, reshard_after_forward={reshard}"]
+
+
+class _DDPSync:
+    """Gradient-sync switch of a model made data parallel in place by apply_ddp (the method FSDP2 modules have,
+    so the engine's accumulation logic treats both alike)."""
+
+    def __init__(self, ddp) -> None:
+        self.ddp = ddp
+
+    def __call__(self, requires_gradient_sync: bool) -> None:
+        self.ddp.require_backward_grad_sync = requires_gradient_sync
+
+
+class _Forward(nn.Module):
+    """What DDP wraps: calls the model's forward as it was (autocast included), sharing its parameters."""
+
+    def __init__(self, model: nn.Module, forward: Callable) -> None:
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "_forward", forward)
+
+    def forward(self, *args, **kwargs):
+        return self._forward(*args, **kwargs)
+
+
+def apply_ddp(model: TransformerLM, dp_mesh, ignored: set | None = None) -> list[str]:
+    """ZeRO-0 without DTensors: torch's DistributedDataParallel, applied in place so that names, state dicts
+    and the emitted program keep the model itself: `model(x)` runs through DDP (its reducer buckets the
+    gradients, 25 MiB buckets all-reduced as backward produces them), `model.set_requires_gradient_sync(flag)`
+    is DDP's no_sync switch. Buffers are not broadcast (context parallelism keeps a per-rank causal mask; the
+    weights are already identical on every rank because init is by name, hence init_sync=False too)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    inner = _Forward(model, model.forward)
+    if ignored:
+        names = [f"model.{n}" for n, p in model.named_parameters() if p in ignored]
+        DDP._set_params_and_buffers_to_ignore_for_model(inner, names)
+    ddp = DDP(inner, process_group=dp_mesh.get_group(), forward_sync_buffers=False, init_sync=False)
+    object.__setattr__(model, "forward", ddp.__call__)  # not a submodule: no cycle, no new names
+    object.__setattr__(model, "set_requires_gradient_sync", _DDPSync(ddp))
+    object.__setattr__(model, "_autoplan_ddp", ddp)
+    return [f"DistributedDataParallel over dp_cp={dp_mesh.size()} (ZeRO-0, bucketed all-reduce)"]
 
 
 # --------------------------------------------------------------------------------------- 8. pipeline

@@ -275,7 +275,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         dims.build_mesh()
         # Dropout RNG: different across data/context/pipeline ranks (different tokens), the same across tp ranks
         # (their replicated activations must stay identical). Weights do not use it (init is by name). Seeded
-        # again at every step, so a resumed run draws the masks an uninterrupted one would (same layout).
+        # again at every step when the model has dropout, so a resumed run draws the masks an uninterrupted one
+        # would (same layout); without dropout nothing draws from it and the step is not seeded.
         rng_seed = args.seed + 1_000_003 * (dims.rank("dp") * dims.cp + dims.rank("cp")) + 7_919 * dims.rank("pp")
         trainer = Trainer(plan, dims, device=device, seed=args.seed, lr=args.lr,
                           weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
@@ -309,11 +310,18 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         heartbeat = args.heartbeat = faults.Heartbeat.for_job(rank) if dims.world_size > 1 else \
             faults.Heartbeat(None, rank)
         stop.install()
+        # Per-step work outside the step is kept to what a plain script does: the RNG is re-seeded only when
+        # the model draws from it (dropout), the learning rate is written only when warm-up changes it, and the
+        # metrics (memory, JSON) are made on rank 0 only.
+        reseed = plan.model.dropout > 0
+        lr = args.lr
+        _set_lr(trainer.optimizer, lr)
         for step in range(start, args.steps):
-            torch.manual_seed((rng_seed * 1_000_033 + step) % (2**63))
-            lr = args.lr * min(1.0, (step + 1) / args.warmup) if args.warmup else args.lr
-            for group in trainer.optimizer.param_groups:
-                group["lr"] = lr
+            if reseed:
+                torch.manual_seed((rng_seed * 1_000_033 + step) % (2**63))
+            if args.warmup and step < args.warmup:
+                lr = args.lr * (step + 1) / args.warmup
+                _set_lr(trainer.optimizer, lr)
             mem.before(step + 1)
             profile = None
             if step + 1 == args.profile_step:
@@ -325,23 +333,23 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                 mem.record(step + 1, m["peak"])
             else:
                 res = trainer.step(data.batch(step))
-            rec = {
-                "step": step + 1,
-                "loss": res.loss,
-                "step_time_s": res.step_time_s,
-                "tokens_per_s": tokens_per_step(plan) / res.step_time_s,
-                **mem.fields(step + 1),  # tensor peak (not RSS): peak_memory_gib, memory_measured_step, rss_gib
-                "predicted_step_time_s": predicted,
-                "predicted_memory_gib": predicted_mem,
-                "grad_norm": res.grad_norm,
-                "parameters_trained": n_params,
-                "lr": lr,
-                "time": time.time(),
-            }
-            nonfinite = faults.check_finite(res.loss, res.grad_norm, step + 1, args.on_nonfinite)
-            if nonfinite:
-                rec["skipped"] = nonfinite
+            nonfinite = faults.check_finite(res.loss, res.grad_norm, step + 1, args.on_nonfinite)  # every rank
             if rank == 0:
+                rec = {
+                    "step": step + 1,
+                    "loss": res.loss,
+                    "step_time_s": res.step_time_s,
+                    "tokens_per_s": tokens_per_step(plan) / res.step_time_s,
+                    **mem.fields(step + 1),  # tensor peak (not RSS): peak_memory_gib, memory_measured_step, rss_gib
+                    "predicted_step_time_s": predicted,
+                    "predicted_memory_gib": predicted_mem,
+                    "grad_norm": res.grad_norm,
+                    "parameters_trained": n_params,
+                    "lr": lr,
+                    "time": time.time(),
+                }
+                if nonfinite:
+                    rec["skipped"] = nonfinite
                 _report_step(args, log, rec, predicted, spikes, profile)
             heartbeat.beat(step + 1)
             faults.maybe_inject_fault(rank, step + 1)
@@ -457,6 +465,11 @@ def _tied_copy(trainer, name: str) -> bool:
 
     return (name == "output.weight" and layout_spec(trainer.plan).tie_embeddings
             and not any(s.plan.has_embedding for s in trainer.pm.stages))
+
+
+def _set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def exit_process(rc: int) -> NoReturn:
