@@ -34,8 +34,6 @@ def _megatron_layout(plan: Plan, warnings: list[str]) -> list[tuple[str, object]
         if cfg.vp > 1:
             flags.append(("--num-layers-per-virtual-pipeline-stage", sizes[0]))
         return flags
-    if cfg.vp > 1:
-        flags.append(("--num-virtual-stages-per-pipeline-rank", cfg.vp))
     per_rank = _layers_per_rank(plan)
     first, last, middle = per_rank[0], per_rank[-1], per_rank[1:-1]
     mid_sizes = {n for r in middle for n in r}
@@ -44,20 +42,26 @@ def _megatron_layout(plan: Plan, warnings: list[str]) -> list[tuple[str, object]
         mid = next(iter(mid_sizes)) if mid_sizes else None
         # Megatron splits the first/last pipeline rank's layers evenly over its virtual stages and the rest
         # evenly over the middle ranks (get_transformer_layer_offset).
+        if cfg.vp > 1:
+            flags.append(("--num-virtual-stages-per-pipeline-rank", cfg.vp))
         if mid is None or first[0] != mid:
             flags.append(("--decoder-first-pipeline-num-layers", sum(first)))
         if mid is None or last[0] != mid:
             flags.append(("--decoder-last-pipeline-num-layers", sum(last)))
         return flags
-    # Not first/last-uneven: Megatron-Core's explicit layout string (E embedding, t layer, L loss, | stage).
-    parts = []
-    for s in plan.stages:
-        p = ("E" if s.has_embedding else "") + "t" * s.num_layers + ("L" if s.has_head else "")
-        parts.append(p)
-    flags.append(("--pipeline-model-parallel-layout", "|".join(parts)))
+    # Not first/last-uneven: Megatron-Core's explicit layout string alone (it implies the virtual stage count;
+    # Megatron refuses it beside --num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-...).
+    flags.append(("--pipeline-model-parallel-layout", megatron_layout_string(plan)))
     warnings.append("the stage layout is not uneven only at the first/last pipeline rank; exported as "
                     "--pipeline-model-parallel-layout (Megatron-Core >= 0.13), stages in model order")
     return flags
+
+
+def megatron_layout_string(plan: Plan) -> str:
+    """Megatron-Core's layout string for the plan's stages in model order: E embedding, t a transformer layer,
+    L the loss/head, | between virtual stages (megatron/core/transformer/pipeline_parallel_layer_layout.py)."""
+    return "|".join(("E" if s.has_embedding else "") + "t" * s.num_layers + ("L" if s.has_head else "")
+                    for s in plan.stages)
 
 
 def _megatron_recompute(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]:
@@ -114,7 +118,44 @@ def _megatron_model(plan: Plan) -> list[tuple[str, object]]:
             f.append(("--moe-ffn-hidden-size", m.moe.expert_ffn_hidden_size))
         if m.moe.every_n_layers > 1:
             f.append(("--moe-layer-freq", m.moe.every_n_layers))
+        # The cost model prices expert routing as all-to-all (cost_models/comm.py); Megatron's default differs.
+        f.append(("--moe-token-dispatcher-type", "alltoall"))
     return f
+
+
+def _megatron_sharding(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]:
+    """ZeRO stage -> Megatron's optimizer/FSDP flags."""
+    zero = plan.parallel.zero
+    if zero == 0:
+        return []
+    if zero == 3:
+        # Megatron-FSDP shards parameters, gradients and optimizer state (optim_grads_params); Torch-FSDP2 in
+        # Megatron refuses expert parallelism and the distributed optimizer, Megatron-FSDP takes both.
+        return [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads_params"),
+                ("--use-distributed-optimizer", None), ("--ckpt-format", "fsdp_dtensor")]
+    if zero == 2:
+        warnings.append("zero=2: Megatron's distributed optimizer shards optimizer state and reduce-scatters "
+                        "gradients, but keeps the full gradient buffer (the plan assumed it sharded)")
+    return [("--use-distributed-optimizer", None)]
+
+
+# Megatron-LM's validate_args: with tensor or context parallelism on GPUs before Blackwell (compute capability
+# < 10) the launch must set CUDA_DEVICE_MAX_CONNECTIONS=1 so communication kernels are scheduled in order;
+# (Megatron-)FSDP refuses that value.
+_ARCH_MAJOR = {"a100-40g": 8, "a100-80g": 8, "h100-sxm": 9, "h200": 9, "b200": 10}
+
+
+def megatron_arch(plan: Plan) -> int:
+    """The cluster GPU's compute-capability major (9, Hopper, for an inline GPU table)."""
+    return _ARCH_MAJOR.get(plan.cluster.gpu.name, 9)
+
+
+def megatron_env(plan: Plan) -> dict[str, str]:
+    cfg = plan.parallel
+    arch = megatron_arch(plan)
+    if (cfg.tp > 1 or cfg.cp > 1) and cfg.zero < 3 and arch < 10:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
 
 
 def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
@@ -134,15 +175,7 @@ def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
         f.append(("--expert-model-parallel-size", cfg.ep))
     f += [("--micro-batch-size", cfg.mbs), ("--global-batch-size", tr.global_batch_size)]
     f += _megatron_recompute(plan, warnings)
-    if cfg.zero >= 1:
-        f.append(("--use-distributed-optimizer", None))
-    if cfg.zero == 2:
-        warnings.append("zero=2: Megatron's distributed optimizer shards optimizer state and reduce-scatters "
-                        "gradients, but keeps the full gradient buffer (the plan assumed it sharded)")
-    if cfg.zero == 3:
-        f += [("--use-torch-fsdp2", None), ("--ckpt-format", "torch_dist")]
-        warnings.append("zero=3 is exported as Megatron's FSDP2 path (--use-torch-fsdp2); check that your "
-                        "Megatron-LM version supports it together with the other flags")
+    f += _megatron_sharding(plan, warnings)
     if cfg.schedule == "gpipe" and cfg.pp > 1:
         warnings.append("Megatron-LM has no GPipe schedule; it will run 1F1B (less activation memory)")
     if tr.dtype == "bf16":
@@ -151,13 +184,19 @@ def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
         f.append(("--fp16", None))
     elif tr.dtype == "fp8":
         f += [("--bf16", None), ("--fp8-format", "hybrid")]
-    if tr.grad_reduce_dtype == "fp32" and tr.dtype != "fp32":
-        f.append(("--accumulate-allreduce-grads-in-fp32", None))
-    if tr.flash_attention:
-        f.append(("--use-flash-attn", None))
+    # What the plan's cost assumed, stated rather than left to Megatron's defaults: gradients reduced in the
+    # training dtype unless the plan says fp32 (Megatron reduces its fp32 main grads unless
+    # --grad-reduce-in-bf16), the attention kernel, and (below) the MoE dispatcher.
+    reduce = tr.grad_reduce_dtype or ("bf16" if tr.dtype == "fp8" else tr.dtype)
+    if reduce == "bf16":
+        f.append(("--grad-reduce-in-bf16", None))
+    elif reduce == "fp16":
+        warnings.append("the plan reduces gradients in fp16; Megatron has no fp16 gradient reduce: it reduces "
+                        "the fp32 main grads (twice the data-parallel bytes the plan assumed)")
+    f.append(("--attention-backend", "flash" if tr.flash_attention else "unfused"))
     if tr.overlap_grad_reduce and (cfg.dp or 1) * cfg.cp > 1:
         f.append(("--overlap-grad-reduce", None))
-    if tr.overlap_param_gather and cfg.zero >= 1:
+    if tr.overlap_param_gather and cfg.zero in (1, 2):
         f.append(("--overlap-param-gather", None))
     if tr.tp_comm_overlap and cfg.tp > 1:
         f.append(("--tp-comm-overlap", None))
@@ -179,14 +218,16 @@ def export_megatron(plan: Plan, script: str = "pretrain_gpt.py") -> dict:
         if v is not None:
             args.append(_fmt(v))
     cl = plan.cluster
-    launch = f"torchrun --nnodes {cl.num_nodes} --nproc-per-node {cl.gpus_per_node} {script}"
+    env = megatron_env(plan)
+    launch = "".join(f"{k}={v} " for k, v in env.items())
+    launch += f"torchrun --nnodes {cl.num_nodes} --nproc-per-node {cl.gpus_per_node} {script}"
     lines = [launch]
     for k, v in flags:
         lines.append(f"    {k}" + ("" if v is None else f" {shlex.quote(_fmt(v))}"))
     command = " \\\n".join(lines)
     return {"format": "megatron", "plan": plan.short_hash, "args": args,
             "flags": {k: (True if v is None else v) for k, v in flags},
-            "launch": {"nnodes": cl.num_nodes, "nproc_per_node": cl.gpus_per_node},
+            "launch": {"nnodes": cl.num_nodes, "nproc_per_node": cl.gpus_per_node}, "env": env,
             "command": command, "warnings": warnings}
 
 
