@@ -55,7 +55,7 @@ def searched_plans(matrix=MATRIX):
 
 
 def main() -> int:
-    from autoplan.inspect import export_megatron, export_torchtitan
+    from autoplan.inspect import export_megatron
     from autoplan.inspect.export import megatron_arch
     from autoplan.inspect.export_check import FrameworkUnavailable, check_megatron, check_torchtitan
 

@@ -81,12 +81,39 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_export(plan, d: dict, fmt: str) -> str:
+    """'accepted by ...', 'refused by ...: why' or 'not checked: ...' (the framework is not importable)."""
+    from . import export_check as ec
+    from .export import megatron_arch
+
+    try:
+        if fmt == "megatron":
+            try:
+                err, who = ec.check_megatron(d["args"], plan.cluster.num_gpus, d["env"], megatron_arch(plan)), \
+                    "Megatron-LM validate_args"
+            except ec.FrameworkUnavailable:
+                err, who = ec.check_megatron_core(d), "megatron.core TransformerConfig"
+        elif d["version"] != "0.3":
+            return "not checked: only torchtitan >= 0.3 can be loaded here"
+        else:
+            err, who = ec.check_torchtitan(plan), "torchtitan ConfigManager"
+    except ec.FrameworkUnavailable as e:
+        return f"not checked: {e}"
+    return f"accepted by {who}" if err is None else f"refused by {who}: {err}"
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_megatron, export_torchtitan
 
     plan = _plan(args.plan)
-    d = export_megatron(plan) if args.format == "megatron" else export_torchtitan(plan)
-    text = d["command"] + "\n" if args.format == "megatron" else d["toml"]
+    if args.format == "megatron":
+        d = export_megatron(plan)
+        text = d["command"] + "\n"
+    else:
+        d = export_torchtitan(plan, args.torchtitan_version)
+        text = d["text"]
+    if args.check:
+        d["check"] = _check_export(plan, d, args.format)
     if args.output:
         Path(args.output).write_text(text)
     if args.json:
@@ -98,6 +125,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"wrote {args.output}")
     for w in d["warnings"]:
         print(f"autoplan: warning: {w}", file=sys.stderr)
+    if args.check:
+        print(f"autoplan: check: {d['check']}", file=sys.stderr)
+        if d["check"].startswith("refused"):
+            return 1
     return 0
 
 
@@ -166,7 +197,14 @@ def register(sub) -> None:
 
     p = sub.add_parser("export", help="Megatron-LM flags or a torchtitan config for a plan")
     p.add_argument("plan")
-    p.add_argument("--format", choices=["megatron", "torchtitan"], default="megatron")
+    p.add_argument("--format", choices=["megatron", "torchtitan"], default="megatron",
+                   help="target framework (default megatron)")
+    p.add_argument("--torchtitan-version", choices=["0.3", "0.2"], default="0.3",
+                   help="torchtitan config form: 0.3 a Python config module (--module/--config), "
+                        "0.2 a TOML file (--job.config_file)")
+    p.add_argument("--check", action="store_true",
+                   help="load the export with the framework's own argument/config code when it is importable "
+                        "(Megatron-LM via $MEGATRON_LM or megatron-core; torchtitan); exit 1 if refused")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     add_json(p)
     p.set_defaults(func=cmd_export)
