@@ -23,7 +23,8 @@ def add_workload_args(p: argparse.ArgumentParser, *, gpus_required: bool = False
     p.add_argument("--gpus", type=int, required=gpus_required, default=None, help="override the GPU count")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: model max)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"],
+                   help="training precision (default bf16)")
     p.add_argument("--kernels", default="fused", choices=["fused", "torch"],
                    help="assume fused Triton kernels (default) or plain torch ops")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
@@ -73,6 +74,12 @@ def console(width: int | None = None):
 
 
 def print_json(obj) -> None:
+    """Every JSON object autoplan prints carries the plan's `schema_version` (one vocabulary: the plan's
+    field names)."""
+    if isinstance(obj, dict) and "schema_version" not in obj:
+        from .plan import SCHEMA_VERSION
+
+        obj = {"schema_version": SCHEMA_VERSION, **obj}
     print(json.dumps(obj, indent=1, default=float))
 
 
@@ -190,8 +197,9 @@ def _human(n: float) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="autoplan", description="Plan and run parallel transformer training.")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _JsonArgumentParser(prog="autoplan", description="Plan and run parallel transformer training.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_JsonArgumentParser,
+                            help="run `autoplan COMMAND --help` for one command's options")
 
     p = sub.add_parser("estimate", help="predict one fixed parallel configuration")
     add_workload_args(p)
@@ -213,15 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_schema)
 
     p = sub.add_parser("inspect-model", help="capture a model and show its layers")
-    p.add_argument("model")
-    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("model", help="preset name, spec file, HF config.json or module:factory")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: model max)")
     add_json(p)
     p.set_defaults(func=cmd_inspect_model)
 
     p = sub.add_parser("calibrate", help="measure this machine and write a cluster spec")
     p.add_argument("-o", "--output", help="cluster YAML to write")
     p.add_argument("--nproc", type=int, default=4, help="processes (GPUs) per node to measure with")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="precision of the measured matmuls (default fp32)")
     add_json(p)
     p.set_defaults(func=lambda a: __import__("autoplan.calibrate", fromlist=["cmd_calibrate"]).cmd_calibrate(a))
 
@@ -238,12 +247,44 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # that part is not built yet
             raise
         module.register(sub)
+    for name, p in sub.choices.items():  # `autoplan CMD --help` opens with what CMD is for
+        if not p.description:
+            p.description = next((a.help for a in sub._choices_actions if a.dest == name), None)
     return ap
+
+
+def _fail(args_json: bool, kind: str, message: str, fix: str, code: int = 2) -> int:
+    """One line on stderr, or under --json one object {"error", "fix"} on stdout; nonzero exit."""
+    if args_json:
+        from .plan import SCHEMA_VERSION
+
+        print(json.dumps({"schema_version": SCHEMA_VERSION, "error": f"{kind}: {message}", "fix": fix}))
+    else:
+        print(f"autoplan: {kind}: {message}" + (f". fix: {fix}" if fix else ""), file=sys.stderr)
+    return code
+
+
+class _JsonArgumentParser(argparse.ArgumentParser):
+    """Usage errors as JSON when --json is on the command line."""
+
+    def error(self, message: str):  # noqa: D401
+        if "--json" in sys.argv[1:] or getattr(self, "_json_wanted", False):
+            raise SystemExit(_fail(True, "usage", f"{self.prog}: {message}", f"see `{self.prog} --help`"))
+        super().error(message)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
+    try:  # shell completion: `eval "$(register-python-argcomplete autoplan)"` (pip install argcomplete)
+        import argcomplete
+
+        argcomplete.autocomplete(ap)
+    except ImportError:
+        pass
     argv = list(sys.argv[1:] if argv is None else argv)
+    want_json = "--json" in argv[:argv.index("--")] if "--" in argv else "--json" in argv
+    for p in [ap, *next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices.values()]:
+        p._json_wanted = want_json
     extra: list[str] = []
     if "--" in argv:  # everything after `--` belongs to the launched program (`autoplan run`)
         i = argv.index("--")
@@ -255,8 +296,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except AutoplanError as e:
+        if want_json:
+            msg = e.rule + (f": {e.detail}" if e.detail else "")
+            return _fail(True, e.kind, msg, e.hint or "")
         print(f"autoplan: {e.kind}: {e.one_line()}", file=sys.stderr)
         return 2
+    except OSError as e:  # an unwritable -o/--plot/--log, a missing input file: one line, never a traceback
+        if isinstance(e, BrokenPipeError):
+            return 0
+        where = f" {e.filename}" if getattr(e, "filename", None) else ""
+        return _fail(want_json, "io error", f"{e.strerror or e}:{where}",
+                     "check the path exists and is writable (or choose another with -o)")
     except KeyboardInterrupt:
         print("autoplan: interrupted", file=sys.stderr)
         return 130

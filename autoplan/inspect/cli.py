@@ -171,32 +171,32 @@ def cmd_scaling(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("show", help="show a plan: mesh, stages, memory, step time, runners-up")
-    p.add_argument("plan")
+    p.add_argument("plan", help="plan file (from `autoplan search -o` or `estimate -o`)")
     p.add_argument("--timeline", action="store_true", help="also print the step x rank grid of the schedule")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches in the timeline (default 2*pp)")
     add_json(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("compare", help="compare two plans: what differs and what it costs")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", help="first plan file")
+    p.add_argument("b", help="second plan file")
     add_json(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("explain", help="why this plan: bottleneck, neighbouring choices, what rules them out")
-    p.add_argument("plan")
+    p.add_argument("plan", help="plan file (from `autoplan search -o` or `estimate -o`)")
     p.add_argument("--why-not", metavar="CONFIG", help='a configuration you had in mind, e.g. "tp=4,pp=16"')
     add_json(p)
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("trace", help="write the simulated schedule as a Chrome/Perfetto trace")
-    p.add_argument("plan")
+    p.add_argument("plan", help="plan file (from `autoplan search -o` or `estimate -o`)")
     p.add_argument("-o", "--output", default="trace.json", help="trace file (default trace.json)")
     add_json(p)
     p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("export", help="Megatron-LM flags or a torchtitan config for a plan")
-    p.add_argument("plan")
+    p.add_argument("plan", help="plan file (from `autoplan search -o` or `estimate -o`)")
     p.add_argument("--format", choices=["megatron", "torchtitan"], default="megatron",
                    help="target framework (default megatron)")
     p.add_argument("--torchtitan-version", choices=["0.3", "0.2"], default="0.3",
