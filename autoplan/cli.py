@@ -115,22 +115,20 @@ def cmd_models(args: argparse.Namespace) -> int:
     rows = []
     for m in MODEL_PRESETS.values():
         params = sum(p.params for p in profile_from_spec(m))
+        # the model spec's own field names (one vocabulary with plans and spec files)
         rows.append({"name": m.name, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
-                     "heads": m.num_attention_heads, "kv_heads": m.kv_heads, "ffn": m.ffn, "vocab": m.vocab_size,
-                     "seq": m.max_seq_length, "num_parameters": params,
-                     "moe": f"{m.moe.num_experts}x top-{m.moe.top_k}" if m.moe else ""})
+                     "num_attention_heads": m.num_attention_heads, "num_kv_heads": m.kv_heads,
+                     "ffn_hidden_size": m.ffn, "vocab_size": m.vocab_size, "max_seq_length": m.max_seq_length,
+                     "num_parameters": params, "moe": m.moe.model_dump() if m.moe else None})
     if args.json:
         print_json(rows)
         return 0
-    from rich.table import Table
-
-    t = Table(title="Model presets")
-    for c in ("name", "params", "layers", "hidden", "heads/kv", "ffn", "vocab", "seq", "moe"):
-        t.add_column(c, justify="left" if c in ("name", "moe") else "right")
-    for r in rows:
-        t.add_row(r["name"], _human(r["num_parameters"]), str(r["num_layers"]), str(r["hidden_size"]),
-                  f"{r['heads']}/{r['kv_heads']}", str(r["ffn"]), str(r["vocab"]), str(r["seq"]), r["moe"])
-    console().print(t)
+    cells = [[r["name"], _human(r["num_parameters"]), str(r["num_layers"]), str(r["hidden_size"]),
+              f"{r['num_attention_heads']}/{r['num_kv_heads']}", str(r["ffn_hidden_size"]),
+              str(r["vocab_size"]), str(r["max_seq_length"]), f"{m.moe.num_experts}x top-{m.moe.top_k}" if m.moe else ""]
+             for r, m in zip(rows, MODEL_PRESETS.values())]
+    console().print(_table("Model presets", ("name", "params", "layers", "hidden", "heads\n/kv", "ffn", "vocab",
+                                             "seq", "moe"), cells))
     return 0
 
 
@@ -146,16 +144,28 @@ def cmd_clusters(args: argparse.Namespace) -> int:
     if args.json:
         print_json(rows)
         return 0
+    cells = [[r["name"], r["gpu"], str(r["gpus_per_node"]), str(r["num_nodes"]), f"{r['peak_bf16_tflops']:g}",
+              f"{r['hbm_gib']:g}", f"{r['hbm_gbps']:g}", f"{r['intra_node_gbps']:g}", f"{r['inter_node_gbps']:g}"]
+             for r in rows]
+    console().print(_table("Cluster presets (bandwidth per GPU per direction)",
+                           ("name", "gpu", "GPUs/\nnode", "nodes", "bf16\nTF/s", "HBM\nGiB", "HBM\nGB/s",
+                            "intra\nGB/s", "inter\nGB/s"), cells))
+    return 0
+
+
+def _table(title: str, columns: tuple[str, ...], cells: list[list[str]]):
+    """A compact rich table whose cells are never cut or folded: each column is as wide as its widest cell
+    (headers wrap instead), so the names users type stay whole at 80 columns."""
     from rich.table import Table
 
-    t = Table(title="Cluster presets (bandwidth per GPU per direction)")
-    for c in ("name", "gpu", "GPUs/node", "nodes", "bf16 TF/s", "HBM GiB", "HBM GB/s", "intra GB/s", "inter GB/s"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(r["name"], r["gpu"], str(r["gpus_per_node"]), str(r["num_nodes"]), str(r["peak_bf16_tflops"]),
-                  str(r["hbm_gib"]), str(r["hbm_gbps"]), str(r["intra_node_gbps"]), str(r["inter_node_gbps"]))
-    console().print(t)
-    return 0
+    t = Table(title=title, box=None, padding=(0, 1), pad_edge=False, header_style="bold")
+    for k, c in enumerate(columns):
+        width = max([len(row[k]) for row in cells] + [len(line) for line in c.split("\n")])
+        t.add_column(c, justify="left" if k == 0 or c in ("gpu", "moe") else "right", no_wrap=True,
+                     min_width=width)
+    for row in cells:
+        t.add_row(*row)
+    return t
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
