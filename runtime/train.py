@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log", "--log-file", dest="log", default=None,
                     help="JSON-lines metrics file (rank 0). Under torchrun write --log-file, or put the training "
                          "arguments after `--`: torchrun itself rejects --log as an abbreviation of --log-dir")
+    ap.add_argument("--tensorboard", default=None, metavar="DIR",
+                    help="also write the log's metrics, measured MFU and timestamps to TensorBoard (rank 0)")
     ap.add_argument("--seed", type=int, default=0, help="weights and synthetic data")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--warmup", type=int, default=0, help="linear warm-up steps")
@@ -150,7 +152,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
     from .engine import Trainer, peak_memory_gib, tokens_per_step
 
     rank = dist.get_rank()
-    log = None
+    log = tb = None
     try:
         dims.build_mesh()
         # Dropout RNG: different across data/context/pipeline ranks (different tokens), the same across tp ranks
@@ -180,6 +182,10 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         if rank == 0 and args.log:
             Path(args.log).parent.mkdir(parents=True, exist_ok=True)
             log = open(args.log, "a" if args.resume else "w")  # noqa: SIM115 (closed in finally)
+        if rank == 0 and args.tensorboard:
+            from .tensorboard_log import TensorBoardLog
+
+            tb = TensorBoardLog(args.tensorboard, plan)
         if rank == 0 and not args.quiet:
             print(f"plan {plan.short_hash}: {plan.model.name}, {plan.parallel.to_string()}, {dims.describe()}, "
                   f"{trainer.n_micro} micro-batches of {trainer.mbs}, {device.type}", flush=True)
@@ -210,6 +216,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                 if log:
                     log.write(json.dumps(rec) + "\n")
                     log.flush()
+                if tb:
+                    tb.write(rec)
                 if not args.quiet:
                     print(f"step {step + 1:4d}  loss {res.loss:.4f}  {res.step_time_s * 1e3:8.1f} ms "
                           f"(predicted {predicted * 1e3:.1f} ms)  {rec['tokens_per_s']:.0f} tok/s", flush=True)
@@ -221,6 +229,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
     finally:
         if log:
             log.close()
+        if tb:
+            tb.close()
 
 
 def exit_process(rc: int) -> NoReturn:
