@@ -47,8 +47,10 @@ are broken by CBC's deterministic search, not by a rule of ours).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import sys
 import warnings
 
 import pulp
@@ -79,6 +81,25 @@ def _highs_available() -> bool:
         return bool(pulp.HiGHS(msg=False).available())
     except Exception:  # noqa: BLE001 - a pulp without the HiGHS API
         return False
+
+
+@contextlib.contextmanager
+def _quiet_stdout(on: bool):
+    """HiGHS prints its banner from C++ to file descriptor 1 when a solver object is made, before pulp can set
+    output_flag=False; `search --json` must print JSON only, so fd 1 points at /dev/null for the solve."""
+    if not on:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 def ilp_solver(time_limit_s: float):
@@ -343,7 +364,9 @@ class StageILP:
     def solve(self) -> StageSolution:
         with warnings.catch_warnings():  # pulp 3 deprecates PULP_CBC_CMD (the bundled CBC) in favour of pulp[cbc]
             warnings.simplefilter("ignore", DeprecationWarning)
-            status = self.prob.solve(ilp_solver(self.time_limit_s))
+            solver = ilp_solver(self.time_limit_s)
+            with _quiet_stdout(isinstance(solver, pulp.HiGHS)):
+                status = self.prob.solve(solver)
         if pulp.LpStatus[status] != "Optimal":
             raise InfeasibleStageProblem(self.binding_families())
         return self._extract()

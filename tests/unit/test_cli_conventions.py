@@ -119,3 +119,12 @@ def test_demo_json_prints_json(capsys):
     assert main(["demo", "--no-run", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["schema_version"] and d["tiny"]["parallel"] and d["tiny"]["step_time_s"] > 0
+
+
+def test_search_json_stdout_is_only_json():
+    """The stage ILP's solver (HiGHS prints a banner from C++ on fd 1) must not leak into --json output."""
+    r = subprocess.run([sys.executable, "-m", "autoplan", "search", *EST, "--top", "1", "--fix", "pp=2", "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-500:]
+    d = json.loads(r.stdout)
+    assert d["parallel"]["pp"] == 2 and d["schema_version"]
