@@ -71,6 +71,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
     summary = {"output": str(out), "events": len(trace["traceEvents"]),
                "step_time_s": trace["otherData"]["step_time_s"],
                "slices_per_rank": {str(k): v for k, v in sorted(counts.items())}}
+    if args.plot:
+        from .plots import plot_schedule
+
+        summary["plot"] = str(plot_schedule(plan, args.plot))
     if args.json:
         print_json(summary)
     else:
@@ -192,6 +196,7 @@ def register(sub) -> None:
     p = sub.add_parser("trace", help="write the simulated schedule as a Chrome/Perfetto trace")
     p.add_argument("plan", help="plan file (from `autoplan search -o` or `estimate -o`)")
     p.add_argument("-o", "--output", default="trace.json", help="trace file (default trace.json)")
+    p.add_argument("--plot", metavar="FILE", help="also draw the schedule into FILE (.png, .svg or .pdf)")
     add_json(p)
     p.set_defaults(func=cmd_trace)
 
@@ -213,6 +218,6 @@ def register(sub) -> None:
     add_workload_args(p)
     p.add_argument("--gpus", required=True, help="comma-separated GPU counts, e.g. 64,128,256")
     p.add_argument("--fix", action="append", metavar="KEY=VAL", help="pin part of the configuration (repeatable)")
-    p.add_argument("--plot", metavar="PNG", help="also draw tokens/s against GPUs into this PNG file")
+    p.add_argument("--plot", metavar="FILE", help="also draw tokens/s against GPUs into FILE (.png, .svg or .pdf)")
     add_json(p)
     p.set_defaults(func=cmd_scaling)
