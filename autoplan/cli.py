@@ -23,12 +23,55 @@ def add_workload_args(p: argparse.ArgumentParser, *, gpus_required: bool = False
     p.add_argument("--gpus", type=int, required=gpus_required, default=None, help="override the GPU count")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: model max)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"],
-                   help="training precision (default bf16)")
-    p.add_argument("--kernels", default="fused", choices=["fused", "torch"],
-                   help="assume fused Triton kernels (default) or plain torch ops")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
+                   help="compute dtype (default: the stack's, else bf16)")
+    p.add_argument("--kernels", default=None, choices=["fused", "torch", "megatron"],
+                   help="kernel set (default: the stack's; autoplan's is fused Triton kernels)")
+    add_stack_args(p)
     p.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
                    help="plan against at most this much memory per GPU (keeps the rest as headroom)")
+
+
+def add_stack_args(p: argparse.ArgumentParser) -> None:
+    """--stack NAME and --stack-set key=value,... (software-stack profile, `autoplan stacks`)."""
+    p.add_argument("--stack", default=None, metavar="NAME",
+                   help="software stack the prediction assumes (default autoplan; `autoplan stacks` lists them)")
+    p.add_argument("--stack-set", default=None, metavar="KEY=VAL,...",
+                   help="override single stack knobs, e.g. tp_comm_overlap=false,grad_reduce_dtype=fp32")
+
+
+def stack_of(args: argparse.Namespace) -> tuple[str | None, dict[str, object]]:
+    """(stack name, --stack-set overrides) from the options."""
+    from autoplan.cost_models.stacks import get_stack, parse_stack_set
+
+    name = getattr(args, "stack", None)
+    if name is not None:
+        name = get_stack(name).name
+    return name, parse_stack_set(getattr(args, "stack_set", None))
+
+
+def stack_training(args: argparse.Namespace, training):
+    """`training` under the stack of `args`: the stack's knobs, then --stack-set; --dtype and --kernels given
+    explicitly win over the stack's."""
+    from autoplan.cost_models.stacks import apply_stack
+
+    name, overrides = stack_of(args)
+    keep = tuple(k for k in ("dtype", "kernels") if getattr(args, k, None) is not None)
+    return apply_stack(training, name, overrides, keep=keep)
+
+
+def stack_label_of(args: argparse.Namespace) -> str:
+    from autoplan.cost_models.stacks import stack_label
+
+    return stack_label(*stack_of(args))
+
+
+def with_stack(plan, args: argparse.Namespace):
+    """The plan recording the stack its prediction assumed (re-sealed)."""
+    name, overrides = stack_of(args)
+    if name is None and not overrides:
+        return plan
+    return plan.model_copy(update={"stack": stack_label_of(args)}).sealed()
 
 
 def add_json(p: argparse.ArgumentParser) -> None:
@@ -37,13 +80,20 @@ def add_json(p: argparse.ArgumentParser) -> None:
 
 def load_workload(args: argparse.Namespace):
     """(model, cluster, training, profiles-or-None) from the shared options."""
+    from autoplan.cost_models.errors import SpecError
     from autoplan.cost_models.specs import TrainingSpec
 
     from .specs import load_cluster
     from .workload import resolve_model
 
+    for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len), ("--global-batch", args.global_batch)):
+        if value is not None and value <= 0:  # 0 must not fall back to a default
+            raise SpecError(f"{flag} must be positive", f"got {flag} {value}", f"pass {flag} N with N >= 1")
     model, profiles = resolve_model(args.model)
-    cluster = load_cluster(args.cluster, gpus=args.gpus)
+    notes: list[str] = []
+    cluster = load_cluster(args.cluster, gpus=args.gpus, notes=notes)
+    for note in notes:
+        print(f"autoplan: note: {note}", file=sys.stderr)
     limit = getattr(args, "memory_limit", None)
     if limit is not None:
         if not 0 < limit <= cluster.gpu.hbm_gib:
@@ -53,10 +103,11 @@ def load_workload(args: argparse.Namespace):
                             f"got {limit} GiB, {cluster.gpu.name} has {cluster.gpu.hbm_gib} GiB",
                             f"pass a value in (0, {cluster.gpu.hbm_gib}]")
         cluster = cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"hbm_gib": limit})})
-    seq = args.seq_len or model.max_seq_length
+    seq = model.max_seq_length if args.seq_len is None else args.seq_len
     try:
-        training = TrainingSpec(global_batch_size=args.global_batch, seq_length=seq, dtype=args.dtype,
-                                kernels=getattr(args, "kernels", "fused"))
+        training = TrainingSpec(global_batch_size=args.global_batch, seq_length=seq,
+                                dtype=getattr(args, "dtype", None) or "bf16",
+                                kernels=getattr(args, "kernels", None) or "fused")
     except Exception as e:  # pydantic validation -> one line naming the field
         from autoplan.cost_models.errors import SpecError
 
@@ -64,7 +115,7 @@ def load_workload(args: argparse.Namespace):
         detail = (f"{'.'.join(str(x) for x in errs[0]['loc'])} {errs[0]['msg'].lower()}, got {errs[0].get('input')!r}"
                   if errs else str(e).splitlines()[0])
         raise SpecError("invalid training setup", detail, "check --global-batch, --seq-len and --dtype") from None
-    return model, cluster, training, profiles
+    return model, cluster, stack_training(args, training), profiles
 
 
 def console(width: int | None = None):
@@ -86,21 +137,43 @@ def print_json(obj) -> None:
 # -------------------------------------------------------------------------------------------- commands
 
 
+def parallel_of(args: argparse.Namespace, model):
+    """The configuration of --parallel, with the stage layout of --layout or --uneven (one of them) applied."""
+    from autoplan.cost_models.errors import ConfigError
+    from autoplan.cost_models.layout import normalize, parse_uneven, uneven
+    from autoplan.cost_models.specs import ParallelConfig
+
+    cfg = ParallelConfig.parse(args.parallel)
+    given = [f for f in ("layout", "uneven") if getattr(args, f, None)]
+    if cfg.layout is not None:
+        given.insert(0, "layout= in --parallel")
+    if len(given) > 1:
+        raise ConfigError("give the stage layout once", f"got {' and '.join(given)}",
+                          "use one of --layout, --uneven or layout= in --parallel")
+    if getattr(args, "layout", None):
+        cfg = cfg.model_copy(update={"layout": normalize(args.layout)})
+    elif getattr(args, "uneven", None):
+        first, last = parse_uneven(args.uneven)
+        cfg = cfg.model_copy(update={"layout": uneven(model.num_layers, cfg.pp * cfg.vp, first, last)})
+    return cfg
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from .api import plan_from_estimate
     from .estimate_api import estimate_config
     from .report import render_estimate
 
     model, cluster, training, profiles = load_workload(args)
-    est = estimate_config(model, cluster, training, args.parallel, profiles=profiles)
+    est = estimate_config(model, cluster, training, parallel_of(args, model), profiles=profiles)
     if args.output:
         plan = plan_from_estimate(model, cluster, training, est, kernels=args.kernels,
                                   command=" ".join(sys.argv))
-        plan.save(args.output)
+        with_stack(plan, args).save(args.output)
     if args.json:
         d = est.as_dict()
         d["memory_breakdown_gib"] = [m.gib() for m in est.memory]
         d["kernels_assumed"] = training.kernels
+        d["stack"] = stack_label_of(args)
         print_json(d)
     else:
         render_estimate(console(), model, cluster, training, est)
@@ -168,6 +241,33 @@ def _table(title: str, columns: tuple[str, ...], cells: list[list[str]]):
     return t
 
 
+def cmd_stacks(args: argparse.Namespace) -> int:
+    from autoplan.cost_models.stacks import DEFAULT_STACK, STACK_KNOBS, STACKS
+
+    rows = [{"name": s.name, "title": s.title, "default": s.name == DEFAULT_STACK,
+             "knobs": {k: s.knobs.get(k) for k in STACK_KNOBS if k in s.knobs}, "assumes": s.assumes,
+             "typical": s.typical, "source": s.source} for s in STACKS.values()]
+    if args.json:
+        print_json(rows)
+        return 0
+    from rich.table import Table
+
+    t = Table(title="Software stacks (--stack NAME; override one knob with --stack-set KEY=VAL)", show_lines=True)
+    for c in ("name", "knobs", "assumes"):
+        t.add_column(c, overflow="fold")
+    short = {"flash_attention": "flash", "overlap_grad_reduce": "overlap_grad", "overlap_param_gather":
+             "overlap_gather", "tp_comm_overlap": "tp_overlap", "grad_reduce_dtype": "grad_dtype"}
+    for r in rows:
+        knobs = "\n".join(f"{short.get(k, k)}={'compute' if v is None else str(v).lower()}"
+                          for k, v in r["knobs"].items())
+        about = f"{r['title']}{' (default)' if r['default'] else ''}\n{r['assumes']}"
+        if r["typical"]:
+            about += f"\ntypically run with: {r['typical']}"
+        t.add_row(r["name"], knobs, about + f"\nsource: {r['source']}")
+    console().print(t)
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from .plan import Plan
 
@@ -214,6 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("estimate", help="predict one fixed parallel configuration")
     add_workload_args(p)
     p.add_argument("--parallel", required=True, help="e.g. tp=8,pp=8,dp=16,mbs=1,sp=1,recompute=selective")
+    p.add_argument("--layout", metavar="LAYOUT",
+                   help="explicit stage layout: Megatron-Core's string (E embedding, t block, L loss, | stage "
+                        "boundary, X*N repeats; e.g. 'Et*3|(t*4|)*6,t*3L') or blocks per stage ('3,4,4,3')")
+    p.add_argument("--uneven", metavar="first=N,last=M",
+                   help="N blocks on the first stage and M on the last, the rest spread evenly")
     p.add_argument("-o", "--output", help="also write the configuration as a plan file")
     add_json(p)
     p.set_defaults(func=cmd_estimate)
@@ -225,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("clusters", help="list cluster presets")
     add_json(p)
     p.set_defaults(func=cmd_clusters)
+
+    p = sub.add_parser("stacks", help="list software-stack profiles and what each assumes")
+    add_json(p)
+    p.set_defaults(func=cmd_stacks)
 
     p = sub.add_parser("schema", help="print the Plan's JSON Schema")
     add_json(p)

@@ -18,6 +18,12 @@ from autoplan.cost_models.errors import PlanError
 from autoplan.cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, Recompute, TrainingSpec
 
 SCHEMA_VERSION = 1
+# Fields added after version 1, hashed only when set (see Plan.compute_hash).
+_LATER_FIELDS: dict[str, tuple[str, ...]] = {
+    "plan": ("stack",),
+    "parallel": ("layout",),
+    "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "grad_accum_fused"),
+}
 
 
 class _Frozen(BaseModel):
@@ -93,6 +99,9 @@ class Plan(_Frozen):
     parallel: ParallelConfig = Field(description="The chosen configuration, dp resolved.")
     stages: list[StagePlan] = Field(description="pp*vp stages in model order.")
     kernels: Literal["fused", "torch"] = Field(default="fused", description="Fused Triton kernels or torch ops.")
+    stack: str | None = Field(
+        default=None, description="Software-stack profile the prediction assumes (`autoplan stacks`), with any "
+        "--stack-set overrides after a '+'; its knobs are in `training`. None = autoplan's runtime.")
     prediction: Prediction
     runners_up: list[RunnerUp] = Field(default_factory=list)
     provenance: Provenance
@@ -100,7 +109,17 @@ class Plan(_Frozen):
 
     # ---- hashing and files
     def compute_hash(self) -> str:
-        body = self.model_dump(mode="json", exclude={"content_hash"})
+        # Fields added after schema version 1 are left out of the hash while they hold their defaults, so a plan
+        # that does not use them hashes as before they existed and older plan files still load.
+        exclude: dict = {"content_hash": True}
+        for part, names in _LATER_FIELDS.items():
+            obj = self if part == "plan" else getattr(self, part)
+            unset = {n for n in names if getattr(obj, n) == type(obj).model_fields[n].default}
+            if part == "plan":
+                exclude.update(dict.fromkeys(unset, True))
+            elif unset:
+                exclude[part] = unset
+        body = self.model_dump(mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     def sealed(self) -> Plan:

@@ -60,8 +60,14 @@ def _validated(cls: type, data: dict[str, Any], where: str):
         if errs:
             first = errs[0]
             loc = ".".join(str(x) for x in first["loc"]) or "(top level)"
-            raise SpecError(f"{where}: field {loc!r}: {first['msg']}", f"got {first.get('input')!r}"[:120],
-                            f"fix {loc} ({len(errs)} problem(s) in all)") from None
+            more = f" ({len(errs)} problems in all)" if len(errs) > 1 else ""
+            if first.get("type") == "missing":
+                raise SpecError(f"{where}: field {loc!r} is required", "missing",
+                                f"add {loc}: <value> (see DESIGN.md's spec format){more}") from None
+            got = first.get("input")
+            got = repr(got) if not isinstance(got, dict | list) else f"a {type(got).__name__}"
+            raise SpecError(f"{where}: field {loc!r}: {first['msg'].lower()}", f"got {got[:80]}",
+                            f"correct {loc}{more}") from None
         raise SpecError(f"{where}: invalid", str(e)) from None
 
 
@@ -95,10 +101,50 @@ def _hf_get(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
+# Hugging Face model types that are bidirectional encoders or encoder-decoders: not causal language models,
+# so autoplan's cost model (causal attention, next-token loss over a decoder stack) does not describe them.
+_NON_CAUSAL_TYPES = frozenset({
+    "bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "distilbert", "albert", "electra", "deberta", "deberta-v2",
+    "mpnet", "camembert", "ernie", "modernbert", "nomic_bert", "longformer", "big_bird", "funnel", "convbert",
+    "squeezebert", "layoutlm", "mobilebert", "t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian",
+    "whisper", "vit", "clip",
+})
+
+
+def _check_causal(cfg: dict[str, Any], mtype: str, name: str) -> None:
+    archs = [str(a) for a in cfg.get("architectures") or []]
+    causal_arch = any(a.endswith(("CausalLM", "LMHeadModel")) for a in archs)
+    encoder_arch = archs and not causal_arch and all(
+        a.endswith(("MaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+                    "ForPreTraining", "Model", "ForConditionalGeneration", "ForMultipleChoice")) for a in archs)
+    if mtype in _NON_CAUSAL_TYPES or cfg.get("is_encoder_decoder") or (encoder_arch and not causal_arch):
+        what = "an encoder-decoder" if cfg.get("is_encoder_decoder") else "a bidirectional encoder"
+        raise SpecError("autoplan plans decoder-only causal language models",
+                        f"{name}: model_type {mtype or '?'!r} ({', '.join(archs) or 'no architectures'}) is {what}",
+                        "pass a decoder-only (GPT/Llama-style) config.json or a model spec")
+
+
+def _hf_int(cfg: dict[str, Any], value: Any, what: str) -> int:
+    """An integer field of a HF config, or a one-line error naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        ok = False
+    else:
+        try:
+            ok = float(value) == int(float(value))
+        except ValueError:
+            ok = False
+    if not ok:
+        key = next((k for k, v in cfg.items() if v is value), what)
+        raise SpecError(f"Hugging Face config field {key!r} must be an integer", f"got {value!r}",
+                        f"write e.g. \"{key}\": 4096") from None
+    return int(float(value))
+
+
 def model_from_hf_config(cfg: dict[str, Any], name: str = "hf-model") -> ModelSpec:
     """Map a Hugging Face config (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, Mixtral field names) to a ModelSpec."""
     mtype = str(cfg.get("model_type", "")).lower()
     name = cfg.get("_name_or_path") or name
+    _check_causal(cfg, mtype, str(name))
     layers = _hf_get(cfg, "num_hidden_layers", "n_layer", "num_layers")
     hidden = _hf_get(cfg, "hidden_size", "n_embd", "d_model")
     heads = _hf_get(cfg, "num_attention_heads", "n_head")
@@ -120,13 +166,16 @@ def model_from_hf_config(cfg: dict[str, Any], name: str = "hf-model") -> ModelSp
         norm, rope = "layernorm", True
     moe = None
     n_exp = _hf_get(cfg, "num_local_experts", "num_experts")
-    if n_exp and int(n_exp) > 1:
-        moe = MoESpec(num_experts=int(n_exp), top_k=int(_hf_get(cfg, "num_experts_per_tok", "top_k", default=2)),
+    if n_exp and _hf_int(cfg, n_exp, "num_local_experts") > 1:
+        moe = MoESpec(num_experts=_hf_int(cfg, n_exp, "num_local_experts"),
+                      top_k=_hf_int(cfg, _hf_get(cfg, "num_experts_per_tok", "top_k", default=2), "num_experts_per_tok"),
                       expert_ffn_hidden_size=_hf_get(cfg, "moe_intermediate_size", default=ffn))
     data = dict(
-        name=str(name), num_layers=int(layers), hidden_size=int(hidden), num_attention_heads=int(heads),
-        num_kv_heads=int(kv), head_dim=_hf_get(cfg, "head_dim"), ffn_hidden_size=int(ffn) if ffn else None,
-        vocab_size=int(vocab), max_seq_length=int(seq), activation=activation, norm=norm,
+        name=str(name), num_layers=_hf_int(cfg, layers, "num_hidden_layers"),
+        hidden_size=_hf_int(cfg, hidden, "hidden_size"), num_attention_heads=_hf_int(cfg, heads, "num_attention_heads"),
+        num_kv_heads=_hf_int(cfg, kv, "num_key_value_heads"), head_dim=_hf_get(cfg, "head_dim"),
+        ffn_hidden_size=_hf_int(cfg, ffn, "intermediate_size") if ffn else None,
+        vocab_size=_hf_int(cfg, vocab, "vocab_size"), max_seq_length=_hf_int(cfg, seq, "max_position_embeddings"), activation=activation, norm=norm,
         position="rope" if rope else "learned",
         tie_embeddings=bool(_hf_get(cfg, "tie_word_embeddings", default=mtype == "gpt2")),
         bias=bool(_hf_get(cfg, "attention_bias", "use_bias", default=mtype in ("gpt2", "gpt_neox"))),
@@ -138,19 +187,43 @@ def model_from_hf_config(cfg: dict[str, Any], name: str = "hf-model") -> ModelSp
 # -------------------------------------------------------------------------------------------- clusters
 
 
-def load_cluster(ref: str | Path | ClusterSpec, gpus: int | None = None) -> ClusterSpec:
-    """A preset name or a YAML cluster file (which may name a GPU preset and override single fields)."""
+def load_cluster(ref: str | Path | ClusterSpec, gpus: int | None = None, *, notes: list[str] | None = None
+                 ) -> ClusterSpec:
+    """A preset name or a YAML cluster file (which may name a GPU preset and override single fields).
+
+    `gpus` resizes it: a preset is a template and grows or shrinks to any whole number of nodes (a line in
+    `notes` says when it grows past the preset's size); a file that states `num_nodes` describes a real
+    cluster, so asking for more GPUs than it has is an error; a file without `num_nodes` takes it from `gpus`."""
+    if gpus is not None and (isinstance(gpus, bool) or gpus <= 0):
+        raise SpecError("--gpus must be a positive GPU count", f"got {gpus}", "pass e.g. --gpus 64")
     if isinstance(ref, ClusterSpec):
         cluster = ref
     elif str(ref).lower() in CLUSTER_PRESETS:
         cluster = cluster_preset(str(ref))
+        if gpus is not None and gpus > cluster.num_gpus and notes is not None:
+            notes.append(f"--gpus {gpus} grows preset {cluster.name} from {cluster.num_gpus} to {gpus} GPUs "
+                         f"({-(-gpus // cluster.gpus_per_node)} nodes of {cluster.gpus_per_node})")
     else:
         path = Path(str(ref))
         if not path.exists():
             raise SpecError(f"unknown cluster {ref!r}", "not a preset and no such file",
                             "run `autoplan clusters` for presets, or pass a YAML cluster file")
-        cluster = cluster_from_mapping(_read_mapping(path), where=str(path))
-    return cluster.with_gpus(gpus) if gpus else cluster
+        data = _read_mapping(path)
+        sized = "num_nodes" in data or isinstance(data.get("base"), str)  # the file says how big it is
+        if not sized:
+            if gpus is None:
+                raise SpecError(f"{path}: field 'num_nodes' is required", "missing and no --gpus given",
+                                "add num_nodes: N to the file, or pass --gpus")
+            per = data.get("gpus_per_node")
+            if isinstance(per, int) and per > 0:
+                data["num_nodes"] = max(1, -(-gpus // per))  # with_gpus below checks whole nodes
+        cluster = cluster_from_mapping(data, where=str(path))
+        if gpus is not None and gpus > cluster.num_gpus and sized:
+            raise SpecError(f"--gpus {gpus} is more than {path} has",
+                            f"num_nodes={cluster.num_nodes} x {cluster.gpus_per_node} = {cluster.num_gpus} GPUs",
+                            f"raise num_nodes in the file, drop num_nodes to size it from --gpus, or pass "
+                            f"--gpus <= {cluster.num_gpus}")
+    return cluster.with_gpus(gpus) if gpus is not None else cluster
 
 
 def cluster_from_mapping(data: dict[str, Any], where: str = "cluster") -> ClusterSpec:

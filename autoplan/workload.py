@@ -8,14 +8,13 @@ its ModelSpec is derived from the captured layers.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from autoplan.cost_models.profile import LayerProfile
 from autoplan.cost_models.specs import ModelSpec, MoESpec
 
-from .specs import load_model, model_from_hf_config
+from .specs import _read_mapping, load_model, model_from_hf_config
 
 
 def _is_factory(ref: str) -> bool:
@@ -34,7 +33,7 @@ def resolve_model(ref: str | ModelSpec) -> tuple[ModelSpec, list[LayerProfile] |
         return spec_from_profiles(graph.profiles, name=ref.split(":")[-1], seq=graph.seq), graph.profiles
     path = Path(ref)
     if path.suffix == ".json" and path.exists():
-        data = json.loads(path.read_text())
+        data = _read_mapping(path)  # a syntax error is one line naming the file and the position
         if isinstance(data, dict) and ("model_type" in data or "architectures" in data):
             spec = model_from_hf_config(data, name=path.parent.name or path.stem)
             try:

@@ -2,56 +2,112 @@
 
     python benchmarks/fidelity.py [--json] [--reference PATH]
 
-Runs come from shared/reference/calibration_runs.json. SC21 rows use the published configuration with full
-recomputation, fp16 and Megatron-LM 2021's runtime (unfused softmax attention, fp16 gradients all-reduced
-after the backward pass without overlap, no distributed optimizer). Megatron-LM README H100 rows do not publish micro-batch, recomputation
-or sequence parallelism: we assume mbs=1, sp=1, zero=1 (distributed optimizer), recompute=selective, bf16,
-and Megatron-Core r0.8.0's runtime (flash attention, --overlap-grad-reduce, --overlap-param-gather,
---tp-comm-overlap), as the issue prescribes. Errors are signed: (predicted - published) / published.
+Runs come from shared/reference/calibration_runs.json. Every run is expressed as the `autoplan estimate`
+command a user would type (`--commands` prints them) and resolved through the CLI's own path. SC21 rows use
+the published configuration with full recomputation and `--stack megatron-2021` (fp16, unfused softmax
+attention, fp16 gradients all-reduced after the backward pass without overlap, no distributed optimizer).
+Megatron-LM README H100 rows do not publish micro-batch, recomputation or sequence parallelism: we assume
+mbs=1, sp=1, zero=1 (distributed optimizer), recompute=selective and `--stack megatron-core` (bf16, flash
+attention, --overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap). Errors are signed: (predicted - published) / published.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import io
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autoplan.estimate_api import estimate_config  # noqa: E402
-from autoplan.specs import GPUCalibration, ModelSpec, ParallelConfig, TrainingSpec, load_cluster  # noqa: E402
-
-DEFAULT_REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "calibration_runs.json"
+from autoplan.specs import GPUCalibration, ModelSpec, ParallelConfig, TrainingSpec  # noqa: E402
 
 
-def run_setting(run: dict) -> tuple[ModelSpec, str, TrainingSpec, ParallelConfig, str]:
-    """Model, cluster preset, training and configuration of one published run."""
+def _find_reference() -> Path:
+    """shared/reference/calibration_runs.json beside the repository (or beside a worktree's parent)."""
+    for parent in Path(__file__).resolve().parents[1:]:
+        cand = parent / "shared" / "reference" / "calibration_runs.json"
+        if cand.exists():
+            return cand
+    return Path(__file__).resolve().parents[2] / "shared" / "reference" / "calibration_runs.json"
+
+
+DEFAULT_REF = _find_reference()
+_SPEC_DIR = Path(tempfile.mkdtemp(prefix="autoplan-fidelity-"))
+
+
+def model_file(spec: dict) -> str:
+    """Write a model spec as a YAML file (what a user would pass to --model) and return its path."""
+    text = yaml.safe_dump(spec, sort_keys=False)
+    path = _SPEC_DIR / f"{spec['name']}-{hashlib.sha256(text.encode()).hexdigest()[:8]}.yaml"
+    if not path.exists():
+        path.write_text(text)
+    return str(path)
+
+
+def run_command(run: dict) -> tuple[list[str], str]:
+    """The `autoplan estimate` arguments that express one published run, and its table's name."""
     m = run["model"]
     sc21 = "SC21" in run["source"]
-    model = ModelSpec(name=m["name"], num_layers=m["layers"], hidden_size=m["hidden"],
-                      num_attention_heads=m["heads"], ffn_hidden_size=m["ffn"], vocab_size=m["vocab"],
-                      max_seq_length=m["seq"], dropout=0.1, tie_embeddings=sc21)
+    spec = {"name": m["name"], "num_layers": m["layers"], "hidden_size": m["hidden"],
+            "num_attention_heads": m["heads"], "ffn_hidden_size": m["ffn"], "vocab_size": m["vocab"],
+            "max_seq_length": m["seq"], "dropout": 0.1, "tie_embeddings": sc21}
     p, b = run["parallel"], run["batch"]
     if sc21:
-        cluster = "dgx-a100-80g"
-        training = TrainingSpec(global_batch_size=b["global"], seq_length=m["seq"], dtype="fp16",
-                                grad_reduce_dtype="fp16", flash_attention=False, overlap_grad_reduce=False, overlap_param_gather=False,
-                                tp_comm_overlap=False, kernels="megatron")
         vp = p.get("vp") or 1
         cfg = ParallelConfig(tp=p["tp"], pp=p["pp"], dp=p["dp"], vp=vp, mbs=b["micro"], recompute="full",
                              schedule="interleaved" if vp > 1 else "1f1b")
-        table = "SC21 (A100)"
+        cluster, stack, table = "dgx-a100-80g", "megatron-2021", "SC21 (A100)"
     else:
-        cluster = "dgx-h100"
-        training = TrainingSpec(global_batch_size=b["global"], seq_length=m["seq"], dtype="bf16",
-                                flash_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
-                                tp_comm_overlap=True, kernels="megatron")
         cfg = ParallelConfig(tp=p["tp"], pp=p["pp"], dp=p["dp"], mbs=1, sp=p["tp"] > 1, zero=1,
                              recompute="selective")
-        table = "Megatron-LM H100"
-    return model, cluster, training, cfg, table
+        cluster, stack, table = "dgx-h100", "megatron-core", "Megatron-LM H100"
+    argv = ["estimate", "--model", model_file(spec), "--cluster", cluster, "--gpus", str(run["cluster"]["num_gpus"]),
+            "--global-batch", str(b["global"]), "--seq-len", str(m["seq"]), "--stack", stack,
+            "--parallel", short_parallel(cfg)]
+    return argv, table
+
+
+def short_parallel(cfg: ParallelConfig) -> str:
+    """The configuration string without the keys at their defaults (what a user would type)."""
+    default = ParallelConfig().as_dict()
+    return ",".join(f"{k}={v}" for k, v in cfg.as_dict().items() if v is not None and v != default.get(k))
+
+
+def setting_of(argv: list[str]):
+    """Model, cluster, training, configuration and layout exactly as `autoplan <argv>` resolves them."""
+    from autoplan.cli import build_parser, load_workload, parallel_of
+
+    args = build_parser().parse_args(argv)
+    with contextlib.redirect_stderr(io.StringIO()):  # the CLI's notes (e.g. a preset grown by --gpus)
+        model, cluster, training, profiles = load_workload(args)
+    return model, cluster, training, parallel_of(args, model), args
+
+
+def run_setting(run: dict) -> tuple[ModelSpec, str, TrainingSpec, ParallelConfig, str]:
+    """Model, cluster preset, training and configuration of one published run (through the CLI's path)."""
+    argv, table = run_command(run)
+    model, _cluster, training, cfg, args = setting_of(argv)
+    return model, args.cluster, training, cfg, table
+
+
+def predict(argv: list[str], calibration: dict[str, GPUCalibration] | None = None):
+    """(model, cluster, configuration, Estimate) of `autoplan <argv>`; `calibration` overrides a GPU's
+    constants (calibrate_fit.py tries candidate constants this way)."""
+    model, cluster, training, cfg, args = setting_of(argv)
+    if calibration and cluster.gpu.name in calibration:
+        gpu = cluster.gpu.model_copy(update={"calibration": calibration[cluster.gpu.name]})
+        cluster = cluster.model_copy(update={"gpu": gpu})
+    est = estimate_config(model, cluster, training, cfg)
+    return model, cluster, est.config, est
 
 
 def evaluate(ref_path: Path, calibration: dict[str, GPUCalibration] | None = None) -> list[dict]:
@@ -59,17 +115,14 @@ def evaluate(ref_path: Path, calibration: dict[str, GPUCalibration] | None = Non
     runs = json.loads(ref_path.read_text())["runs"]
     rows = []
     for run in runs:
-        model, cluster_name, training, cfg, table = run_setting(run)
-        cluster = load_cluster(cluster_name, gpus=run["cluster"]["num_gpus"])
-        if calibration and cluster.gpu.name in calibration:
-            gpu = cluster.gpu.model_copy(update={"calibration": calibration[cluster.gpu.name]})
-            cluster = cluster.model_copy(update={"gpu": gpu})
-        est = estimate_config(model, cluster, training, cfg)
+        argv, table = run_command(run)
+        model, cluster, cfg, est = predict(argv, calibration)
         published_t = run["derived"]["iter_time_s"]
         sc21 = table.startswith("SC21")
         pred_tflops = est.hfu * est.peak_flops / 1e12 if sc21 else est.tflops_per_gpu
         rows.append({
             "table": table, "model": model.name, "gpus": cluster.num_gpus, "config": cfg.to_string(),
+            "pp": cfg.pp, "command": "autoplan " + " ".join(argv),
             "published_step_s": published_t, "predicted_step_s": est.step_time_s,
             "step_error": (est.step_time_s - published_t) / published_t,
             "published_tflops": run["reported"]["tflops_per_gpu"], "predicted_tflops": pred_tflops,
@@ -79,38 +132,169 @@ def evaluate(ref_path: Path, calibration: dict[str, GPUCalibration] | None = Non
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reference", type=Path, default=DEFAULT_REF)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    rows = evaluate(args.reference)
+HELDOUT = Path(__file__).resolve().parent / "published" / "heldout_runs.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def heldout_command(run: dict) -> list[str]:
+    """The `autoplan estimate` arguments of one held-out run (benchmarks/published/heldout_runs.yaml)."""
+    cluster = run["cluster"]
+    if cluster.endswith((".yaml", ".yml")):
+        cluster = str(ROOT / cluster)
+    argv = ["estimate", "--model", model_file(run["model"]), "--cluster", cluster, "--gpus", str(run["gpus"]),
+            "--global-batch", str(run["global_batch"]), "--seq-len", str(run["seq_len"]), "--stack", run["stack"],
+            "--parallel", run["parallel"]]
+    for key in ("stack_set", "layout", "uneven"):
+        if run.get(key):
+            argv += ["--" + key.replace("_", "-"), str(run[key])]
+    return argv
+
+
+def _sc21_hw_flops(spec: dict, batch: int, seq: int) -> float:
+    """Hardware FLOPs per step with full recomputation, SC21 eq. 3 (Megatron-DeepSpeed's logged TFLOP/s)."""
+    layers, h, vocab = spec["num_layers"], spec["hidden_size"], spec["vocab_size"]
+    return 96 * batch * seq * layers * h * h * (1 + seq / (6 * h) + vocab / (16 * layers * h))
+
+
+def published_step(run: dict, est) -> float:
+    """The published step time, or the one implied by the published utilisation (see the YAML's header)."""
+    pub = run["published"]
+    if "step_s" in pub:
+        return float(pub["step_s"])
+    if "mfu" in pub:  # autoplan's model FLOPs are Korthikanti eq. 7, the convention of these sources
+        return est.model_flops / (pub["mfu"] * est.peak_flops * est.num_gpus)
+    flops = _sc21_hw_flops(run["model"], run["global_batch"], run["seq_len"])
+    return flops / (pub["hw_tflops"] * 1e12 * run["gpus"])
+
+
+def evaluate_heldout(path: Path = HELDOUT, calibration: dict[str, GPUCalibration] | None = None) -> list[dict]:
+    """One row per held-out published run, predicted through the CLI's path."""
+    runs = yaml.safe_load(path.read_text())["runs"]
+    rows = []
+    for run in runs:
+        argv = heldout_command(run)
+        model, cluster, cfg, est = predict(argv, calibration)
+        pub = published_step(run, est)
+        rows.append({
+            "table": "held-out", "model": run["name"], "gpus": cluster.num_gpus, "pp": cfg.pp,
+            "config": cfg.to_string(), "stack": run["stack"], "source": run["source"],
+            "command": "autoplan " + " ".join(argv), "published_step_s": pub, "predicted_step_s": est.step_time_s,
+            "step_error": (est.step_time_s - pub) / pub, "published_tflops": est.model_flops / pub / est.num_gpus / 1e12,
+            "predicted_tflops": est.tflops_per_gpu, "peak_memory_gib": est.peak_memory_gib, "fits": est.fits,
+            "breakdown": {k: round(v, 4) for k, v in est.breakdown.items()},
+        })
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
     summary = {}
     for table in sorted({r["table"] for r in rows}):
         errs = [abs(r["step_error"]) for r in rows if r["table"] == table]
         summary[table] = {"mean_abs_error": statistics.mean(errs), "worst_abs_error": max(errs), "runs": len(errs)}
     allerr = [abs(r["step_error"]) for r in rows]
     summary["all"] = {"mean_abs_error": statistics.mean(allerr), "worst_abs_error": max(allerr), "runs": len(allerr)}
+    return summary
+
+
+GPU_BUCKETS = ((1, 128), (129, 512), (513, 2048), (2049, 4096), (4097, 1 << 30))
+PP_BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 1 << 30))
+
+
+def _label(lo: int, hi: int) -> str:
+    return f"{lo}" if lo == hi else (f">={lo}" if hi >= 1 << 30 else f"{lo}-{hi}")
+
+
+def trend(rows: list[dict], key: str, buckets) -> list[dict]:
+    """Signed mean and mean |error| per bucket of `key` (GPUs or pp): a growing trend shows at a glance."""
+    out = []
+    for lo, hi in buckets:
+        sel = [r["step_error"] for r in rows if lo <= r[key] <= hi]
+        if sel:
+            out.append({key: _label(lo, hi), "runs": len(sel), "mean_error": statistics.mean(sel),
+                        "mean_abs_error": statistics.mean(abs(e) for e in sel), "worst_abs_error": max(map(abs, sel))})
+    return out
+
+
+def plot_trend(rows: list[dict], path: str) -> None:
+    """Signed step-time error against GPUs and against pp, one marker per run, by table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    markers = {"SC21 (A100)": "o", "Megatron-LM H100": "s", "held-out": "^"}
+    for ax, key, xlabel in ((axes[0], "gpus", "GPUs"), (axes[1], "pp", "pipeline stages (pp)")):
+        for table in sorted({r["table"] for r in rows}):
+            sel = [r for r in rows if r["table"] == table]
+            ax.scatter([r[key] for r in sel], [100 * r["step_error"] for r in sel], label=table,
+                       marker=markers.get(table, "x"))
+        ax.axhspan(-7, 7, color="0.9", zorder=0)
+        ax.axhline(0, color="0.4", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("step time error, % (predicted - published)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("autoplan cost model vs published runs (band: +/-7%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reference", type=Path, default=DEFAULT_REF)
+    ap.add_argument("--heldout", type=Path, default=HELDOUT, help="held-out published runs (YAML)")
+    ap.add_argument("--plot", metavar="PNG", help="draw the error against GPUs and pp into this PNG")
+    ap.add_argument("--commands", action="store_true", help="print the autoplan command of every run")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows = evaluate(args.reference) + evaluate_heldout(args.heldout)
+    summary = summarize(rows)
+    trends = {"by_gpus": trend(rows, "gpus", GPU_BUCKETS), "by_pp": trend(rows, "pp", PP_BUCKETS),
+              "heldout_by_gpus": trend([r for r in rows if r["table"] == "held-out"], "gpus", GPU_BUCKETS)}
+    if args.plot:
+        plot_trend(rows, args.plot)
     if args.json:
-        print(json.dumps({"rows": rows, "summary": summary}, indent=1))
+        print(json.dumps({"rows": rows, "summary": summary, "trend": trends}, indent=1))
         return 0
     from rich.console import Console
     from rich.table import Table
 
+    con = Console(width=170)
     t = Table(title="Cost-model fidelity: predicted vs published")
     for col in ("table", "model", "GPUs", "config", "step pub", "step pred", "err", "TF/s pub", "TF/s pred",
                 "mem GiB"):
         t.add_column(col, justify="right" if col not in ("table", "model", "config") else "left")
     for r in rows:
-        t.add_row(r["table"], r["model"], str(r["gpus"]), r["config"].split(",schedule")[0].replace(",cp=1,ep=1", ""),
+        t.add_row(r["table"], r["model"], str(r["gpus"]), short_config(r["config"]),
                   f"{r['published_step_s']:.2f}", f"{r['predicted_step_s']:.2f}", f"{100 * r['step_error']:+.1f}%",
                   f"{r['published_tflops']:.0f}", f"{r['predicted_tflops']:.0f}",
                   f"{r['peak_memory_gib']:.1f}" + ("" if r["fits"] else " !"))
-    Console(width=170).print(t)
+    con.print(t)
+    for name, key in (("by_gpus", "gpus"), ("by_pp", "pp"), ("heldout_by_gpus", "gpus")):
+        tt = Table(title=f"error {name.replace('_', ' ')} (all tables)" if name != "heldout_by_gpus"
+                   else "held-out error by gpus")
+        for col in (key, "runs", "mean (signed)", "mean |err|", "worst |err|"):
+            tt.add_column(col, justify="right")
+        for b in trends[name]:
+            tt.add_row(b[key], str(b["runs"]), f"{100 * b['mean_error']:+.1f}%", f"{100 * b['mean_abs_error']:.1f}%",
+                       f"{100 * b['worst_abs_error']:.1f}%")
+        con.print(tt)
     for k, v in summary.items():
         print(f"{k:18s} mean |err| {100 * v['mean_abs_error']:.2f}%  worst {100 * v['worst_abs_error']:.2f}%  "
               f"({v['runs']} runs)")
+    if args.commands:
+        for r in rows:
+            print(f"# {r['model']} ({r['table']})\n{r['command']}")
+    if args.plot:
+        print(f"wrote {args.plot}")
     return 0
+
+
+def short_config(config: str) -> str:
+    return (config.split(",schedule")[0].replace(",cp=1,ep=1", "") +
+            ("," + config.split(",schedule=")[1].split(",", 1)[1] if ",layout=" in config else ""))
 
 
 if __name__ == "__main__":

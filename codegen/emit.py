@@ -56,7 +56,7 @@ def _header(p: StageProgram) -> str:
     n = len(plan.stages)
     dp = c.dp or 1
     n_micro = plan.training.global_batch_size // (dp * c.mbs)
-    parts = [f"layers {st.layers[0]}..{st.layers[1] - 1}"]
+    parts = [f"layers {st.layers[0]}..{st.layers[1] - 1}" if st.layers[1] > st.layers[0] else "no blocks"]
     if st.has_embedding:
         parts.insert(0, "embedding")
     if st.has_head:
@@ -131,7 +131,8 @@ def stage_source(p: StageProgram) -> str:
          f'    """Stage {st.index} as rank(s) {", ".join(map(str, p.ranks))} run it. dims: runtime.ParallelDims, '
          'mesh built."""']
     lo, hi = st.layers
-    b.append(f"    # 1. pipeline cut: keep layers {lo}..{hi - 1} of {plan.model.num_layers} (global keys kept)")
+    kept = f"layers {lo}..{hi - 1}" if hi > lo else "no blocks"
+    b.append(f"    # 1. pipeline cut: keep {kept} of {plan.model.num_layers} (global keys kept)")
     b.append('    model = build_model(SPEC, device="meta")')
     if p.deleted_layers:
         keys = ", ".join(f'"{i}"' for i in p.deleted_layers)

@@ -162,6 +162,14 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
         bwd_exp = bwd / ctx.tp + max(0.0, bwd * (1 - 1 / ctx.tp) - 2 * gemm_fwd)
         # the hidden part still slows the GEMMs it runs under (SMs and HBM taken by the comm kernels)
         fwd, bwd = fwd_exp + k * (fwd - fwd_exp), bwd_exp + k * (bwd - bwd_exp)
+    elif ctx.training.tp_bwd_comm_overlap:
+        # Megatron-LM's async TP communication (LinearWithGradAccumulationAndAsyncCommunication): in the
+        # column-parallel backward the input-gradient all-reduce (with sp: the input all-gather) runs beside the
+        # weight-gradient GEMM, one of the two collectives of each linear pair; the other stays exposed.
+        k = ctx.cluster.gpu.calibration.overlap_interference
+        half = bwd / 2
+        bwd_exp = half + max(0.0, half - gemm_fwd / 2)  # the wgrad GEMMs of the column-parallel linears
+        bwd = bwd_exp + k * (bwd - bwd_exp)
     return fwd, bwd
 
 

@@ -143,11 +143,19 @@ def cached_layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
 
 
 def even_layout(num_layers: int, cfg: ParallelConfig) -> list[StageLayout]:
+    """The configuration's stages: its explicit `layout` if it has one, else blocks spread evenly over pp*vp
+    stages (any remainder on the first stages)."""
     n = cfg.pp * cfg.vp
-    base, extra = divmod(num_layers, n)
+    if cfg.layout is not None:
+        from .layout import counts
+
+        sizes = counts(cfg.layout)
+    else:
+        base, extra = divmod(num_layers, n)
+        sizes = [base + (1 if i < extra else 0) for i in range(n)]
     out, start = [], 0
     for i in range(n):
-        stop = start + base + (1 if i < extra else 0)
+        stop = start + sizes[i]
         nrec = stop - start if cfg.recompute == "full" else 0
         if cfg.recompute == "full" and cfg.recompute_layers is not None:
             nrec = min(stop - start, -(-cfg.recompute_layers // cfg.vp))
@@ -340,6 +348,18 @@ def zero3_block_exposed(params_local: float, fwd_s: float, bwd_s: float, *, dp: 
     return exposed + interference(cluster, hidden)
 
 
+def grad_accum_time(params_local: float, cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """Per micro-batch, the pass that adds this stage's fresh 16-bit gradients into an fp32 accumulation buffer
+    when the weight-gradient GEMMs do not accumulate in place (DeepSpeed's BF16_Optimizer and ZeRO hooks;
+    Megatron fuses it, gradient_accumulation_fusion): read the 16-bit gradient and the fp32 buffer, write the
+    buffer. Memory-bound."""
+    if training.grad_accum_fused:
+        return 0.0
+    gpu = cluster.gpu
+    nbytes = params_local * (training.weight_bytes + 4 + 4)
+    return nbytes / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
+
+
 def pipeline_p2p_time(cluster: ClusterSpec, training: TrainingSpec, *, hidden: int, pp: int, tp: int, cp: int,
                       dp: int, mbs: int) -> float:
     """One activation (or gradient) message between neighbouring pipeline stages: a micro-batch's hidden
@@ -347,7 +367,9 @@ def pipeline_p2p_time(cluster: ClusterSpec, training: TrainingSpec, *, hidden: i
     if pp <= 1:
         return 0.0
     e = training.weight_bytes  # activations share the weights' dtype
-    nbytes = mbs * training.seq_length // cp * hidden * e / tp
+    # Megatron splits the message over the tp ranks (scatter/gather, SC21 sec. 4.1); DeepSpeed's engine does not.
+    split = tp if training.p2p_scatter_gather else 1
+    nbytes = mbs * training.seq_length // cp * hidden * e / split
     cross = tp * cp * dp >= cluster.gpus_per_node and cluster.num_nodes > 1
     return comm.p2p(cluster, nbytes, cross)
 
@@ -372,6 +394,8 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
                 s.zero3_s += zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=cfg.dp, cp=cfg.cp,
                                                  tp=cfg.tp, cluster=cluster, training=training)
             s.bwd_s += s.zero3_s
+    for s in stages:  # unfused gradient accumulation: a memory-bound pass per micro-batch (compute time)
+        s.bwd_s += grad_accum_time(s.params, cluster, training)
     p2p_s = pipeline_p2p_time(cluster, training, hidden=profiles[0].hidden, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp,
                               dp=cfg.dp, mbs=cfg.mbs)
     fwd = [s.fwd_s for s in stages]

@@ -257,6 +257,15 @@ class TrainingSpec(_Frozen):
     tp_comm_overlap: bool = Field(
         default=False, description="Tensor-parallel collectives overlap the GEMMs (Megatron userbuffers)."
     )
+    tp_bwd_comm_overlap: bool = Field(
+        default=False, description="In the backward pass, one TP collective per linear pair runs beside the "
+        "weight-gradient GEMM (Megatron-LM's async tensor-parallel all-reduce / SP all-gather, 2022).")
+    p2p_scatter_gather: bool = Field(
+        default=True, description="Pipeline activations cross stages split over the tp ranks (SC21 sec. 4.1); "
+        "false = every tp rank sends the whole hidden state (DeepSpeed's pipeline engine).")
+    grad_accum_fused: bool = Field(
+        default=True, description="Weight-gradient GEMMs accumulate straight into the gradient buffer; false = "
+        "each micro-batch's gradients are added into an fp32 buffer by a separate memory-bound pass (DeepSpeed).")
     @property
     def fused_kernels(self) -> bool:
         return self.kernels == "fused"
@@ -303,6 +312,9 @@ class ParallelConfig(_Frozen):
         default=None, ge=0, description="With full recompute: layers per stage recomputed (None = all)."
     )
     schedule: Schedule = Field(default="1f1b", description="Pipeline schedule.")
+    layout: str | None = Field(
+        default=None, description="Explicit stage layout, Megatron-Core's string (E embedding, t block, L loss, "
+        "| stage boundary; cost_models/layout.py); None = blocks spread evenly over pp*vp stages.")
 
     @model_validator(mode="after")
     def _schedule_vs_vp(self) -> ParallelConfig:
@@ -314,9 +326,7 @@ class ParallelConfig(_Frozen):
     def parse(cls, text: str) -> ParallelConfig:
         """Parse `tp=8,pp=2,sp=1,recompute=selective`; unknown keys and bad values raise ConfigError."""
         values: dict[str, object] = {}
-        for raw in text.replace(" ", "").split(","):
-            if not raw:
-                continue
+        for raw in _items(text):
             if "=" not in raw:
                 raise ConfigError(
                     "parallel configuration items are key=value", f"got {raw!r} in {text!r}", "write e.g. tp=8,pp=2"
@@ -329,6 +339,9 @@ class ParallelConfig(_Frozen):
                     f"in {text!r}",
                     "valid keys: " + ",".join(k for k in cls.model_fields),
                 )
+            if key in values:
+                raise ConfigError(f"parallel configuration key {key!r} given twice", f"in {text!r}",
+                                  f"give {key} once")
             values[key] = _parse_value(key, val)
         try:
             return cls(**values)
@@ -356,6 +369,7 @@ class ParallelConfig(_Frozen):
             "recompute": self.recompute,
             "recompute_layers": self.recompute_layers,
             "schedule": self.schedule,
+            **({"layout": self.layout} if self.layout else {}),
         }
 
     def __str__(self) -> str:
@@ -384,6 +398,20 @@ class ParallelConfig(_Frozen):
         return self
 
 
+def _items(text: str) -> list[str]:
+    """The key=value items of a configuration string; a layout's own commas (Megatron writes `(tt|)*29,t|L`)
+    stay with the layout: an item without '=' continues the layout item before it."""
+    items: list[str] = []
+    for raw in text.replace(" ", "").split(","):
+        if not raw:
+            continue
+        if "=" not in raw and items and items[-1].lower().startswith("layout="):
+            items[-1] += "," + raw
+        else:
+            items.append(raw)
+    return items
+
+
 def _parse_value(key: str, val: str) -> object:
     if key in _INT_KEYS or key == "recompute_layers":
         try:
@@ -404,6 +432,10 @@ def _parse_value(key: str, val: str) -> object:
         if low not in ("none", "selective", "full"):
             raise ConfigError("recompute must be none|selective|full", f"got recompute={val}", "write recompute=full")
         return low
+    if key == "layout":
+        from .layout import normalize
+
+        return normalize(val)
     if key == "schedule":
         low = val.lower().replace("-", "").replace("_", "")
         table = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved", "interleaved1f1b": "interleaved"}
@@ -457,13 +489,17 @@ def check_config(
         raise ConfigError(
             "ffn_hidden_size must divide by tp", f"ffn={model.ffn}, tp={tp}", "choose tp dividing the FFN size"
         )
-    if stage_layers and model.num_layers % (pp * vp):
+    if cfg.layout is not None:
+        from .layout import check_layout
+
+        check_layout(cfg.layout, num_layers=model.num_layers, pp=pp, vp=vp)
+    elif stage_layers and model.num_layers % (pp * vp):
         raise ConfigError(
             "layers must divide evenly into pp*vp stages",
             f"{model.num_layers} layers, pp={pp}, vp={vp}",
             "pick pp*vp dividing the layer count, or let `autoplan search` place uneven stages",
         )
-    if pp * vp > model.num_layers:
+    if pp * vp > model.num_layers and cfg.layout is None:
         raise ConfigError(
             "more pipeline stages than layers", f"pp*vp={pp * vp} > {model.num_layers} layers", "lower pp or vp"
         )

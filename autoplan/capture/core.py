@@ -195,7 +195,8 @@ def hf_model_from_config(config: Any) -> Any:
         try:
             config = transformers.AutoConfig.for_model(mtype, **data)
         except Exception as e:
-            raise CaptureError(f"transformers does not know model_type {mtype!r}", str(e).splitlines()[0],
+            first = (str(e).splitlines() or [""])[0].split(". Should contain")[0]  # not the list of every type
+            raise CaptureError(f"transformers does not know model_type {mtype!r}", first[:200],
                                "upgrade transformers or pass a model spec") from None
     try:
         with torch.device("meta"):

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..cli import add_json, add_workload_args, console, load_workload, print_json
+from ..cli import add_json, add_stack_args, add_workload_args, console, load_workload, print_json
 
 
 def _plan(path: str):
@@ -16,10 +16,29 @@ def _plan(path: str):
     return load_plan(path)
 
 
+def restack(plan, args: argparse.Namespace):
+    """The plan predicted under the stack of --stack/--stack-set (same configuration and stage layout), or the
+    plan itself when neither is given."""
+    from ..api import prediction_of
+    from ..cli import stack_label_of, stack_of
+    from ..cost_models.stacks import apply_stack
+    from .common import reestimate
+
+    name, overrides = stack_of(args)
+    if name is None and not overrides:
+        return plan
+    training = apply_stack(plan.training, name or (plan.stack or "autoplan").split("+")[0], overrides)
+    plan = plan.model_copy(update={"training": training, "stack": stack_label_of(args)})
+    est = reestimate(plan)
+    stages = [s.model_copy(update={"forward_s": e.fwd_s, "backward_s": e.bwd_s})
+              for s, e in zip(plan.stages, est.stages, strict=True)]
+    return plan.model_copy(update={"prediction": prediction_of(est), "stages": stages}).sealed()
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from .show import render_show, show_json
 
-    plan = _plan(args.plan)
+    plan = restack(_plan(args.plan), args)
     if args.json:
         d = show_json(plan, timeline=args.timeline)
         if args.timeline and args.microbatches:
@@ -178,6 +197,7 @@ def register(sub) -> None:
     p.add_argument("plan", help="plan file (from `autoplan search -o` or `estimate -o`)")
     p.add_argument("--timeline", action="store_true", help="also print the step x rank grid of the schedule")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches in the timeline (default 2*pp)")
+    add_stack_args(p)
     add_json(p)
     p.set_defaults(func=cmd_show)
 

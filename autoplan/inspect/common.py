@@ -74,6 +74,12 @@ def evaluate(plan: Plan, cfg: ParallelConfig, *, keep_layout: bool = False) -> O
     model, cluster, training = plan.model, plan.cluster, plan.training
     note = ""
     layout = None
+    if cfg.layout is not None:
+        from autoplan.cost_models.layout import counts
+
+        if len(counts(cfg.layout)) != cfg.pp * cfg.vp:  # a variant with other pp/vp cannot keep the layout
+            cfg = cfg.model_copy(update={"layout": None})
+            note = "even stages (the plan's layout has another stage count)"
     try:
         if keep_layout and cfg.pp * cfg.vp == len(plan.stages):
             resolved = check_config(cfg, model, cluster, training, stage_layers=False)

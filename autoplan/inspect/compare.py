@@ -14,7 +14,7 @@ def _workload(plan: Plan) -> dict:
     cl, tr = plan.cluster, plan.training
     return {"model": plan.model.name, "cluster": cl.name, "gpu": cl.gpu.name, "num_gpus": cl.num_gpus,
             "global_batch_size": tr.global_batch_size, "seq_length": tr.seq_length, "dtype": tr.dtype,
-            "kernels": tr.kernels}
+            "kernels": tr.kernels, "stack": plan.stack or "autoplan"}
 
 
 def _metrics(plan: Plan) -> dict:

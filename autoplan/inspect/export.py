@@ -37,7 +37,8 @@ def _megatron_layout(plan: Plan, warnings: list[str]) -> list[tuple[str, object]
     per_rank = _layers_per_rank(plan)
     first, last, middle = per_rank[0], per_rank[-1], per_rank[1:-1]
     mid_sizes = {n for r in middle for n in r}
-    expressible = (len(set(first)) == 1 and len(set(last)) == 1 and len(mid_sizes) <= 1)
+    expressible = (len(set(first)) == 1 and len(set(last)) == 1 and len(mid_sizes) <= 1
+                   and min(first + last) > 0)  # a stage of only the embedding or loss needs the layout string
     if expressible:
         mid = next(iter(mid_sizes)) if mid_sizes else None
         # Megatron splits the first/last pipeline rank's layers evenly over its virtual stages and the rest
@@ -51,7 +52,8 @@ def _megatron_layout(plan: Plan, warnings: list[str]) -> list[tuple[str, object]
         return flags
     # Not first/last-uneven: Megatron-Core's explicit layout string alone (it implies the virtual stage count;
     # Megatron refuses it beside --num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-...).
-    flags.append(("--pipeline-model-parallel-layout", megatron_layout_string(plan)))
+    # The plan's own (compact, same grammar) layout string when it has one.
+    flags.append(("--pipeline-model-parallel-layout", cfg.layout or megatron_layout_string(plan)))
     warnings.append("the stage layout is not uneven only at the first/last pipeline rank; exported as "
                     "--pipeline-model-parallel-layout (Megatron-Core >= 0.13), stages in model order")
     return flags

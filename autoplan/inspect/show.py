@@ -28,7 +28,7 @@ def header_lines(plan: Plan) -> list[str]:
     nodes = f"{cl.num_nodes} node{'s' if cl.num_nodes > 1 else ''} x {cl.gpus_per_node}"
     return [
         f"{plan.model.name} on {cl.num_gpus} x {cl.gpu.name} ({cl.name}, {nodes})",
-        f"batch {tr.global_batch_size} x {tr.seq_length} tokens, {tr.dtype}, "
+        f"batch {tr.global_batch_size} x {tr.seq_length} tokens, {tr.dtype}, stack {plan.stack or 'autoplan'}, "
         f"{tr.kernels} kernels, {m} micro-batches of {cfg.mbs} per step",
         f"plan {plan.short_hash}: {short_config(cfg)}",
     ]
@@ -61,7 +61,8 @@ def _rec_label(s) -> str:
 
 
 def _layers_label(layers: list[list[int]]) -> str:
-    return " ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in layers)
+    # an empty virtual stage (only the embedding or the loss) prints as "-"
+    return " ".join(f"{a}-{b - 1}" if b - a > 1 else (f"{a}" if b > a else "-") for a, b in layers)
 
 
 def timeline_grid(plan: Plan, max_microbatches: int | None = None) -> dict:
@@ -102,6 +103,7 @@ def show_json(plan: Plan, *, timeline: bool = False) -> dict:
         "global_batch_size": plan.training.global_batch_size,
         "seq_length": plan.training.seq_length,
         "dtype": plan.training.dtype,
+        "stack": plan.stack or "autoplan",
         "microbatches": num_microbatches(plan.parallel, plan.training),
         "parallel": plan.parallel.as_dict(),
         "step_time_s": p.step_time_s,

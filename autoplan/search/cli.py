@@ -61,6 +61,9 @@ def cmd_search(args: argparse.Namespace) -> int:
     else:
         result = search(model, cluster, training, profiles=profiles, fix=fix, top=args.top,
                         command=" ".join(["autoplan", *sys.argv[1:]]), kernels=args.kernels)
+    from autoplan.cli import with_stack
+
+    result.plan = with_stack(result.plan, args)
     if args.output:
         result.plan.save(args.output)
     if args.json:

@@ -130,6 +130,7 @@ class SearchResult:
             r["pipeline"] = "simulated" if f.simulated else "closed-form"
             d["runners_up"].append(r)
         d["search_time_s"] = self.stats.search_time_s
+        d["stack"] = getattr(self.plan, "stack", None) or "autoplan"
         d["stats"] = self.stats.as_dict()
         return d
 

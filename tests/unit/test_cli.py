@@ -81,8 +81,8 @@ def test_estimate_does_not_import_torch():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--global-batch", "0"], "global_batch_size input should be greater than 0"),
-    (["--global-batch", "8", "--seq-len", "-5"], "seq_length input should be greater than 0"),
+    (["--global-batch", "0"], "--global-batch must be positive: got --global-batch 0"),
+    (["--global-batch", "8", "--seq-len", "-5"], "--seq-len must be positive: got --seq-len -5"),
 ])
 def test_bad_training_setup_is_one_line(capsys, args, needle):
     assert main(["estimate", "--model", "gpt3-175b", "--cluster", "dgx-h100", *args, "--parallel", "tp=8"]) == 2

@@ -26,3 +26,33 @@ def test_step_time_error_within_bounds_on_both_tables():
         assert max(errs) <= 0.07, (table, errs)
     # every published configuration fits in memory under the model
     assert all(r["fits"] for r in rows)
+
+
+def test_heldout_runs_are_cli_commands_and_stay_guarded():
+    """The held-out published runs (never fitted on) go through the CLI's own path; this guards the current
+    errors (mean 8.2%, worst 14.8% when written) against regressions. It is NOT the issue's target (3.5% / 7%),
+    which these runs do not meet yet: see docs/cost_model.md."""
+    from benchmarks.fidelity import evaluate_heldout, trend
+
+    rows = evaluate_heldout()
+    assert len(rows) >= 10 and {r["stack"] for r in rows} >= {"megatron-2022", "megatron-deepspeed", "megatron-core"}
+    assert all(r["command"].startswith("autoplan estimate --model ") for r in rows)
+    assert any("--layout" in r["command"] for r in rows) and any("--uneven" in r["command"] for r in rows)
+    errs = [abs(r["step_error"]) for r in rows]
+    assert statistics.mean(errs) <= 0.10 and max(errs) <= 0.16, errs
+    by_gpus = trend(rows, "gpus", ((1, 512), (513, 1 << 30)))
+    assert len(by_gpus) == 2 and all(b["runs"] >= 4 for b in by_gpus)
+
+
+def test_a_heldout_command_runs_from_the_command_line(capsys):
+    import json as _json
+
+    import yaml
+
+    from autoplan.cli import main
+    from benchmarks.fidelity import HELDOUT, heldout_command
+
+    run = next(r for r in yaml.safe_load(HELDOUT.read_text())["runs"] if r.get("layout"))  # BLOOM's layout
+    assert main(heldout_command(run) + ["--json"]) == 0
+    d = _json.loads(capsys.readouterr().out)
+    assert d["stack"] == run["stack"] and d["parallel"]["layout"]

@@ -1,0 +1,202 @@
+"""Software-stack profiles: which kernels, overlaps and dtypes a training run assumes, by name.
+
+The cost model's knobs for the software a run uses live in `TrainingSpec` (flash attention, the kernel set,
+overlapped gradient reduction / parameter gather / TP communication, the gradient-reduce dtype). A stack is
+nothing but a named set of those values, so that a user can say "Megatron-LM as of SC21" instead of five
+flags, and a plan records which stack its prediction assumed. `TrainingSpec` stays the single source:
+`apply_stack` returns a TrainingSpec; `--stack-set key=value,...` overrides single knobs on top.
+
+What each stack assumes, and where it comes from, is in its `assumes` and `source` fields
+(`autoplan stacks` prints them). Parallel knobs (tp, pp, recompute, ZeRO stage, ...) are not part of a stack:
+they are the configuration, searched or given with `--parallel`; `typical` says what the stack's users ran.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import ConfigError, SpecError
+from .specs import TrainingSpec
+
+DEFAULT_STACK = "autoplan"
+
+# The TrainingSpec fields a stack may set (the runtime's software, not the workload: batch and sequence length
+# are never part of a stack).
+STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
+               "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "grad_accum_fused", "kernels")
+# Values every stack has unless it says otherwise (TrainingSpec's defaults for these knobs).
+_COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "grad_accum_fused": True}
+
+
+class Stack(BaseModel):
+    """One named software stack: TrainingSpec values plus what they mean."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="Name used by --stack.")
+    title: str = Field(description="One line: the software and its era.")
+    knobs: dict[str, object] = Field(description="TrainingSpec values the stack sets (others keep their defaults).")
+    assumes: str = Field(description="What the values mean, in words.")
+    typical: str = Field(default="", description="Parallel settings its users typically ran (not applied).")
+    source: str = Field(default="", description="Where the assumptions come from.")
+
+
+def _stack(**kw) -> Stack:
+    return Stack(**{**kw, "knobs": {**_COMMON, **kw["knobs"]}})
+
+
+STACKS: dict[str, Stack] = {s.name: s for s in (
+    _stack(
+        name="autoplan", title="autoplan's own runtime (default)",
+        knobs={"flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
+               "tp_comm_overlap": False, "kernels": "fused", "grad_reduce_dtype": None},
+        assumes="flash (SDPA) attention; autoplan's fused Triton norms/activations/RoPE and chunked cross-entropy; "
+                "gradient reduce overlapped with the backward and ZeRO gathers with the forward (FSDP2); "
+                "TP collectives not overlapped; gradients reduced in the compute dtype",
+        source="runtime/parallelize.py (apply_dp, apply_fused_kernels)",
+    ),
+    _stack(
+        name="megatron-2021", title="Megatron-LM as in Narayanan et al. SC21",
+        knobs={"dtype": "fp16", "flash_attention": False, "overlap_grad_reduce": False,
+               "overlap_param_gather": False, "tp_comm_overlap": False, "kernels": "megatron",
+               "grad_reduce_dtype": None},
+        assumes="fp16; unfused softmax attention (fused scale-mask-softmax over the s x s scores); Megatron's fused "
+                "bias-GeLU and LayerNorm; fp16 gradients all-reduced after the backward, not overlapped; "
+                "no distributed optimizer",
+        typical="recompute=full, schedule=interleaved, zero=0",
+        source="Narayanan et al. 2021 (SC21) sections 4-5; Megatron-LM v2.x (2021) training.py/distributed.py",
+    ),
+    _stack(
+        name="megatron-2022", title="Megatron-LM with selective recomputation and SP (Korthikanti et al. 2022)",
+        knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
+               "overlap_param_gather": False, "tp_comm_overlap": False, "tp_bwd_comm_overlap": True,
+               "kernels": "megatron", "grad_reduce_dtype": None},
+        assumes="bf16; unfused softmax attention (selective recomputation recomputes it); Megatron's fused kernels; "
+                "gradient all-reduce after the backward, not overlapped; forward TP collectives exposed, in the "
+                "backward one collective per linear pair beside the weight-gradient GEMM (async TP all-reduce)",
+        typical="sp=1, recompute=selective, zero=0",
+        source="Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models', sec. 4-6",
+    ),
+    _stack(
+        name="megatron-core", title="Megatron-Core with Transformer Engine and overlaps (2024+)",
+        knobs={"dtype": "bf16", "flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
+               "tp_comm_overlap": True, "kernels": "megatron", "grad_reduce_dtype": None},
+        assumes="bf16; TE fused (flash) attention and fused kernels; --overlap-grad-reduce, --overlap-param-gather "
+                "(distributed optimizer), --tp-comm-overlap (userbuffers); fp32 cross-entropy over materialised "
+                "logits; gradients reduced in bf16 (grad_reduce_in_fp32=False)",
+        typical="sp=1, zero=1 (--use-distributed-optimizer), recompute=selective",
+        source="Megatron-LM README performance table (Megatron-Core r0.8.0); megatron/core arguments",
+    ),
+    _stack(
+        name="megatron-deepspeed", title="Megatron-DeepSpeed (2021-22): MT-NLG 530B, BLOOM 176B",
+        knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
+               "overlap_param_gather": False, "tp_comm_overlap": False, "p2p_scatter_gather": False,
+               "grad_accum_fused": False, "kernels": "megatron", "grad_reduce_dtype": "fp32"},
+        assumes="Megatron's TP layers and fused kernels, unfused softmax attention, run by DeepSpeed's pipeline "
+                "engine: whole hidden states sent between stages by every tp rank (no scatter/gather); "
+                "gradients accumulated into fp32 buffers by a separate pass per micro-batch and reduced in fp32 "
+                "after the pipeline flush (BF16_Optimizer / ZeRO-1), not overlapped",
+        typical="zero=1, recompute=full, schedule=1f1b",
+        source="Smith et al. 2022 (MT-NLG, arXiv 2201.11990) sec. 2-3; BigScience BLOOM (arXiv 2211.05100) "
+               "sec. 3.4; DeepSpeed pipe/engine.py and runtime/bf16_optimizer.py",
+    ),
+    _stack(
+        name="deepspeed-zero3", title="DeepSpeed ZeRO-3 on a Hugging Face-style model",
+        knobs={"dtype": "bf16", "flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
+               "tp_comm_overlap": False, "grad_accum_fused": False, "kernels": "torch", "grad_reduce_dtype": "fp32"},
+        assumes="bf16 with eager PyTorch ops (no fused norms/activations); SDPA flash attention; overlap_comm "
+                "(parameter prefetch and gradient reduce-scatter behind compute); gradients accumulated in fp32 "
+                "by a separate pass per micro-batch and reduced in fp32",
+        typical="zero=3, tp=1, pp=1, recompute=full",
+        source="DeepSpeed ZeRO-3 config docs (overlap_comm, stage3_prefetch_bucket_size); Rajbhandari et al. 2020",
+    ),
+    _stack(
+        name="torchtitan", title="torchtitan: FSDP2 + async TP + torch.compile",
+        knobs={"dtype": "bf16", "flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
+               "tp_comm_overlap": True, "kernels": "fused", "grad_reduce_dtype": "fp32"},
+        assumes="bf16 parameters with FSDP2 reducing gradients in fp32 (mixed_precision_reduce=float32); SDPA "
+                "flash attention; torch.compile fusing the elementwise ops; async TP overlapping the TP "
+                "collectives with the GEMMs; FSDP2 prefetch overlapping gathers and reduce-scatters",
+        typical="zero=3 (FSDP2), tp=8 inside a node, pp for the largest models",
+        source="Liang et al. 2024, 'TorchTitan' (arXiv 2410.06511); torchtitan job_config defaults",
+    ),
+)}
+
+
+def stack_names() -> list[str]:
+    return list(STACKS)
+
+
+def get_stack(name: str) -> Stack:
+    key = name.strip().lower().replace("_", "-")
+    if key not in STACKS:
+        raise SpecError(f"unknown stack {name!r}", "not one of " + ", ".join(STACKS),
+                        "run `autoplan stacks` to list them")
+    return STACKS[key]
+
+
+def _coerce(key: str, value: str) -> object:
+    field = TrainingSpec.model_fields[key]
+    low = value.strip().lower()
+    if field.annotation is bool:
+        if low in ("1", "true", "on", "yes"):
+            return True
+        if low in ("0", "false", "off", "no"):
+            return False
+        raise ConfigError(f"--stack-set {key} takes true or false", f"got {key}={value}", f"write {key}=true")
+    if low in ("none", "null", "default"):
+        return None
+    return low
+
+
+def parse_stack_set(text: str | None) -> dict[str, object]:
+    """`flash_attention=false,kernels=torch` -> {knob: value}; unknown or repeated knobs are errors."""
+    out: dict[str, object] = {}
+    if not text:
+        return out
+    for raw in text.split(","):
+        raw = raw.strip()
+        if not raw:
+            continue
+        if "=" not in raw:
+            raise ConfigError("--stack-set items are key=value", f"got {raw!r}", "write e.g. tp_comm_overlap=true")
+        key, val = (x.strip() for x in raw.split("=", 1))
+        key = key.lower().replace("-", "_")
+        if key not in STACK_KNOBS:
+            raise ConfigError(f"unknown stack knob {key!r}", f"in --stack-set {text!r}",
+                              "knobs: " + ", ".join(STACK_KNOBS))
+        if key in out:
+            raise ConfigError(f"stack knob {key!r} given twice", f"in --stack-set {text!r}", "give each knob once")
+        out[key] = _coerce(key, val)
+    return out
+
+
+def stack_knobs(name: str | None, overrides: dict[str, object] | None = None) -> dict[str, object]:
+    """The TrainingSpec values of stack `name` (default: autoplan's) with `overrides` on top."""
+    knobs = dict(get_stack(name or DEFAULT_STACK).knobs)
+    knobs.update(overrides or {})
+    return knobs
+
+
+def stack_label(name: str | None, overrides: dict[str, object] | None = None) -> str:
+    """How a plan records its stack: the name, then any single-knob overrides."""
+    label = get_stack(name or DEFAULT_STACK).name
+    if overrides:
+        label += "+" + ",".join(f"{k}={str(v).lower()}" for k, v in overrides.items())
+    return label
+
+
+def apply_stack(training: TrainingSpec, name: str | None, overrides: dict[str, object] | None = None,
+                *, keep: tuple[str, ...] = ()) -> TrainingSpec:
+    """`training` with the stack's knobs set, except the fields in `keep` (given explicitly by the user)."""
+    knobs = {k: v for k, v in stack_knobs(name, overrides).items() if k not in keep or k in (overrides or {})}
+    try:
+        return TrainingSpec(**{**training.model_dump(), **knobs})
+    except SpecError:
+        raise
+    except Exception as e:  # pydantic: one line naming the knob
+        errs = e.errors() if hasattr(e, "errors") else []
+        first = errs[0] if errs else {"loc": ("?",), "msg": str(e), "input": None}
+        loc = ".".join(str(x) for x in first["loc"])
+        raise ConfigError(f"stack knob {loc}: {first['msg'].lower()}", f"got {first.get('input')!r}",
+                          "run `autoplan stacks` for the knobs and their values") from None

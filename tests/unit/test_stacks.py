@@ -1,0 +1,104 @@
+"""Software-stack profiles (`--stack`, `--stack-set`, `autoplan stacks`): knobs reach the cost model through
+TrainingSpec, are recorded in the plan, and bad names are one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autoplan.cli import main
+from autoplan.cost_models.specs import TrainingSpec
+from autoplan.cost_models.stacks import STACKS, apply_stack, parse_stack_set
+
+EST = ["estimate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--gpus", "1024", "--global-batch",
+       "1536", "--seq-len", "2048", "--parallel", "tp=8,pp=8,vp=3,mbs=1,recompute=full", "--json"]
+
+
+def _est(capsys, *extra: str) -> dict:
+    assert main(EST + list(extra)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_stacks_lists_the_issue_profiles(capsys):
+    assert main(["stacks", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) >= {"autoplan", "megatron-2021", "megatron-2022", "megatron-core", "deepspeed-zero3",
+                         "torchtitan"}
+    assert rows["autoplan"]["default"] and rows["megatron-2021"]["knobs"]["flash_attention"] is False
+    assert all(r["assumes"] and r["source"] for r in rows.values())
+    assert main(["stacks"]) == 0 and "megatron-core" in capsys.readouterr().out
+
+
+def test_every_stack_is_valid_training_values():
+    base = TrainingSpec(global_batch_size=8, seq_length=128)
+    for name, stack in STACKS.items():
+        tr = apply_stack(base, name)
+        for k, v in stack.knobs.items():
+            assert getattr(tr, k) == v, (name, k)
+
+
+def test_stack_changes_the_prediction_and_is_reported(capsys):
+    default = _est(capsys)
+    old = _est(capsys, "--stack", "megatron-2021")
+    assert default["stack"] == "autoplan" and old["stack"] == "megatron-2021"
+    assert old["kernels_assumed"] == "megatron"
+    # unfused attention, fp16 reduce without overlap: Megatron-LM 2021 is slower than today's stack
+    assert old["step_time_s"] > default["step_time_s"] * 1.02
+    # a single knob back to the default's value moves the prediction toward it
+    one = _est(capsys, "--stack", "megatron-2021", "--stack-set", "flash_attention=true")
+    assert one["stack"] == "megatron-2021+flash_attention=true"
+    assert default["step_time_s"] < one["step_time_s"] < old["step_time_s"]
+
+
+def test_explicit_dtype_wins_over_the_stack(capsys):
+    fp16 = _est(capsys, "--stack", "megatron-2021")
+    bf16 = _est(capsys, "--stack", "megatron-2021", "--dtype", "bf16")
+    assert fp16["step_time_s"] == pytest.approx(bf16["step_time_s"], rel=1e-9)  # same peak on A100
+    tt = apply_stack(TrainingSpec(global_batch_size=8, seq_length=128, dtype="fp8"), "torchtitan",
+                     keep=("dtype",))
+    assert tt.dtype == "fp8" and tt.tp_comm_overlap and tt.grad_reduce_dtype == "fp32"
+
+
+def test_plan_records_the_stack_and_show_restacks(tmp_path, capsys):
+    from autoplan.plan import load_plan
+
+    out = tmp_path / "p.json"
+    d = _est(capsys, "--stack", "megatron-core", "-o", str(out))
+    plan = load_plan(out)
+    assert plan.stack == "megatron-core" and plan.training.tp_comm_overlap
+    assert plan.prediction.step_time_s == pytest.approx(d["step_time_s"])
+    assert main(["show", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stack"] == "megatron-core"
+    assert main(["show", str(out), "--json", "--stack", "megatron-2021"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["stack"] == "megatron-2021"
+    assert shown["step_time_s"] > d["step_time_s"] * 1.02
+
+
+def test_search_and_scaling_take_a_stack(capsys):
+    args = ["--model", "gpt3-1.3b", "--cluster", "dgx-a100-80g", "--global-batch", "64", "--seq-len", "2048",
+            "--stack", "deepspeed-zero3", "--json"]
+    assert main(["search", "--gpus", "16", "--top", "1", *args]) == 0
+    assert json.loads(capsys.readouterr().out)["stack"] == "deepspeed-zero3"
+    assert main(["scaling", "--gpus", "8,16", *args]) == 0
+    assert len(json.loads(capsys.readouterr().out)["rows"]) == 2
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--stack", "megatron-1999"], "unknown stack"),
+    (["--stack-set", "flash=1"], "unknown stack knob"),
+    (["--stack-set", "flash_attention=maybe"], "takes true or false"),
+    (["--stack-set", "kernels=torch,kernels=fused"], "given twice"),
+    (["--stack-set", "grad_reduce_dtype=int4"], "stack knob grad_reduce_dtype"),
+])
+def test_bad_stacks_are_one_line_errors(capsys, extra, needle):
+    assert main(EST + extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and "fix:" in err
+
+
+def test_parse_stack_set():
+    assert parse_stack_set("tp_comm_overlap=on, grad_reduce_dtype=fp32") == {"tp_comm_overlap": True,
+                                                                              "grad_reduce_dtype": "fp32"}
+    assert parse_stack_set("grad-reduce-dtype=none") == {"grad_reduce_dtype": None}
