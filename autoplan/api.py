@@ -9,6 +9,7 @@ import hashlib
 import json
 import platform
 
+from autoplan.cost_models.counts import runtime_semantics
 from autoplan.cost_models.estimate import GIB, Estimate, StageLayout, even_layout
 from autoplan.cost_models.profile import LayerProfile
 from autoplan.cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec, check_config
@@ -50,7 +51,8 @@ def plan_from_estimate(model: ModelSpec, cluster: ClusterSpec, training: Trainin
                       inputs_hash=inputs_hash(model, cluster, training, extra), search_time_s=search_time_s,
                       command=command)
     return Plan(model=model, cluster=cluster, training=training, parallel=cfg, stages=stages, kernels=kernels,
-                prediction=prediction_of(est), runners_up=runners_up or [], provenance=prov).sealed()
+                prediction=prediction_of(est), runners_up=runners_up or [], provenance=prov,
+                runtime_semantics=runtime_semantics(cfg)).sealed()
 
 
 def make_plan(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, parallel: ParallelConfig | str,

@@ -1,5 +1,9 @@
 """`autoplan calibrate -o cluster.yaml`: measure this machine and write a cluster spec for it.
 
+With `--bench-out FILE` it also runs micro-benchmarks (`autoplan.calibrate_bench`: GEMMs at the model's shapes,
+collectives per level and size), fits the primitives' constants to them (`autoplan.cost_models.fit`) and writes the
+rows to FILE for `autoplan tune --bench FILE`; see docs/calibrate.md for a multi-node GPU cluster.
+
 It measures what the cost model needs, on whatever device torch sees (CUDA if present, else the CPU):
 matmul throughput at several sizes (giving the peak and the GEMM half-efficiency size), memory bandwidth
 (a large copy), the host time per eager op, and the all-reduce bandwidth and latency between `--nproc`
@@ -136,13 +140,59 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
     }
 
 
+def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[str]]:
+    """Micro-benchmarks (`--bench-out`): GEMMs at the model's shapes and collectives per level, then the
+    primitives' constants fitted to them, starting from `spec`. Returns (bench rows, refit spec, header)."""
+    import torch
+
+    from autoplan.cost_models.fit import CollectiveSample, GemmSample, fit_cluster
+
+    from .calibrate_bench import bench_gemms, model_gemm_shapes, run_collectives
+    from .specs import cluster_from_mapping
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    colls = run_collectives(args.nproc, device)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return {}, spec, []
+    # square GEMMs show where the efficiency saturates; the model's own shapes are what it will run
+    shapes = [(n, n, n) for n in (_SIZES if device == "cpu" else (1024, 2048, 4096, 8192))]
+    if args.model:
+        shapes += model_gemm_shapes(args.model, args.seq_len, args.mbs, spec["gpus_per_node"])
+    gemms = bench_gemms(shapes, device, args.dtype)
+    bench = {"device": device, "model": args.model, "seq_len": args.seq_len, "mbs": args.mbs,
+             "gemm": gemms, "collectives": colls}
+    cluster = cluster_from_mapping(spec, where="calibrate")
+    if device == "cpu":
+        cluster = cluster.model_copy(update={"cores_per_node": len(os.sched_getaffinity(0))})
+    levels = {c["level"] for c in colls}
+    free = ["matmul_max_efficiency", "matmul_half_dim"]
+    free += [f"{lv}_{k}" for lv in sorted(levels) for k in ("latency_us", "bandwidth_gbps")]
+    res = fit_cluster(cluster, gemms=[GemmSample(**g) for g in gemms],
+                      collectives=[CollectiveSample(**c) for c in colls], free=free)
+    header = [f"primitives fitted to {len(gemms)} GEMMs and {len(colls)} collective timings "
+              "(autoplan calibrate --bench-out)", *res.summary_lines()]
+    return bench, res.cluster.model_dump(mode="json", exclude_none=True), header
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    import json
+
     from .cli import print_json
 
-    spec = calibrate(args.nproc, args.dtype)
+    spec = calibrate(args.nproc if "RANK" not in os.environ else 1, args.dtype)
+    header = ["measured by `autoplan calibrate`"]
+    if "RANK" in os.environ:  # under torchrun: the launch's shape is the cluster's
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        spec.update(gpus_per_node=local, num_nodes=max(1, int(os.environ["WORLD_SIZE"]) // local))
+    if args.bench_out:
+        bench, spec, extra = run_bench(args, spec)
+        if int(os.environ.get("RANK", 0)) != 0:
+            return 0  # rank 0 of a torchrun launch writes everything
+        Path(args.bench_out).write_text(json.dumps(bench, indent=1))
+        header += extra
     text = yaml.safe_dump(spec, sort_keys=False)
     if args.output:
-        Path(args.output).write_text("# measured by `autoplan calibrate`\n" + text)
+        Path(args.output).write_text("".join(f"# {h}\n" for h in header) + text)
     if args.json:
         print_json(spec)
     else:

@@ -350,6 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=4, help="processes (GPUs) per node to measure with")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="precision of the measured matmuls (default fp32)")
+    p.add_argument("--bench-out", default=None, metavar="FILE",
+                   help="also run micro-benchmarks (GEMMs, collectives per level) into FILE for `tune --bench`")
+    p.add_argument("--model", default=None, help="with --bench-out: time the GEMMs at this model's shapes")
+    p.add_argument("--seq-len", type=int, default=2048, help="with --model: tokens per micro-batch sequence")
+    p.add_argument("--mbs", type=int, default=1, help="with --model: sequences per micro-batch")
     add_json(p)
     p.set_defaults(func=lambda a: __import__("autoplan.calibrate", fromlist=["cmd_calibrate"]).cmd_calibrate(a))
 
@@ -358,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_json(p)
     p.set_defaults(func=cmd_demo)
 
-    for mod in ("autoplan.search.cli", "autoplan.inspect.cli", "autoplan.runtime.cli", "autoplan.codegen.cli"):
+    for mod in ("autoplan.search.cli", "autoplan.inspect.cli", "autoplan.runtime.cli", "autoplan.codegen.cli",
+                "autoplan.tune.cli", "autoplan.prepare_data"):
         try:
             module = __import__(mod, fromlist=["register"])
         except ModuleNotFoundError as e:

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.errors import AutoplanError, PlanError
 from autoplan.cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, Recompute, TrainingSpec
 
 SCHEMA_VERSION = 1
 # Fields added after version 1, hashed only when set (see Plan.compute_hash).
 _LATER_FIELDS: dict[str, tuple[str, ...]] = {
-    "plan": ("stack",),
+    "plan": ("stack", "runtime_semantics"),
     "parallel": ("layout",),
     "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "grad_accum_fused"),
 }
@@ -105,6 +106,11 @@ class Plan(_Frozen):
     prediction: Prediction
     runners_up: list[RunnerUp] = Field(default_factory=list)
     provenance: Provenance
+    runtime_semantics: dict[str, str] = Field(
+        default_factory=dict,
+        description="Where autoplan's runtime executes a knob differently from its textbook form, what runs and "
+                    "how it is priced (cost_models.counts.runtime_semantics): e.g. ZeRO-2/3 under pipeline "
+                    "parallelism, context-parallel attention.")
     content_hash: str = Field(default="", description="sha256 of the plan without this field.")
 
     # ---- hashing and files
@@ -114,7 +120,8 @@ class Plan(_Frozen):
         exclude: dict = {"content_hash": True}
         for part, names in _LATER_FIELDS.items():
             obj = self if part == "plan" else getattr(self, part)
-            unset = {n for n in names if getattr(obj, n) == type(obj).model_fields[n].default}
+            unset = {n for n in names
+                     if getattr(obj, n) == type(obj).model_fields[n].get_default(call_default_factory=True)}
             if part == "plan":
                 exclude.update(dict.fromkeys(unset, True))
             elif unset:
@@ -146,13 +153,20 @@ class Plan(_Frozen):
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read and verify a plan file; raises PlanError naming what is wrong."""
+    """Read and verify a plan file; raises PlanError naming what is wrong. Every command that reads a plan
+    (show, compare, explain, trace, export, codegen, run, the runtime) reads it here.
+
+    A plan file is untrusted data (SECURITY.md): it is checked strictly before anything is rendered from it or
+    launched — JSON types exactly as the schema says (no "2" for 2, no 1 for true), no unknown fields, every
+    range, the content hash, and then `check_plan`: the layout must be one the runtime can run as written.
+    """
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text)
     except OSError as e:
         raise PlanError(f"cannot read plan {path}", e.strerror or str(e), "check the path") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanError(f"plan {path} is not valid JSON", str(e), "re-create it with `autoplan search -o`") from None
     if not isinstance(data, dict):
         raise PlanError(f"plan {path} is not a JSON object", "", "re-create it with `autoplan search -o`")
@@ -161,14 +175,77 @@ def load_plan(path: str | Path) -> Plan:
         raise PlanError(f"plan {path} has schema_version {version!r}", f"this autoplan reads {SCHEMA_VERSION}",
                         "re-run `autoplan search` with this version")
     try:
-        plan = Plan.model_validate(data)
+        plan = Plan.model_validate_json(text, strict=True)
     except ValidationError as e:
         first = e.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])
-        raise PlanError(f"plan {path} does not match the schema", f"{loc}: {first['msg']}",
+        loc = ".".join(str(x) for x in first["loc"]) or "(file)"
+        raise PlanError(f"plan {path} does not match the schema", f"{loc}: {first['msg']}"[:300],
+                        "re-create it with `autoplan search -o`") from None
+    except AutoplanError as e:  # a spec's own rule (e.g. heads vs kv_heads), raised inside validation
+        raise PlanError(f"plan {path} does not match the schema", e.one_line()[:300],
                         "re-create it with `autoplan search -o`") from None
     if plan.content_hash != plan.compute_hash():
         raise PlanError(f"plan {path} was modified after it was made",
-                        f"content hash {plan.content_hash[:12] or '(missing)'} != {plan.compute_hash()[:12]}",
+                        f"content hash {_shown(plan.content_hash[:12]) or '(missing)'} != {plan.compute_hash()[:12]}",
                         "re-create it with `autoplan search -o` (or `autoplan estimate -o`) instead of editing it")
+    check_plan(plan, str(path))
     return plan
+
+
+_REMAKE = "re-create it with `autoplan search -o` or `autoplan estimate -o` instead of editing it"
+
+
+def _shown(text: str) -> str:
+    return "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}"
+                   for ch in text)
+
+
+def check_plan(plan: Plan, where: str = "plan") -> None:
+    """The rules a well-formed plan obeys beyond its schema; raises PlanError naming the first one broken.
+
+    A plan edited and re-hashed can pass the schema and the hash and still describe something the runtime must
+    not run: a layout whose degrees do not multiply to the world size, a micro-batch that leaves sequences of
+    the global batch untrained, stages that skip or repeat layers, names that would print control characters.
+    """
+    from autoplan.cost_models.specs import check_config
+
+    def bad(rule: str, detail: str) -> PlanError:
+        return PlanError(f"{where} is inconsistent: {rule}", detail, _REMAKE)
+
+    for field, name in (("model.name", plan.model.name), ("cluster.name", plan.cluster.name),
+                        ("cluster.gpu.name", plan.cluster.gpu.name)):
+        if not name or not name.isprintable() or len(name) > 200:
+            raise bad(f"{field} must be 1-200 printable characters (no line breaks or control characters)",
+                      f"got {_shown(name[:60])!r}" + (f" ({len(name)} characters)" if len(name) > 60 else ""))
+    c = plan.parallel
+    if c.dp is None:
+        raise bad("parallel.dp must be resolved", "dp is null")
+    try:
+        check_config(c, plan.model, plan.cluster, plan.training, stage_layers=False)
+    except AutoplanError as e:  # ConfigError, or the layout parser's own error
+        raise bad(e.rule, e.detail) from None
+    n = c.pp * c.vp
+    if len(plan.stages) != n:
+        raise bad("a plan has pp*vp stages", f"pp={c.pp}, vp={c.vp} but {len(plan.stages)} stages")
+    start = 0
+    for i, st in enumerate(plan.stages):
+        lo, hi = st.layers
+        if st.index != i or st.pp_rank != i % c.pp:
+            raise bad("stage i runs on pipeline rank i % pp, in order",
+                      f"stage {i} has index {st.index}, pp_rank {st.pp_rank} (pp={c.pp})")
+        if lo != start or hi < lo:  # a stage may hold no blocks (only the embedding or the head)
+            raise bad("stages cover the layers in order",
+                      f"stage {i} has layers [{lo}, {hi}) but the next layer is {start}")
+        start = hi
+        if st.has_embedding != (i == 0) or st.has_head != (i == n - 1):
+            raise bad("the embedding is on the first stage and the head on the last",
+                      f"stage {i} of {n}: has_embedding={st.has_embedding}, has_head={st.has_head}")
+        if st.recompute_layers > hi - lo:
+            raise bad("a stage recomputes at most its own layers",
+                      f"stage {i} has {hi - lo} layers, recompute_layers={st.recompute_layers}")
+        if not (math.isfinite(st.forward_s) and math.isfinite(st.backward_s)):
+            raise bad("predicted stage times are finite", f"stage {i}: {st.forward_s}, {st.backward_s}")
+    if start != plan.model.num_layers:
+        raise bad("stages cover every layer", f"they end at layer {start} of {plan.model.num_layers}")
+    if not (math.isfinite(plan.prediction.step_time_s) and plan.prediction.step_time_s > 0):
+        raise bad("the predicted step time is a positive number", f"got {plan.prediction.step_time_s}")

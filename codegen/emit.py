@@ -5,16 +5,21 @@ the runtime executes (runtime.parallelize.parallelize compiles `stage_source` an
 
 Each stage file opens with a header naming the plan hash, the layers, the ranks that run it, the tensor-parallel
 style of every module, the recomputed regions and the kernels, then defines `build(dims, seed=, device=)`.
+
+A plan is untrusted data (SECURITY.md): every value from it reaches the source only through `codegen.quote`
+(`literal` in code, `docstring` for docstrings, `comment`/`one_line` for comments and header lines); the rest of
+the source is this module's own constant text and the parallel styles of `codegen.program` (fixed code, chosen
+from the plan's integers and literals, never built from its strings).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from autoplan.plan import Plan
 
 from .program import StageProgram, stage_programs
+from .quote import comment, docstring, literal, one_line
 
 _IMPORTS = '''from __future__ import annotations
 
@@ -47,7 +52,7 @@ from autoplan.runtime.parallelize import (  # noqa: F401
 def _describe_model(plan: Plan) -> str:
     m = plan.model
     moe = f", MoE {m.moe.num_experts} experts top-{m.moe.top_k}" if m.moe else ""
-    return (f"{m.name} ({m.num_layers} layers, h={m.hidden_size}, {m.num_attention_heads} heads / {m.kv_heads} KV "
+    return (f"{one_line(m.name)} ({m.num_layers} layers, h={m.hidden_size}, {m.num_attention_heads} heads / {m.kv_heads} KV "
             f"heads, vocab {m.vocab_size}, {m.position}, {m.norm}, {m.activation}{moe})")
 
 
@@ -62,13 +67,13 @@ def _header(p: StageProgram) -> str:
     if st.has_head:
         parts.append("final norm + LM head + loss")
     lines = [
-        f"autoplan program: stage {st.index} of {n}, generated from plan {plan.short_hash} -- do not edit;",
+        f"autoplan program: stage {st.index} of {n}, generated from plan {one_line(plan.short_hash)} -- do not edit;",
         "re-run `autoplan codegen` (the runtime executes this same code).",
         "",
-        f"plan          {plan.content_hash or plan.compute_hash()}",
+        f"plan          {one_line(plan.content_hash or plan.compute_hash())}",
         f"model         {_describe_model(plan)}",
-        f"cluster       {plan.cluster.name}, {plan.world_size} ranks ({plan.cluster.backend})",
-        f"parallel      {c.to_string()}",
+        f"cluster       {one_line(plan.cluster.name)}, {plan.world_size} ranks ({plan.cluster.backend})",
+        f"parallel      {one_line(c.to_string())}",
         f"stage         {st.index} on pipeline rank {st.pp_rank} (ranks {', '.join(map(str, p.ranks))}): "
         + " + ".join(parts),
         f"schedule      {c.schedule if c.pp > 1 else 'none (pp=1)'}; {n_micro} micro-batches of {c.mbs} "
@@ -108,35 +113,32 @@ def _header(p: StageProgram) -> str:
                                                             if plan.training.dtype in ("bf16", "fp16") else ""))
     lines.append(f"predicted     forward {st.forward_s * 1e3:.3f} ms, backward {st.backward_s * 1e3:.3f} ms per "
                  f"micro-batch; step {plan.prediction.step_time_s * 1e3:.3f} ms")
-    return '"""' + "\n".join(lines) + '\n"""\n'
+    return docstring("\n".join(lines) + "\n") + "\n"
 
 
 def _dict_literal(styles: dict, indent: str) -> str:
-    rows = [f'{indent}    "{path}": {s.code()},' for path, s in styles.items()]
+    rows = [f"{indent}    {literal(path)}: {s.code()}," for path, s in styles.items()]
     return "{\n" + "\n".join(rows) + f"\n{indent}}}"
 
 
 def stage_source(p: StageProgram) -> str:
     """The Python source of one stage (see the module docstring)."""
     plan, st, c = p.plan, p.stage, p.plan.parallel
-    spec_json = json.dumps(plan.model.model_dump(mode="json"))
-    stage_json = json.dumps(st.model_dump(mode="json"))
     out = [_header(p), _IMPORTS, ""]
-    out.append(f'PLAN_HASH = "{plan.short_hash}"')
-    out.append(f"SPEC = ModelSpec.model_validate_json({spec_json!r})")
-    out.append(f"STAGE = StagePlan.model_validate_json({stage_json!r})")
+    out.append(f"PLAN_HASH = {literal(plan.short_hash)}")
+    out.append(f"SPEC = ModelSpec.model_validate({literal(plan.model.model_dump(mode='python'))})")
+    out.append(f"STAGE = StagePlan.model_validate({literal(st.model_dump(mode='python'))})")
     out.append("")
     out.append("")
     b = ["def build(dims, *, seed: int = 0, device: torch.device = torch.device(\"cpu\")) -> torch.nn.Module:",
-         f'    """Stage {st.index} as rank(s) {", ".join(map(str, p.ranks))} run it. dims: runtime.ParallelDims, '
-         'mesh built."""']
+         "    " + docstring(f"Stage {st.index} as rank(s) {', '.join(map(str, p.ranks))} run it. dims: "
+                       "runtime.ParallelDims, mesh built.")]
     lo, hi = st.layers
     kept = f"layers {lo}..{hi - 1}" if hi > lo else "no blocks"
-    b.append(f"    # 1. pipeline cut: keep {kept} of {plan.model.num_layers} (global keys kept)")
+    b.append("    " + comment(f"1. pipeline cut: keep {kept} of {plan.model.num_layers} (global keys kept)"))
     b.append('    model = build_model(SPEC, device="meta")')
     if p.deleted_layers:
-        keys = ", ".join(f'"{i}"' for i in p.deleted_layers)
-        b.append(f"    for key in [{keys}]:")
+        b.append(f"    for key in {literal([str(i) for i in p.deleted_layers])}:")
         b.append("        del model.layers[key]")
     if not st.has_embedding:
         b.append("    model.tok_embeddings = None")
@@ -150,14 +152,14 @@ def stage_source(p: StageProgram) -> str:
     b.append("    init_weights(model, seed)  # values depend only on (seed, parameter name): same as one process")
     if p.kernels:
         b.append("    # 2. fused kernels")
-        b.append(f"    substitute_kernels(model, {_dict_literal({k: _Lit(repr(v)) for k, v in p.kernels.items()}, '    ')})")
+        b.append(f"    substitute_kernels(model, {_dict_literal({k: _Lit(literal(v)) for k, v in p.kernels.items()}, '    ')})")
     else:
-        b.append(f"    # 2. fused kernels: none ({plan.kernels})")
+        b.append("    " + comment(f"2. fused kernels: none ({plan.kernels})"))
     if p.tp:
-        b.append(f"    # 3. tensor parallelism: tp={c.tp}, sequence parallel {'on' if c.sp else 'off'}")
+        b.append("    " + comment(f"3. tensor parallelism: tp={c.tp}, sequence parallel {'on' if c.sp else 'off'}"))
         b.append('    tp = dims["tp"]')
         for group, styles in p.tp.items():
-            target = "model" if not group else f'model.layers["{group.split(".")[1]}"]'
+            target = "model" if not group else f"model.layers[{literal(group.split('.')[1])}]"
             plain = {k: s for k, s in styles.items() if s.name != "PositionsSequenceParallel"}
             b.append(f"    parallelize_module({target}, tp, {_dict_literal(plain, '    ')})")
             if len(plain) != len(styles):
@@ -167,19 +169,19 @@ def stage_source(p: StageProgram) -> str:
     else:
         b.append("    # 3. tensor parallelism: none")
     if c.ep > 1 and plan.model.moe:
-        b.append(f"    # 4. expert parallelism: ep={c.ep}")
+        b.append("    " + comment(f"4. expert parallelism: ep={c.ep}"))
         b.append('    apply_ep(model, dims["ep"])')
     if c.cp > 1:
-        b.append(f"    # 5. context parallelism: cp={c.cp}")
-        b.append(f'    apply_cp(model, dims["cp"], {plan.training.seq_length}, device)')
+        b.append("    " + comment(f"5. context parallelism: cp={c.cp}"))
+        b.append(f'    apply_cp(model, dims["cp"], {literal(plan.training.seq_length)}, device)')
     if p.recompute:
-        b.append(f"    # 6. recompute ({st.recompute}): {', '.join(p.recompute)}")
+        b.append("    " + comment(f"6. recompute ({st.recompute}): {', '.join(p.recompute)}"))
         b.append("    apply_recompute(model, STAGE)")
-    b.append(f"    # 7. precision: {plan.training.dtype}")
-    b.append(f'    apply_mixed_precision(model, "{plan.training.dtype}", device.type)')
+    b.append("    " + comment(f"7. precision: {plan.training.dtype}"))
+    b.append(f"    apply_mixed_precision(model, {literal(plan.training.dtype)}, device.type)")
     if (c.dp or 1) * c.cp > 1:
-        b.append(f"    # 8. data parallelism over dp x cp, ZeRO-{c.zero}")
-        b.append(f'    apply_dp(model, dims["dp_cp"], {c.zero})')
+        b.append("    " + comment(f"8. data parallelism over dp x cp, ZeRO-{c.zero}"))
+        b.append(f'    apply_dp(model, dims["dp_cp"], {literal(c.zero)})')
     b.append("    return model")
     out.append("\n".join(b))
     return "\n".join(out) + "\n"
@@ -216,7 +218,7 @@ def write_program(plan: Plan, out_dir: str | Path) -> list[Path]:
             f"{p.stage.layers[0]}..{p.stage.layers[1] - 1} | stage_{p.stage.index}.py |" for p in stage_programs(plan)]
     readme = out / "README.md"
     readme.write_text(
-        f"# autoplan program for plan {plan.short_hash}\n\n{_describe_model(plan)}, `{plan.parallel.to_string()}` "
+        f"# autoplan program for plan {one_line(plan.short_hash)}\n\n{_describe_model(plan)}, `{plan.parallel.to_string()}` "
         f"on {plan.world_size} ranks.\n\n| stage | pp rank | ranks | layers | file |\n|---|---|---|---|---|\n"
         + "\n".join(rows)
         + f"\n\nRun: `torchrun --nproc-per-node {plan.world_size} -m autoplan.runtime.train --plan plan.json --steps 10`\n"

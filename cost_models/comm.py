@@ -44,23 +44,24 @@ def _bw(link: LinkSpec) -> float:
     return link.bandwidth_gbps * 1e9 * link.efficiency
 
 
-def _alpha(link: LinkSpec) -> float:
-    return link.latency_us * 1e-6
+def _alpha(cluster: ClusterSpec, link: LinkSpec) -> float:
+    """Latency of one message hop, plus the wait for a descheduled peer on an oversubscribed node."""
+    return (link.latency_us + cluster.oversubscription_wait_us * cluster.descheduled_fraction) * 1e-6
 
 
-def _ring(n: int, nbytes: float, link: LinkSpec, factor: float) -> float:
+def _ring(cluster: ClusterSpec, n: int, nbytes: float, link: LinkSpec, factor: float) -> float:
     """One ring collective moving factor*(n-1)/n of `nbytes` per rank, with n-1 (x factor) latency hops."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return factor * (n - 1) / n * nbytes / _bw(link) + factor * (n - 1) * _alpha(link)
+    return factor * (n - 1) / n * nbytes / _bw(link) + factor * (n - 1) * _alpha(cluster, link)
 
 
 def _hierarchical(cluster: ClusterSpec, grp: Group, nbytes: float, factor: float) -> float:
     """factor=2 for all-reduce, 1 for reduce-scatter / all-gather."""
     if grp.size <= 1:
         return 0.0
-    intra = _ring(grp.per_node, nbytes, cluster.intra_node, factor)
-    inter = _ring(grp.nodes, nbytes / grp.per_node, cluster.inter_node, factor)
+    intra = _ring(cluster, grp.per_node, nbytes, cluster.intra_node, factor)
+    inter = _ring(cluster, grp.nodes, nbytes / grp.per_node, cluster.inter_node, factor)
     return intra + inter
 
 
@@ -97,8 +98,8 @@ def all_to_all(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
         return 0.0
     on_node = (grp.per_node - 1) / n * nbytes
     off_node = (n - grp.per_node) / n * nbytes
-    t_intra = on_node / _bw(cluster.intra_node) + (grp.per_node - 1) * _alpha(cluster.intra_node)
-    t_inter = off_node / _bw(cluster.inter_node) + (grp.nodes - 1) * _alpha(cluster.inter_node)
+    t_intra = on_node / _bw(cluster.intra_node) + (grp.per_node - 1) * _alpha(cluster, cluster.intra_node)
+    t_inter = off_node / _bw(cluster.inter_node) + (grp.nodes - 1) * _alpha(cluster, cluster.inter_node)
     return max(t_intra, t_inter)
 
 
@@ -107,4 +108,4 @@ def p2p(cluster: ClusterSpec, nbytes: float, cross_node: bool) -> float:
     if nbytes <= 0:
         return 0.0
     link = cluster.inter_node if cross_node else cluster.intra_node
-    return nbytes / _bw(link) + _alpha(link)
+    return nbytes / _bw(link) + _alpha(cluster, link)

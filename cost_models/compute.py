@@ -237,7 +237,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     ew_extra_f, ew_extra_b = _mem_time(ctx, xf), _mem_time(ctx, xb)
     # Host-side cost of issuing the layer's kernels (Python, dispatch, launch). The GPU runs ahead of the
     # host, so a layer takes the longer of the two: small layers become launch-bound.
-    host_fwd = p.kernels_fwd * cal.kernel_launch_us * 1e-6
+    host_fwd = p.kernels_fwd * (cal.kernel_launch_us + (cal.tp_op_overhead_us if t > 1 else 0.0)) * 1e-6
     tp_f, tp_b = _tp_comm(p, ctx, gemm_fwd)
     cp_f, cp_b = _cp_comm(p, ctx, attn_fwd)
     ep_f, ep_b = _ep_comm(p, ctx)

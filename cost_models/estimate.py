@@ -230,7 +230,10 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     sharded = dense / shard_d + expert / shard_e
     m = MemoryParts()
     m.weights = (sharded if cfg.zero >= 3 else params_eff) * w_bytes
-    m.gradients = (sharded if cfg.zero >= 2 else params_eff) * g_bytes
+    # Under pipeline parallelism the runtime's schedule (torch.distributed.pipelining) defers FSDP's gradient
+    # reduce-scatter to the last micro-batch, so ZeRO-2/3 keep whole gradients during the step: priced as run
+    # (the plan's runtime_semantics says so; cost_models.counts.runtime_semantics).
+    m.gradients = (sharded if cfg.zero >= 2 and cfg.pp == 1 else params_eff) * g_bytes
     m.optimizer = (sharded if cfg.zero >= 1 else params_eff) * opt_bytes
     per_mb = sum(s.act_per_mb for s in stages) / max(1, len(stages))  # one chunk's worth, averaged
     chunks = len(stages)

@@ -150,6 +150,12 @@ class GPUCalibration(_Frozen):
     kernel_launch_us: float = Field(
         default=4.0, ge=0, description="Host time to issue one kernel (Python, dispatch, launch), microseconds."
     )
+    tp_op_overhead_us: float = Field(
+        default=0.0, ge=0,
+        description="Extra host time per operator of a tensor-parallel layer, microseconds: DTensor's sharding "
+        "propagation and redistribution run in Python for every op (autoplan's runtime); 0 where tensor "
+        "parallelism is hand-written (Megatron-LM). Fitted by `autoplan tune`.",
+    )
     framework_overhead_gib: float = Field(
         default=2.0, ge=0, description="Memory the CUDA context, allocator fragmentation and workspaces take."
     )
@@ -211,6 +217,24 @@ class ClusterSpec(_Frozen):
     intra_node: LinkSpec = Field(description="Link between GPUs of a node (NVLink/NVSwitch).")
     inter_node: LinkSpec = Field(description="Link between nodes, per GPU (InfiniBand/RoCE).")
     backend: Literal["nccl", "gloo"] = Field(default="nccl", description="torch.distributed backend it runs.")
+    # Oversubscription (CPU clusters, gloo): fitted by `autoplan tune`; inactive while cores_per_node is None.
+    cores_per_node: int | None = Field(
+        default=None, gt=0,
+        description="CPU cores the processes of a node share; None for accelerators (one process per device).",
+    )
+    oversubscription_wait_us: float = Field(
+        default=0.0, ge=0,
+        description="Extra wait per message hop when a node runs more processes than cores: a peer is "
+        "descheduled with probability 1 - cores/processes and the hop waits for the scheduler to run it "
+        "(Linux CFS timeslices are milliseconds). Fitted by `autoplan tune`.",
+    )
+
+    @property
+    def descheduled_fraction(self) -> float:
+        """Probability that a peer process is not running: 1 - cores/processes when processes outnumber cores."""
+        if self.cores_per_node is None or self.gpus_per_node <= self.cores_per_node:
+            return 0.0
+        return 1.0 - self.cores_per_node / self.gpus_per_node
 
     @property
     def num_gpus(self) -> int:

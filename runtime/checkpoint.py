@@ -15,6 +15,12 @@ Atomicity: every rank writes into DIR/.step_<n>.tmp; once DCP's collective save 
 after every shard), rank 0 writes autoplan_checkpoint.json, renames the directory to step_<n> and only then
 replaces `latest` (os.replace). A save that fails midway leaves the previous checkpoint and `latest` untouched.
 
+Checksums: after the rename target is complete, rank 0 writes autoplan-manifest.json last of all (`MANIFEST_NAME`,
+`"writer": "autoplan"`, a version, and every file's byte count and sha256). `inspect` verifies it on every load, so a
+truncated or bit-flipped shard is reported with the file that is wrong; `newest_complete` walks back from the
+newest step_<n> to the first one that verifies (automatic resume after a restart). Retention (`prune`, --keep-last)
+never deletes the checkpoint just written nor the one `latest` names. One owner per directory: `DirectoryLock`.
+
 Checks before any collective: `inspect` (the directory exists, `latest` resolves, the JSON and DCP .metadata
 parse, every shard file the metadata names exists and is long enough) and `check_compatible` (same model shape,
 global batch and sequence length) run at start-up on every rank, before the process group exists. The key check
@@ -27,8 +33,10 @@ copy whose state is missing from the checkpoint reads it from tok_embeddings.wei
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -39,6 +47,10 @@ from autoplan.cost_models.errors import AutoplanError
 FORMAT = 1
 META_FILE = "autoplan_checkpoint.json"
 LATEST = "latest"
+MANIFEST_NAME = "autoplan-manifest.json"
+MANIFEST_VERSION = 1
+LOCK_NAME = ".autoplan.lock"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
 # Fields of ModelSpec that do not change the parameters' names or shapes.
 _SHAPE_IRRELEVANT = {"dropout"}
 
@@ -47,6 +59,172 @@ class CheckpointError(AutoplanError):
     """A checkpoint is missing, incomplete, corrupt, of another model, or could not be written."""
 
     kind = "bad checkpoint"
+
+
+class ManifestError(CheckpointError):
+    """A checkpoint's autoplan-manifest.json is missing, unreadable, or was not written by autoplan."""
+
+    kind = "bad checkpoint manifest"
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another run holds the checkpoint directory."""
+
+    kind = "checkpoint directory in use"
+
+
+# ----------------------------------------------------------------------------- manifest (checksums)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(step_dir: Path, step: int) -> dict[str, Any]:
+    """Checksum every file of a finished checkpoint directory into MANIFEST_NAME (written last, fsynced)."""
+    files = {}
+    for f in sorted(step_dir.rglob("*")):
+        if f.is_file() and f.name != MANIFEST_NAME:
+            files[f.relative_to(step_dir).as_posix()] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+    manifest = {"writer": "autoplan", "version": MANIFEST_VERSION, "step": step, "algorithm": "sha256",
+                "files": files, "created_at": time.time()}
+    _write_synced(step_dir / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def read_manifest(step_dir: str | Path) -> dict[str, Any]:
+    """The manifest of one step_<n> directory; raises ManifestError if it is missing, corrupt or foreign."""
+    step_dir = Path(step_dir)
+    path = step_dir / MANIFEST_NAME
+    hint = "resume from a checkpoint written by `autoplan run --save` (or an earlier complete one)"
+    if not path.is_file():
+        raise ManifestError(f"checkpoint {step_dir} is incomplete", f"no {MANIFEST_NAME} (written last)", hint)
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"checkpoint {step_dir} is corrupt", f"{MANIFEST_NAME}: {type(e).__name__}: {e}"[:200],
+                            hint) from None
+    if not isinstance(m, dict) or m.get("writer") != "autoplan":
+        who = m.get("writer") if isinstance(m, dict) else type(m).__name__
+        raise ManifestError(f"checkpoint {step_dir} was not written by autoplan", f"manifest writer {who!r}", hint)
+    if m.get("version") != MANIFEST_VERSION:
+        raise ManifestError(f"checkpoint {step_dir} has manifest version {m.get('version')!r}",
+                            f"this runtime reads {MANIFEST_VERSION}", "resume with the autoplan version that wrote it")
+    files = m.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+            for v in files.values()):
+        raise ManifestError(f"checkpoint {step_dir} is corrupt", f"{MANIFEST_NAME} has no valid file table", hint)
+    for rel in files:
+        if rel.startswith("/") or ".." in Path(rel).parts:
+            raise ManifestError(f"checkpoint {step_dir} was not written by autoplan",
+                                f"manifest names a file outside the checkpoint: {rel!r}", hint)
+    return m
+
+
+def verify(step_dir: str | Path, *, checksums: bool = True) -> dict[str, Any]:
+    """Every file the manifest lists exists with its byte count (and sha256); no shard is unlisted."""
+    step_dir = Path(step_dir)
+    m = read_manifest(step_dir)
+    hint = "resume from an earlier checkpoint (automatic restarts do so themselves)"
+    for rel, want in m["files"].items():
+        kind = "shard" if rel.endswith(".distcp") else "file"
+        f = step_dir / rel
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {step_dir} is incomplete", f"{kind} {rel} is missing", hint)
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"checkpoint {step_dir} is corrupt",
+                                  f"{kind} {rel} has {size} bytes, the manifest records {want['bytes']}", hint)
+        if checksums and _sha256(f) != want["sha256"]:
+            raise CheckpointError(f"checkpoint {step_dir} is corrupt",
+                                  f"{kind} {rel} fails its sha256 check (its contents changed after saving)", hint)
+    extra = [f.name for f in step_dir.iterdir()
+             if f.is_file() and f.name != MANIFEST_NAME and f.relative_to(step_dir).as_posix() not in m["files"]]
+    if extra:
+        raise CheckpointError(f"checkpoint {step_dir} holds files its manifest does not list", f"{sorted(extra)[:4]}",
+                              "remove them, or resume from another checkpoint")
+    return m
+
+
+def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
+    """The step_<n> directories under root, newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(out, reverse=True)
+
+
+def newest_complete(root: str | Path) -> tuple[dict[str, Any] | None, list[str]]:
+    """The newest checkpoint under root that verifies, and one line per newer one that did not (skipped)."""
+    skipped = []
+    for _, p in step_dirs(root):
+        try:
+            return inspect(p), skipped
+        except CheckpointError as e:
+            skipped.append(e.one_line())
+    return None, skipped
+
+
+def prune(root: str | Path, keep_last: int, *, keep: Path | None = None) -> list[str]:
+    """Delete all but the newest `keep_last` step_<n> directories; never `keep` nor the one `latest` names.
+    A directory is renamed away first, so a half-deleted checkpoint is never taken for a complete one."""
+    root = Path(root)
+    if keep_last < 1:
+        return []
+    protected = {keep.name if keep else None}
+    if (root / LATEST).is_file():
+        protected.add((root / LATEST).read_text().strip())
+    removed = []
+    for _, p in step_dirs(root)[keep_last:]:
+        if p.name in protected:
+            continue
+        doomed = root / f".{p.name}.deleting"
+        try:
+            os.rename(p, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            removed.append(p.name)
+        except OSError:
+            pass
+    return removed
+
+
+class DirectoryLock:
+    """An exclusive lock on DIR/.autoplan.lock (fcntl.flock, released by the kernel when the process dies, so a
+    killed run never leaves a stale lock). Rank 0 holds it for the run's lifetime."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.path = self.root / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> DirectoryLock:
+        import fcntl
+        import socket
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CheckpointLockedError(f"checkpoint directory {self.root} is in use by another run",
+                                        f"lock {self.path} held by {holder}",
+                                        "wait for that run to end, or pass another --save DIR") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%H:%M:%S')}".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 # ----------------------------------------------------------------------------- finding and checking (no torch.dist)
@@ -70,7 +248,7 @@ def resolve(path: str | Path) -> Path:
                                   f"contents of {p}: {sorted(x.name for x in p.iterdir())[:8]}",
                                   "pass one of the step_<n> directories explicitly")
         return target
-    if (p / ".metadata").exists() or (p / META_FILE).exists():
+    if (p / ".metadata").exists() or (p / META_FILE).exists() or (p / MANIFEST_NAME).exists():
         return p
     steps = sorted(x.name for x in p.iterdir() if x.name.startswith("step_"))
     raise CheckpointError(f"{p} is not a checkpoint", "no .metadata, no `latest`"
@@ -78,24 +256,56 @@ def resolve(path: str | Path) -> Path:
                           "pass a step_<n> directory written by --save, or its parent")
 
 
-def inspect(path: str | Path) -> dict[str, Any]:
-    """Validate a checkpoint without any process group; returns its autoplan_checkpoint.json plus "path"."""
-    ckpt = resolve(path)
-    incomplete_hint = "resume from an earlier checkpoint (the parent's `latest` names the last complete one)"
+# The keys autoplan's own checkpoint file always holds (see `save`).
+_AUTOPLAN_KEYS = ("format", "step", "plan_hash", "layout", "model", "global_batch_size", "seq_length")
+
+
+def check_trusted(step_dir: str | Path, *, checksums: bool = True) -> dict[str, Any]:
+    """Refuse a checkpoint directory that autoplan did not write, before anything in it is unpickled.
+
+    DCP's `.metadata` is a pickle: loading it runs whatever code it names (SECURITY.md), so `--resume` reads it
+    only from a directory whose checksum manifest (`read_manifest`: `"writer": "autoplan"`, written last) verifies
+    and which holds autoplan's own checkpoint file. This tells autoplan's checkpoints from other tools' DCP
+    directories, unfinished saves and files changed after saving; it is not a signature (anyone can write a
+    manifest), so a checkpoint from someone else must still be trusted like their code. Returns the parsed
+    autoplan_checkpoint.json.
+    """
+    ckpt = Path(step_dir)
+    hint = ("resume only from a checkpoint written by `autoplan run --save` that you trust (SECURITY.md), or an "
+            "earlier complete one (the parent's `latest` names it)")
+    if not (ckpt / MANIFEST_NAME).is_file():
+        raise ManifestError(f"checkpoint {ckpt} is incomplete or was not written by autoplan",
+                              f"no {MANIFEST_NAME} (autoplan writes it last, after every shard); its DCP .metadata "
+                              "is a pickle and is not read", hint)
+    verify(ckpt, checksums=checksums)  # manifest: writer, version, every file's size (and sha256)
     meta_path = ckpt / META_FILE
     if not meta_path.is_file():
-        raise CheckpointError(f"checkpoint {ckpt} is incomplete", f"no {META_FILE} (written after every shard)",
-                              incomplete_hint)
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete or was not written by autoplan",
+                              f"no {META_FILE} (autoplan writes it after every shard); its DCP .metadata is a pickle "
+                              "and is not read", hint)
     try:
         meta = json.loads(meta_path.read_text())
-        step = int(meta["step"])
+        missing = [k for k in _AUTOPLAN_KEYS if k not in meta]
+        if missing:
+            raise KeyError(", ".join(missing))
+        meta["step"] = int(meta["step"])
         meta["model"]["name"]  # noqa: B018 (presence check)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt} is corrupt", f"{META_FILE}: {type(e).__name__}: {e}",
-                              incomplete_hint) from None
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt or was not written by autoplan",
+                              f"{META_FILE}: {type(e).__name__}: {e}"[:300], hint) from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {ckpt} has format {meta.get('format')!r}", f"this runtime reads {FORMAT}",
                               "resume with the autoplan version that wrote it")
+    return meta
+
+
+def inspect(path: str | Path, *, checksums: bool = True) -> dict[str, Any]:
+    """Validate a checkpoint without any process group (manifest and checksums first, then autoplan's own file);
+    returns its autoplan_checkpoint.json plus "path"."""
+    ckpt = resolve(path)
+    incomplete_hint = "resume from an earlier checkpoint (the parent's `latest` names the last complete one)"
+    meta = check_trusted(ckpt, checksums=checksums)  # before read_dcp_metadata: a foreign .metadata is never unpickled
+    step = meta["step"]
     md = read_dcp_metadata(ckpt)
     need: dict[str, int] = {}
     for info in md.storage_data.values():
@@ -201,7 +411,7 @@ def _agree(error: str | None) -> None:
             raise CheckpointError(f"rank {r}: {e}")
 
 
-def save(trainer, root: str | Path, step: int, *, data: dict[str, Any] | None = None) -> Path:
+def save(trainer, root: str | Path, step: int, *, data: dict[str, Any] | None = None, keep_last: int = 0) -> Path:
     """Collective: write DIR/step_<step> atomically and point DIR/latest at it. Returns the checkpoint path."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -223,10 +433,14 @@ def save(trainer, root: str | Path, step: int, *, data: dict[str, Any] | None = 
     sd.update({"autoplan.step": step, "autoplan.plan_hash": plan.short_hash, "autoplan.model": plan.model.name})
     try:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp)))
-    except Exception as e:
+    except (KeyboardInterrupt, SystemExit):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving checkpoint {final} failed", f"{type(e).__name__}: {e}"[:300],
+        raise
+    except BaseException as e:  # DCP's CheckpointException (a full disk, a dead peer) is a BaseException
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"saving checkpoint {final} failed", f"{type(e).__name__}: {' '.join(str(e).split())}"[:300],
                               f"the previous checkpoint in {root} is untouched") from None
     err = None
     if rank == 0:
@@ -240,6 +454,7 @@ def save(trainer, root: str | Path, step: int, *, data: dict[str, Any] | None = 
         }
         try:
             _write_synced(tmp / META_FILE, json.dumps(meta, indent=1) + "\n")
+            write_manifest(tmp, step)
             old = root / f".step_{step}.old"
             if final.exists():  # the same step saved again: keep the old one until the new one is in place
                 shutil.rmtree(old, ignore_errors=True)
@@ -248,6 +463,7 @@ def save(trainer, root: str | Path, step: int, *, data: dict[str, Any] | None = 
             shutil.rmtree(old, ignore_errors=True)
             _write_synced(root / f".{LATEST}.tmp", final.name + "\n")
             os.replace(root / f".{LATEST}.tmp", root / LATEST)
+            prune(root, keep_last, keep=final)
         except OSError as e:
             err = f"finishing checkpoint {final} failed: {e}"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -274,7 +490,7 @@ def load(trainer, path: str | Path) -> dict[str, Any]:
     msd, osd = get_state_dict(view, trainer.optimizer, options=_options())
     want = {**{f"model.{k}": v for k, v in msd.items()}, **{f"optim.{k}": v for k, v in osd.items()}}
     try:
-        meta = inspect(path)
+        meta = inspect(path, checksums=False)  # start-up verified the checksums before any collective
         check_compatible(meta, trainer.plan)
         keys = set(read_dcp_metadata(Path(meta["path"])).state_dict_metadata)
         tied = trainer.plan.model.tie_embeddings

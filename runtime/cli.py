@@ -10,7 +10,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .launch import run
 
     return run(args.plan, nproc_per_node=args.nproc_per_node, train_args=list(args.extra_args), nnodes=args.nnodes,
-               rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, print_command=args.print_command)
+               rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, print_command=args.print_command,
+               max_restarts=args.max_restarts, term_timeout=args.term_timeout, force=args.force)
 
 
 def register(sub) -> None:
@@ -24,5 +25,13 @@ def register(sub) -> None:
     p.add_argument("--rdzv-id", default="autoplan", help="job id shared by the nodes (default: autoplan)")
     p.add_argument("--print-command", action="store_true",
                    help="print the torchrun command for this node instead of running it (SLURM scripts)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart every worker when one fails, up to N times, resuming from the newest complete "
+                        "checkpoint in --save (needs -- --save DIR --save-every K)")
+    p.add_argument("--term-timeout", type=float, default=60.0, metavar="S",
+                   help="after SIGTERM/SIGINT, seconds the workers get to save and exit before they are killed")
+    p.add_argument("--force", action="store_true",
+                   help="run a plan that does not suit this machine (too many processes, another GPU type, "
+                        "predicted not to fit) with a warning instead of an error")
     p.epilog = "Arguments after -- go to runtime.train: --steps N --data FILE --log FILE --lr ..."
     p.set_defaults(func=cmd_run)

@@ -31,6 +31,7 @@ class StepResult:
     loss: float
     grad_norm: float
     step_time_s: float
+    skipped: bool = False  # the gradient norm was not finite: the update was not applied (runtime.faults)
 
 
 def loss_fn(logits, labels):
@@ -116,9 +117,11 @@ class Trainer:
         norm = self._clip_grads()
         if self.last_grads_hook is not None:
             self.last_grads_hook(pm)
-        self.optimizer.step()
+        skipped = not math.isfinite(norm)  # every rank sees the same global norm: never apply a NaN update
+        if not skipped:
+            self.optimizer.step()
         loss = self._reduce_loss(local_loss)
-        return StepResult(loss=loss, grad_norm=norm, step_time_s=time.perf_counter() - t0)
+        return StepResult(loss=loss, grad_norm=norm, step_time_s=time.perf_counter() - t0, skipped=skipped)
 
     # ------------------------------------------------------------------ gradient plumbing
 
@@ -199,7 +202,7 @@ class Trainer:
     def _clip_grads(self) -> float:
         norm = float(self.grad_norm())
         coef = self.max_grad_norm / (norm + 1e-6)
-        if coef < 1.0:
+        if self.max_grad_norm > 0 and coef < 1.0:  # 0: clipping off
             for _, p in self.pm.named_parameters():
                 if p.grad is not None:
                     p.grad.mul_(coef)

@@ -7,6 +7,13 @@ One node: `--standalone` rendezvous on a free local port. Several nodes: the sam
 `--nnodes N --rdzv-endpoint HOST:PORT` (torchrun's c10d rendezvous; the first node to arrive hosts it), e.g.
 from a SLURM script; `--print-command` prints it instead of running it.
 
+Long runs: `--max-restarts N` lets torchrun restart every worker when one fails (up to N times); each restart
+resumes from the newest checkpoint in --save that verifies (`--auto-resume`). SIGTERM/SIGINT to `autoplan run`
+are forwarded to torchrun, which forwards them to every worker; the workers save and exit, and whatever is
+still alive after --term-timeout seconds is killed (the whole process group: no orphans). The plan is checked
+against this machine (`check_machine`): too many processes for the cores or GPUs, another GPU type, or a plan
+predicted not to fit is an error, or a warning with --force.
+
 The launch is checked against the plan first (same check and message as the runtime's start-up), so a wrong
 process count fails in the parent without starting torchrun. Training arguments are passed after `--`, which
 keeps torchrun from taking `--log` for its own `--log-dir`.
@@ -14,9 +21,13 @@ keeps torchrun from taking `--log` for its own `--log-dir`.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def torchrun_command(plan_path: str | Path, nproc_per_node: int, train_args: Sequence[str] = (),
                      python: str | None = None, *, nnodes: int = 1, rdzv_endpoint: str | None = None,
-                     rdzv_id: str = "autoplan") -> list[str]:
+                     rdzv_id: str = "autoplan", max_restarts: int = 0) -> list[str]:
     """The command line: single node with a local rendezvous, or one node of `nnodes` meeting at `rdzv_endpoint`."""
     python = python or sys.executable
     args = list(train_args)
@@ -36,7 +47,8 @@ def torchrun_command(plan_path: str | Path, nproc_per_node: int, train_args: Seq
     else:
         rendezvous = ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", str(rdzv_endpoint),
                       "--rdzv-id", rdzv_id]
-    return [python, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(nproc_per_node),
+    restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
+    return [python, "-m", "torch.distributed.run", *rendezvous, *restarts, "--nproc-per-node", str(nproc_per_node),
             "-m", "autoplan.runtime.train", "--", "--plan", str(plan_path), *args]
 
 
@@ -66,24 +78,216 @@ def check_launch(plan, nproc_per_node: int | None, nnodes: int, rdzv_endpoint: s
     return nproc_per_node, warnings
 
 
+# Processes per core above which a CPU (gloo) run is refused: 4 ranks on this 2-core machine run the dist tests
+# (2 per core); 64 on 2 cores spends its time in the scheduler, not training.
+MAX_PROCS_PER_CORE = 2
+
+
+def check_machine(plan, nproc_per_node: int) -> list[str]:
+    """What about this machine contradicts the plan: too many processes for the cores or GPUs, another GPU type,
+    a plan predicted not to fit. Each item is a one-line problem (errors unless --force)."""
+    problems = []
+    if not plan.prediction.fits:
+        peak = plan.prediction.memory_gib.get("peak")
+        problems.append(f"plan {plan.short_hash} is predicted not to fit: peak {peak} GiB per GPU on "
+                        f"{plan.cluster.gpu.name}")
+    if plan.cluster.backend == "gloo":
+        cores = os.cpu_count() or 1
+        if nproc_per_node > MAX_PROCS_PER_CORE * cores:
+            problems.append(f"{nproc_per_node} processes on {cores} CPU cores (more than {MAX_PROCS_PER_CORE} per "
+                            "core): the run would crawl")
+        return problems
+    gpus, names = _local_gpus()
+    if gpus == 0:
+        problems.append(f"the plan is for {plan.cluster.gpu.name} GPUs (nccl) but this machine has none")
+    elif nproc_per_node > gpus:
+        problems.append(f"{nproc_per_node} processes per node but {gpus} GPUs here")
+    elif names and not any(_same_gpu(plan.cluster.gpu.name, n) for n in names):
+        problems.append(f"the plan was made for {plan.cluster.gpu.name} but this machine has {names[0]}")
+    return problems
+
+
+def _local_gpus() -> tuple[int, list[str]]:
+    """GPU count and names from nvidia-smi (no torch import in the launcher)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0, []
+    names = [x.strip() for x in out.splitlines() if x.strip()]
+    return len(names), names
+
+
+def _same_gpu(plan_gpu: str, device_name: str) -> bool:
+    """'h100-sxm' vs 'NVIDIA H100 80GB HBM3': the model number must appear in the device name."""
+    key = plan_gpu.split("-")[0].lower()
+    return key in device_name.lower().replace(" ", "")
+
+
+def restart_args(train_args: list[str], max_restarts: int) -> list[str]:
+    """With restarts, every attempt resumes from the newest complete checkpoint in --save (--auto-resume)."""
+    from autoplan.cost_models.errors import PlanError
+
+    args = list(train_args)
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not max_restarts:
+        return args
+    save = _value(args, "--save")
+    if save is None:
+        raise PlanError(f"--max-restarts {max_restarts} needs checkpoints to restart from", "no --save DIR",
+                        "pass -- --save DIR --save-every K")
+    resume = _value(args, "--resume")
+    if resume is not None:
+        r, s = Path(resume).resolve(), Path(save).resolve()
+        if r != s and r.parent != s:
+            raise PlanError(f"--max-restarts resumes from --save {save}, but --resume names {resume}",
+                            "a restart could not find that run's checkpoints", "pass --resume with the --save DIR")
+        i = args.index("--resume") if "--resume" in args else next(
+            k for k, a in enumerate(args) if a.startswith("--resume="))
+        del args[i: i + (2 if args[i] == "--resume" else 1)]
+    if "--auto-resume" not in args:
+        args.append("--auto-resume")
+    return args
+
+
+def _value(args: list[str], flag: str) -> str | None:
+    for k, a in enumerate(args):
+        if a == flag and k + 1 < len(args):
+            return args[k + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _resume_dir(train_args: Sequence[str]) -> str | None:
+    """The DIR of `--resume DIR` / `--resume=DIR` among the training arguments (the last one wins, as argparse)."""
+    found = None
+    args = list(train_args)
+    for i, a in enumerate(args):
+        if a == "--resume" and i + 1 < len(args):
+            found = args[i + 1]
+        elif a.startswith("--resume="):
+            found = a.split("=", 1)[1]
+    return found
+
+
 def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Sequence[str] = (),
         env: dict[str, str] | None = None, *, nnodes: int = 1, rdzv_endpoint: str | None = None,
-        rdzv_id: str = "autoplan", print_command: bool = False) -> int:
-    """Check the plan and the process count, then run torchrun in the foreground (or print its command); returns
-    its exit code. Raises PlanError (a bad or tampered plan, or a launch the plan was not made for)."""
+        rdzv_id: str = "autoplan", print_command: bool = False, max_restarts: int = 0,
+        term_timeout: float = 60.0, force: bool = False) -> int:
+    """Check the plan, the process count and the machine, then run torchrun in the foreground (or print its
+    command); returns its exit code (128+signal after SIGTERM/SIGINT). Raises PlanError (a bad or tampered plan,
+    a launch the plan was not made for, or a machine it does not suit without --force)."""
     import shlex
 
+    from autoplan.cost_models.errors import PlanError
     from autoplan.plan import load_plan
 
+    if max_restarts < 0:
+        raise PlanError("--max-restarts must be >= 0", f"got {max_restarts}", "pass --max-restarts 3")
+    if not term_timeout > 0:
+        raise PlanError("--term-timeout must be > 0 seconds", f"got {term_timeout}", "pass --term-timeout 60")
     plan = load_plan(plan_path)
     nproc, warnings = check_launch(plan, nproc_per_node, nnodes, rdzv_endpoint)
+    problems = check_machine(plan, nproc)
+    if problems and not force and not print_command:
+        raise PlanError(f"the plan does not suit this machine: {problems[0]}",
+                        "; ".join(problems[1:]), "use a plan made for this machine, or pass --force to run anyway")
+    warnings += problems
     for w in warnings:
         print(f"autoplan run: warning: {w}", file=sys.stderr)
-    cmd = torchrun_command(plan_path, nproc, train_args, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    args = restart_args(list(train_args), max_restarts)
+    resume = _resume_dir(train_args)
+    if resume is not None:  # refuse a foreign checkpoint here, before any rank could unpickle it (SECURITY.md)
+        from autoplan.runtime import checkpoint
+
+        # manifest and sizes only: the workers verify every checksum (and fall back on restarts) themselves
+        checkpoint.check_trusted(checkpoint.resolve(resume), checksums=False)
+    cmd = torchrun_command(plan_path, nproc, args, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                           max_restarts=max_restarts)
     if print_command:
         print(f"PYTHONPATH={shlex.quote(str(ROOT))} OMP_NUM_THREADS=1 " + shlex.join(cmd))
         return 0
     full_env = dict(os.environ if env is None else env)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH", "")]))
-    return subprocess.call(cmd, env=full_env)
+    return supervise(cmd, full_env, term_timeout)
+
+
+def supervise(cmd: list[str], env: dict[str, str], term_timeout: float) -> int:
+    """Run torchrun in its own process group; forward SIGTERM/SIGINT to it (it forwards them to the workers,
+    which save and exit); after `term_timeout` seconds kill the whole group. While stopping, torchrun's own
+    shutdown traceback is dropped: the workers' one-line messages say what happened and how to resume."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True, bufsize=1)
+    got: list[int] = []  # signals received
+    since: list[float] = []  # when the first one came
+
+    def forward(signum, frame):
+        if not got:
+            print(f"autoplan run: {signal.Signals(signum).name}: asking every worker to save and stop (at most "
+                  f"{term_timeout:g} s)", file=sys.stderr, flush=True)
+        got.append(signum)
+        since.append(time.monotonic())
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+
+    def pump():
+        for line in proc.stderr:
+            if got and not (line.startswith("autoplan") or "] autoplan run:" in line):
+                continue
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if since and time.monotonic() - since[0] > term_timeout:
+                print(f"autoplan run: the workers did not stop within --term-timeout {term_timeout:g} s; killing "
+                      "them", file=sys.stderr, flush=True)
+                _kill_group(proc.pid)
+                rc = proc.wait()
+                break
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if proc.poll() is None:  # interrupted ourselves: nothing of this job outlives the launcher
+            _kill_group(proc.pid)
+        reader.join(timeout=5)
+    return 128 + got[0] if got else rc
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc): torchrun starts each worker in a session of its own, so killing
+    torchrun's process group would miss them."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL torchrun and everything it started (a stopped or hung worker included): no orphans."""
+    victims = _descendants(pid) if Path("/proc").is_dir() else []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for v in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(v, signal.SIGKILL)

@@ -17,10 +17,23 @@ Checkpoints (runtime.checkpoint, torch.distributed.checkpoint):
                     the same model (names and shapes), global batch and sequence length. A missing, incomplete
                     or corrupt checkpoint, or one of another model, stops at start-up with one line.
 
+Long runs (runtime.faults, runtime.indexed_data):
+  --keep-last K     retention; --overwrite a --save DIR holding another run's checkpoints; --auto-resume from the
+                    newest checkpoint that verifies (skipping broken ones; `autoplan run --max-restarts` passes it)
+  --on-nonfinite    stop (default) or skip a step whose loss or gradient norm is NaN/inf; a NaN update is never
+                    applied and never checkpointed. --loss-spike-factor F warns on spikes.
+  --collective-timeout S   (default 300) a collective waiting longer ends the job, naming the missing rank.
+  --data            Megatron PREFIX (.bin/.idx), a weighted blend "0.7 A 0.3 B", or a flat file with a declared
+                    dtype. SIGTERM/SIGINT: every rank stops after the same step, saves, and exits.
+
 Start-up checks run before any process group exists, so a wrong launch (a plan for 8 ranks started on 4, a
 plan for another model) stops with one clear line instead of hanging in a collective. Rank 0 writes one JSON
 object per step to --log: step, loss, step_time_s, tokens_per_s, peak_memory_gib, predicted_step_time_s
-(plus grad_norm and lr). The process group is destroyed on exit, error or not.
+(plus predicted_memory_gib, memory_measured_step, rss_gib, grad_norm and lr). peak_memory_gib is tensor memory,
+not the process RSS: the allocator's peak of each step on a GPU; on the CPU, MemTracker's peak of one step
+(--memory-step, default 2) carried on the lines after it (null before). --profile-step N adds one
+{"event": "profile", "step": N, "ranks": [{"rank", "pp_stage", "measured", "predicted"}]} record (measured with
+autoplan.runtime.measure, predicted by autoplan.cost_models.counts) and prints it as a table. The process group is destroyed on exit, error or not.
 """
 
 from __future__ import annotations
@@ -40,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m autoplan.runtime.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", required=True, help="plan.json made by `autoplan search|estimate -o`")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--data", default=None, help="flat binary token file (uint16, or int32 with --data-dtype)")
+    ap.add_argument("--data", default=None,
+                    help="Megatron dataset PREFIX (.bin/.idx), a blend 'W1 PREFIX1 W2 PREFIX2', or a flat token file "
+                         "(.u16/.i32, or --data-dtype)")
     ap.add_argument("--data-dtype", default=None, choices=["uint16", "int32"])
     ap.add_argument("--log", "--log-file", dest="log", default=None,
                     help="JSON-lines metrics file (rank 0). Under torchrun write --log-file, or put the training "
@@ -59,6 +74,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--save-every", type=int, default=0, metavar="K", help="also checkpoint every K steps")
     ap.add_argument("--resume", default=None, metavar="DIR",
                     help="continue from a checkpoint (a step_<n> dir, or its parent with `latest`); any layout")
+    ap.add_argument("--profile-step", type=int, default=0, metavar="N",
+                    help="measure step N on every rank (FLOPs by phase, bytes per collective and mesh dimension, "
+                         "memory by category) beside the cost model's prediction: one {\"event\": \"profile\"} "
+                         "record in the log and a table on rank 0")
+    ap.add_argument("--memory-step", type=int, default=None, metavar="N",
+                    help="CPU: the step whose tensor-memory peak (MemTracker) the log lines carry (default: the "
+                         "profiled step, else step 2, or 1 for a one-step run); GPUs measure every step")
+    ap.add_argument("--keep-last", type=int, default=0, metavar="K",
+                    help="keep only the K newest checkpoints in --save (never the newest complete one); 0 keeps all")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="a new run (no --resume) into a --save DIR holding checkpoints deletes them first")
+    ap.add_argument("--auto-resume", action="store_true",
+                    help="resume from the newest checkpoint in --save that verifies (skipping broken ones), or "
+                         "start fresh when there is none; `autoplan run --max-restarts N` passes it")
+    ap.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
+                    help="a NaN/inf loss or gradient norm: stop the run (default) or skip that step's update")
+    ap.add_argument("--loss-spike-factor", type=float, default=None, metavar="F",
+                    help="warn when a loss exceeds F times the mean of the previous 20")
+    ap.add_argument("--collective-timeout", type=float, default=300.0, metavar="S",
+                    help="seconds a collective may wait for a missing rank before the job ends (default 300)")
     ap.add_argument("--quiet", action="store_true")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # torchrun ... -m autoplan.runtime.train -- --plan p.json --log f
@@ -91,9 +126,15 @@ def main(argv: list[str] | None = None) -> int:
 
             check_model_matches(plan, load_model(args.model))
         dims = ParallelDims.from_plan(plan, world)
-        if args.steps < 1:
-            raise AutoplanError("--steps must be >= 1", f"got {args.steps}", "pass --steps 10")
-        check_checkpoint_args(args, plan)
+        from .faults import prepare_save_dir, validate_training_args
+
+        validate_training_args(args)
+        if args.profile_step < 0 or args.profile_step > args.steps:
+            raise AutoplanError("--profile-step must name a step of this run", f"got {args.profile_step} with "
+                                f"--steps {args.steps}", f"pass --profile-step between 1 and {args.steps}")
+        check_checkpoint_args(args, plan, rank)
+        check_data_args(args, plan)
+        lock = prepare_save_dir(args, plan, args.resume_path) if args.save and rank == 0 else None
     except AutoplanError as e:
         if rank == 0:
             print(f"autoplan run: {type(e).__name__}: {e.one_line()}", file=sys.stderr, flush=True)
@@ -102,18 +143,39 @@ def main(argv: list[str] | None = None) -> int:
             # this rank exit, terminates the others (rank 0 may still be importing on a busy machine).
             time.sleep(_STARTUP_ERROR_GRACE_S)
         return 2
-    return _run(args, plan, dims, rank, world)
+    try:
+        return _run(args, plan, dims, rank, world)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
-def check_checkpoint_args(args: argparse.Namespace, plan) -> None:
-    """Start-up checks of --save/--resume (every rank, before any process group): a bad checkpoint stops here."""
+def check_checkpoint_args(args: argparse.Namespace, plan, rank: int = 0) -> None:
+    """Start-up checks of --save/--resume/--auto-resume (every rank, before any process group): a bad checkpoint
+    stops here. Sets args.resume_path (the verified checkpoint to load, or None) and args.skipped_checkpoints."""
     if args.save_every < 0 or (args.save_every and not args.save):
         raise AutoplanError("--save-every needs --save DIR and K >= 1", f"got --save-every {args.save_every}",
                             "pass --save DIR --save-every K")
-    if args.resume:
-        from . import checkpoint
+    from . import checkpoint
+    from .faults import resolve_resume
 
-        checkpoint.check_compatible(checkpoint.inspect(args.resume), plan)
+    args.resume_path, args.skipped_checkpoints = resolve_resume(args)
+    if rank == 0:
+        for line in args.skipped_checkpoints:
+            print(f"autoplan run: warning: skipped a broken checkpoint: {line}", file=sys.stderr, flush=True)
+    if args.resume_path:
+        meta = checkpoint.inspect(args.resume_path)
+        checkpoint.check_compatible(meta, plan)
+        args.resume_path = meta["path"]
+
+
+def check_data_args(args: argparse.Namespace, plan) -> None:
+    """Open --data once before any process group: a missing, wrong-dtype, too-short or out-of-vocabulary file
+    stops here with one line."""
+    if args.data:
+        from .indexed_data import open_dataset
+
+        open_dataset(args.data, plan, dtype=args.data_dtype, seed=args.seed)
 
 
 def _run(args, plan, dims, rank: int, world: int) -> int:
@@ -127,18 +189,62 @@ def _run(args, plan, dims, rank: int, world: int) -> int:
         torch.cuda.set_device(device)
     dims.device_type = device.type
     backend = "nccl" if use_cuda else "gloo"
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=args.collective_timeout)  # gloo's default is 30 minutes of silence
+    args.store = None
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if use_cuda else None)
+        args.store = _attempt_store(world, timeout)
+        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if use_cuda else None,
+                                timeout=timeout, store=args.store)
     else:  # plain `python -m autoplan.runtime.train` with a 1-rank plan
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:
         return train_loop(args, plan, dims, device)
     except AutoplanError as e:
         print(f"[rank {rank}] autoplan run: {type(e).__name__}: {e.one_line()}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"[rank {rank}] autoplan run: interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError as e:  # gloo: "Timed out waiting ...ms for recv operation" / a peer that closed
+        if not _is_peer_failure(e):
+            raise
+        from .faults import Heartbeat
+
+        hb = getattr(args, "heartbeat", None) or Heartbeat(None, rank)
+        who = hb.missing(world)
+        print(f"[rank {rank}] autoplan run: a collective did not complete within --collective-timeout "
+              f"{args.collective_timeout:g} s: {who or 'another rank failed'} ({_first_line(e)[:120]}). fix: see "
+              "that rank's own message; `autoplan run --max-restarts N` restarts the job from the last checkpoint",
+              file=sys.stderr)
+        return 3
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _attempt_store(world: int, timeout):
+    """The process group's keys in a store of their own per torchrun attempt: torchrun shares its rendezvous
+    TCPStore with the workers, and the previous attempt's gloo addresses left in it make the restarted ranks
+    connect to dead peers (pytorch/pytorch#135712). The heartbeats (runtime.faults.Heartbeat) live there too."""
+    import torch.distributed as dist
+
+    from .faults import restart_count
+
+    n = restart_count()
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                         timeout=timeout)
+    return dist.PrefixStore(f"autoplan-attempt-{n}", base)
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    text = str(e).lower()
+    return any(k in text for k in ("timed out", "timeout", "connection closed", "connection reset", "broken pipe"))
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
@@ -147,12 +253,13 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
     import torch
     import torch.distributed as dist
 
-    from . import checkpoint
-    from .data import MemmapTokenDataset, SyntheticDataset
-    from .engine import Trainer, peak_memory_gib, tokens_per_step
+    from . import checkpoint, faults
+    from .engine import Trainer, tokens_per_step
+    from .measure import StepMemory, memory_step, profile_record
 
     rank = dist.get_rank()
     log = tb = None
+    stop = faults.StopFlag()
     try:
         dims.build_mesh()
         # Dropout RNG: different across data/context/pipeline ranks (different tokens), the same across tp ranks
@@ -161,17 +268,11 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         rng_seed = args.seed + 1_000_003 * (dims.rank("dp") * dims.cp + dims.rank("cp")) + 7_919 * dims.rank("pp")
         trainer = Trainer(plan, dims, device=device, seed=args.seed, lr=args.lr,
                           weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm)
-        t = plan.training
-        if args.data:
-            data = MemmapTokenDataset(args.data, t.seq_length, t.global_batch_size, plan.model.vocab_size,
-                                      dtype=args.data_dtype)
-            data_desc = {"kind": "memmap", "path": str(Path(args.data).resolve()), "dtype": args.data_dtype}
-        else:
-            data = SyntheticDataset(plan.model.vocab_size, t.seq_length, t.global_batch_size, seed=args.seed)
-            data_desc = {"kind": "synthetic", "seed": args.seed}
+        data, data_desc = _open_data(args, plan)
         start = 0
-        if args.resume:
-            meta = checkpoint.load(trainer, args.resume)
+        resume_path = getattr(args, "resume_path", args.resume)
+        if resume_path:
+            meta = checkpoint.load(trainer, resume_path)
             start = meta["step"]
             if rank == 0 and not args.quiet:
                 print(f"resumed from {meta['path']} at step {start} (saved with {meta.get('layout')}, plan "
@@ -179,9 +280,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                 saved = {k: v for k, v in meta.get("data", {}).items() if k in data_desc}
                 if saved != data_desc:
                     print(f"note: the checkpoint was trained on {saved}, this run reads {data_desc}", flush=True)
-        if rank == 0 and args.log:
-            Path(args.log).parent.mkdir(parents=True, exist_ok=True)
-            log = open(args.log, "a" if args.resume else "w")  # noqa: SIM115 (closed in finally)
+        if rank == 0:
+            log = _open_log_and_record_restart(args, start, resume_path)
         if rank == 0 and args.tensorboard:
             from .tensorboard_log import TensorBoardLog
 
@@ -195,42 +295,137 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         # this rank's pipeline stage: the memory the plan predicts for it (on a GPU, compare with the allocator's
         # peak; on the CPU the measured figure is the process's RSS, interpreter and libraries included)
         predicted_mem = plan.prediction.memory_gib["per_stage"][dims.rank("pp")]
+        mem = StepMemory(device, args.memory_step or args.profile_step or min(2, args.steps))
+        spikes = faults.SpikeDetector(args.loss_spike_factor)
+        heartbeat = args.heartbeat = faults.Heartbeat.for_job(rank) if dims.world_size > 1 else \
+            faults.Heartbeat(None, rank)
+        stop.install()
         for step in range(start, args.steps):
             torch.manual_seed((rng_seed * 1_000_033 + step) % (2**63))
             lr = args.lr * min(1.0, (step + 1) / args.warmup) if args.warmup else args.lr
             for group in trainer.optimizer.param_groups:
                 group["lr"] = lr
-            res = trainer.step(data.batch(step))
+            mem.before(step + 1)
+            profile = None
+            if step + 1 == args.profile_step:
+                res, profile = profile_record(trainer, step + 1, data.batch(step))
+                if profile:  # rank 0, the rank that writes the log
+                    mem.record(step + 1, _my_peak(profile, rank))
+            elif mem.wants(step + 1):
+                res, m = memory_step(trainer, data.batch(step))
+                mem.record(step + 1, m["peak"])
+            else:
+                res = trainer.step(data.batch(step))
             rec = {
                 "step": step + 1,
                 "loss": res.loss,
                 "step_time_s": res.step_time_s,
                 "tokens_per_s": tokens_per_step(plan) / res.step_time_s,
-                "peak_memory_gib": peak_memory_gib(device),
+                **mem.fields(step + 1),  # tensor peak (not RSS): peak_memory_gib, memory_measured_step, rss_gib
                 "predicted_step_time_s": predicted,
                 "predicted_memory_gib": predicted_mem,
                 "grad_norm": res.grad_norm,
                 "lr": lr,
+                "time": time.time(),
             }
+            nonfinite = faults.check_finite(res.loss, res.grad_norm, step + 1, args.on_nonfinite)
+            if nonfinite:
+                rec["skipped"] = nonfinite
             if rank == 0:
-                if log:
-                    log.write(json.dumps(rec) + "\n")
-                    log.flush()
+                _report_step(args, log, rec, predicted, spikes, profile)
                 if tb:
                     tb.write(rec)
-                if not args.quiet:
-                    print(f"step {step + 1:4d}  loss {res.loss:.4f}  {res.step_time_s * 1e3:8.1f} ms "
-                          f"(predicted {predicted * 1e3:.1f} ms)  {rec['tokens_per_s']:.0f} tok/s", flush=True)
-            if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
-                path = checkpoint.save(trainer, args.save, step + 1, data=data_desc)
+            heartbeat.beat(step + 1)
+            faults.maybe_inject_fault(rank, step + 1)
+            signum = stop.agreed(device) if dims.world_size > 1 else stop.signum
+            last = step + 1 == args.steps or signum is not None
+            if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or last):
+                path = checkpoint.save(trainer, args.save, step + 1, data=data_desc, keep_last=args.keep_last)
                 if rank == 0 and not args.quiet:
                     print(f"saved {path}", flush=True)
+            if signum is not None:
+                if rank == 0:
+                    _print_stopped(args, signum, step + 1)
+                return 0
         return 0
     finally:
+        stop.restore()
+        if getattr(args, "heartbeat", None) is not None:
+            args.heartbeat.close()
         if log:
             log.close()
         if tb:
             tb.close()
+
+
+def _my_peak(profile: dict, rank: int) -> float:
+    return next(r["measured"]["memory_bytes"]["peak"] for r in profile["ranks"] if r["rank"] == rank)
+
+
+def _open_data(args: argparse.Namespace, plan):
+    """The dataset (--data: flat tokens, Megatron .bin/.idx or a weighted blend; else synthetic) and its record."""
+    from .data import SyntheticDataset
+
+    t = plan.training
+    if args.data:
+        from .indexed_data import open_dataset
+
+        data = open_dataset(args.data, plan, dtype=args.data_dtype, seed=args.seed)
+        return data, data.describe()
+    return (SyntheticDataset(plan.model.vocab_size, t.seq_length, t.global_batch_size, seed=args.seed),
+            {"kind": "synthetic", "seed": args.seed})
+
+
+def _open_log_and_record_restart(args: argparse.Namespace, start: int, resume_path: str | None):
+    """Rank 0: the log rewritten up to the resumed step, with a restart row when torchrun restarted us."""
+    from . import faults
+
+    event = faults.restart_event(start, resume_path, getattr(args, "skipped_checkpoints", []), args.log)
+    if event and not args.quiet:
+        print(f"restart {event['restart']}: resuming at step {start} from {resume_path or 'the start'} "
+              f"({event['steps_redone']} logged steps will be redone)", flush=True)
+    if not args.log:
+        return None
+    log = faults.open_log(args.log, start)
+    if event:
+        log.write(json.dumps(event) + "\n")
+        log.flush()
+    return log
+
+
+def _report_step(args: argparse.Namespace, log, rec: dict, predicted: float, spikes, profile: dict | None) -> None:
+    if log and profile:
+        log.write(json.dumps(profile) + "\n")
+    if profile and not args.quiet:
+        from .measure import render_profile
+
+        render_profile(profile)
+    if log:
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+    if "skipped" in rec:
+        print(f"step {rec['step']}: skipped, not finite ({rec['skipped']}); the update was not applied",
+              file=sys.stderr, flush=True)
+    mean = spikes.check(rec["loss"])
+    if mean is not None:
+        print(f"warning: loss spike at step {rec['step']}: {rec['loss']:.4f} > {args.loss_spike_factor:g} x "
+              f"recent mean {mean:.4f}", file=sys.stderr, flush=True)
+    if not args.quiet:
+        print(f"step {rec['step']:4d}  loss {rec['loss']:.4f}  {rec['step_time_s'] * 1e3:8.1f} ms "
+              f"(predicted {predicted * 1e3:.1f} ms)  {rec['tokens_per_s']:.0f} tok/s", flush=True)
+
+
+def _print_stopped(args: argparse.Namespace, signum: int, step: int) -> None:
+    import shlex
+    import signal
+
+    name = signal.Signals(signum).name
+    if args.save:
+        how = (f"checkpoint {Path(args.save) / f'step_{step}'} saved; resume with the same command plus "
+               f"--resume {shlex.quote(str(args.save))}")
+    else:
+        how = "nothing saved (no --save DIR); pass --save DIR to make a run resumable"
+    print(f"autoplan run: stopped by {name} after step {step}: {how}", file=sys.stderr, flush=True)
 
 
 def exit_process(rc: int) -> NoReturn:

@@ -123,6 +123,10 @@ def show_json(plan: Plan, *, timeline: bool = False) -> dict:
     }
     if timeline:
         out["timeline"] = timeline_grid(plan)
+    from .counts_view import counts_json
+
+    out["counts"] = counts_json(plan)  # per pp rank: FLOPs by phase, collectives, memory by category (bytes)
+    out["runtime_semantics"] = dict(plan.runtime_semantics)
     return out
 
 
@@ -339,6 +343,10 @@ def render_show(con: Console, plan: Plan, *, timeline: bool = False, max_microba
     render_memory(con, plan)
     con.print()
     render_breakdown(con, plan)
+    con.print()
+    from .counts_view import render_counts
+
+    render_counts(con, plan)
     if plan.runners_up:
         con.print()
         render_runners_up(con, plan)

@@ -69,7 +69,7 @@ def _error(capsys) -> str:
 
 def test_save_and_resume_equals_uninterrupted(base, tmp_path):
     ck = base / "ck"
-    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_2", "step_4"]
+    assert sorted(p.name for p in ck.iterdir() if not p.name.startswith(".")) == ["latest", "step_2", "step_4"]
     assert (ck / "latest").read_text().strip() == "step_4"
     log = tmp_path / "resumed.jsonl"
     assert _train("--plan", _plan(tmp_path), "--steps", "4", "--resume", ck / "step_2", "--log", log) == 0
@@ -167,7 +167,7 @@ def test_failed_save_keeps_the_previous_checkpoint(base, tmp_path, monkeypatch, 
     assert _train("--plan", _plan(tmp_path), "--steps", "6", "--resume", ck, "--save", ck) == 2
     line = _error(capsys)
     assert "saving checkpoint" in line and "step_6 failed" in line and "disk full" in line
-    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_2", "step_4"]  # no step_6, no temporary
+    assert sorted(p.name for p in ck.iterdir() if not p.name.startswith(".")) == ["latest", "step_2", "step_4"]  # no step_6, no temporary
     assert (ck / "latest").read_text().strip() == "step_4"
     monkeypatch.setattr(dcp, "save", real_save)
     log = tmp_path / "after.jsonl"
@@ -178,3 +178,54 @@ def test_failed_save_keeps_the_previous_checkpoint(base, tmp_path, monkeypatch, 
 def test_save_every_needs_save(tmp_path, capsys):
     assert _train("--plan", _plan(tmp_path), "--save-every", "2") == 2
     assert "--save-every needs --save DIR" in _error(capsys)
+
+
+# ----------------------------------------------------------------------------- trust (issue 18, SECURITY.md)
+
+
+class _RunsCode:
+    """Unpickling this creates the file named `path`: what a hostile DCP .metadata can do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def _foreign_dcp_dir(tmp: Path) -> tuple[Path, Path]:
+    import pickle
+
+    ck, marker = tmp / "foreign" / "step_1", tmp / "PWNED"
+    ck.mkdir(parents=True)
+    (ck / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    (ck / "__0_0.distcp").write_bytes(b"\0" * 64)
+    (ck.parent / "latest").write_text("step_1\n")
+    return ck, marker
+
+
+def test_resume_refuses_a_checkpoint_autoplan_did_not_write(tmp_path, capsys):
+    """A DCP directory without autoplan's file is refused before its pickle is read, by the runtime and by
+    `autoplan run` (before torchrun starts)."""
+    from autoplan.cli import main
+
+    ck, marker = _foreign_dcp_dir(tmp_path)
+    plan = _plan(tmp_path)
+    assert _train("--plan", plan, "--steps", "2", "--resume", ck) == 2
+    line = _error(capsys)
+    assert "was not written by autoplan" in line and "fix:" in line and "SECURITY.md" in line
+    assert main(["run", str(plan), "--print-command", "--", "--steps", "2", "--resume", str(ck.parent)]) == 2
+    assert "was not written by autoplan" in _error(capsys)
+    assert main(["run", str(plan), "--print-command", "--", f"--resume={ck}"]) == 2
+    assert "was not written by autoplan" in _error(capsys)
+    assert not marker.exists()  # the pickle never ran
+    (ck / "autoplan-manifest.json").write_text(json.dumps({"writer": "someone else", "version": 1, "files": {}}))
+    assert _train("--plan", plan, "--steps", "2", "--resume", ck) == 2
+    assert "was not written by autoplan" in _error(capsys) and not marker.exists()
+
+
+def test_check_trusted_accepts_autoplans_own(base):
+    from autoplan.runtime import checkpoint
+
+    meta = checkpoint.check_trusted(base / "ck" / "step_4")
+    assert meta["step"] == 4 and meta["model"]["name"] == "tiny-gpt"

@@ -161,7 +161,7 @@ def test_emitted_program_names_plan_layers_styles_and_kernels(tmp_path):
     assert '"attention.wq": ColwiseParallel(),' in s1
     assert "output_layouts=Shard(-1), use_local_output=False" in s1
     assert "selective: layers.2.attention.core, layers.3.attention.core" in s1
-    assert '"layers.2.attention_norm": \'FusedRMSNorm\'' in s1 and "-> FusedSwiGLU" in s1
+    assert '"layers.2.attention_norm": "FusedRMSNorm"' in s1 and "-> FusedSwiGLU" in s1
     assert 'del model.layers[key]' in s1 and 'for key in ["0", "1"]' in s1
     compile(s1, "stage_1.py", "exec")
     assert json.loads((tmp_path / "plan.json").read_text())["content_hash"] == plan.content_hash

@@ -68,3 +68,90 @@ def test_json_schema_names_every_field():
     schema = Plan.model_json_schema()
     assert {"model", "cluster", "training", "parallel", "stages", "prediction", "provenance"} <= set(
         schema["properties"])
+
+
+# ----------------------------------------------------------------------------- strict validation on load (issue 18)
+# A plan is shared and untrusted: an edit that is re-hashed passes the hash, so the rules must hold on their own.
+
+
+def _rehashed(plan: Plan, tmp_path, fn, name="forged.json") -> str:
+    import hashlib
+
+    d = json.loads(plan.to_json())
+    fn(d)
+    try:  # the hash autoplan itself would compute (fields added later are hashed only when set)
+        d["content_hash"] = Plan.model_validate(d).compute_hash()
+    except Exception:  # an edit the schema rejects anyway: any hash will do
+        body = {k: v for k, v in d.items() if k != "content_hash"}
+        d["content_hash"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    p = tmp_path / name
+    p.write_text(json.dumps(d))
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def small() -> Plan:
+    """8 sequences per step on 2 ranks (dp=2, mbs=1), 4 layers in 2 stages: room for every edit below."""
+    return make_plan(load_model("tiny-gpt"), load_cluster("local-cpu", gpus=4),
+                     TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32"), "pp=2,dp=2")
+
+
+def _stage(i, **kw):
+    return lambda d: d["stages"][i].update(**kw)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    # the layout is no longer the world size: tp changed, product 2*2*2 = 8 on 4 ranks
+    (lambda d: d["parallel"].update(tp=2), "tp*pp*cp*dp must equal the world size"),
+    (lambda d: d["parallel"].update(dp=None), "parallel.dp must be resolved"),
+    # mbs=3 with 8 sequences on dp=2: one micro-batch of 3 per rank would train 6 of the 8 sequences
+    (lambda d: d["parallel"].update(mbs=3), "global batch must divide by dp*mbs"),
+    (lambda d: d["training"].update(global_batch_size=7), "global batch must divide by dp*mbs"),
+    (lambda d: d["stages"].pop(), "a plan has pp*vp stages"),
+    (_stage(1, layers=[3, 4]), "stages cover the layers in order"),
+    (_stage(1, layers=[2, 1]), "stages cover the layers in order"),
+    (_stage(1, layers=[2, 3]), "stages cover every layer"),
+    (_stage(1, pp_rank=0), "pipeline rank i % pp"),
+    (_stage(0, has_head=True), "the embedding is on the first stage and the head on the last"),
+    (_stage(0, recompute_layers=5), "recomputes at most its own layers"),
+    (lambda d: d["model"].update(name='tiny"""\nimport os\n"""'), "model.name must be 1-200 printable characters"),
+    (lambda d: d["cluster"].update(name="\x1b[2Jlocal"), "cluster.name must be 1-200 printable characters"),
+    (lambda d: d["model"].update(num_attention_heads=3), "does not match the schema"),
+    (lambda d: d["parallel"].update(tp="2"), "parallel.tp: Input should be a valid integer"),
+    (lambda d: d["parallel"].update(sp=0), "parallel.sp: Input should be a valid boolean"),
+    (lambda d: d["stages"][0].update(forward_s=-1.0), "greater than or equal to 0"),
+    (lambda d: d["parallel"].update(tensor=2), "Extra inputs are not permitted"),
+    (lambda d: d["parallel"].update(layout='Et|tL"""\nimport os'), "is inconsistent"),
+    (lambda d: d["model"].update(activation="os.system"), "does not match the schema"),
+])
+def test_rehashed_edits_are_refused(small, tmp_path, edit, needle):
+    with pytest.raises(PlanError) as e:
+        load_plan(_rehashed(small, tmp_path, edit))
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg and "fix:" in msg, msg
+
+
+def test_the_unedited_small_plan_loads(small, tmp_path):
+    assert load_plan(_rehashed(small, tmp_path, lambda d: None)) == small
+
+
+def test_nan_and_lone_surrogates_are_refused(small, tmp_path):
+    p = _rehashed(small, tmp_path, _stage(0, forward_s=float("nan")))  # json writes NaN, which Python reads
+    with pytest.raises(PlanError, match="stages.0.forward_s"):
+        load_plan(p)
+    p = _rehashed(small, tmp_path, lambda d: d["model"].update(name="a\ud800"))
+    with pytest.raises(PlanError, match="not match the schema|not valid JSON"):
+        load_plan(p)
+
+
+@pytest.mark.parametrize("argv", [["show"], ["export", "--format", "megatron"], ["explain"], ["trace", "-o", "t.json"],
+                                  ["codegen", "-o", "prog"], ["run", "--print-command"]])
+def test_every_command_refuses_an_inconsistent_plan(small, tmp_path, capsys, monkeypatch, argv):
+    from autoplan.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    p = _rehashed(small, tmp_path, lambda d: d["parallel"].update(tp=2))
+    assert main([argv[0], p, *argv[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "tp*pp*cp*dp must equal the world size" in err and "\n" not in err and "fix:" in err, err
+    assert not (tmp_path / "prog").exists() and not (tmp_path / "t.json").exists()

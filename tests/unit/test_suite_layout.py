@@ -15,5 +15,6 @@ def test_pytest_tests_collects_every_tier():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for tier in ("tests/unit/", "tests/dist/test_parity.py", "tests/dist/test_checkpoint.py", "tests/kernels/",
-                 "tests/capture/", "tests/search/", "tests/inspect/", "tests/runtime/", "tests/zoo/", "tests/gpu/"):
+                 "tests/capture/", "tests/search/", "tests/inspect/", "tests/runtime/", "tests/zoo/", "tests/gpu/",
+                 "tests/tune/"):
         assert tier in r.stdout, f"{tier} not collected by `pytest tests`"

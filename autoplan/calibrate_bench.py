@@ -1,0 +1,230 @@
+"""Micro-benchmarks for `autoplan calibrate --bench-out FILE`: the primitives the cost model is built from,
+measured where the model will run, as rows for `autoplan.cost_models.fit` (GemmSample, CollectiveSample).
+
+- GEMMs at the model's own shapes: every GEMM of a transformer block, embedding and head, for one micro-batch of
+  `--seq-len` tokens, unsharded and sharded as tensor parallelism of each degree up to the node's size would
+  shard it (column-parallel N/tp, row-parallel K/tp).
+- Collectives at several sizes on each level of the hierarchy: all-reduce, all-gather, reduce-scatter,
+  all-to-all among the processes of one node ("intra"), and among one process per node ("inter") when the
+  benchmark runs on several nodes under torchrun; send/recv between two processes of a node, and between two
+  nodes. Each is timed as the median of several repeats after a warm-up, between barriers.
+
+Single node: processes are started here (torch.multiprocessing, gloo on CPU or NCCL on GPUs). Several nodes: run
+the same command on every node under torchrun (see docs/calibrate.md); rank 0 writes the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+CPU_SIZES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
+GPU_SIZES = (64 * 1024, 1024 * 1024, 16 * 1024 * 1024, 256 * 1024 * 1024)
+_REPEATS = 7
+
+
+def model_gemm_shapes(model_ref: str, seq: int, mbs: int, max_tp: int) -> list[tuple[int, int, int]]:
+    """(m, n, k) of the model's GEMMs for one micro-batch, at each tensor-parallel degree that divides them."""
+    from autoplan.cost_models.profile import profile_from_spec
+    from autoplan.workload import resolve_model
+
+    model, profiles = resolve_model(model_ref)
+    profiles = profiles or profile_from_spec(model)
+    shapes: set[tuple[int, int, int]] = set()
+    tps = [t for t in (1, 2, 4, 8) if t <= max(1, max_tp)]
+    for p in profiles:
+        for g in p.gemms:
+            rows = int(mbs * seq * g.tokens_per_token)
+            if rows <= 0:
+                continue
+            for t in tps:
+                n, k = g.n, g.k
+                if g.tp in ("col", "vocab"):
+                    if n % t:
+                        continue
+                    n //= t
+                elif g.tp == "row":
+                    if k % t:
+                        continue
+                    k //= t
+                elif t > 1:
+                    continue
+                shapes.add((rows, int(n), int(k)))
+    return sorted(shapes)
+
+
+def bench_gemms(shapes, device: str, dtype_name: str) -> list[dict]:
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        torch.mm(a, b)
+        sync()
+        times = []
+        for _ in range(_REPEATS):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            sync()
+            times.append(time.perf_counter() - t0)
+        out.append({"m": m, "n": n, "k": k, "dtype": dtype_name, "seconds": statistics.median(times)})
+    return out
+
+
+def _timed(fn, sync, barrier) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(_REPEATS):
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _all_gather(out, inp, group):
+    import torch.distributed as dist
+
+    # all_gather_single replaces all_gather_into_tensor (deprecated) in recent torch
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
+
+
+def _reduce_scatter(out, inp, group):
+    import torch.distributed as dist
+
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp, group=group)
+
+
+def _bench_group(group, ranks: int, level: str, ppn: int, sizes, device: str) -> list[dict]:
+    """All-reduce, all-gather, reduce-scatter and all-to-all over `group` at each size (fp32 buffers)."""
+    import torch
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    barrier = lambda: dist.barrier(group=group)  # noqa: E731
+    rows = []
+    for nbytes in sizes:
+        numel = max(ranks, nbytes // 4 // ranks * ranks)
+        full = torch.ones(numel, device=device)
+        shard = torch.ones(numel // ranks, device=device)
+        out = torch.empty_like(full)
+        ops = {
+            "all_reduce": lambda f=full: dist.all_reduce(f, group=group),
+            "all_gather": lambda f=full, s=shard: _all_gather(f, s, group=group),
+            "reduce_scatter": lambda f=full, s=shard: _reduce_scatter(s, f, group=group),
+            "all_to_all": lambda f=full, o=out: dist.all_to_all_single(o, f, group=group),
+        }
+        for name, fn in ops.items():
+            t = _timed(fn, sync, barrier)
+            rows.append({"collective": name, "level": level, "ranks": ranks, "processes_per_node": ppn,
+                         "nbytes": float(numel * 4), "seconds": t})
+    return rows
+
+
+def _bench_p2p(peer_a: int, peer_b: int, rank: int, level: str, ppn: int, sizes, device: str) -> list[dict]:
+    """One-way send/recv time between two ranks: half a ping-pong."""
+    import torch
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    for nbytes in sizes:
+        buf = torch.ones(nbytes // 4, device=device)
+        times = []
+        for i in range(_REPEATS + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == peer_a:
+                dist.send(buf, peer_b)
+                dist.recv(buf, peer_b)
+            elif rank == peer_b:
+                dist.recv(buf, peer_a)
+                dist.send(buf, peer_a)
+            sync()
+            if i:
+                times.append((time.perf_counter() - t0) / 2)
+        if rank == peer_a:
+            rows.append({"collective": "send_recv", "level": level, "ranks": 2, "processes_per_node": ppn,
+                         "nbytes": float(nbytes), "seconds": statistics.median(times)})
+    return rows
+
+
+def bench_collectives(rank: int, world: int, local_world: int, device: str, sizes=None) -> list[dict]:
+    """Every process calls this; returns the rows (complete on rank 0)."""
+    import torch.distributed as dist
+
+    sizes = sizes or (GPU_SIZES if device == "cuda" else CPU_SIZES)
+    nodes = world // local_world
+    node, local = divmod(rank, local_world)
+    rows: list[dict] = []
+    # intra: the processes of each node (every node measures; rank 0 reports node 0's)
+    intra_groups = [dist.new_group(list(range(n * local_world, (n + 1) * local_world))) for n in range(nodes)]
+    if local_world > 1:
+        r = _bench_group(intra_groups[node], local_world, "intra", local_world, sizes, device)
+        if node == 0:
+            rows += r
+    dist.barrier()
+    # inter: one process per node (the local rank 0s)
+    leaders = [n * local_world for n in range(nodes)]
+    inter = dist.new_group(leaders)
+    if nodes > 1 and local == 0:
+        rows += _bench_group(inter, nodes, "inter", local_world, sizes, device)
+    dist.barrier()
+    if local_world > 1:
+        rows += _bench_p2p(0, 1, rank, "intra", local_world, sizes, device)
+    if nodes > 1:
+        rows += _bench_p2p(0, local_world, rank, "inter", local_world, sizes, device)
+    return rows
+
+
+def _spawned(rank: int, world: int, port: int, out: str, device: str, sizes) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
+    rows = bench_collectives(rank, world, world, device, sizes)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_collectives(nproc: int, device: str, sizes: tuple[int, ...] | None = None) -> list[dict]:
+    """Collective rows: under torchrun (RANK in the environment) on the launched processes, else `nproc`
+    processes started here on this node."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch
+        import torch.distributed as dist
+
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        return bench_collectives(dist.get_rank(), dist.get_world_size(), local, device, sizes)
+    if nproc < 2:
+        return []
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rows.json")
+        mp.spawn(_spawned, args=(nproc, port, out, device, sizes), nprocs=nproc, join=True)
+        return json.loads(Path(out).read_text())

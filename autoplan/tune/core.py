@@ -1,0 +1,390 @@
+"""`autoplan tune`: measure the search's best candidates (and a few deliberately different ones), refit the
+cluster's constants to the measurements, and choose the plan by measurement.
+
+The procedure:
+1. **Candidates.** The search's `top` best plans, then `diverse` more, each the best plan the search finds with
+   one knob pinned away from the leaders (tensor parallel, pipeline parallel, ZeRO-3, full recomputation, one
+   sequence per micro-batch, pure data parallel), so that every term of the cost model is exercised by a run.
+2. **Measure.** Each candidate runs for real (`torchrun -m autoplan.runtime.train`, `--steps N`, `--log`), with
+   `--profile-step` when the runtime supports it (detected from its source, without importing torch); the
+   median step time after the first step is the measurement. Candidates are run until `--budget` seconds would
+   be exceeded by the next (judged from the runs so far); Ctrl-C stops the current run and keeps the others.
+3. **Refit.** `autoplan.cost_models.fit.fit_cluster` on the measured runs (and the micro-benchmarks of
+   `autoplan calibrate --bench`, when given), starting from the given cluster.
+4. **Choose.** The measured fastest candidate; the search is re-run with the refit cluster, and its choice is
+   reported beside (a plan nobody measured is flagged as such).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autoplan.cost_models.errors import AutoplanError, ConfigError, DoesNotFitError, SpecError
+from autoplan.cost_models.fit import (
+    CollectiveSample,
+    FitResult,
+    GemmSample,
+    RunSample,
+    TimedComponents,
+    fit_cluster,
+)
+from autoplan.cost_models.specs import ClusterSpec, ModelSpec, TrainingSpec
+
+from .records import RunLog, read_run_log
+
+# Knob pins that make a candidate deliberately different from the leaders, in the order they are tried.
+DIVERSE_PINS: tuple[tuple[str, Callable[[int], dict[str, str]]], ...] = (
+    ("tp", lambda w: {"tp": "2"}),
+    ("pp", lambda w: {"pp": "2"}),
+    ("zero", lambda w: {"zero": "3"}),
+    ("recompute", lambda w: {"recompute": "full"}),
+    ("mbs", lambda w: {"mbs": "1"}),
+    ("dp", lambda w: {"dp": str(w)}),
+    ("tp+pp", lambda w: {"tp": "2", "pp": "2"}),
+)
+
+
+@dataclass
+class Candidate:
+    """One plan to measure: why it was picked, and what happened when it ran."""
+
+    plan: object  # autoplan.plan.Plan
+    why: str
+    measured_s: float | None = None
+    log: RunLog | None = None
+    error: str | None = None
+    wall_s: float = 0.0
+    predicted_after_s: float | None = None
+
+    @property
+    def config(self) -> str:
+        return self.plan.parallel.to_string()
+
+    @property
+    def predicted_before_s(self) -> float:
+        return self.plan.prediction.step_time_s
+
+
+@dataclass
+class TuneResult:
+    candidates: list[Candidate]
+    fit: FitResult | None
+    interrupted: bool = False
+    refit_choice: str | None = None  # the configuration the search picks with the refit cluster
+    refit_choice_measured_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def measured(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.measured_s is not None]
+
+    @property
+    def fastest(self) -> Candidate | None:
+        return min(self.measured, key=lambda c: c.measured_s, default=None)
+
+    def as_json(self) -> dict:
+        fastest = self.fastest
+        return {
+            "interrupted": self.interrupted,
+            "candidates": [{"parallel": c.config, "plan": c.plan.short_hash, "why": c.why,
+                            "predicted_before_s": c.predicted_before_s, "predicted_after_s": c.predicted_after_s,
+                            "measured_step_time_s": c.measured_s, "error": c.error, "wall_s": c.wall_s}
+                           for c in self.candidates],
+            "fastest": fastest.config if fastest else None,
+            "refit_choice": self.refit_choice,
+            "refit_choice_measured_s": self.refit_choice_measured_s,
+            "fit": None if self.fit is None else {
+                "before": self.fit.before, "after": self.fit.after, "undetermined": self.fit.undetermined,
+                "collinear": self.fit.collinear,
+                "mean_abs_error_before": self.fit.mean_abs_error("run", "before"),
+                "mean_abs_error_after": self.fit.mean_abs_error("run"),
+                "count_mismatches": self.fit.count_mismatches},
+            "notes": self.notes,
+        }
+
+
+# ------------------------------------------------------------------------------------------ candidates
+
+
+def select_candidates(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top: int, diverse: int,
+                      profiles=None, fix: dict[str, str] | None = None, kernels: str = "torch",
+                      seed_plan=None) -> list[Candidate]:
+    """The search's `top` best plans plus up to `diverse` plans each pinning one knob away from them."""
+    from autoplan.api import plan_from_estimate
+    from autoplan.search.core import search
+
+    training = training.model_copy(update={"kernels": kernels})
+    out: list[Candidate] = []
+    seen: set[str] = set()
+
+    def key(plan) -> str:
+        return plan.parallel.to_string() + repr([s.layers for s in plan.stages])
+
+    def add(plan, why: str) -> None:
+        if key(plan) not in seen:
+            seen.add(key(plan))
+            out.append(Candidate(plan=plan, why=why))
+
+    if seed_plan is not None:
+        add(seed_plan, "the given plan")
+    res = search(model, cluster, training, profiles=profiles, fix=fix, top=max(1, top), kernels=kernels)
+    for i, f in enumerate(res.finalists[:top]):
+        add(plan_from_estimate(model, cluster, training, f.estimate, kernels=kernels), f"search #{i + 1}")
+    want = len(out) + diverse
+    for name, pin in DIVERSE_PINS:
+        if len(out) >= want:
+            break
+        pins = {**(fix or {}), **pin(cluster.num_gpus)}
+        try:
+            r = search(model, cluster, training, profiles=profiles, fix=pins, top=3, kernels=kernels)
+        except (ConfigError, DoesNotFitError, SpecError):
+            continue  # that knob cannot move here (too few GPUs, heads, layers or memory)
+        # the best plan with the pin that is not measured already
+        for f in r.finalists[:3]:
+            plan = plan_from_estimate(model, cluster, training, f.estimate, kernels=kernels)
+            if key(plan) not in seen:
+                add(plan, f"different: {name}")
+                break
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def runtime_supports_profile_step() -> bool:
+    """Whether this autoplan's runtime accepts --profile-step (read from its source: no torch import)."""
+    spec = importlib.util.find_spec("autoplan.runtime.train")
+    if spec is None or not spec.origin:
+        return False
+    try:
+        return "--profile-step" in Path(spec.origin).read_text()
+    except OSError:
+        return False
+
+
+def run_candidate(c: Candidate, workdir: Path, *, steps: int, profile_step: int | None,
+                  timeout_s: float | None = None) -> None:
+    """Run `c.plan` under torchrun for `steps` steps; fills `c.measured_s`/`c.log` or `c.error`."""
+    from autoplan.runtime.launch import ROOT, torchrun_command
+
+    plan_path = c.plan.save(workdir / f"plan-{c.plan.short_hash}.json")
+    log_path = workdir / f"log-{c.plan.short_hash}.jsonl"
+    args = ["--steps", str(steps), "--log", str(log_path), "--quiet"]
+    if profile_step is not None:
+        args += ["--profile-step", str(profile_step)]
+    cmd = torchrun_command(plan_path, c.plan.world_size, args)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    t0 = time.perf_counter()
+    # A session of its own, so that Ctrl-C reaches tune first and tune stops the whole launch (torchrun and its
+    # workers) by process group.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired) as e:
+        _stop(proc)
+        c.wall_s = time.perf_counter() - t0
+        if isinstance(e, KeyboardInterrupt):
+            c.error = "interrupted"
+            raise
+        c.error = f"timed out after {timeout_s:.0f} s"
+        return
+    c.wall_s = time.perf_counter() - t0
+    if proc.returncode != 0 or not log_path.exists():
+        tail = [ln for ln in (err or "").splitlines() if ln.strip()]
+        c.error = (tail[-1] if tail else f"exit code {proc.returncode}")[:200]
+        return
+    try:
+        c.log = read_run_log(log_path)
+        c.measured_s = c.log.measured_step_s()
+    except (AutoplanError, ValueError) as e:
+        c.error = str(e)[:200]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a launch we started: SIGTERM to its process group, then SIGKILL if it lingers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# -------------------------------------------------------------------------------------------------- fit
+
+
+def run_sample(c: Candidate) -> RunSample:
+    """The fit's view of a measured candidate (its time components when the profile recorded some)."""
+    plan = c.plan
+    comps = None
+    if c.log is not None and c.log.profile is not None:
+        t = c.log.profile.time_components()
+        comps = TimedComponents(seconds=t) if t else None
+    layout = [((s.layers[0], s.layers[1]), s.recompute, s.recompute_layers) for s in plan.stages]
+    training = plan.training.model_copy(update={"kernels": "torch" if plan.kernels == "torch" else "fused"})
+    return RunSample(model=plan.model, training=training, parallel=plan.parallel, world=plan.world_size,
+                     layout=layout, measured_step_s=c.measured_s or 1.0,  # 1.0: not measured (prediction only)
+                     components=comps, label=c.config)
+
+
+def load_bench(paths) -> tuple[list[GemmSample], list[CollectiveSample]]:
+    """Micro-benchmarks written by `autoplan calibrate --bench-out FILE` (JSON: {"gemm": [...], "collectives":
+    [...]}); `paths` is one file, several (e.g. one per process count), or None."""
+    if paths is None:
+        return [], []
+    gemms: list[GemmSample] = []
+    colls: list[CollectiveSample] = []
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        p = Path(path)
+        if not p.exists():
+            raise SpecError(f"no micro-benchmark file {str(p)!r}", "",
+                            "write one with `autoplan calibrate --bench-out FILE`")
+        try:
+            data = json.loads(p.read_text())
+            gemms += [GemmSample.model_validate(g) for g in data.get("gemm", [])]
+            colls += [CollectiveSample.model_validate(c) for c in data.get("collectives", [])]
+        except (ValueError, TypeError, AttributeError) as e:
+            raise SpecError("malformed micro-benchmark file", f"{p}: {str(e).splitlines()[0]}",
+                            "re-run `autoplan calibrate --bench-out FILE`") from None
+    return gemms, colls
+
+
+def prepare_cluster(cluster: ClusterSpec) -> ClusterSpec:
+    """On a gloo cluster of one node whose cores are not given, take this machine's cores (tune runs here)."""
+    if cluster.backend == "gloo" and cluster.cores_per_node is None and cluster.num_nodes == 1:
+        return cluster.model_copy(update={"cores_per_node": len(os.sched_getaffinity(0))})
+    return cluster
+
+
+def refit(cluster: ClusterSpec, candidates: list[Candidate],
+          bench: tuple[list[GemmSample], list[CollectiveSample]] = ([], []), profiles=None) -> FitResult | None:
+    """Fit the cluster to the measured candidates (and micro-benchmark rows); fills each candidate's
+    predicted-after."""
+    from autoplan.cost_models.fit import predict_run
+
+    measured = [c for c in candidates if c.measured_s is not None]
+    gemms, colls = bench
+    if not measured and not (gemms or colls):
+        return None
+    samples = [run_sample(c) for c in measured]
+    prof = {measured[0].plan.model.name: profiles} if profiles and measured else None
+    res = fit_cluster(cluster, samples, gemms, colls, profiles=prof)
+    for c in measured:
+        if c.log is not None and c.log.profile is not None:
+            res.count_mismatches.extend(f"{c.config}: {m}" for m in c.log.profile.count_mismatches())
+    for c in candidates:
+            c.predicted_after_s = predict_run(res.cluster, run_sample(c), profiles).step_time_s
+    return res
+
+
+def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top: int = 3, diverse: int = 3,
+         steps: int = 6, budget_s: float = 600.0, profiles=None, fix: dict[str, str] | None = None,
+         kernels: str = "torch", seed_plan=None, bench: str | Path | None = None, workdir: Path | None = None,
+         progress: Callable[[str, int, int], None] | None = None, run_timeout_s: float | None = None) -> TuneResult:
+    """The whole loop (see the module docstring). Ctrl-C while measuring keeps what was measured."""
+    bench_rows = load_bench(bench)  # a bad file fails now, not after the runs
+    cluster = prepare_cluster(cluster)
+    cands = select_candidates(model, cluster, training, top=top, diverse=diverse, profiles=profiles, fix=fix,
+                              kernels=kernels, seed_plan=seed_plan)
+    profile_step = min(2, steps) if runtime_supports_profile_step() else None
+    result = TuneResult(candidates=cands, fit=None)
+    if profile_step is None:
+        result.notes.append("this runtime has no --profile-step: the fit uses step times and micro-benchmarks")
+    tmp = None
+    if workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="autoplan-tune-")
+        workdir = Path(tmp.name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    old_term = _term_as_interrupt()
+    try:
+        for i, c in enumerate(cands):
+            done = [x.wall_s for x in cands[:i] if x.wall_s]
+            expected = max(done) if done else 0.0
+            if i >= 2 and time.perf_counter() - t_start + expected > budget_s:
+                c.error = "skipped: over --budget"
+                for rest in cands[i + 1:]:
+                    rest.error = "skipped: over --budget"
+                break
+            if progress:
+                progress(f"running {c.config.split(',schedule')[0]}", i, len(cands))
+            run_candidate(c, workdir, steps=steps, profile_step=profile_step, timeout_s=run_timeout_s)
+        if progress:
+            progress("fitting", len(cands), len(cands))
+    except KeyboardInterrupt:
+        result.interrupted = True
+        for c in cands:
+            if c.measured_s is None and c.error is None:
+                c.error = "not run: interrupted"
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+        if tmp is not None:
+            tmp.cleanup()
+    result.fit = refit(cluster, cands, bench_rows, profiles)
+    if result.fit is not None:
+        _refit_choice(result, model, training, profiles, fix, kernels)
+    return result
+
+
+def _term_as_interrupt():
+    """While measuring, SIGTERM (a job scheduler, `kill`) stops like Ctrl-C: the current launch is stopped by
+    process group rather than left running without its parent. Returns the previous handler (None off the main
+    thread, where signals cannot be handled)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _refit_choice(result: TuneResult, model, training, profiles, fix, kernels) -> None:
+    """What the search picks with the refit cluster, and its measurement if tune ran it."""
+    from autoplan.search.core import search
+
+    try:
+        r = search(model, result.fit.cluster, training, profiles=profiles, fix=fix, top=1, kernels=kernels)
+    except AutoplanError as e:
+        result.notes.append(f"search with the refit cluster failed: {e.one_line()}")
+        return
+    result.refit_choice = r.plan.parallel.to_string()
+    layers = [s.layers for s in r.plan.stages]
+    for c in result.measured:
+        if c.config == result.refit_choice and [s.layers for s in c.plan.stages] == layers:
+            result.refit_choice_measured_s = c.measured_s
+
+
+def fastest_plan(result: TuneResult):
+    """The measured fastest candidate's plan, re-predicted with the refit cluster (what `-o` writes)."""
+    from autoplan.api import make_plan
+
+    best = result.fastest
+    if best is None:
+        return None
+    if result.fit is None:
+        return best.plan
+    p = best.plan
+    try:
+        return make_plan(p.model, result.fit.cluster.with_gpus(p.world_size), p.training, p.parallel,
+                         kernels=p.kernels, stage_layers=[tuple(s.layers) for s in p.stages])
+    except AutoplanError:
+        return best.plan

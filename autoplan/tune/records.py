@@ -1,0 +1,139 @@
+"""The runtime's log, as tune reads it: step times and the profiled step's measured-vs-predicted counts.
+
+The profile record (`autoplan run ... --profile-step N`, one JSON line written by rank 0) has the shape
+`{"event": "profile", "step": N, "ranks": [{"rank": r, "pp_stage": s, "measured": C, "predicted": C}, ...]}`
+with C = `{"flops": {"forward": f, "backward": b, "recompute": r}, "comm": [{"collective", "mesh_dim", "count",
+"bytes"}], "memory_bytes": {...}, "time_s": {...optional...}}`. Tune uses its measured time components (when
+the runtime records them) as extra rows of the fit, and reports counts that disagree with the prediction
+(constants cannot fix a wrong count, so the fit does not try).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from autoplan.cost_models.errors import SpecError
+
+
+class _Rec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class CommCount(_Rec):
+    collective: str = Field(description="all_reduce, all_gather, reduce_scatter, all_to_all, send, recv, ...")
+    mesh_dim: str = Field(default="", description="Mesh dimension the collective ran over (tp, dp, pp, ...).")
+    count: int = Field(default=0, ge=0, description="Calls in the profiled step.")
+    bytes: float = Field(default=0.0, ge=0, description="Bytes this rank sent in those calls.")
+
+
+class Counts(_Rec):
+    flops: dict[str, float] = Field(default_factory=dict, description="FLOPs by phase: forward, backward, recompute.")
+    comm: list[CommCount] = Field(default_factory=list, description="Collectives by kind and mesh dimension.")
+    memory_bytes: dict[str, float] = Field(default_factory=dict, description="Peak bytes by category.")
+    time_s: dict[str, float] = Field(default_factory=dict, description="Measured seconds by component, if any.")
+
+
+class RankProfile(_Rec):
+    rank: int = Field(ge=0)
+    pp_stage: int = Field(default=0, ge=0)
+    measured: Counts
+    predicted: Counts
+
+
+class ProfileRecord(_Rec):
+    event: str
+    step: int = Field(ge=0)
+    ranks: list[RankProfile]
+
+    def time_components(self) -> dict[str, float]:
+        """Measured time per component, the slowest rank's (the step waits for it)."""
+        out: dict[str, float] = {}
+        for r in self.ranks:
+            for k, v in r.measured.time_s.items():
+                out[k] = max(out.get(k, 0.0), float(v))
+        return out
+
+    def count_mismatches(self, tolerance: float = 0.02) -> list[str]:
+        """Counts whose measured and predicted values differ by more than `tolerance` (relative), per rank."""
+        out = []
+        for r in self.ranks:
+            m, p = r.measured, r.predicted
+            for phase in sorted(set(m.flops) | set(p.flops)):
+                _check(out, f"rank {r.rank} flops.{phase}", m.flops.get(phase, 0.0), p.flops.get(phase, 0.0),
+                       tolerance)
+            mc, pc = _comm_totals(m.comm), _comm_totals(p.comm)
+            for key in sorted(set(mc) | set(pc)):
+                _check(out, f"rank {r.rank} {key[0]}@{key[1] or '-'} bytes", mc.get(key, 0.0), pc.get(key, 0.0),
+                       tolerance)
+        return out
+
+
+def _comm_totals(items: list[CommCount]) -> dict[tuple[str, str], float]:
+    out: dict[tuple[str, str], float] = {}
+    for c in items:
+        key = (c.collective, c.mesh_dim)
+        out[key] = out.get(key, 0.0) + c.bytes
+    return out
+
+
+def _check(out: list[str], what: str, measured: float, predicted: float, tol: float) -> None:
+    scale = max(abs(measured), abs(predicted))
+    if scale and abs(measured - predicted) > tol * scale:
+        out.append(f"{what}: measured {measured:.4g}, predicted {predicted:.4g}")
+
+
+def parse_profile_record(obj: dict) -> ProfileRecord:
+    """One `{"event": "profile", ...}` object of the run log; SpecError naming the field when malformed."""
+    from pydantic import ValidationError
+
+    try:
+        return ProfileRecord.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise SpecError("malformed profile record in the run log",
+                        f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}",
+                        "re-run with the runtime of this autoplan version") from None
+
+
+class RunLog(BaseModel):
+    """What tune keeps of one run's log: step times (all steps) and the profile record, if any."""
+
+    step_times_s: list[float] = Field(default_factory=list)
+    steps: list[int] = Field(default_factory=list, description="The step number of each time.")
+    predicted_step_time_s: float | None = None
+    profile: ProfileRecord | None = None
+    final_loss: float | None = None
+
+    def measured_step_s(self, warmup: int = 1) -> float:
+        """Median step time after `warmup` steps (shape inference, DTensor caches, the allocator's first use),
+        leaving out the profiled step (its instruments slow it down)."""
+        if not self.step_times_s:
+            raise SpecError("the run logged no steps", "empty log", "check the run's stderr")
+        skip = self.profile.step if self.profile is not None else None
+        pairs = list(zip(self.steps or range(1, len(self.step_times_s) + 1), self.step_times_s, strict=False))
+        times = [t for i, (n, t) in enumerate(pairs) if i >= warmup and n != skip] or self.step_times_s
+        return statistics.median(times)
+
+
+def read_run_log(path: str | Path) -> RunLog:
+    """Parse a runtime log (JSON lines): step rows and an optional profile record; other events are skipped."""
+    log = RunLog()
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        obj = json.loads(line)
+        if obj.get("event") == "profile":
+            log.profile = parse_profile_record(obj)
+        elif "step_time_s" in obj and obj.get("event") in (None, "step"):
+            log.step_times_s.append(float(obj["step_time_s"]))
+            log.steps.append(int(obj.get("step", len(log.steps) + 1)))
+            if obj.get("predicted_step_time_s") is not None:
+                log.predicted_step_time_s = float(obj["predicted_step_time_s"])
+            if obj.get("loss") is not None:
+                log.final_loss = float(obj["loss"])
+    return log

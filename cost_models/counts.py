@@ -1,0 +1,341 @@
+"""What one optimizer step executes on each pipeline rank, as data: FLOPs by phase, bytes per collective and
+mesh dimension, bytes per memory category.
+
+Why this module exists: the time model is a sum of rooflines and alpha-beta terms over these quantities; exposing
+them lets `autoplan show` print them and `autoplan.runtime.measure` check them against what the runtime executes
+(benchmarks/counts.py). They are built from the same layer profiles and `LayerCost`s that `estimate` prices, and
+describe autoplan's own runtime (DTensor TP, FSDP2, torch.distributed.pipelining, its CP and EP modules):
+
+- FLOPs as executed (torch.utils.flop_counter conventions): forward = the GEMMs and the attention core (causal
+  counted in full); backward = 2x the GEMMs and 2.5x the attention core (the SDPA backward recomputes the scores:
+  5 batched matmuls against the forward's 2); recompute = the forward of what is recomputed (full: whole blocks;
+  selective: the attention core, which the runtime re-runs even with a flash kernel).
+- Bytes per collective follow cost_models.comm: all-reduce the buffer, all-gather the gathered buffer,
+  reduce-scatter the full buffer, all-to-all what a rank sends, send/recv the message.
+- Memory: the categories of `estimate.memory_of_rank` without the framework overhead (a process constant that
+  tensor tracking does not see); "temporaries" are ZeRO-3's gathered layers; the peak is their sum.
+
+Pure functions over data; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .compute import Context, _attention
+from .estimate import (
+    GIB,
+    StageCost,
+    StageLayout,
+    _stages_by_rank,
+    cached_layer_cost,
+    context,
+    estimate,
+    num_microbatches,
+)
+from .pipeline import in_flight
+from .profile import LayerProfile
+from .specs import ClusterSpec, ParallelConfig, TrainingSpec
+
+PHASES = ("forward", "backward", "recompute")
+# The SDPA backward's matmuls relative to its forward's (torch.utils.flop_counter.sdpa_backward_flop_count:
+# recompute QK^T, then dV, dP, dQ, dK = 5 bmm against the forward's QK^T and PV = 2).
+ATTN_BWD_FACTOR = 2.5
+# Bytes of one expert-count entry in the EP split-size exchange (an int64 tensor of num_experts entries).
+_COUNT_BYTES = 8
+
+
+class _Comm:
+    """Accumulates (collective, mesh_dim) -> [count, bytes]."""
+
+    def __init__(self) -> None:
+        self.d: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+
+    def add(self, coll: str, dim: str, nbytes: float, times: float = 1) -> None:
+        if times <= 0:
+            return
+        e = self.d[(coll, dim)]
+        e[0] += times
+        e[1] += nbytes * times
+
+    def as_list(self) -> list[dict]:
+        return [{"collective": c, "mesh_dim": m, "count": int(round(n)), "bytes": int(round(b))}
+                for (c, m), (n, b) in sorted(self.d.items())]
+
+
+def _stage_layers(stage: StageCost, profiles: list[LayerProfile]) -> list[tuple[LayerProfile, bool]]:
+    """(profile, recompute kind) of each layer of a stage in order: 'full', 'selective' or ''."""
+    out: list[tuple[LayerProfile, str]] = []
+    lay = stage.layout
+    if stage.has_embedding:
+        out.append((profiles[0], ""))
+    n_full = lay.recompute_layers if lay.recompute == "full" else 0
+    for k, i in enumerate(range(*lay.layers)):
+        kind = "full" if k < n_full else ("selective" if lay.recompute in ("selective", "full") else "")
+        out.append((profiles[1 + i], kind))
+    if stage.has_head:
+        out.append((profiles[-1], ""))
+    return out
+
+
+def _gemm_flops(g, ctx: Context) -> float:
+    """Forward FLOPs of one weight GEMM on this GPU. Experts are not split over tp: the runtime keeps them whole
+    on every tp rank and feeds them the whole sequence (runtime.parallelize.apply_tp)."""
+    n, k = g.n, g.k
+    if not g.expert:
+        if g.tp in ("col", "vocab"):
+            n = -(-n // ctx.tp)
+        elif g.tp == "row":
+            k = -(-k // ctx.tp)
+    return 2.0 * ctx.tokens * g.tokens_per_token * n * k
+
+
+def _early_stop_skipped(p: LayerProfile, ctx: Context) -> float:
+    """Forward FLOPs a full recomputation does not redo: torch.utils.checkpoint stops once every saved tensor is
+    back (early stop, its default), so a dense block's last GEMM (w2, whose output nothing saves) is not re-run."""
+    last = p.gemms[-1] if p.gemms else None
+    if p.kind != "block" or last is None or last.expert or p.moe_top_k:
+        return 0.0
+    return _gemm_flops(last, ctx)
+
+
+def _layer_costs(stage: StageCost, profiles: list[LayerProfile], ctx: Context):
+    return [cached_layer_cost(p, ctx) for p, _ in _stage_layers(stage, profiles)]
+
+
+def layer_flops(p: LayerProfile, ctx: Context, recompute: str) -> dict[str, float]:
+    """FLOPs of one layer for one micro-batch on one GPU, by phase."""
+    gemm = sum(_gemm_flops(g, ctx) for g in p.gemms)
+    attn = _attention(p, ctx)[2]
+    rec = 0.0
+    if recompute == "full":
+        rec = gemm + attn - _early_stop_skipped(p, ctx)
+    elif recompute == "selective":
+        rec = attn
+    return {"forward": gemm + attn, "backward": 2.0 * gemm + ATTN_BWD_FACTOR * attn, "recompute": rec}
+
+
+def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times: float) -> None:
+    """TP, CP and EP collectives of one layer, forward and backward, `times` micro-batches."""
+    e = ctx.act_bytes
+    tok = ctx.tokens
+    if ctx.tp > 1:
+        # Per block: the two row-parallel outputs in forward, the two column-parallel inputs' gradients in
+        # backward. The vocab-parallel embedding reduces its output in forward; the LM head (column-parallel over
+        # the vocabulary) reduces its input's gradient in backward. With sp each becomes a reduce-scatter and an
+        # all-gather (forward and backward swap them).
+        # A MoE block's experts are not tensor-parallel: only its attention reduces.
+        nbytes = tok * p.hidden * e
+        per_block = 1 if p.moe_top_k else p.tp_allreduces
+        n_f = {"block": per_block, "embedding": 1, "head": 0}[p.kind]
+        n_b = {"block": per_block, "embedding": 0, "head": 1}[p.kind]
+        if recompute == "full":  # the recomputed forward reduces again, except after the last GEMM (early stop)
+            n_f += 1 if not p.moe_top_k else per_block
+        for coll in (("reduce_scatter", "all_gather") if ctx.sp else ("all_reduce",)):
+            comm.add(coll, "tp", nbytes, times * (n_f + n_b))
+    if ctx.cp > 1 and p.attention is not None:
+        a = p.attention
+        kv_full = ctx.mbs * ctx.seq * (a.kv_heads / min(ctx.tp, a.kv_heads)) * a.head_dim * e
+        gathers = 2 * (2 if recompute else 1)  # K and V, again when the attention core is recomputed
+        comm.add("all_gather", "cp", kv_full, times * gathers)
+        comm.add("all_to_all", "cp", kv_full, times * 2)  # their gradients back to the owners
+    if ctx.ep > 1 and p.moe_top_k:
+        routed = tok * p.moe_top_k * p.hidden * e
+        n_fwd = 2 * (2 if recompute == "full" else 1)
+        comm.add("all_to_all", "ep", p.moe_experts * _COUNT_BYTES, times * (n_fwd // 2))
+        comm.add("all_to_all", "ep", routed, times * (n_fwd + 2))
+
+
+def rank_counts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
+                m: int, n_stages: int, training: TrainingSpec) -> tuple[dict, _Comm]:
+    """FLOPs by phase and the per-micro-batch collectives (TP/CP/EP/PP) of one pipeline rank, for the step."""
+    flops = dict.fromkeys(PHASES, 0.0)
+    comm = _Comm()
+    for s in stages:
+        for p, rec in _stage_layers(s, profiles):
+            for k, v in layer_flops(p, ctx, rec).items():
+                flops[k] += m * v
+            layer_comm(p, ctx, rec, comm, m)
+        if cfg.pp > 1:
+            act = ctx.mbs * training.seq_length // cfg.cp * profiles[0].hidden * ctx.act_bytes
+            act /= cfg.tp if cfg.sp else 1
+            if s.index > 0:
+                comm.add("recv", "pp", act, m)
+                comm.add("send", "pp", act, m)
+            if s.index < n_stages - 1:
+                comm.add("send", "pp", act, m)
+                comm.add("recv", "pp", act, m)
+    return flops, comm
+
+
+def _tied_copy(stages: list[StageCost], profiles: list[LayerProfile], cfg: ParallelConfig, ctx: Context) -> float:
+    """Parameters of a tied LM head's own copy on the last of several pipeline stages (the profile counts the
+    tied head once, on the embedding)."""
+    head = profiles[-1]
+    if cfg.pp > 1 and any(s.has_head for s in stages) and head.gemms and head.gemms[0].count == 0:
+        return head.gemms[0].n * head.gemms[0].k / ctx.tp
+    return 0.0
+
+
+def dp_dim(cfg: ParallelConfig) -> str:
+    """The mesh dimension named for gradient reduction over dp x cp: "dp", or "cp" when dp is 1 (the group is then
+    the cp group, and a measurement cannot tell the two roles apart: runtime.measure.group_names)."""
+    return "cp" if cfg.dp == 1 and cfg.cp > 1 else "dp"
+
+
+def dp_comm(dense: float, expert: float, cfg: ParallelConfig, training: TrainingSpec, m: int, comm: _Comm) -> None:
+    """Gradient reduction and parameter gathers over dp x cp of one rank's `dense`/`expert` parameters, as FSDP2
+    (zero 1-3) and replicate (zero 0) run them: zero 0/1 reduce once per step, zero 2/3 after every micro-batch
+    (once under pipeline parallelism, which defers the sync to the last micro-batch); zero 1/2 gather parameters
+    once per step, zero 3 per unit for every forward and backward."""
+    n = cfg.dp * cfg.cp
+    g, w = training.grad_bytes, training.weight_bytes
+    edp = n // cfg.ep
+    dim = dp_dim(cfg)
+    if n > 1:
+        if cfg.zero == 0:
+            comm.add("all_reduce", dim, dense * g)
+        else:
+            syncs = m if cfg.zero >= 2 and cfg.pp == 1 else 1
+            comm.add("reduce_scatter", dim, dense * g, syncs)
+            # FSDP2 reshards after every backward unless the sync is deferred (zero 1, or the pipeline schedule):
+            # zero 2 gathers again for every micro-batch's forward, zero 3 for every forward and backward
+            gathers = 1 if cfg.zero == 1 or cfg.pp > 1 else (m if cfg.zero == 2 else 2 * m)
+            if cfg.zero >= 3 and cfg.pp > 1:
+                gathers = m + 1
+            comm.add("all_gather", dim, dense * w, gathers)
+    if expert and edp > 1:
+        comm.add("all_reduce", "edp", expert * g)
+
+
+def step_comm(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
+              training: TrainingSpec, comm: _Comm) -> None:
+    """Once-per-step collectives besides data parallelism: with sp, the gradients of the weights that see
+    sequence-sharded inputs (norms, learned positions) are partial sums reduced over tp; a tied embedding/LM head
+    on the first and last pipeline stages sums its two gradients. (The scalar all-reduces of the gradient norm and
+    the loss are left out: a few bytes each.)"""
+    g = training.grad_bytes
+    if ctx.sp and ctx.tp > 1:
+        for s in stages:
+            for p, _ in _stage_layers(s, profiles):
+                if p.norm_kind:
+                    per_norm = p.hidden * (2 if p.norm_kind == "layernorm" else 1)
+                    norms = 2 if p.kind == "block" else 1
+                    comm.add("all_reduce", "tp", p.hidden * g, norms * per_norm // p.hidden)
+                if p.kind == "embedding" and p.params_replicated:
+                    comm.add("all_reduce", "tp", p.params_replicated * g)
+    head = profiles[-1]
+    tied = head.gemms and head.gemms[0].count == 0
+    if cfg.pp > 1 and tied and any(s.has_head or s.has_embedding for s in stages):
+        comm.add("all_reduce", "pp" if cfg.pp == 2 else "other", head.gemms[0].n * head.gemms[0].k / ctx.tp * g)
+
+
+def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec) -> float:
+    """Activation bytes of one micro-batch that the runtime's eager modules save beyond the profile's (Megatron's)
+    counts: eager SwiGLU keeps silu(w1 x) as well as w1 x (a fused kernel recomputes it), the MoE combine keeps
+    the k expert outputs of each token for the gradient of the router weights, and experts are whole on every tp
+    rank."""
+    if p.kind != "block":
+        return 0.0
+    per_token = 0.0
+    if p.act_kind == "swiglu" and training.kernels == "torch":
+        per_token += p.act_elems / (1 if p.moe_top_k else ctx.tp)
+    if p.moe_top_k:
+        per_token += p.moe_top_k * p.hidden
+    extra = ctx.tokens * per_token * ctx.act_bytes
+    if p.moe_top_k and ctx.tp > 1:
+        # the profile divides the experts' saved activations by tp; the runtime runs whole experts on every tp
+        # rank (2-byte units as in profile._block: fc1 outputs, fc2 input, dispatched tokens, router probabilities)
+        k, gated = p.moe_top_k, p.act_kind == "swiglu"
+        moe_act = 2 * p.act_elems * (2 if gated else 1) + 2 * p.act_elems + 2 * p.hidden * k + 4 * p.moe_experts
+        extra += ctx.tokens * moe_act * (1 - 1 / ctx.tp) * ctx.act_bytes / 2.0
+    return extra
+
+
+def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
+                 cluster: ClusterSpec, training: TrainingSpec, m: int, in_flight: float) -> dict[str, float]:
+    """The memory categories of `estimate.memory_of_rank`, plus what autoplan's runtime holds on top of them:
+    - FSDP2 keeps each sharded parameter beside its unsharded copy: a full second copy under `replicate`
+      (zero 0 with dp x cp > 1), a 1/(dp x cp) shard under zero 1/2;
+    - experts are whole on every tp rank (not split over tp), with their gradients and optimizer state, and
+      ZeRO does not shard them (FSDP2 ignores them);
+    - a tied LM head on the last of several pipeline stages is its own copy (kept equal by an all-reduce);
+    - the pipeline schedule keeps the last stage's output (the logits) of every micro-batch until the step ends;
+    - eager modules save a little more than the profile's (Megatron's) activation counts (`_eager_extra_act`).
+    Without the framework overhead (a process constant that tensor tracking does not see)."""
+    overhead = cluster.gpu.calibration.framework_overhead_gib * GIB
+    w, g = training.weight_bytes, training.grad_bytes
+    master = 0 if training.dtype in ("fp32", "tf32") else 4
+    n = cfg.dp * cfg.cp
+    out = {"parameters": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,
+           "activations": mem.activations, "temporaries": max(0.0, mem.other - overhead)}
+    dense = sum(s.params - s.expert_params for s in stages)
+    expert = sum(s.expert_params for s in stages)
+    head = profiles[-1]
+    tied = _tied_copy(stages, profiles, cfg, ctx)  # the tied head's own copy
+    extra = tied + expert * (ctx.tp - 1)  # experts whole on every tp rank
+    shard_d, shard_e = (n, max(1, n // cfg.ep)) if cfg.zero >= 1 else (1, 1)
+    out["parameters"] += extra / (shard_d if cfg.zero >= 3 else 1) * w
+    out["gradients"] += extra / (shard_d if cfg.zero >= 2 and cfg.pp == 1 else 1) * g
+    out["optimizer"] += extra / shard_d * (master + 8)
+    if n > 1 and cfg.zero == 0:
+        out["parameters"] += (dense + tied) * w
+    elif n > 1 and cfg.zero in (1, 2):
+        out["parameters"] += (dense + tied) / n * w
+    # FSDP2 ignores expert parameters (apply_dp): ZeRO does not shard them, their gradients or their Adam state
+    unshard_e = expert * (1 - 1 / shard_e)
+    out["optimizer"] += unshard_e * (master + 8)
+    out["gradients"] += unshard_e * g if cfg.zero >= 2 and cfg.pp == 1 else 0.0
+    out["parameters"] += unshard_e * w if cfg.zero >= 3 else 0.0
+    if cfg.pp > 1 and any(s.has_head for s in stages):
+        out["activations"] += m * ctx.tokens * head.logits_per_token / ctx.tp * 4  # fp32 logits kept per micro-batch
+    out["activations"] += in_flight * sum(_eager_extra_act(p, ctx, training) for s in stages
+                                          for p, rec in _stage_layers(s, profiles) if rec != "full")
+    # Backward transients (an approximation, not a count): while one layer runs backward it holds the gradients
+    # of its activations, about the size of what it saved; the largest layer of the rank sets the peak.
+    out["temporaries"] += max((c.act_none for s in stages for c in _layer_costs(s, profiles, ctx)), default=0.0)
+    out["peak"] = sum(out.values())
+    return out
+
+
+def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec,
+                   cfg: ParallelConfig, layout: list[StageLayout] | None = None) -> list[dict]:
+    """Per pipeline rank: {"flops": {phase: n}, "comm": [{collective, mesh_dim, count, bytes}],
+    "memory_bytes": {category: bytes, "peak": bytes}} for one optimizer step of `cfg` (dp resolved)."""
+    est = estimate(profiles, cluster, training, cfg, layout, simulate_pipeline=False)
+    ctx = context(cluster, training, cfg)
+    m = num_microbatches(cfg, training)
+    n_stages = cfg.pp * cfg.vp
+    out = []
+    fl = in_flight(cfg.schedule, cfg.pp, m, cfg.vp)
+    for r, stages in enumerate(_stages_by_rank(est.stages, cfg.pp)):
+        flops, comm = rank_counts(stages, profiles, ctx, cfg, m, n_stages, training)
+        dense = sum(s.params - s.expert_params for s in stages) + _tied_copy(stages, profiles, cfg, ctx)
+        expert = sum(s.expert_params for s in stages)
+        dp_comm(dense, expert, cfg, training, m, comm)
+        step_comm(stages, profiles, ctx, cfg, training, comm)
+        mem = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m, fl[r])
+        out.append({"flops": {k: int(round(v)) for k, v in flops.items()}, "comm": comm.as_list(),
+                    "memory_bytes": {k: int(round(v)) for k, v in mem.items()}, "in_flight": fl[r]})
+    return out
+
+
+def runtime_semantics(cfg: ParallelConfig) -> dict[str, str]:
+    """Knobs that autoplan's runtime executes differently from their textbook form, and how the cost model prices
+    them (recorded in the plan)."""
+    out = {}
+    if cfg.pp > 1 and cfg.zero >= 2:
+        out["zero"] = (f"ZeRO-{cfg.zero} under pipeline parallelism: the pipeline schedule defers FSDP2's gradient "
+                       "reduce-scatter to the last micro-batch, so gradients stay whole during the step; priced as "
+                       f"run (whole gradients; parameters and optimizer state sharded as ZeRO-{cfg.zero})")
+    if cfg.cp > 1:
+        out["cp"] = ("context-parallel attention all-gathers K and V (backward: an all-to-all of their gradients), "
+                     "the same bytes per rank as ring attention; the step time prices ring attention's overlap")
+    if cfg.ep > 1 and cfg.tp > 1:
+        out["ep"] = ("experts are whole on every tp rank (no expert tensor parallelism): the runtime's FLOPs and "
+                     "expert memory are tp times the step-time model's (cost_models.counts prices what runs)")
+    if cfg.ep > 1 and cfg.zero >= 1:
+        out["ep_zero"] = ("ZeRO does not shard expert parameters, gradients or optimizer state (FSDP2 ignores "
+                          "them; they are reduced over the expert data-parallel ranks); cost_models.counts prices "
+                          "what runs, the step-time memory model shards them")
+    return out

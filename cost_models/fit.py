@@ -1,0 +1,430 @@
+"""Refit a cluster's constants to measurements: the half of `autoplan tune` that learns from what it ran.
+
+The cost model's constants (GEMM and attention efficiency, memory efficiency, host time per operator and its
+extra under tensor parallelism, latency and bandwidth of each network level, and the wait for descheduled peers
+on an oversubscribed node) are fitted once per GPU type on published runs. On a cluster the model has not seen they can be far off; this module
+fits them to that cluster's own measurements by nonlinear least squares *through the cost model itself*, so a
+refit cluster predicts with exactly the code the search uses.
+
+The residuals are on components, not on total step time alone:
+- micro-benchmarks (`autoplan calibrate --bench`): one row per GEMM shape and per collective, level and size,
+  predicted by `compute.gemm_efficiency` and the `comm` functions alone — they pin the efficiency curve and each
+  level's alpha and beta directly;
+- measured runs: one row per run (step time), plus one row per time component the profiled step measured
+  (`time_s` of the runtime's profile record, keyed like the estimate's breakdown);
+- a weak prior pulls each constant towards its starting value (the calibrated or preset one), so that a
+  constant the data cannot see stays where the primitives put it instead of drifting; `FitResult.undetermined`
+  names those.
+Residuals are log-ratios (predicted / measured), so a 10 ms GEMM and a 1 s step weigh alike. The constants
+are fitted in log space within physical bounds (scipy.optimize.least_squares, trust-region reflective).
+
+Measured counts (FLOPs, bytes per collective) are not something constants can fix: where a profile record's
+measured counts disagree with the predicted ones the fit says so (`FitResult.count_mismatches`) rather than
+bending a constant to hide a wrong count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import comm
+from .compute import gemm_efficiency
+from .errors import SpecError
+from .estimate import StageLayout, estimate
+from .profile import LayerProfile, profile_from_spec
+from .specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec
+
+# ------------------------------------------------------------------------------------------- the knobs
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One fitted constant: where it lives in the cluster spec and its physical bounds."""
+
+    name: str
+    path: tuple[str, ...]
+    lower: float
+    upper: float
+    description: str
+
+
+KNOBS: dict[str, Knob] = {k.name: k for k in (
+    Knob("matmul_max_efficiency", ("gpu", "calibration", "matmul_max_efficiency"), 1e-4, 1e3,
+         "fraction of peak a large GEMM reaches (above 1 the peak is raised instead)"),
+    Knob("matmul_half_dim", ("gpu", "calibration", "matmul_half_dim"), 1e-2, 1e5,
+         "GEMM size at half efficiency"),
+    Knob("attention_efficiency", ("gpu", "calibration", "attention_efficiency"), 1e-4, 1e3,
+         "fraction of peak the fused attention reaches"),
+    Knob("memory_efficiency", ("gpu", "calibration", "memory_efficiency"), 1e-4, 1e3,
+         "fraction of memory bandwidth an elementwise kernel reaches"),
+    Knob("kernel_launch_us", ("gpu", "calibration", "kernel_launch_us"), 1e-2, 1e5,
+         "host time per operator (Python, dispatch, launch), us"),
+    Knob("tp_op_overhead_us", ("gpu", "calibration", "tp_op_overhead_us"), 1e-2, 1e6,
+         "extra host time per operator of a tensor-parallel (DTensor) layer, us"),
+    Knob("intra_latency_us", ("intra_node", "latency_us"), 1e-2, 1e6, "intra-node hop latency (alpha), us"),
+    Knob("intra_bandwidth_gbps", ("intra_node", "bandwidth_gbps"), 1e-4, 1e5,
+         "intra-node bandwidth (1/beta), GB/s"),
+    Knob("inter_latency_us", ("inter_node", "latency_us"), 1e-2, 1e6, "inter-node hop latency (alpha), us"),
+    Knob("inter_bandwidth_gbps", ("inter_node", "bandwidth_gbps"), 1e-4, 1e5,
+         "inter-node bandwidth (1/beta), GB/s"),
+    Knob("oversubscription_wait_us", ("oversubscription_wait_us",), 1e-2, 1e6,
+         "wait per hop for a descheduled peer when processes outnumber cores, us"),
+)}
+
+
+def knob_values(cluster: ClusterSpec) -> dict[str, float]:
+    """The current value of every knob in `cluster` (efficiencies as effective rates against its peak)."""
+    d = cluster.model_dump()
+    out = {}
+    for k in KNOBS.values():
+        v = d
+        for part in k.path:
+            v = v[part]
+        out[k.name] = float(v)
+    return out
+
+
+def with_knobs(cluster: ClusterSpec, values: dict[str, float]) -> ClusterSpec:
+    """`cluster` with some knobs replaced. Efficiencies above 1 (the measured rate beats the spec's peak) raise
+    the peak (or the memory bandwidth) and keep the efficiency at 1, which predicts the same times."""
+    d = cluster.model_dump()
+    for name, val in values.items():
+        if name not in KNOBS:
+            raise SpecError(f"unknown fit knob {name!r}", "", "known knobs: " + ", ".join(KNOBS))
+        target = d
+        path = KNOBS[name].path
+        for part in path[:-1]:
+            target = target[part]
+        target[path[-1]] = float(val)
+    cal, gpu = d["gpu"]["calibration"], d["gpu"]
+    raise_peak = max(1.0, cal["matmul_max_efficiency"], cal["attention_efficiency"])
+    if raise_peak > 1.0:
+        gpu["peak_tflops"] = {k: (v * raise_peak if v else v) for k, v in gpu["peak_tflops"].items()}
+        cal["matmul_max_efficiency"] /= raise_peak
+        cal["attention_efficiency"] /= raise_peak
+    if cal["memory_efficiency"] > 1.0:
+        gpu["hbm_gbps"] *= cal["memory_efficiency"]
+        cal["memory_efficiency"] = 1.0
+    return ClusterSpec.model_validate(d)
+
+
+# --------------------------------------------------------------------------------------- observations
+
+
+class _Obs(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GemmSample(_Obs):
+    """One GEMM micro-benchmark: (m x k) @ (k x n) took `seconds` (best of several)."""
+
+    m: int = Field(gt=0, description="Rows of the left operand.")
+    n: int = Field(gt=0, description="Columns of the right operand.")
+    k: int = Field(gt=0, description="Contraction size.")
+    dtype: str = Field(default="fp32", description="Compute dtype.")
+    seconds: float = Field(gt=0, description="Measured time of one GEMM.")
+
+
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
+
+
+class CollectiveSample(_Obs):
+    """One collective micro-benchmark among `ranks` processes at one level of the hierarchy."""
+
+    collective: Collective = Field(description="Which collective.")
+    level: Literal["intra", "inter"] = Field(description="intra: ranks share a node; inter: one rank per node.")
+    ranks: int = Field(ge=2, description="Processes in the group.")
+    processes_per_node: int = Field(ge=1, description="Processes running on each node during the measurement.")
+    nbytes: float = Field(gt=0, description="Buffer size: the full buffer for all-reduce/gather/scatter, "
+                          "the per-rank send buffer for all-to-all, the message for send/recv.")
+    seconds: float = Field(gt=0, description="Measured time (median over repeats).")
+
+
+class TimedComponents(_Obs):
+    """Measured time of some components of a step, keyed like `Estimate.breakdown` (others are ignored)."""
+
+    seconds: dict[str, float] = Field(default_factory=dict)
+
+
+class RunSample(BaseModel):
+    """One measured run: the configuration as planned and its measured step time (and profile, if any)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    model: ModelSpec = Field(description="The model that ran.")
+    training: TrainingSpec = Field(description="Batch, sequence, dtype and kernels as planned.")
+    parallel: ParallelConfig = Field(description="The configuration (dp resolved).")
+    world: int = Field(gt=0, description="Processes launched.")
+    layout: list[tuple[tuple[int, int], str, int]] | None = Field(
+        default=None, description="Stage layout (layers, recompute, recompute_layers) as planned; None = even.")
+    measured_step_s: float = Field(gt=0, description="Median measured step time after warm-up.")
+    components: TimedComponents | None = Field(default=None, description="Measured time components, if any.")
+    label: str = Field(default="", description="Shown in reports (the plan hash or configuration).")
+
+    def stage_layout(self) -> list[StageLayout] | None:
+        if self.layout is None:
+            return None
+        return [StageLayout(tuple(r), rec, n) for r, rec, n in self.layout]
+
+
+# ------------------------------------------------------------------------------------------ prediction
+
+
+def predict_gemm(cluster: ClusterSpec, g: GemmSample) -> float:
+    """Time of one GEMM by the cost model's roofline (host time per op as the floor, as for a layer)."""
+    peak = cluster.gpu.peak_flops(g.dtype)
+    t = 2.0 * g.m * g.n * g.k / (peak * gemm_efficiency(cluster, g.m, g.n, g.k))
+    return max(t, cluster.gpu.calibration.kernel_launch_us * 1e-6)
+
+
+def predict_collective(cluster: ClusterSpec, c: CollectiveSample) -> float:
+    """Time of one collective by the cost model's alpha-beta formulas, on the group the sample describes."""
+    if c.level == "intra":
+        node = cluster.model_copy(update={"gpus_per_node": c.processes_per_node, "num_nodes": 1})
+        grp = comm.Group(c.ranks, c.ranks)
+    else:
+        node = cluster.model_copy(update={"gpus_per_node": c.processes_per_node, "num_nodes": c.ranks})
+        grp = comm.Group(c.ranks, 1)
+    fn: dict[str, Callable[[ClusterSpec, comm.Group, float], float]] = {
+        "all_reduce": comm.all_reduce, "all_gather": comm.all_gather, "reduce_scatter": comm.reduce_scatter,
+        "all_to_all": comm.all_to_all,
+    }
+    if c.collective == "send_recv":
+        return comm.p2p(node, c.nbytes, cross_node=c.level == "inter")
+    return fn[c.collective](node, grp, c.nbytes)
+
+
+def predict_run(cluster: ClusterSpec, r: RunSample, profiles: list[LayerProfile] | None = None):
+    """The cost model's Estimate of run `r` on `cluster` (resized to the run's world)."""
+    profiles = profiles or profile_from_spec(r.model)
+    return estimate(profiles, cluster.with_gpus(r.world), r.training, r.parallel, r.stage_layout())
+
+
+# ------------------------------------------------------------------------------------------------ fit
+
+
+@dataclass
+class FitResult:
+    """The refit cluster and how well it explains the data."""
+
+    cluster: ClusterSpec
+    before: dict[str, float]
+    after: dict[str, float]
+    free: list[str]
+    undetermined: list[str]  # knobs the data hardly sees (kept near their starting value)
+    collinear: list[list[str]] = field(default_factory=list)  # knobs only whose combination the data determines
+    rows: list[dict] = field(default_factory=list)  # one per residual: kind, label, measured, before, after
+    count_mismatches: list[str] = field(default_factory=list)
+    cost: float = 0.0
+    evaluations: int = 0
+
+    def rms_log_error(self, kind: str | None = None, when: str = "after") -> float:
+        rows = [r for r in self.rows if kind is None or r["kind"] == kind]
+        if not rows:
+            return 0.0
+        return math.sqrt(sum(math.log(r[when] / r["measured"]) ** 2 for r in rows) / len(rows))
+
+    def mean_abs_error(self, kind: str | None = None, when: str = "after") -> float:
+        rows = [r for r in self.rows if kind is None or r["kind"] == kind]
+        if not rows:
+            return 0.0
+        return sum(abs(r[when] / r["measured"] - 1) for r in rows) / len(rows)
+
+    def summary_lines(self) -> list[str]:
+        """Human-readable residuals, for the refit cluster file's comment header."""
+        lines = []
+        for kind in ("gemm", "collective", "run", "component"):
+            rows = [r for r in self.rows if r["kind"] == kind]
+            if rows:
+                lines.append(f"{kind}: {len(rows)} rows, mean |error| {100 * self.mean_abs_error(kind, 'before'):.1f}% "
+                             f"before -> {100 * self.mean_abs_error(kind):.1f}% after")
+        for r in self.rows:
+            if r["kind"] in ("run", "component"):
+                lines.append(f"  {r['label']}: measured {r['measured'] * 1e3:.2f} ms, predicted "
+                             f"{r['before'] * 1e3:.2f} -> {r['after'] * 1e3:.2f} ms")
+        for name in self.free:
+            tag = " (undetermined by the data: kept near its start)" if name in self.undetermined else ""
+            lines.append(f"{name}: {self.before[name]:.6g} -> {self.after[name]:.6g}{tag}")
+        lines.extend("only the combination of " + " and ".join(g) + " is determined (they trade off)"
+                     for g in self.collinear)
+        lines.extend(f"count mismatch: {m}" for m in self.count_mismatches)
+        return lines
+
+
+def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
+                       collectives: Sequence[CollectiveSample] = ()) -> list[str]:
+    """The knobs the data can plausibly inform: the inter-node level only when some run or sample spans nodes,
+    the oversubscription wait only when the cluster's cores are known and some run oversubscribes them."""
+    free = ["matmul_max_efficiency", "matmul_half_dim", "attention_efficiency", "memory_efficiency",
+            "kernel_launch_us", "intra_latency_us", "intra_bandwidth_gbps"]
+    if any(r.parallel.tp > 1 for r in runs):
+        free.append("tp_op_overhead_us")
+    if any(r.world > cluster.gpus_per_node for r in runs) or any(c.level == "inter" for c in collectives):
+        free += ["inter_latency_us", "inter_bandwidth_gbps"]
+    cores = cluster.cores_per_node
+    if cores is not None and (any(min(r.world, cluster.gpus_per_node) > cores for r in runs)
+                              or any(c.processes_per_node > cores for c in collectives)):
+        free.append("oversubscription_wait_us")
+    return free
+
+
+def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Sequence[GemmSample] = (),
+                collectives: Sequence[CollectiveSample] = (), *, free: Sequence[str] | None = None,
+                prior_weight: float = 1e-3, profiles: dict[str, list[LayerProfile]] | None = None,
+                max_evaluations: int = 400) -> FitResult:
+    """Least-squares refit of `free` knobs of `cluster` to the measurements (see the module docstring).
+
+    `profiles` maps a model name to its captured LayerProfiles (models that are not analytic specs); others are
+    profiled from their spec. Raises SpecError when there is nothing to fit.
+    """
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    if not (runs or gemms or collectives):
+        raise SpecError("nothing to fit", "no runs and no micro-benchmarks", "measure some runs first")
+    free = list(free if free is not None else default_free_knobs(cluster, runs, collectives))
+    # Knobs stuck at 0 (e.g. the oversubscription wait of a preset) start from a small physical value.
+    start = knob_values(cluster)
+    starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0}
+    x0_vals = {k: start[k] if start[k] > 0 else starts.get(k, 1.0) for k in free}
+    lo = np.array([math.log(KNOBS[k].lower) for k in free])
+    hi = np.array([math.log(KNOBS[k].upper) for k in free])
+    x0 = np.clip(np.array([math.log(x0_vals[k]) for k in free]), lo + 1e-9, hi - 1e-9)
+    profs = {r.model.name: (profiles or {}).get(r.model.name) or profile_from_spec(r.model) for r in runs}
+    n_data = len(gemms) + len(collectives) + sum(1 + len(_components(r)) for r in runs)
+
+    def predictions(x, with_runs: bool = True) -> list[float]:
+        cl = with_knobs(cluster, {k: math.exp(v) for k, v in zip(free, x, strict=True)})
+        out = [predict_gemm(cl, g) for g in gemms]
+        out += [predict_collective(cl, c) for c in collectives]
+        for r in runs if with_runs else ():
+            est = predict_run(cl, r, profs[r.model.name])
+            out.append(est.step_time_s)
+            out.extend(max(est.breakdown.get(k, 0.0), 1e-12) for k in _components(r))
+        return out
+
+    measured = [g.seconds for g in gemms] + [c.seconds for c in collectives]
+    n_micro = len(measured)
+    for r in runs:
+        measured.append(r.measured_step_s)
+        measured.extend(v for _, v in sorted(_components(r).items()))
+    meas = np.array(measured)
+
+    def solve(x_start, with_runs: bool):
+        m = meas if with_runs else meas[:n_micro]
+
+        def residuals(x):
+            pred = np.array(predictions(x, with_runs))
+            return np.concatenate([np.log(np.maximum(pred, 1e-15) / m), prior_weight * (x - x0)])
+
+        return least_squares(residuals, x_start, bounds=(lo, hi), method="trf", x_scale="jac", diff_step=1e-6,
+                             ftol=1e-12, xtol=1e-10, gtol=1e-12, max_nfev=max_evaluations)
+
+    # Stage 1: the primitives alone (GEMM curve, alpha/beta per level) from the micro-benchmarks.
+    x1, nfev = x0, 0
+    if n_micro:
+        s1 = solve(x0, with_runs=False)
+        x1, nfev = s1.x, s1.nfev
+    # Stage 2: everything, from a few starts. The model takes the longer of host and device time per layer and
+    # simulates the pipeline, so the objective has kinks where a trust region can stall; restarting with the
+    # host-side and device-side knobs scaled apart finds the basin the data points to.
+    sol = None
+    if runs:
+        for start_scale in _STARTS:
+            xs = np.array(x1, dtype=float)
+            for i, k in enumerate(free):
+                if k in start_scale:
+                    xs[i] = min(max(xs[i] + math.log(start_scale[k]), lo[i] + 1e-9), hi[i] - 1e-9)
+            cand = solve(xs, with_runs=True)
+            nfev += cand.nfev
+            if sol is None or cand.cost < sol.cost - 1e-15:
+                sol = cand
+            if sol.cost < 1e-10 + 0.5 * (prior_weight**2) * float(((sol.x - x0) ** 2).sum()) * 1.01:
+                break  # the data are explained exactly: no other start can do better
+    else:
+        sol = s1
+    after_vals = {k: math.exp(v) for k, v in zip(free, sol.x, strict=True)}
+    refit = with_knobs(cluster, after_vals)
+    # Identifiability: how much the data rows (not the prior) move with each knob, in log units.
+    jac = np.asarray(sol.jac)[:n_data]
+    sens = np.sqrt((jac**2).sum(axis=0)) if n_data else np.zeros(len(free))
+    undetermined = [k for k, s in zip(free, sens, strict=True) if s < _MIN_SENSITIVITY]
+    collinear = _collinear_groups(jac, sens, free, undetermined)
+    before_pred, after_pred = predictions(x0), predictions(sol.x)
+    rows = _rows(gemms, collectives, runs, measured, before_pred, after_pred)
+    before = {k: start[k] for k in free}
+    return FitResult(cluster=refit, before=before, after=after_vals, free=free, undetermined=undetermined,
+                     collinear=collinear, rows=rows, cost=float(sol.cost), evaluations=int(nfev))
+
+
+# A knob whose data rows move by less than this (root-sum-square of d log(predicted) / d log(knob)) is reported
+# as undetermined: a 10% change of it would move the predictions by under 0.1% in total.
+_MIN_SENSITIVITY = 0.01
+
+
+def _collinear_groups(jac, sens, free: list[str], undetermined: list[str]) -> list[list[str]]:
+    """Knobs the data see only in combination: directions of the column-normalised Jacobian with a small
+    singular value (a change along them moves no prediction), named by the knobs that make them up."""
+    import numpy as np
+
+    keep = [i for i, k in enumerate(free) if k not in undetermined]
+    if len(keep) < 2 or jac.shape[0] == 0:
+        return []
+    jn = jac[:, keep] / sens[keep]
+    _, sv, vt = np.linalg.svd(jn, full_matrices=False)
+    groups = []
+    for value, vec in zip(sv, vt, strict=True):
+        if value < _MIN_SINGULAR:
+            names = [free[keep[j]] for j in np.flatnonzero(np.abs(vec) > 0.3)]
+            if len(names) >= 2:
+                groups.append(names)
+    return groups
+
+
+# A direction of the normalised Jacobian whose singular value is below this is not determined by the data.
+_MIN_SINGULAR = 0.02
+
+# Starting points of stage 2, as factors on the stage-1 values: as measured, host-bound, device-bound.
+_STARTS: tuple[dict[str, float], ...] = (
+    {},
+    {"kernel_launch_us": 3.0, "attention_efficiency": 3.0, "memory_efficiency": 3.0, "tp_op_overhead_us": 3.0},
+    {"kernel_launch_us": 1 / 3, "attention_efficiency": 1 / 3, "memory_efficiency": 1 / 3,
+     "tp_op_overhead_us": 1 / 3},
+    {"kernel_launch_us": 3.0},
+    {"kernel_launch_us": 1 / 3},
+)
+
+
+def _components(r: RunSample) -> dict[str, float]:
+    """The measured time components of a run that the estimate's breakdown also has (positive ones)."""
+    if r.components is None:
+        return {}
+    known = ("compute", "recompute", "tp_cp_ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
+    return {k: v for k, v in sorted(r.components.seconds.items()) if k in known and v > 0}
+
+
+def _rows(gemms, collectives, runs, measured, before, after) -> list[dict]:
+    labels = [("gemm", f"gemm {g.m}x{g.n}x{g.k}") for g in gemms]
+    labels += [("collective", f"{c.collective} {c.level} x{c.ranks} {c.nbytes / 1024:.0f} KiB") for c in collectives]
+    for r in runs:
+        labels.append(("run", r.label or r.parallel.to_string()))
+        labels.extend(("component", f"{r.label or r.parallel.to_string()} {k}") for k in sorted(_components(r)))
+    return [{"kind": kind, "label": label, "measured": m, "before": b, "after": a}
+            for (kind, label), m, b, a in zip(labels, measured, before, after, strict=True)]
+
+
+# ----------------------------------------------------------------------------------- the cluster file
+
+
+def cluster_yaml(cluster: ClusterSpec, header: Sequence[str] = ()) -> str:
+    """The cluster as a YAML file that `--cluster FILE` loads, with `header` as a comment block."""
+    import yaml
+
+    body = yaml.safe_dump(cluster.model_dump(mode="json", exclude_none=True), sort_keys=False)
+    head = "".join(f"# {line}\n" for line in header)
+    return head + body

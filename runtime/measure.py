@@ -1,0 +1,401 @@
+"""Measure one training step with torch's own instruments: FLOPs by phase, bytes per collective, tensor memory.
+
+Why this module exists: the cost model predicts FLOPs, communication and memory per rank; this is the other
+side of that comparison, taken from the program autoplan actually runs (`Trainer.step`), never from the model.
+
+- FLOPs: `torch.utils.flop_counter`'s formula registry (the table FlopCounterMode uses), applied by a dispatch
+  mode that also records the phase of each op: forward (no autograd graph task running), backward (inside the
+  autograd engine, grad mode off) or recompute (inside the engine with grad mode on: torch.utils.checkpoint
+  re-runs forward ops under enable_grad during backward). DTensor ops are let through (NotImplemented) so the
+  local ops they run are counted on their local shapes, as MemTracker does. CPU flash attention
+  (`_scaled_dot_product_flash_attention_for_cpu` and its backward) is missing from torch's registry; it is added
+  with torch's own SDPA formulas.
+- Communication: every c10d collective goes through the dispatcher (`c10d.allreduce_`, `_allgather_base_`,
+  `_reduce_scatter_base_`, `alltoall_base_`, `send`, `recv_`, ...; DTensor's functional `_c10d_functional.*`
+  ops), so one dispatch mode sees FSDP2, DTensor, pipelining and our own collectives. Each is attributed to the
+  mesh dimension whose process group it ran on. Bytes follow the cost model's convention (cost_models/comm.py):
+  all-reduce: the buffer; all-gather: the gathered (output) buffer; reduce-scatter: the full (input) buffer;
+  all-to-all: what this rank sends; send/recv: the message.
+- Memory: `torch.distributed._tools.mem_tracker.MemTracker` (per storage, categorised as parameter, gradient,
+  optimizer state, activation, temporary), with the maximum of each category over the step kept beside the
+  peak and its breakdown. On a GPU the allocator's peak (`torch.cuda.max_memory_allocated`) is reported too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+aten = torch.ops.aten
+c10d = torch.ops.c10d
+fc = torch.ops._c10d_functional
+
+# ----------------------------------------------------------------------------------------------- FLOPs
+
+
+def _cpu_flash_fwd(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_bwd(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+FLOP_FORMULAS: dict[Any, Any] = dict(flop_registry)
+if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    FLOP_FORMULAS[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_fwd
+    FLOP_FORMULAS[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_flash_bwd
+
+_SKIP = {aten.is_contiguous.default, aten.size.default, aten.stride.default, aten.numel.default,
+         aten.dim.default, aten.sym_size.default, aten.sym_stride.default, aten.sym_numel.default}
+
+
+def current_phase() -> str:
+    """forward | backward | recompute, from the autograd engine's state on this thread."""
+    if torch._C._current_graph_task_id() == -1:
+        return "forward"
+    return "recompute" if torch.is_grad_enabled() else "backward"
+
+
+class PhaseFlopCounter(TorchDispatchMode):
+    """FLOPs of local ops by phase and by op, with torch.utils.flop_counter's formulas."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops: dict[str, int] = {"forward": 0, "backward": 0, "recompute": 0}
+        self.by_op: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(t is DTensor or issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run its local ops; they come back here
+        if func in _SKIP:
+            return func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet not in FLOP_FORMULAS:
+            with self:
+                r = func.decompose(*args, **kwargs)
+            if r is not NotImplemented:
+                return r
+        out = func(*args, **kwargs)
+        formula = FLOP_FORMULAS.get(packet)
+        if formula is not None:
+            n = _apply_formula(formula, args, kwargs, out)
+            self.flops[current_phase()] += n
+            self.by_op[str(packet)] += n
+        return out
+
+
+def _apply_formula(formula, args, kwargs, out) -> int:
+    # the registry's entries take the raw arguments (shape_wrapper / get_raw), like FlopCounterMode calls them
+    return int(formula(*args, **kwargs, out_val=out))
+
+
+# ------------------------------------------------------------------------------------------ communication
+
+# op -> (collective name, how to take the bytes from its arguments)
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _sum_bytes(ts) -> int:
+    flat, _ = tree_flatten(ts)
+    return sum(_nbytes(t) for t in flat if isinstance(t, torch.Tensor))
+
+
+_C10D = {
+    "allreduce_": ("all_reduce", lambda a: _sum_bytes(a[0]), 1),
+    "allreduce_coalesced_": ("all_reduce", lambda a: _sum_bytes(a[0]), 1),
+    "allgather_": ("all_gather", lambda a: _sum_bytes(a[0]), 2),
+    "_allgather_base_": ("all_gather", lambda a: _nbytes(a[0]), 2),
+    "allgather_into_tensor_coalesced_": ("all_gather", lambda a: _sum_bytes(a[0]), 2),
+    "reduce_scatter_": ("reduce_scatter", lambda a: _sum_bytes(a[1]), 2),
+    "_reduce_scatter_base_": ("reduce_scatter", lambda a: _nbytes(a[1]), 2),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a: _sum_bytes(a[1]), 2),
+    "alltoall_": ("all_to_all", lambda a: _sum_bytes(a[1]), 2),
+    "alltoall_base_": ("all_to_all", lambda a: _nbytes(a[1]), 2),
+    "broadcast_": ("broadcast", lambda a: _sum_bytes(a[0]), 1),
+    "send": ("send", lambda a: _sum_bytes(a[0]), 1),
+    "recv_": ("recv", lambda a: _sum_bytes(a[0]), 1),
+}
+# functional collectives: (name, bytes, index of the group-name argument)
+_FUNCTIONAL = {
+    "all_reduce": ("all_reduce", lambda a, out: _nbytes(a[0]), 2),
+    "all_reduce_coalesced": ("all_reduce", lambda a, out: _sum_bytes(a[0]), 2),
+    "all_gather_into_tensor": ("all_gather", lambda a, out: _nbytes(out), 2),
+    "all_gather_into_tensor_coalesced": ("all_gather", lambda a, out: _sum_bytes(out), 2),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a, out: _nbytes(a[0]), 3),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a, out: _sum_bytes(a[0]), 3),
+    "all_to_all_single": ("all_to_all", lambda a, out: _nbytes(a[0]), 3),
+    "broadcast": ("broadcast", lambda a, out: _nbytes(a[0]), 2),
+}
+
+
+class CommCounter(TorchDispatchMode):
+    """Count and bytes of every collective by (collective, mesh dimension), seen at the dispatcher."""
+
+    def __init__(self, group_names: dict[tuple[int, ...], str]) -> None:
+        super().__init__()
+        self.group_names = group_names  # ranks of a group -> mesh dimension
+        self.records: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+
+    def _dim(self, group) -> str:
+        """The mesh dimension of a collective's group (a functional collective's group name, or the c10d op's
+        boxed ProcessGroup), matched by its ranks."""
+        try:
+            if isinstance(group, str):
+                pg = _resolve_process_group(group)
+            else:
+                pg = group if isinstance(group, ProcessGroup) else ProcessGroup.unbox(group)
+            ranks = tuple(dist.get_process_group_ranks(pg))
+        except Exception:
+            return "other"
+        return self.group_names.get(ranks, "other")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ns, name = func.namespace, func._overloadpacket.__name__
+        if ns == "c10d" and name in _C10D:
+            coll, nbytes, gi = _C10D[name]
+            self._add(coll, self._dim(args[gi]), nbytes(args))
+        elif ns == "_c10d_functional" and name in _FUNCTIONAL:
+            coll, nbytes, gi = _FUNCTIONAL[name]
+            self._add(coll, self._dim(args[gi]), nbytes(args, out))
+        return out
+
+    def _add(self, coll: str, dim: str, nbytes: int) -> None:
+        r = self.records[(coll, dim)]
+        r[0] += 1
+        r[1] += int(nbytes)
+
+    def as_list(self) -> list[dict]:
+        return [{"collective": c, "mesh_dim": d, "count": n, "bytes": b}
+                for (c, d), (n, b) in sorted(self.records.items())]
+
+
+def group_names(dims) -> dict[tuple[int, ...], str]:
+    """Ranks of a group -> the mesh dimension it belongs to. Where two views share ranks (dp_cp is dp when cp=1,
+    tp is the world on a tp-only layout), the more specific name wins: tp, cp, ep, pp, then dp (gradient reduction
+    over dp x cp is reported as "dp", over the expert data-parallel ranks as "edp"); any other group is "world"
+    (all ranks) or "other" (the tied-embedding group of the first and last pipeline stages)."""
+    out: dict[tuple[int, ...], str] = {tuple(range(dist.get_world_size())): "world"}
+    order = ["dp_cp", "edp_cp", "edp", "dp", "pp", "ep", "cp", "tp"]  # later wins
+    for view in order:
+        try:
+            mesh = dims[view]
+        except KeyError:
+            continue
+        if mesh.size() > 1:
+            label = {"dp_cp": "dp", "edp_cp": "edp"}.get(view, view)
+            out[tuple(dist.get_process_group_ranks(mesh.get_group()))] = label
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- memory
+
+_CATEGORIES = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer",
+               "Activation": "activations", "Temp": "temporaries", "Buffer": "temporaries",
+               "Other": "temporaries", "Input": "activations"}
+
+
+class StepMemTracker(MemTracker):
+    """MemTracker for a whole training step with several micro-batches: a root module's later forward calls are
+    the next micro-batch, not the next iteration (MemTracker's module-wise statistics, which refuse that, are
+    not used here), and the maximum of each category over the step is kept beside the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.category_max: dict[str, int] = defaultdict(int)
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            return  # the next micro-batch through an already tracked module
+        super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for dev_snap in self._curr_mem_snap.values():
+            for k, v in dev_snap.items():
+                key = _ref_name(k)
+                if v > self.category_max[key]:
+                    self.category_max[key] = v
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(dev_snap)
+
+    def summary(self) -> dict:
+        """{category: max bytes over the step, ..., "peak": bytes, "at_peak": {category: bytes at the peak}}."""
+        out = {k: 0 for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")}
+        for k, v in self.category_max.items():  # buffers and "other" are folded into temporaries: the larger
+            cat = _CATEGORIES.get(_ref_name(k))
+            if cat is not None:
+                out[cat] = max(out[cat], v)
+        at_peak = {k: 0 for k in out}
+        peak = 0
+        for snap in self._peak_mem_snap.values():
+            peak = max(peak, snap.get(_TOTAL_KEY, 0))
+            for k, v in snap.items():
+                cat = _CATEGORIES.get(_ref_name(k))
+                if cat is not None:
+                    at_peak[cat] += v
+        out["peak"] = peak
+        out["at_peak"] = at_peak
+        return out
+
+
+def _ref_name(k) -> str:
+    return str(getattr(k, "value", k))
+
+
+# ------------------------------------------------------------------------------------------- one step
+
+
+def measure_step(trainer, batch: torch.Tensor) -> tuple[Any, dict]:
+    """Run `trainer.step(batch)` under the three instruments: (its StepResult, this rank's measured counts, the
+    `measured` part of the run log's profile record)."""
+    dims = trainer.dims
+    flops = PhaseFlopCounter()
+    comm = CommCounter(group_names(dims))
+    mem = StepMemTracker()
+    for s in trainer.pm.stages:
+        mem.track_external(s.module)
+    mem.track_external(trainer.optimizer)
+    if trainer.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(trainer.device)
+    t0 = time.perf_counter()
+    with mem, comm, flops:
+        res = trainer.step(batch)
+    wall = time.perf_counter() - t0
+    m = mem.summary()
+    out = {
+        "flops": dict(flops.flops),
+        "comm": comm.as_list(),
+        # the categories at the moment of the peak (they add up to it); each category's own maximum over the step
+        # (e.g. optimizer state plus the foreach step's temporaries) beside them
+        "memory_bytes": {**m["at_peak"], "peak": m["peak"]},
+        "memory_max_bytes": {k: m[k] for k in ("parameters", "gradients", "optimizer", "activations",
+                                               "temporaries")},
+        "time_s": {"step": wall},
+    }
+    if trainer.device.type == "cuda":
+        out["memory_bytes"]["allocator_peak"] = int(torch.cuda.max_memory_allocated(trainer.device))
+    return res, out
+
+
+def profile_record(trainer, step: int, batch: torch.Tensor) -> tuple[Any, dict | None]:
+    """Measure this step on every rank, gather to rank 0: (the StepResult, the run log's profile record on rank 0,
+    None on the others): {"event": "profile", "step": N, "ranks": [{"rank", "pp_stage", "measured",
+    "predicted"}]}. Every rank must call it (it gathers)."""
+    from autoplan.counts import counts_of_plan
+
+    dims = trainer.dims
+    res, measured = measure_step(trainer, batch)
+    pp_rank = dims.rank("pp") if dims.pp_enabled else 0
+    predicted = counts_of_plan(trainer.plan)[pp_rank]
+    mine = {"rank": dist.get_rank(), "pp_stage": pp_rank, "measured": measured, "predicted": predicted}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() != 0:
+        return res, None
+    return res, {"event": "profile", "step": step, "ranks": gathered}
+
+
+def memory_step(trainer, batch: torch.Tensor) -> tuple[Any, dict]:
+    """Run one step under MemTracker alone (cheaper than the full profile): (StepResult, memory categories)."""
+    mem = StepMemTracker()
+    for s in trainer.pm.stages:
+        mem.track_external(s.module)
+    mem.track_external(trainer.optimizer)
+    with mem:
+        res = trainer.step(batch)
+    m = mem.summary()
+    return res, {**m["at_peak"], "peak": m["peak"]}
+
+
+class StepMemory:
+    """The tensor-memory figures of every run-log line. On a GPU, the allocator's peak of each step
+    (torch.cuda.max_memory_allocated, reset before the step). On the CPU there is no allocator to ask, so the
+    tensor peak is measured with MemTracker on one step (`memory_step`, by default step 2: the first step with
+    optimizer state during forward and backward, or the profiled step) and carried on the lines after it, with
+    the step it was measured on; the process RSS is logged beside it as `rss_gib`."""
+
+    def __init__(self, device: torch.device, measure_at: int | None) -> None:
+        self.device = device
+        self.measure_at = measure_at
+        self.peak_bytes: float | None = None
+        self.measured_step: int | None = None
+
+    def before(self, step: int) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def wants(self, step: int) -> bool:
+        return self.device.type != "cuda" and step == self.measure_at
+
+    def record(self, step: int, peak_bytes: float) -> None:
+        self.peak_bytes, self.measured_step = float(peak_bytes), step
+
+    def fields(self, step: int) -> dict:
+        if self.device.type == "cuda":
+            self.record(step, torch.cuda.max_memory_allocated(self.device))
+        gib = None if self.peak_bytes is None else self.peak_bytes / 2**30
+        return {"peak_memory_gib": gib, "memory_measured_step": self.measured_step, "rss_gib": rss_gib()}
+
+
+def rss_gib() -> float | None:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux): the process's RSS
+    except Exception:
+        return None
+
+
+def render_profile(record: dict, console=None) -> None:
+    """A readable table of a profile record: per rank, measured vs predicted FLOPs, bytes and memory."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    t = Table(title=f"profile of step {record['step']}: measured / predicted", title_justify="left")
+    for col in ("rank", "stage", "FLOPs fwd", "FLOPs bwd", "FLOPs recompute", "comm bytes", "peak MiB",
+                "params MiB", "grads MiB", "optim MiB", "activ MiB"):
+        t.add_column(col, justify="right")
+    for r in record["ranks"]:
+        m, p = r["measured"], r["predicted"]
+
+        def pair(a, b, scale=1.0, fmt="{:.3g}"):
+            return f"{fmt.format(a / scale)} / {fmt.format(b / scale)}"
+
+        mb, pb = sum(c["bytes"] for c in m["comm"]), sum(c["bytes"] for c in p["comm"])
+        mm, pm = m["memory_bytes"], p["memory_bytes"]
+        t.add_row(str(r["rank"]), str(r["pp_stage"]),
+                  *(pair(m["flops"][k], p["flops"][k]) for k in ("forward", "backward", "recompute")),
+                  pair(mb, pb),
+                  *(pair(mm[k], pm[k], 2**20, "{:.2f}") for k in ("peak", "parameters", "gradients", "optimizer",
+                                                                 "activations")))
+    console.print(t)
+    comm = Table(title="collectives (all ranks): count and bytes, measured / predicted", title_justify="left")
+    for col in ("collective", "mesh dim", "count", "bytes"):
+        comm.add_column(col, justify="right")
+    agg: dict = {}
+    for r in record["ranks"]:
+        for side, off in (("measured", 0), ("predicted", 2)):
+            for c in r[side]["comm"]:
+                e = agg.setdefault((c["collective"], c["mesh_dim"]), [0, 0, 0, 0])
+                e[off] += c["count"]
+                e[off + 1] += c["bytes"]
+    for (c, d), (mn, mbytes, pn, pbytes) in sorted(agg.items()):
+        comm.add_row(c, d, f"{mn} / {pn}", f"{mbytes:.4g} / {pbytes:.4g}")
+    console.print(comm)

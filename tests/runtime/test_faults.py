@@ -1,0 +1,331 @@
+"""The fault catalogue, one process: checksummed checkpoints (bit flip, truncation, foreign or missing manifest),
+fallback to the previous complete checkpoint, retention, one owner per directory, overwrite, unwritable or full
+directories, DCP's BaseException on save, NaN losses (stop / skip), argument validation, the log rewritten on
+resume, the plan checked against the machine. (Signals, killed and hung ranks: tests/dist/test_restart.py.)"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from autoplan.api import make_plan
+from autoplan.cost_models.errors import PlanError
+from autoplan.specs import TrainingSpec, load_cluster, load_model
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(1)
+
+
+def _plan(tmp: Path, gpus: int = 1, config: str = "dp=1") -> Path:
+    training = TrainingSpec(global_batch_size=4, seq_length=64, dtype="fp32")
+    plan = make_plan(load_model("tiny-gpt"), load_cluster("local-cpu").with_gpus(gpus), training, config,
+                     kernels="torch")
+    return plan.save(tmp / f"plan{gpus}.json")
+
+
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch):
+    for var in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT", "AUTOPLAN_FAULT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _train(*args) -> int:
+    from autoplan.runtime import train
+
+    return train.main([*map(str, args), "--quiet"])
+
+
+def _rows(log: Path) -> list[dict]:
+    return [json.loads(x) for x in log.read_text().splitlines()]
+
+
+def _losses(log: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _rows(log) if "step" in r}
+
+
+def _error(capsys) -> str:
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if "warning" not in x]
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """4 steps saved every step with --keep-last 2: the reference losses and step_3, step_4."""
+    from autoplan.runtime import train
+
+    tmp = tmp_path_factory.mktemp("faults")
+    mp = pytest.MonkeyPatch()
+    for var in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        mp.delenv(var, raising=False)
+    rc = train.main(["--plan", str(_plan(tmp)), "--steps", "4", "--save", str(tmp / "ck"), "--save-every", "1",
+                     "--keep-last", "2", "--log", str(tmp / "ref.jsonl"), "--quiet"])
+    mp.undo()
+    assert rc == 0
+    return tmp
+
+
+def _copy(base: Path, tmp: Path) -> Path:
+    shutil.copytree(base / "ck", tmp / "ck", ignore=shutil.ignore_patterns(".autoplan.lock"))
+    return tmp / "ck"
+
+
+def _flip_a_bit(f: Path, at: int | None = None) -> None:
+    b = bytearray(f.read_bytes())
+    at = len(b) // 2 if at is None else at
+    b[at] ^= 0x10
+    f.write_bytes(bytes(b))
+
+
+# ----------------------------------------------------------------------------- checkpoints you can trust
+
+
+def test_retention_keeps_the_newest_k_and_every_checkpoint_has_an_autoplan_manifest(base):
+    from autoplan.runtime import checkpoint
+
+    ck = base / "ck"
+    assert sorted(p.name for p in ck.iterdir() if not p.name.startswith(".")) == ["latest", "step_3", "step_4"]
+    m = checkpoint.read_manifest(ck / "step_4")
+    assert m["writer"] == "autoplan" and m["version"] == checkpoint.MANIFEST_VERSION and m["step"] == 4
+    assert {".metadata", "autoplan_checkpoint.json"} <= set(m["files"])
+    assert any(k.endswith(".distcp") for k in m["files"])
+    assert checkpoint.MANIFEST_NAME == "autoplan-manifest.json"
+
+
+def test_a_flipped_bit_is_detected_and_names_the_file(base, tmp_path, capsys):
+    ck = _copy(base, tmp_path)
+    shard = next((ck / "step_4").glob("*.distcp"))
+    _flip_a_bit(shard)
+    assert _train("--plan", _plan(tmp_path), "--steps", "5", "--resume", ck) == 2
+    line = _error(capsys)
+    assert f"step_4 is corrupt: shard {shard.name} fails its sha256 check" in line and "fix:" in line
+
+
+def test_a_truncated_file_is_detected(base, tmp_path, capsys):
+    ck = _copy(base, tmp_path)
+    meta = ck / "step_4" / "autoplan_checkpoint.json"
+    meta.write_text(meta.read_text()[:-10])
+    assert _train("--plan", _plan(tmp_path), "--steps", "5", "--resume", ck / "step_4") == 2
+    assert "file autoplan_checkpoint.json has" in _error(capsys)
+
+
+def test_foreign_missing_or_corrupt_manifest_is_a_typed_error(base, tmp_path):
+    from autoplan.runtime import checkpoint
+
+    ck = _copy(base, tmp_path)
+    man = ck / "step_4" / checkpoint.MANIFEST_NAME
+    data = json.loads(man.read_text())
+    man.write_text(json.dumps({**data, "writer": "someone-else"}))
+    with pytest.raises(checkpoint.ManifestError, match="was not written by autoplan"):
+        checkpoint.read_manifest(ck / "step_4")
+    man.write_text(json.dumps({**data, "files": {"../../etc/passwd": {"bytes": 1, "sha256": "x"}}}))
+    with pytest.raises(checkpoint.ManifestError, match="outside the checkpoint"):
+        checkpoint.read_manifest(ck / "step_4")
+    man.write_text("{")
+    with pytest.raises(checkpoint.ManifestError, match="is corrupt"):
+        checkpoint.read_manifest(ck / "step_4")
+    man.unlink()
+    with pytest.raises(checkpoint.ManifestError, match="was not written by autoplan: no autoplan-manifest.json"):
+        checkpoint.inspect(ck / "step_4")
+    (ck / "step_3" / "extra.distcp").write_bytes(b"x")
+    with pytest.raises(checkpoint.CheckpointError, match="files its manifest does not list"):
+        checkpoint.inspect(ck / "step_3")
+
+
+def test_auto_resume_falls_back_to_the_previous_complete_checkpoint_and_rewrites_the_log(base, tmp_path, capsys):
+    ck = _copy(base, tmp_path)
+    _flip_a_bit(next((ck / "step_4").glob("*.distcp")))
+    log = tmp_path / "log.jsonl"
+    shutil.copy(base / "ref.jsonl", log)  # the dead run had logged steps 1..4
+    assert _train("--plan", _plan(tmp_path), "--steps", "4", "--save", ck, "--auto-resume", "--log", log) == 0
+    err = capsys.readouterr().err
+    assert "skipped a broken checkpoint" in err and "step_4 is corrupt" in err
+    ref, got = _losses(base / "ref.jsonl"), _rows(log)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]  # rewritten from step 3: no duplicate rows
+    assert got[3]["loss"] == ref[4]  # bit-exact continuation from step_3
+    assert (ck / "latest").read_text().strip() == "step_4"
+
+
+def test_auto_resume_without_checkpoints_starts_fresh_and_needs_save(tmp_path, capsys):
+    assert _train("--plan", _plan(tmp_path), "--auto-resume") == 2
+    assert "--auto-resume" in _error(capsys)
+
+
+def test_prune_never_deletes_latest_or_the_new_checkpoint(tmp_path):
+    from autoplan.runtime import checkpoint
+
+    for n in (1, 2, 5, 7):
+        (tmp_path / f"step_{n}").mkdir()
+    (tmp_path / "latest").write_text("step_2\n")
+    removed = checkpoint.prune(tmp_path, 1, keep=tmp_path / "step_5")
+    assert sorted(removed) == ["step_1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_2", "step_5", "step_7"]
+
+
+# ----------------------------------------------------------------------------- one owner per directory
+
+
+def test_a_second_run_on_a_locked_directory_is_refused(base, tmp_path, capsys):
+    from autoplan.runtime import checkpoint
+
+    ck = _copy(base, tmp_path)
+    lock = checkpoint.DirectoryLock(ck).acquire()
+    try:
+        assert _train("--plan", _plan(tmp_path), "--steps", "6", "--resume", ck, "--save", ck) == 2
+        line = _error(capsys)
+        assert "is in use by another run" in line and "pid" in line
+    finally:
+        lock.release()
+
+
+def test_a_new_run_into_old_checkpoints_needs_overwrite(base, tmp_path, capsys):
+    ck = _copy(base, tmp_path)
+    assert _train("--plan", _plan(tmp_path), "--steps", "1", "--save", ck) == 2
+    assert "already holds checkpoints" in _error(capsys) and (ck / "latest").read_text().strip() == "step_4"
+    assert _train("--plan", _plan(tmp_path), "--steps", "1", "--save", ck, "--overwrite") == 0
+    assert sorted(p.name for p in ck.iterdir() if not p.name.startswith(".")) == ["latest", "step_1"]
+
+
+def test_unwritable_or_full_save_directory_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    from autoplan.runtime import faults
+
+    (tmp_path / "file").write_text("x")
+    assert _train("--plan", _plan(tmp_path), "--save", tmp_path / "file" / "ck") == 2
+    assert "cannot create --save directory" in _error(capsys)
+    monkeypatch.setattr(faults.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    assert _train("--plan", _plan(tmp_path), "--save", tmp_path / "ck") == 2
+    assert "too little free space for one checkpoint" in _error(capsys)
+
+
+def test_dcp_checkpoint_exception_is_one_line_and_leaves_no_temporary(base, tmp_path, monkeypatch, capsys):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    ck = _copy(base, tmp_path)
+
+    def failing_save(state_dict, *, storage_writer, **kw):
+        Path(storage_writer.fs.concat_path(storage_writer.path, "__0_0.distcp")).write_bytes(b"partial")
+        raise CheckpointException("save", {0: (OSError(28, "No space left on device"), None)})
+
+    monkeypatch.setattr(dcp, "save", failing_save)
+    assert _train("--plan", _plan(tmp_path), "--steps", "5", "--resume", ck, "--save", ck) == 2
+    assert "saving checkpoint" in _error(capsys)
+    assert sorted(p.name for p in ck.iterdir() if not p.name.startswith(".")) == ["latest", "step_3", "step_4"]
+    assert not list(ck.glob(".step_*"))
+
+
+# ----------------------------------------------------------------------------- numerical faults
+
+
+def _nan_at(monkeypatch, call: int) -> None:
+    from autoplan.runtime import engine
+
+    real, calls = engine.loss_fn, [0]
+
+    def loss_fn(logits, labels):
+        calls[0] += 1
+        loss = real(logits, labels)
+        return loss * float("nan") if calls[0] == call else loss
+
+    monkeypatch.setattr(engine, "loss_fn", loss_fn)
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_and_never_checkpoints_it(tmp_path, monkeypatch, capsys):
+    _nan_at(monkeypatch, 5)  # gbs 4, mbs 1: four micro-batches a step, call 5 is step 2's first
+    ck = tmp_path / "ck"
+    assert _train("--plan", _plan(tmp_path), "--steps", "4", "--save", ck, "--save-every", "1") == 2
+    line = _error(capsys)
+    assert "training stopped at step 2: the loss or gradient norm is not finite" in line
+    assert (ck / "latest").read_text().strip() == "step_1" and not (ck / "step_2").exists()
+
+
+def test_skip_policy_skips_the_update_and_keeps_the_weights_finite(tmp_path, monkeypatch, capsys):
+    _nan_at(monkeypatch, 5)
+    ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    assert _train("--plan", _plan(tmp_path), "--steps", "3", "--save", ck, "--on-nonfinite", "skip",
+                  "--log", log) == 0
+    rows = _rows(log)
+    assert "skipped" in rows[1] and "skipped" not in rows[0] and math.isfinite(rows[2]["loss"])
+    assert "step 2: skipped" in capsys.readouterr().err
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ck / "step_3")).read_metadata()
+    assert md.state_dict_metadata  # and it loads and trains on:
+    assert _train("--plan", _plan(tmp_path), "--steps", "4", "--resume", ck, "--save", ck, "--log", log) == 0
+    assert math.isfinite(_losses(log)[4])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be >= 0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--lr", "1e6"], "--lr is above 10"),
+    (["--warmup", "-2"], "--warmup must be >= 0"),
+    (["--weight-decay", "inf"], "--weight-decay must be a finite number"),
+    (["--keep-last", "2"], "--keep-last needs --save DIR"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--collective-timeout", "0"], "--collective-timeout must be > 0"),
+])
+def test_training_arguments_are_validated(tmp_path, capsys, args, message):
+    assert _train("--plan", _plan(tmp_path), *args) == 2
+    line = _error(capsys)
+    assert message in line and "fix:" in line
+
+
+# ----------------------------------------------------------------------------- the plan against the machine
+
+
+def test_plan_against_the_machine(tmp_path, monkeypatch):
+    from autoplan.plan import load_plan
+    from autoplan.runtime import launch
+
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 1)
+    big = _plan(tmp_path, 4, "dp=4")
+    with pytest.raises(PlanError, match="4 processes on 1 CPU cores"):
+        launch.run(big, train_args=["--steps", "1"])
+    assert launch.run(big, force=True, print_command=True) == 0
+    plan = load_plan(_plan(tmp_path))
+    unfit = plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"fits": False})}).sealed()
+    assert any("predicted not to fit" in p for p in launch.check_machine(unfit, 1))
+    gpu = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"backend": "nccl"})}).sealed()
+    monkeypatch.setattr(launch, "_local_gpus", lambda: (0, []))
+    assert any("has none" in p for p in launch.check_machine(gpu, 1))
+    monkeypatch.setattr(launch, "_local_gpus", lambda: (1, ["NVIDIA H100 80GB HBM3"]))
+    assert any("2 processes per node but 1 GPUs" in p for p in launch.check_machine(gpu, 2))
+    assert launch._same_gpu("h100-sxm", "NVIDIA H100 80GB HBM3") and not launch._same_gpu("a100-80g", "NVIDIA H100")
+
+
+def test_restarts_need_save_and_resume_from_it(tmp_path):
+    from autoplan.runtime.launch import restart_args
+
+    with pytest.raises(PlanError, match="needs checkpoints to restart from"):
+        restart_args(["--steps", "3"], 2)
+    assert restart_args(["--", "--save", "ck", "--resume", "ck"], 2) == ["--save", "ck", "--auto-resume"]
+    with pytest.raises(PlanError, match="--resume names"):
+        restart_args(["--save", str(tmp_path / "a"), "--resume", str(tmp_path / "b")], 1)
+    assert restart_args(["--steps", "3"], 0) == ["--steps", "3"]
+
+
+def test_heartbeats_name_the_missing_rank():
+    import time
+
+    import torch.distributed as dist
+
+    from autoplan.runtime.faults import Heartbeat
+
+    store = dist.HashStore()
+    beats = [Heartbeat(store, r) for r in range(3)]
+    for hb, step in zip(beats, (5, 4, 5), strict=True):
+        hb.beat(step)
+        hb._set()
+    beats[2].close()
+    store.set("hb/2", f"5 {time.time() - 60}")  # rank 2 stopped publishing a minute ago
+    line = beats[0].missing(4)
+    for hb in beats:
+        hb.close()
+    assert line.startswith("missing: rank 1 (alive but behind: last finished step 4), rank 2 (no heartbeat for 60 s")
+    assert "rank 3 (never started)" in line and line.endswith("this rank finished step 5")

@@ -1,0 +1,41 @@
+"""`autoplan calibrate --bench-out` pieces: the model's GEMM shapes per tp degree, GEMM timings, and the
+collective micro-benchmarks on 2 real gloo processes (one small size), fed to the fit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from autoplan.calibrate_bench import bench_gemms, model_gemm_shapes, run_collectives
+from autoplan.cost_models.fit import CollectiveSample, GemmSample, fit_cluster
+from autoplan.cost_models.hardware import cluster_preset
+
+
+def test_model_gemm_shapes_cover_tp_shards():
+    shapes = model_gemm_shapes("tiny-gpt", seq=64, mbs=2, max_tp=2)
+    # tiny-gpt: hidden 64, ffn 256; the MLP's first GEMM unsharded and column-sharded by tp=2
+    assert (128, 256, 64) in shapes and (128, 128, 64) in shapes
+    # the second MLP GEMM row-sharded: K = 256 / 2
+    assert (128, 64, 256) in shapes and (128, 64, 128) in shapes
+    assert all(m == 128 for m, _, _ in shapes)
+
+
+def test_gemm_and_collective_benchmarks_feed_the_fit(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    gemms = bench_gemms([(64, 64, 64), (256, 256, 256)], "cpu", "fp32")
+    assert [g["m"] for g in gemms] == [64, 256] and all(g["seconds"] > 0 for g in gemms)
+    rows = run_collectives(2, "cpu", sizes=(16 * 1024,))
+    kinds = sorted(r["collective"] for r in rows)
+    assert kinds == ["all_gather", "all_reduce", "all_to_all", "reduce_scatter", "send_recv"], kinds
+    assert all(r["level"] == "intra" and r["ranks"] == 2 and r["processes_per_node"] == 2 for r in rows)
+    assert all(0 < r["seconds"] < 5 for r in rows)
+    cluster = cluster_preset("local-cpu").with_gpus(2).model_copy(update={"cores_per_node": os.cpu_count()})
+    res = fit_cluster(cluster, gemms=[GemmSample(**g) for g in gemms],
+                      collectives=[CollectiveSample(**c) for c in rows],
+                      free=["matmul_max_efficiency", "intra_latency_us"])
+    assert res.rms_log_error("gemm") <= res.rms_log_error("gemm", "before") + 1e-9
+    assert res.rms_log_error() <= res.rms_log_error(when="before") + 1e-6  # least squares cannot do worse
+    assert res.after["intra_latency_us"] == pytest.approx(res.cluster.intra_node.latency_us)

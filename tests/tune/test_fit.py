@@ -1,0 +1,155 @@
+"""The fit recovers known constants from synthetic measurements made by the cost model with those constants,
+the refit cluster round-trips through a YAML file, and tune's run-log reader parses the profile record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autoplan.cost_models import comm
+from autoplan.cost_models.fit import (
+    CollectiveSample,
+    GemmSample,
+    RunSample,
+    TimedComponents,
+    cluster_yaml,
+    fit_cluster,
+    knob_values,
+    predict_collective,
+    predict_gemm,
+    predict_run,
+    with_knobs,
+)
+from autoplan.cost_models.hardware import cluster_preset
+from autoplan.cost_models.specs import ModelSpec, ParallelConfig, TrainingSpec, check_config
+from autoplan.presets import MODEL_PRESETS
+from autoplan.specs import load_cluster
+
+TRUTH = {"matmul_max_efficiency": 0.6, "matmul_half_dim": 40.0, "attention_efficiency": 0.25,
+         "memory_efficiency": 0.5, "kernel_launch_us": 25.0, "intra_latency_us": 300.0,
+         "intra_bandwidth_gbps": 0.8, "oversubscription_wait_us": 900.0, "tp_op_overhead_us": 80.0}
+SMALL = ModelSpec(name="small-gpt", num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
+                  vocab_size=512, max_seq_length=256)
+
+
+def _base():
+    return cluster_preset("local-cpu").model_copy(update={"cores_per_node": 2})
+
+
+def _synthetic(truth, with_components: bool = False):
+    """Runs (host-bound tiny and device-bound small GPTs, 4 and 2 processes), GEMMs and collectives, all
+    'measured' by the cost model with the true constants."""
+    runs = []
+    for model, seq in ((MODEL_PRESETS["tiny-gpt"], 64), (SMALL, 256), (SMALL, 128)):
+        for world, cfgs in ((4, ["dp=4", "tp=2,dp=2", "pp=2,dp=2", "dp=4,zero=3", "tp=2,pp=2,recompute=full"]),
+                            (2, ["dp=2", "tp=2"])):
+            for c in cfgs:
+                tr = TrainingSpec(global_batch_size=8, seq_length=seq, dtype="fp32", kernels="torch")
+                cfg = check_config(ParallelConfig.parse(c), model, truth.with_gpus(world), tr)
+                r = RunSample(model=model, training=tr, parallel=cfg, world=world, measured_step_s=1.0, label=c)
+                est = predict_run(truth, r)
+                comps = TimedComponents(seconds={"compute": est.breakdown["compute"]}) if with_components else None
+                runs.append(r.model_copy(update={"measured_step_s": est.step_time_s, "components": comps}))
+    gemms = [GemmSample(m=m, n=n, k=k, seconds=1.0)
+             for m, n, k in ((64, 64, 64), (128, 256, 64), (512, 512, 512), (256, 1024, 256), (32, 2048, 128))]
+    gemms = [g.model_copy(update={"seconds": predict_gemm(truth, g)}) for g in gemms]
+    colls = []
+    for kind in ("all_reduce", "all_gather", "send_recv", "all_to_all"):
+        for ppn in (2, 4):
+            for nbytes in (4096, 1 << 20, 16 << 20):
+                c = CollectiveSample(collective=kind, level="intra", ranks=ppn, processes_per_node=ppn,
+                                     nbytes=nbytes, seconds=1.0)
+                colls.append(c.model_copy(update={"seconds": predict_collective(truth, c)}))
+    return runs, gemms, colls
+
+
+@pytest.mark.parametrize("with_components", [False, True])
+def test_fit_recovers_known_constants_within_1_percent(with_components):
+    truth = with_knobs(_base(), TRUTH)
+    runs, gemms, colls = _synthetic(truth, with_components)
+    # start 30% off in alternating directions
+    start = with_knobs(_base(), {k: v * (1.3 if i % 2 else 0.7) for i, (k, v) in enumerate(TRUTH.items())})
+    res = fit_cluster(start, runs, gemms, colls)
+    assert set(res.free) == set(TRUTH), res.free
+    assert not res.undetermined and not res.collinear
+    for k, v in TRUTH.items():
+        assert res.after[k] == pytest.approx(v, rel=0.01), (k, res.after[k], v)
+    assert res.mean_abs_error("run", "before") > 0.05  # the start was really wrong
+    assert res.mean_abs_error("run") < 1e-3
+    fitted = knob_values(res.cluster)
+    assert fitted["kernel_launch_us"] == pytest.approx(TRUTH["kernel_launch_us"], rel=0.01)
+
+
+def test_runs_alone_leave_primitives_collinear_knobs_reported():
+    """Without micro-benchmarks and with one process count, hop latency and the descheduling wait are the same
+    term: the fit must say that one of them is not pinned rather than claim to know both."""
+    truth = with_knobs(_base(), TRUTH)
+    runs, _, _ = _synthetic(truth)
+    runs = [r for r in runs if r.world == 4][:5]
+    res = fit_cluster(truth, runs, free=["intra_latency_us", "oversubscription_wait_us", "kernel_launch_us"])
+    total = res.after["intra_latency_us"] + 0.5 * res.after["oversubscription_wait_us"]
+    assert total == pytest.approx(TRUTH["intra_latency_us"] + 0.5 * TRUTH["oversubscription_wait_us"], rel=0.01)
+    assert res.mean_abs_error("run") < 1e-3
+    assert ["intra_latency_us", "oversubscription_wait_us"] in res.collinear, res.collinear
+
+
+def test_efficiency_above_one_raises_the_peak_and_predicts_the_same():
+    base = _base()
+    up = with_knobs(base, {"matmul_max_efficiency": 2.0, "memory_efficiency": 1.5})
+    assert up.gpu.calibration.matmul_max_efficiency == pytest.approx(1.0)
+    assert up.gpu.peak_tflops.fp32 == pytest.approx(2 * base.gpu.peak_tflops.fp32)
+    assert up.gpu.hbm_gbps == pytest.approx(1.5 * base.gpu.hbm_gbps)
+    g = GemmSample(m=512, n=512, k=512, seconds=1.0)
+    half = with_knobs(base, {"matmul_max_efficiency": 1.0})
+    assert predict_gemm(up, g) == pytest.approx(predict_gemm(half, g) / 2, rel=1e-9)
+
+
+def test_oversubscription_wait_only_when_processes_outnumber_cores():
+    cl = with_knobs(_base(), {"oversubscription_wait_us": 1000.0, "intra_latency_us": 100.0})
+    four, two = cl.with_gpus(4), cl.with_gpus(2)
+    assert four.descheduled_fraction == pytest.approx(0.5) and two.descheduled_fraction == 0.0
+    assert comm.p2p(four, 1.0, False) - comm.p2p(two, 1.0, False) == pytest.approx(500e-6, rel=1e-6)
+    assert cluster_preset("dgx-h100").descheduled_fraction == 0.0  # accelerators: no term
+
+
+def test_refit_cluster_yaml_loads_with_its_header(tmp_path):
+    truth = with_knobs(_base(), TRUTH)
+    path = tmp_path / "refit.yaml"
+    path.write_text(cluster_yaml(truth, ["refit by a test", "residuals: none"]))
+    text = path.read_text()
+    assert text.startswith("# refit by a test\n# residuals: none\n")
+    loaded = load_cluster(str(path))
+    assert loaded == truth
+    assert load_cluster(str(path), gpus=2).descheduled_fraction == 0.0
+
+
+def test_profile_record_parser_on_a_hand_written_record(tmp_path):
+    from autoplan.tune.records import parse_profile_record, read_run_log
+
+    counts = lambda f, b, t=None: {  # noqa: E731
+        "flops": {"forward": f, "backward": 2 * f, "recompute": 0},
+        "comm": [{"collective": "all_reduce", "mesh_dim": "dp", "count": 3, "bytes": b}],
+        "memory_bytes": {"parameters": 1000, "activations": 5000}, **({"time_s": t} if t else {})}
+    rec = {"event": "profile", "step": 2, "ranks": [
+        {"rank": 0, "pp_stage": 0, "measured": counts(1e6, 4096, {"compute": 0.02, "dp_comm": 0.01}),
+         "predicted": counts(1e6, 4096)},
+        {"rank": 1, "pp_stage": 0, "measured": counts(1.1e6, 4096, {"compute": 0.03}),
+         "predicted": counts(1e6, 4096)}]}
+    p = parse_profile_record(rec)
+    assert p.step == 2 and len(p.ranks) == 2 and p.ranks[0].measured.comm[0].count == 3
+    assert p.time_components() == {"compute": 0.03, "dp_comm": 0.01}  # the slowest rank's
+    mism = p.count_mismatches()
+    assert len(mism) == 2 and all(m.startswith("rank 1 flops.") for m in mism), mism
+    log = tmp_path / "log.jsonl"
+    steps = [{"step": i, "loss": 4.0 - i, "step_time_s": t, "predicted_step_time_s": 0.01}
+             for i, t in enumerate([0.5, 0.1, 0.12, 0.11, 0.9], start=1)]
+    rec["step"] = 5  # the profiled step is slow and left out of the median
+    log.write_text("\n".join(json.dumps(o) for o in [*steps[:2], rec, *steps[2:], {"event": "other"}]) + "\n")
+    rl = read_run_log(log)
+    assert rl.measured_step_s() == pytest.approx(0.11)
+    assert rl.profile is not None and rl.profile.step == 5 and rl.final_loss == -1.0
+    from autoplan.cost_models.errors import SpecError
+
+    with pytest.raises(SpecError, match="ranks"):
+        parse_profile_record({"event": "profile", "step": 1})

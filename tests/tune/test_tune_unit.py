@@ -1,0 +1,107 @@
+"""tune without processes: candidate choice, the fit of candidates, and the command's one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoplan.cli import main
+from autoplan.specs import TrainingSpec, load_cluster, load_model
+from autoplan.tune.core import Candidate, TuneResult, fastest_plan, refit, select_candidates
+
+
+def _workload():
+    return (load_model("tiny-gpt"), load_cluster("local-cpu").with_gpus(4),
+            TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch"))
+
+
+def test_candidates_are_the_search_best_then_deliberately_different():
+    model, cluster, training = _workload()
+    cands = select_candidates(model, cluster, training, top=2, diverse=3, kernels="torch")
+    assert [c.why for c in cands[:2]] == ["search #1", "search #2"]
+    assert len(cands) == 5 and len({c.config for c in cands}) == 5
+    extra = cands[2:]
+    pins = {"tp": lambda c: c.tp == 2, "pp": lambda c: c.pp == 2, "dp": lambda c: c.dp == 4,
+            "zero": lambda c: c.zero == 3, "recompute": lambda c: c.recompute == "full"}
+    assert [c.why for c in extra] == ["different: tp", "different: pp", "different: zero"]
+    for c in extra:  # each honours its pin
+        assert pins[c.why.split(": ")[1]](c.plan.parallel), (c.why, c.config)
+    assert all(c.plan.kernels == "torch" for c in cands)
+
+
+def test_refit_on_fake_measurements_and_the_fastest_plan():
+    """Measurements made up as 3x the prediction: the refit must explain them and -o's plan must carry the
+    refit prediction. (The real loop is tests/tune/test_tune_real.py.)"""
+    model, cluster, training = _workload()
+    cands = select_candidates(model, cluster, training, top=2, diverse=2, kernels="torch")
+    for c in cands:
+        c.measured_s = 3.0 * c.predicted_before_s
+    cands[-1].measured_s, cands[-1].error = None, "skipped: over --budget"
+    fit = refit(cluster, cands)
+    assert fit.mean_abs_error("run") < 0.02 < fit.mean_abs_error("run", "before")
+    assert all(c.predicted_after_s for c in cands)  # the unmeasured one is predicted too
+    result = TuneResult(candidates=cands, fit=fit)
+    best = fastest_plan(result)
+    assert best.parallel == result.fastest.plan.parallel
+    assert best.prediction.step_time_s == pytest.approx(result.fastest.measured_s, rel=0.02)
+
+
+def test_refit_with_nothing_measured_is_none():
+    model, cluster, training = _workload()
+    plan = select_candidates(model, cluster, training, top=1, diverse=0, kernels="torch")[0].plan
+    assert refit(cluster, [Candidate(plan=plan, why="x", error="interrupted")]) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["tune", "--model", "tiny-gpt"], "autoplan tune needs a workload: missing --cluster, --global-batch"),
+    (["tune", "--model", "tiny-gpt", "--cluster", "local-cpu", "--global-batch", "8", "--steps", "1"],
+     "--steps must be at least 2"),
+    (["tune", "--model", "tiny-gpt", "--cluster", "local-cpu", "--global-batch", "8", "--bench", "/nonexistent"],
+     "no micro-benchmark file"),
+])
+def test_bad_input_is_one_line(argv, message, capsys, monkeypatch):
+    import autoplan.tune.core as core
+
+    monkeypatch.setattr(core, "run_candidate", lambda *a, **k: pytest.fail("must fail before running"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "fix:" in err, err
+
+
+def _fake_runs(monkeypatch, *, interrupt_at: int | None = None, wall_s: float = 1.0):
+    """Replace the torchrun launch by a stand-in measuring 3x the prediction (the real one is
+    test_tune_real.py); raise KeyboardInterrupt at launch number `interrupt_at`."""
+    import autoplan.tune.core as core
+
+    calls = []
+
+    def fake(c, workdir, **kw):
+        calls.append(c.config)
+        if interrupt_at is not None and len(calls) == interrupt_at:
+            c.error = "interrupted"
+            raise KeyboardInterrupt
+        c.measured_s, c.wall_s = 3.0 * c.predicted_before_s, wall_s
+
+    monkeypatch.setattr(core, "run_candidate", fake)
+    return calls
+
+
+def test_ctrl_c_keeps_what_was_measured(monkeypatch):
+    from autoplan.tune.core import tune
+
+    calls = _fake_runs(monkeypatch, interrupt_at=3)
+    model, cluster, training = _workload()
+    res = tune(model, cluster, training, top=2, diverse=2, steps=3, kernels="torch")
+    assert res.interrupted and len(calls) == 3
+    assert len(res.measured) == 2 and res.fit is not None and res.fastest in res.measured
+    assert [c.error for c in res.candidates[2:]] == ["interrupted", "not run: interrupted"]
+
+
+def test_budget_stops_launching(monkeypatch):
+    from autoplan.tune.core import tune
+
+    calls = _fake_runs(monkeypatch, wall_s=50.0)
+    model, cluster, training = _workload()
+    res = tune(model, cluster, training, top=2, diverse=2, steps=3, budget_s=40.0, kernels="torch")
+    # two always run; the third would end past the budget (judged by the longest run so far, 50 s)
+    assert len(calls) == 2 and not res.interrupted
+    assert all(c.error == "skipped: over --budget" for c in res.candidates[2:])

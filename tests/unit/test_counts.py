@@ -1,0 +1,76 @@
+"""The cost model's per-rank counts (cost_models.counts) as data: conventions that hold without running anything,
+and the plan's record of runtime semantics. Agreement with the runtime is tests/dist/test_counts.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoplan.api import make_plan
+from autoplan.counts import counts_of_plan
+from autoplan.plan import load_plan
+from autoplan.specs import TrainingSpec, load_cluster, load_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _plan(cfg: str, model: str = "tiny-gpt", gpus: int = 4):
+    return make_plan(load_model(model), load_cluster("local-cpu").with_gpus(gpus),
+                     TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32"), cfg, kernels="torch")
+
+
+def test_flops_by_phase_follow_the_layout():
+    base = counts_of_plan(_plan("dp=4"))[0]["flops"]
+    assert base["backward"] > 2 * base["forward"] and base["recompute"] == 0  # SDPA backward is 2.5x
+    sel = counts_of_plan(_plan("dp=4,recompute=selective"))[0]["flops"]
+    full = counts_of_plan(_plan("dp=4,recompute=full"))[0]["flops"]
+    assert 0 < sel["recompute"] < full["recompute"] < full["forward"]
+    tp = counts_of_plan(_plan("dp=2,tp=2"))[0]["flops"]
+    assert tp["forward"] == pytest.approx(base["forward"] * 2 / 2)  # twice the tokens, half of every GEMM
+    pp = counts_of_plan(_plan("pp=2,dp=2"))
+    assert sum(r["flops"]["forward"] for r in pp) == pytest.approx(2 * base["forward"])  # dp=2: 2x per replica
+
+
+def test_collectives_by_mesh_dimension():
+    def comm(cfg):
+        return {(c["collective"], c["mesh_dim"]): c for c in counts_of_plan(_plan(cfg))[0]["comm"]}
+
+    assert set(comm("dp=4")) == {("all_reduce", "dp")}
+    z2, z3 = comm("dp=4,zero=2"), comm("dp=4,zero=3")
+    assert z3[("all_gather", "dp")]["bytes"] == 2 * z2[("all_gather", "dp")]["bytes"]  # forward and backward
+    assert {("reduce_scatter", "tp"), ("all_gather", "tp")} <= set(comm("dp=2,tp=2,sp=1"))
+    assert {("send", "pp"), ("recv", "pp")} <= set(comm("pp=2,dp=2"))
+    assert {("all_gather", "cp"), ("all_to_all", "cp")} <= set(comm("cp=2,dp=2"))
+
+
+def test_memory_categories_add_up_and_zero_under_pp_is_priced_as_run():
+    for cfg in ("dp=4", "dp=4,zero=3", "pp=2,dp=2,zero=2"):
+        for r in counts_of_plan(_plan(cfg)):
+            m = r["memory_bytes"]
+            assert m["peak"] == pytest.approx(sum(v for k, v in m.items() if k != "peak"), abs=8)
+    flat, piped = _plan("dp=4,zero=2"), _plan("pp=2,dp=2,zero=2")
+    assert "zero" in piped.runtime_semantics and "zero" not in flat.runtime_semantics
+    # whole gradients under pp (the schedule defers the reduce-scatter), sharded without
+    g_pp = piped.prediction.memory_breakdown[0].gradients
+    w_pp = piped.prediction.memory_breakdown[0].weights
+    assert g_pp == pytest.approx(w_pp)
+    assert flat.prediction.memory_breakdown[0].gradients < flat.prediction.memory_breakdown[0].weights / 2
+
+
+def test_plans_without_runtime_semantics_keep_their_hash(tmp_path):
+    plan = _plan("dp=4")
+    assert plan.runtime_semantics == {}
+    body = json.loads(plan.to_json())
+    body.pop("runtime_semantics")  # a plan written before the field existed
+    (tmp_path / "old.json").write_text(json.dumps(body))
+    assert load_plan(tmp_path / "old.json").content_hash == plan.content_hash
+
+
+def test_counts_need_no_torch():
+    code = ("import sys; from autoplan.counts import counts_of_plan; from autoplan.plan import load_plan; "
+            "import autoplan.inspect.counts_view; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
