@@ -125,6 +125,12 @@ def console(width: int | None = None):
 
 
 def print_json(obj) -> None:
+    """Every JSON object autoplan prints carries the plan's `schema_version` (one vocabulary: the plan's
+    field names)."""
+    if isinstance(obj, dict) and "schema_version" not in obj:
+        from .plan import SCHEMA_VERSION
+
+        obj = {"schema_version": SCHEMA_VERSION, **obj}
     print(json.dumps(obj, indent=1, default=float))
 
 
@@ -184,22 +190,20 @@ def cmd_models(args: argparse.Namespace) -> int:
     rows = []
     for m in MODEL_PRESETS.values():
         params = sum(p.params for p in profile_from_spec(m))
+        # the model spec's own field names (one vocabulary with plans and spec files)
         rows.append({"name": m.name, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
-                     "heads": m.num_attention_heads, "kv_heads": m.kv_heads, "ffn": m.ffn, "vocab": m.vocab_size,
-                     "seq": m.max_seq_length, "num_parameters": params,
-                     "moe": f"{m.moe.num_experts}x top-{m.moe.top_k}" if m.moe else ""})
+                     "num_attention_heads": m.num_attention_heads, "num_kv_heads": m.kv_heads,
+                     "ffn_hidden_size": m.ffn, "vocab_size": m.vocab_size, "max_seq_length": m.max_seq_length,
+                     "num_parameters": params, "moe": m.moe.model_dump() if m.moe else None})
     if args.json:
         print_json(rows)
         return 0
-    from rich.table import Table
-
-    t = Table(title="Model presets")
-    for c in ("name", "params", "layers", "hidden", "heads/kv", "ffn", "vocab", "seq", "moe"):
-        t.add_column(c, justify="left" if c in ("name", "moe") else "right")
-    for r in rows:
-        t.add_row(r["name"], _human(r["num_parameters"]), str(r["num_layers"]), str(r["hidden_size"]),
-                  f"{r['heads']}/{r['kv_heads']}", str(r["ffn"]), str(r["vocab"]), str(r["seq"]), r["moe"])
-    console().print(t)
+    cells = [[r["name"], _human(r["num_parameters"]), str(r["num_layers"]), str(r["hidden_size"]),
+              f"{r['num_attention_heads']}/{r['num_kv_heads']}", str(r["ffn_hidden_size"]),
+              str(r["vocab_size"]), str(r["max_seq_length"]), f"{m.moe.num_experts}x top-{m.moe.top_k}" if m.moe else ""]
+             for r, m in zip(rows, MODEL_PRESETS.values())]
+    console().print(_table("Model presets", ("name", "params", "layers", "hidden", "heads\n/kv", "ffn", "vocab",
+                                             "seq", "moe"), cells))
     return 0
 
 
@@ -215,16 +219,28 @@ def cmd_clusters(args: argparse.Namespace) -> int:
     if args.json:
         print_json(rows)
         return 0
+    cells = [[r["name"], r["gpu"], str(r["gpus_per_node"]), str(r["num_nodes"]), f"{r['peak_bf16_tflops']:g}",
+              f"{r['hbm_gib']:g}", f"{r['hbm_gbps']:g}", f"{r['intra_node_gbps']:g}", f"{r['inter_node_gbps']:g}"]
+             for r in rows]
+    console().print(_table("Cluster presets (bandwidth per GPU per direction)",
+                           ("name", "gpu", "GPUs/\nnode", "nodes", "bf16\nTF/s", "HBM\nGiB", "HBM\nGB/s",
+                            "intra\nGB/s", "inter\nGB/s"), cells))
+    return 0
+
+
+def _table(title: str, columns: tuple[str, ...], cells: list[list[str]]):
+    """A compact rich table whose cells are never cut or folded: each column is as wide as its widest cell
+    (headers wrap instead), so the names users type stay whole at 80 columns."""
     from rich.table import Table
 
-    t = Table(title="Cluster presets (bandwidth per GPU per direction)")
-    for c in ("name", "gpu", "GPUs/node", "nodes", "bf16 TF/s", "HBM GiB", "HBM GB/s", "intra GB/s", "inter GB/s"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(r["name"], r["gpu"], str(r["gpus_per_node"]), str(r["num_nodes"]), str(r["peak_bf16_tflops"]),
-                  str(r["hbm_gib"]), str(r["hbm_gbps"]), str(r["intra_node_gbps"]), str(r["inter_node_gbps"]))
-    console().print(t)
-    return 0
+    t = Table(title=title, box=None, padding=(0, 1), pad_edge=False, header_style="bold")
+    for k, c in enumerate(columns):
+        width = max([len(row[k]) for row in cells] + [len(line) for line in c.split("\n")])
+        t.add_column(c, justify="left" if k == 0 or c in ("gpu", "moe") else "right", no_wrap=True,
+                     min_width=width)
+    for row in cells:
+        t.add_row(*row)
+    return t
 
 
 def cmd_stacks(args: argparse.Namespace) -> int:
@@ -293,8 +309,9 @@ def _human(n: float) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="autoplan", description="Plan and run parallel transformer training.")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _JsonArgumentParser(prog="autoplan", description="Plan and run parallel transformer training.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_JsonArgumentParser,
+                            help="run `autoplan COMMAND --help` for one command's options")
 
     p = sub.add_parser("estimate", help="predict one fixed parallel configuration")
     add_workload_args(p)
@@ -325,15 +342,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_schema)
 
     p = sub.add_parser("inspect-model", help="capture a model and show its layers")
-    p.add_argument("model")
-    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("model", help="preset name, spec file, HF config.json or module:factory")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: model max)")
     add_json(p)
     p.set_defaults(func=cmd_inspect_model)
 
     p = sub.add_parser("calibrate", help="measure this machine and write a cluster spec")
     p.add_argument("-o", "--output", help="cluster YAML to write")
     p.add_argument("--nproc", type=int, default=4, help="processes (GPUs) per node to measure with")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="precision of the measured matmuls (default fp32)")
     p.add_argument("--bench-out", default=None, metavar="FILE",
                    help="also run micro-benchmarks (GEMMs, collectives per level) into FILE for `tune --bench`")
     p.add_argument("--model", default=None, help="with --bench-out: time the GEMMs at this model's shapes")
@@ -356,12 +374,44 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # that part is not built yet
             raise
         module.register(sub)
+    for name, p in sub.choices.items():  # `autoplan CMD --help` opens with what CMD is for
+        if not p.description:
+            p.description = next((a.help for a in sub._choices_actions if a.dest == name), None)
     return ap
+
+
+def _fail(args_json: bool, kind: str, message: str, fix: str, code: int = 2) -> int:
+    """One line on stderr, or under --json one object {"error", "fix"} on stdout; nonzero exit."""
+    if args_json:
+        from .plan import SCHEMA_VERSION
+
+        print(json.dumps({"schema_version": SCHEMA_VERSION, "error": f"{kind}: {message}", "fix": fix}))
+    else:
+        print(f"autoplan: {kind}: {message}" + (f". fix: {fix}" if fix else ""), file=sys.stderr)
+    return code
+
+
+class _JsonArgumentParser(argparse.ArgumentParser):
+    """Usage errors as JSON when --json is on the command line."""
+
+    def error(self, message: str):  # noqa: D401
+        if "--json" in sys.argv[1:] or getattr(self, "_json_wanted", False):
+            raise SystemExit(_fail(True, "usage", f"{self.prog}: {message}", f"see `{self.prog} --help`"))
+        super().error(message)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
+    try:  # shell completion: `eval "$(register-python-argcomplete autoplan)"` (pip install argcomplete)
+        import argcomplete
+
+        argcomplete.autocomplete(ap)
+    except ImportError:
+        pass
     argv = list(sys.argv[1:] if argv is None else argv)
+    want_json = "--json" in argv[:argv.index("--")] if "--" in argv else "--json" in argv
+    for p in [ap, *next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices.values()]:
+        p._json_wanted = want_json
     extra: list[str] = []
     if "--" in argv:  # everything after `--` belongs to the launched program (`autoplan run`)
         i = argv.index("--")
@@ -373,8 +423,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except AutoplanError as e:
+        if want_json:
+            msg = e.rule + (f": {e.detail}" if e.detail else "")
+            return _fail(True, e.kind, msg, e.hint or "")
         print(f"autoplan: {e.kind}: {e.one_line()}", file=sys.stderr)
         return 2
+    except OSError as e:  # an unwritable -o/--plot/--log, a missing input file: one line, never a traceback
+        if isinstance(e, BrokenPipeError):
+            return 0
+        where = f" {e.filename}" if getattr(e, "filename", None) else ""
+        return _fail(want_json, "io error", f"{e.strerror or e}:{where}",
+                     "check the path exists and is writable (or choose another with -o)")
     except KeyboardInterrupt:
         print("autoplan: interrupted", file=sys.stderr)
         return 130

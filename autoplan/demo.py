@@ -18,6 +18,7 @@ from pathlib import Path
 
 from autoplan.cost_models.specs import TrainingSpec
 
+from .plan import SCHEMA_VERSION
 from .specs import load_cluster, load_model
 
 
@@ -32,7 +33,9 @@ def _runtime_available() -> bool:
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    con = Console()
+    as_json = getattr(args, "json", False)
+    con = Console(stderr=as_json)  # under --json the story goes to stderr and one JSON object to stdout
+    summary: dict = {}
     con.rule("[bold]1. Plan GPT-3 175B on 1,024 A100-80GB (batch 1536 x 2048)")
     model = load_model("gpt3-175b")
     cluster = load_cluster("dgx-a100-80g", gpus=1024)
@@ -43,6 +46,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
         result = search(model, cluster, training, top=5)
         render_search(con, result, model, cluster, training, None)
+        summary["gpt3_175b"] = _plan_summary(result.plan)
     else:
         from .estimate_api import estimate_config
         from .report import render_estimate
@@ -70,18 +74,22 @@ def run_demo(args: argparse.Namespace) -> int:
     con.print(f"plan {short_config(plan.parallel)} ({plan.short_hash}), written to {plan_path}")
     con.print(f"predicted step time {plan.prediction.step_time_s:.4f} s, peak memory "
               f"{plan.prediction.memory_gib['peak']:.3f} GiB per process")
+    summary["tiny"] = {**_plan_summary(plan), "plan_file": str(plan_path)}
     if args.no_run:
-        return 0
+        return _done(summary, as_json)
     if not _runtime_available():
         con.print("[yellow]runtime not installed in this build; skipping the training run[/]")
-        return 0
+        return _done(summary, as_json)
     log = out / "train.jsonl"
     cmd = [sys.executable, "-m", "autoplan.cli", "run", str(plan_path), "--nproc-per-node",
            str(plan.world_size), "--", "--steps", "20", "--lr", "3e-3", "--log", str(log)]
     con.print("$ autoplan " + " ".join(cmd[3:]))
-    rc = subprocess.call(cmd)
+    rc = subprocess.call(cmd, stdout=sys.stderr if as_json else None)
     if rc != 0:
         con.print(f"[red]training exited with status {rc}[/]")
+        if as_json:
+            print(json.dumps({"schema_version": SCHEMA_VERSION, "error": f"training exited with status {rc}",
+                              "fix": "run the printed `autoplan run` command to see its output"}))
         return rc
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     steady = rows[1:] or rows
@@ -91,4 +99,18 @@ def run_demo(args: argparse.Namespace) -> int:
               "(median after the first step)")
     con.print(f"measured / predicted = {measured / plan.prediction.step_time_s:.2f} (local-cpu: 4 processes share "
               "2 cores; host overheads of DTensor and hooks are not modelled)")
+    summary["tiny"].update(steps=len(rows), loss_first=rows[0]["loss"], loss_last=rows[-1]["loss"],
+                           measured_step_time_s=measured)
+    return _done(summary, as_json)
+
+
+def _plan_summary(plan) -> dict:
+    return {"plan": plan.short_hash, "parallel": plan.parallel.as_dict(),
+            "step_time_s": plan.prediction.step_time_s, "mfu": plan.prediction.mfu,
+            "memory_gib": plan.prediction.memory_gib}
+
+
+def _done(summary: dict, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"schema_version": SCHEMA_VERSION, **summary}, indent=1, default=float))
     return 0

@@ -24,7 +24,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("codegen", help="emit each pipeline stage's program as readable source")
-    p.add_argument("plan")
+    p.add_argument("plan", help="plan file (from `autoplan search -o`)")
     p.add_argument("-o", "--output", required=True, help="directory to write")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_codegen)

@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log", "--log-file", dest="log", default=None,
                     help="JSON-lines metrics file (rank 0). Under torchrun write --log-file, or put the training "
                          "arguments after `--`: torchrun itself rejects --log as an abbreviation of --log-dir")
+    ap.add_argument("--tensorboard", default=None, metavar="DIR",
+                    help="also write the log's metrics, measured MFU and timestamps to TensorBoard (rank 0)")
     ap.add_argument("--seed", type=int, default=0, help="weights and synthetic data")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--warmup", type=int, default=0, help="linear warm-up steps")
@@ -269,7 +271,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
     from .measure import StepMemory, memory_step, profile_record
 
     rank = dist.get_rank()
-    log = None
+    log = tb = None
     stop = faults.StopFlag()
     try:
         dims.build_mesh()
@@ -295,6 +297,10 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                     print(f"note: the checkpoint was trained on {saved}, this run reads {data_desc}", flush=True)
         if rank == 0:
             log = _open_log_and_record_restart(args, start, resume_path)
+        if rank == 0 and args.tensorboard:
+            from .tensorboard_log import TensorBoardLog
+
+            tb = TensorBoardLog(args.tensorboard, plan)
         if rank == 0 and not args.quiet:
             print(f"plan {plan.short_hash}: {plan.model.name}, {plan.parallel.to_string()}, {dims.describe()}, "
                   f"{trainer.n_micro} micro-batches of {trainer.mbs}, {device.type}", flush=True)
@@ -351,6 +357,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                 if nonfinite:
                     rec["skipped"] = nonfinite
                 _report_step(args, log, rec, predicted, spikes, profile)
+                if tb:
+                    tb.write(rec)
             heartbeat.beat(step + 1)
             faults.maybe_inject_fault(rank, step + 1)
             signum = stop.agreed(device) if dims.world_size > 1 else stop.signum
@@ -370,6 +378,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
             args.heartbeat.close()
         if log:
             log.close()
+        if tb:
+            tb.close()
 
 
 def _my_peak(profile: dict, rank: int) -> float:

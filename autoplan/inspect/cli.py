@@ -90,6 +90,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
     summary = {"output": str(out), "events": len(trace["traceEvents"]),
                "step_time_s": trace["otherData"]["step_time_s"],
                "slices_per_rank": {str(k): v for k, v in sorted(counts.items())}}
+    if args.plot:
+        from .plots import plot_schedule
+
+        summary["plot"] = str(plot_schedule(plan, args.plot))
     if args.json:
         print_json(summary)
     else:
@@ -100,12 +104,39 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_export(plan, d: dict, fmt: str) -> str:
+    """'accepted by ...', 'refused by ...: why' or 'not checked: ...' (the framework is not importable)."""
+    from . import export_check as ec
+    from .export import megatron_arch
+
+    try:
+        if fmt == "megatron":
+            try:
+                err, who = ec.check_megatron(d["args"], plan.cluster.num_gpus, d["env"], megatron_arch(plan)), \
+                    "Megatron-LM validate_args"
+            except ec.FrameworkUnavailable:
+                err, who = ec.check_megatron_core(d), "megatron.core TransformerConfig"
+        elif d["version"] != "0.3":
+            return "not checked: only torchtitan >= 0.3 can be loaded here"
+        else:
+            err, who = ec.check_torchtitan(plan), "torchtitan ConfigManager"
+    except ec.FrameworkUnavailable as e:
+        return f"not checked: {e}"
+    return f"accepted by {who}" if err is None else f"refused by {who}: {err}"
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_megatron, export_torchtitan
 
     plan = _plan(args.plan)
-    d = export_megatron(plan) if args.format == "megatron" else export_torchtitan(plan)
-    text = d["command"] + "\n" if args.format == "megatron" else d["toml"]
+    if args.format == "megatron":
+        d = export_megatron(plan)
+        text = d["command"] + "\n"
+    else:
+        d = export_torchtitan(plan, args.torchtitan_version)
+        text = d["text"]
+    if args.check:
+        d["check"] = _check_export(plan, d, args.format)
     if args.output:
         Path(args.output).write_text(text)
     if args.json:
@@ -117,6 +148,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"wrote {args.output}")
     for w in d["warnings"]:
         print(f"autoplan: warning: {w}", file=sys.stderr)
+    if args.check:
+        print(f"autoplan: check: {d['check']}", file=sys.stderr)
+        if d["check"].startswith("refused"):
+            return 1
     return 0
 
 
@@ -159,7 +194,7 @@ def cmd_scaling(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("show", help="show a plan: mesh, stages, memory, step time, runners-up")
-    p.add_argument("plan")
+    p.add_argument("plan", help="plan file (from `autoplan search -o` or `estimate -o`)")
     p.add_argument("--timeline", action="store_true", help="also print the step x rank grid of the schedule")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches in the timeline (default 2*pp)")
     add_stack_args(p)
@@ -167,26 +202,34 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("compare", help="compare two plans: what differs and what it costs")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", help="first plan file")
+    p.add_argument("b", help="second plan file")
     add_json(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("explain", help="why this plan: bottleneck, neighbouring choices, what rules them out")
-    p.add_argument("plan")
+    p.add_argument("plan", help="plan file (from `autoplan search -o` or `estimate -o`)")
     p.add_argument("--why-not", metavar="CONFIG", help='a configuration you had in mind, e.g. "tp=4,pp=16"')
     add_json(p)
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("trace", help="write the simulated schedule as a Chrome/Perfetto trace")
-    p.add_argument("plan")
+    p.add_argument("plan", help="plan file (from `autoplan search -o` or `estimate -o`)")
     p.add_argument("-o", "--output", default="trace.json", help="trace file (default trace.json)")
+    p.add_argument("--plot", metavar="FILE", help="also draw the schedule into FILE (.png, .svg or .pdf)")
     add_json(p)
     p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("export", help="Megatron-LM flags or a torchtitan config for a plan")
-    p.add_argument("plan")
-    p.add_argument("--format", choices=["megatron", "torchtitan"], default="megatron")
+    p.add_argument("plan", help="plan file (from `autoplan search -o` or `estimate -o`)")
+    p.add_argument("--format", choices=["megatron", "torchtitan"], default="megatron",
+                   help="target framework (default megatron)")
+    p.add_argument("--torchtitan-version", choices=["0.3", "0.2"], default="0.3",
+                   help="torchtitan config form: 0.3 a Python config module (--module/--config), "
+                        "0.2 a TOML file (--job.config_file)")
+    p.add_argument("--check", action="store_true",
+                   help="load the export with the framework's own argument/config code when it is importable "
+                        "(Megatron-LM via $MEGATRON_LM or megatron-core; torchtitan); exit 1 if refused")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     add_json(p)
     p.set_defaults(func=cmd_export)
@@ -195,6 +238,6 @@ def register(sub) -> None:
     add_workload_args(p)
     p.add_argument("--gpus", required=True, help="comma-separated GPU counts, e.g. 64,128,256")
     p.add_argument("--fix", action="append", metavar="KEY=VAL", help="pin part of the configuration (repeatable)")
-    p.add_argument("--plot", metavar="PNG", help="also draw tokens/s against GPUs into this PNG file")
+    p.add_argument("--plot", metavar="FILE", help="also draw tokens/s against GPUs into FILE (.png, .svg or .pdf)")
     add_json(p)
     p.set_defaults(func=cmd_scaling)

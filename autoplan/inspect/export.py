@@ -34,8 +34,6 @@ def _megatron_layout(plan: Plan, warnings: list[str]) -> list[tuple[str, object]
         if cfg.vp > 1:
             flags.append(("--num-layers-per-virtual-pipeline-stage", sizes[0]))
         return flags
-    if cfg.vp > 1:
-        flags.append(("--num-virtual-stages-per-pipeline-rank", cfg.vp))
     per_rank = _layers_per_rank(plan)
     first, last, middle = per_rank[0], per_rank[-1], per_rank[1:-1]
     mid_sizes = {n for r in middle for n in r}
@@ -45,21 +43,27 @@ def _megatron_layout(plan: Plan, warnings: list[str]) -> list[tuple[str, object]
         mid = next(iter(mid_sizes)) if mid_sizes else None
         # Megatron splits the first/last pipeline rank's layers evenly over its virtual stages and the rest
         # evenly over the middle ranks (get_transformer_layer_offset).
+        if cfg.vp > 1:
+            flags.append(("--num-virtual-stages-per-pipeline-rank", cfg.vp))
         if mid is None or first[0] != mid:
             flags.append(("--decoder-first-pipeline-num-layers", sum(first)))
         if mid is None or last[0] != mid:
             flags.append(("--decoder-last-pipeline-num-layers", sum(last)))
         return flags
-    # Not first/last-uneven: Megatron-Core's explicit layout string (E embedding, t layer, L loss, | stage).
-    parts = []
-    for s in plan.stages:
-        p = ("E" if s.has_embedding else "") + "t" * s.num_layers + ("L" if s.has_head else "")
-        parts.append(p)
+    # Not first/last-uneven: Megatron-Core's explicit layout string alone (it implies the virtual stage count;
+    # Megatron refuses it beside --num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-...).
     # The plan's own (compact, same grammar) layout string when it has one.
-    flags.append(("--pipeline-model-parallel-layout", cfg.layout or "|".join(parts)))
+    flags.append(("--pipeline-model-parallel-layout", cfg.layout or megatron_layout_string(plan)))
     warnings.append("the stage layout is not uneven only at the first/last pipeline rank; exported as "
                     "--pipeline-model-parallel-layout (Megatron-Core >= 0.13), stages in model order")
     return flags
+
+
+def megatron_layout_string(plan: Plan) -> str:
+    """Megatron-Core's layout string for the plan's stages in model order: E embedding, t a transformer layer,
+    L the loss/head, | between virtual stages (megatron/core/transformer/pipeline_parallel_layer_layout.py)."""
+    return "|".join(("E" if s.has_embedding else "") + "t" * s.num_layers + ("L" if s.has_head else "")
+                    for s in plan.stages)
 
 
 def _megatron_recompute(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]:
@@ -116,7 +120,44 @@ def _megatron_model(plan: Plan) -> list[tuple[str, object]]:
             f.append(("--moe-ffn-hidden-size", m.moe.expert_ffn_hidden_size))
         if m.moe.every_n_layers > 1:
             f.append(("--moe-layer-freq", m.moe.every_n_layers))
+        # The cost model prices expert routing as all-to-all (cost_models/comm.py); Megatron's default differs.
+        f.append(("--moe-token-dispatcher-type", "alltoall"))
     return f
+
+
+def _megatron_sharding(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]:
+    """ZeRO stage -> Megatron's optimizer/FSDP flags."""
+    zero = plan.parallel.zero
+    if zero == 0:
+        return []
+    if zero == 3:
+        # Megatron-FSDP shards parameters, gradients and optimizer state (optim_grads_params); Torch-FSDP2 in
+        # Megatron refuses expert parallelism and the distributed optimizer, Megatron-FSDP takes both.
+        return [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads_params"),
+                ("--use-distributed-optimizer", None), ("--ckpt-format", "fsdp_dtensor")]
+    if zero == 2:
+        warnings.append("zero=2: Megatron's distributed optimizer shards optimizer state and reduce-scatters "
+                        "gradients, but keeps the full gradient buffer (the plan assumed it sharded)")
+    return [("--use-distributed-optimizer", None)]
+
+
+# Megatron-LM's validate_args: with tensor or context parallelism on GPUs before Blackwell (compute capability
+# < 10) the launch must set CUDA_DEVICE_MAX_CONNECTIONS=1 so communication kernels are scheduled in order;
+# (Megatron-)FSDP refuses that value.
+_ARCH_MAJOR = {"a100-40g": 8, "a100-80g": 8, "h100-sxm": 9, "h200": 9, "b200": 10}
+
+
+def megatron_arch(plan: Plan) -> int:
+    """The cluster GPU's compute-capability major (9, Hopper, for an inline GPU table)."""
+    return _ARCH_MAJOR.get(plan.cluster.gpu.name, 9)
+
+
+def megatron_env(plan: Plan) -> dict[str, str]:
+    cfg = plan.parallel
+    arch = megatron_arch(plan)
+    if (cfg.tp > 1 or cfg.cp > 1) and cfg.zero < 3 and arch < 10:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
 
 
 def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
@@ -136,15 +177,7 @@ def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
         f.append(("--expert-model-parallel-size", cfg.ep))
     f += [("--micro-batch-size", cfg.mbs), ("--global-batch-size", tr.global_batch_size)]
     f += _megatron_recompute(plan, warnings)
-    if cfg.zero >= 1:
-        f.append(("--use-distributed-optimizer", None))
-    if cfg.zero == 2:
-        warnings.append("zero=2: Megatron's distributed optimizer shards optimizer state and reduce-scatters "
-                        "gradients, but keeps the full gradient buffer (the plan assumed it sharded)")
-    if cfg.zero == 3:
-        f += [("--use-torch-fsdp2", None), ("--ckpt-format", "torch_dist")]
-        warnings.append("zero=3 is exported as Megatron's FSDP2 path (--use-torch-fsdp2); check that your "
-                        "Megatron-LM version supports it together with the other flags")
+    f += _megatron_sharding(plan, warnings)
     if cfg.schedule == "gpipe" and cfg.pp > 1:
         warnings.append("Megatron-LM has no GPipe schedule; it will run 1F1B (less activation memory)")
     if tr.dtype == "bf16":
@@ -153,13 +186,19 @@ def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
         f.append(("--fp16", None))
     elif tr.dtype == "fp8":
         f += [("--bf16", None), ("--fp8-format", "hybrid")]
-    if tr.grad_reduce_dtype == "fp32" and tr.dtype != "fp32":
-        f.append(("--accumulate-allreduce-grads-in-fp32", None))
-    if tr.flash_attention:
-        f.append(("--use-flash-attn", None))
+    # What the plan's cost assumed, stated rather than left to Megatron's defaults: gradients reduced in the
+    # training dtype unless the plan says fp32 (Megatron reduces its fp32 main grads unless
+    # --grad-reduce-in-bf16), the attention kernel, and (below) the MoE dispatcher.
+    reduce = tr.grad_reduce_dtype or ("bf16" if tr.dtype == "fp8" else tr.dtype)
+    if reduce == "bf16":
+        f.append(("--grad-reduce-in-bf16", None))
+    elif reduce == "fp16":
+        warnings.append("the plan reduces gradients in fp16; Megatron has no fp16 gradient reduce: it reduces "
+                        "the fp32 main grads (twice the data-parallel bytes the plan assumed)")
+    f.append(("--attention-backend", "flash" if tr.flash_attention else "unfused"))
     if tr.overlap_grad_reduce and (cfg.dp or 1) * cfg.cp > 1:
         f.append(("--overlap-grad-reduce", None))
-    if tr.overlap_param_gather and cfg.zero >= 1:
+    if tr.overlap_param_gather and cfg.zero in (1, 2):
         f.append(("--overlap-param-gather", None))
     if tr.tp_comm_overlap and cfg.tp > 1:
         f.append(("--tp-comm-overlap", None))
@@ -181,59 +220,109 @@ def export_megatron(plan: Plan, script: str = "pretrain_gpt.py") -> dict:
         if v is not None:
             args.append(_fmt(v))
     cl = plan.cluster
-    launch = f"torchrun --nnodes {cl.num_nodes} --nproc-per-node {cl.gpus_per_node} {script}"
+    env = megatron_env(plan)
+    launch = "".join(f"{k}={v} " for k, v in env.items())
+    launch += f"torchrun --nnodes {cl.num_nodes} --nproc-per-node {cl.gpus_per_node} {script}"
     lines = [launch]
     for k, v in flags:
         lines.append(f"    {k}" + ("" if v is None else f" {shlex.quote(_fmt(v))}"))
     command = " \\\n".join(lines)
     return {"format": "megatron", "plan": plan.short_hash, "args": args,
             "flags": {k: (True if v is None else v) for k, v in flags},
-            "launch": {"nnodes": cl.num_nodes, "nproc_per_node": cl.gpus_per_node},
+            "launch": {"nnodes": cl.num_nodes, "nproc_per_node": cl.gpus_per_node}, "env": env,
             "command": command, "warnings": warnings}
 
 
 # -------------------------------------------------------------------------------------------- torchtitan
+#
+# torchtitan >= 0.3 configures a run with Python: `--module M --config F` calls the function F of M (or of
+# M.config_registry), which returns a `Trainer.Config`; there is no TOML file any more. 0.2.x read a TOML file
+# (`--job.config_file`). Both are exported from the same settings; `version` picks the form.
 
-# torchtitan's registered Llama 3 flavours (torchtitan/models/llama3/__init__.py).
-_TITAN_FLAVOURS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B"),
-                   "llama3-405b": ("llama3", "405B")}
-_TITAN_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32", "fp8": "bfloat16"}
+TORCHTITAN_VERSIONS = ("0.3", "0.2")
+
+# torchtitan's registered Llama 3 trainer configs (torchtitan/models/llama3/config_registry.py) and the
+# model flavours behind them (torchtitan/models/llama3/__init__.py).
+_TITAN_CONFIGS = {"llama3-8b": ("llama3", "llama3_8b", "8B"), "llama3-70b": ("llama3", "llama3_70b", "70B"),
+                  "llama3-405b": ("llama3", "llama3_405b", "405B")}
+# TrainingConfig.mixed_precision_param is Literal["bfloat16", "float32"]; mixed_precision_reduce is
+# Literal["float32"] (torchtitan/config/configs.py, 0.2.2 and 0.3.0).
+_TITAN_PARAM_DTYPE = {"bf16": "bfloat16", "fp32": "float32", "tf32": "float32", "fp16": "bfloat16",
+                      "fp8": "bfloat16"}
+_TITAN_SCHEDULE = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}
 
 
-def _toml_value(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return str(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{s}"'
+def _titan_stage_layout(plan: Plan, head: str) -> dict[str, object]:
+    """The plan's pipeline stages as torchtitan counts them. torchtitan treats the embedding and the output
+    head as `first/last_stage_less_layers` extra layers (distributed/pipeline_parallel.py
+    _generate_llm_fqn_per_model_part): with k layers in every middle stage, stage 0 holding n0 and the last
+    nL, layers_per_stage=k with first/last less layers k-n0 and k-nL reproduces the plan exactly. Other
+    layouts are given as explicit module lists per stage."""
+    sizes = [s.num_layers for s in plan.stages]
+    middle = set(sizes[1:-1]) or {max(sizes)}
+    if len(middle) == 1:
+        k = next(iter(middle))
+        if sizes[0] <= k and sizes[-1] <= k:
+            return {"pipeline_parallel_layers_per_stage": k, "pipeline_parallel_first_stage_less_layers": k - sizes[0],
+                    "pipeline_parallel_last_stage_less_layers": k - sizes[-1]}
+    return {"module_fqns_per_model_part": _titan_stage_layout_explicit(plan, head)}
 
 
-def torchtitan_config(plan: Plan) -> tuple[dict[str, dict], list[str], list[str]]:
-    """(sections, warnings, comment lines)."""
+def _titan_recompute(plan: Plan, warnings: list[str]) -> str:
+    """'none' | 'selective' | 'full' for the whole model (torchtitan applies one policy to every block)."""
+    modes = {s.recompute for s in plan.stages}
+    if modes == {"none"}:
+        return "none"
+    if "full" in modes:
+        full = [s for s in plan.stages if s.recompute == "full"]
+        if len(modes) > 1:
+            warnings.append(f"stages recompute differently ({', '.join(sorted(modes))}); torchtitan applies one "
+                            "policy to all blocks: exported full recomputation everywhere")
+        elif not all(s.recompute_layers >= s.num_layers for s in full):
+            frac = sum(s.recompute_layers for s in full) / sum(s.num_layers for s in full)
+            warnings.append(f"the plan recomputes {frac:.0%} of the layers in full; torchtitan cannot recompute "
+                            "only some blocks: exported full recomputation of every block (slower than planned)")
+        return "full"
+    return "selective"
+
+
+def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dict], list[str]]:
+    """torchtitan config sections (training, parallelism, activation_checkpoint, model) and warnings naming
+    everything the plan assumes that torchtitan cannot express."""
+    if version not in TORCHTITAN_VERSIONS:
+        from autoplan.cost_models.errors import SpecError
+
+        raise SpecError("unknown torchtitan version", f"got {version!r}",
+                        f"pass one of {', '.join(TORCHTITAN_VERSIONS)}")
     cfg, tr, m = plan.parallel, plan.training, plan.model
     dp = cfg.dp or 1
     warnings: list[str] = []
-    name, flavor = _TITAN_FLAVOURS.get(m.name, ("llama3", m.name))
-    if m.name not in _TITAN_FLAVOURS:
-        warnings.append(f"torchtitan has no flavour for {m.name}: register one with the shape in the header "
-                        f"comment (model.flavor = {m.name!r} is a placeholder)")
+    module, config_fn, flavor = _TITAN_CONFIGS.get(m.name, ("llama3", "llama3_8b", m.name))
+    if m.name not in _TITAN_CONFIGS:
+        warnings.append(f"torchtitan has no config for {m.name}: the export starts from {config_fn}; register a "
+                        "model flavour with the shape in the header comment and use it")
     if m.activation != "swiglu" or m.position != "rope" or m.norm != "rmsnorm":
         warnings.append(f"{m.name} is not a Llama-style model (activation={m.activation}, position={m.position}, "
                         f"norm={m.norm}); torchtitan's llama3 model will not reproduce it")
-    sections: dict[str, dict] = {}
-    sections["job"] = {"description": f"autoplan plan {plan.short_hash}: {m.name} on {plan.cluster.num_gpus} x "
-                                      f"{plan.cluster.gpu.name}"}
-    sections["model"] = {"name": name, "flavor": flavor}
     if m.moe is not None:
         warnings.append("MoE model: torchtitan's MoE models (deepseek_v3, llama4, qwen3) each route differently; "
                         "pick the one that matches and register the shape")
-    training = {"local_batch_size": tr.global_batch_size // dp, "global_batch_size": tr.global_batch_size,
-                "seq_len": tr.seq_length, "mixed_precision_param": _TITAN_DTYPE[tr.dtype],
-                "mixed_precision_reduce": _TITAN_DTYPE[tr.grad_reduce_dtype or tr.dtype]}
-    sections["training"] = training
+    # Batch: with pipelining one step runs all of a rank's micro-batches through the schedule, so the local
+    # batch is the rank's share of the global batch; without it torchtitan accumulates gradients over
+    # global / (local x dp) steps, so the local batch is the plan's micro-batch.
+    local = tr.global_batch_size // dp if cfg.pp > 1 else cfg.mbs
+    training: dict[str, object] = {"local_batch_size": local, "global_batch_size": tr.global_batch_size,
+                                   "seq_len": tr.seq_length, "mixed_precision_param": _TITAN_PARAM_DTYPE[tr.dtype],
+                                   "mixed_precision_reduce": "float32"}
+    if tr.dtype == "fp16":
+        warnings.append("torchtitan has no fp16 mixed precision: exported bfloat16")
+    if tr.dtype == "fp8":
+        warnings.append("fp8: torchtitan runs Float8 through a model converter (e.g. llama3_8b's float8 configs); "
+                        "exported bfloat16 parameters without it")
+    reduce = tr.grad_reduce_dtype or ("bf16" if tr.dtype == "fp8" else tr.dtype)
+    if reduce != "fp32" and tr.dtype != "fp32":
+        warnings.append(f"the plan reduces gradients in {reduce}; torchtitan reduces in float32 only "
+                        "(mixed_precision_reduce), twice the data-parallel bytes the plan assumed")
     par: dict[str, object] = {}
     if cfg.zero == 0:
         par.update(data_parallel_replicate_degree=dp, data_parallel_shard_degree=1)
@@ -244,67 +333,103 @@ def torchtitan_config(plan: Plan) -> tuple[dict[str, dict], list[str], list[str]
             warnings.append(f"zero={cfg.zero}: torchtitan's FSDP2 also shards the weights (like ZeRO-3, with "
                             "reshard_after_forward='never' they stay gathered between forward and backward)")
     par["tensor_parallel_degree"] = cfg.tp
-    if cfg.tp > 1 and tr.tp_comm_overlap:
-        par["enable_async_tensor_parallel"] = True
-    if cfg.tp > 1 and not cfg.sp:
-        warnings.append("torchtitan always uses sequence parallelism with TP; the plan has sp=0")
+    if cfg.tp > 1:
+        if version == "0.3":
+            par["enable_sequence_parallel"] = bool(cfg.sp)
+        elif not cfg.sp:
+            warnings.append("torchtitan 0.2 always uses sequence parallelism with TP; the plan has sp=0")
+        if tr.tp_comm_overlap:
+            if version == "0.2":
+                par["enable_async_tensor_parallel"] = True
+            else:
+                warnings.append("tp_comm_overlap: torchtitan 0.3's async TP is a torch.compile option "
+                                "(compile.enable_async_tensor_parallel with compile.enable); not set here")
     par["pipeline_parallel_degree"] = cfg.pp
     if cfg.pp > 1:
-        par["pipeline_parallel_schedule"] = {"1f1b": "1F1B", "gpipe": "GPipe",
-                                             "interleaved": "Interleaved1F1B"}[cfg.schedule]
+        par["pipeline_parallel_schedule"] = _TITAN_SCHEDULE[cfg.schedule]
         par["pipeline_parallel_microbatch_size"] = cfg.mbs
-        sizes = [s.num_layers for s in plan.stages]
-        if len(set(sizes)) == 1:
-            par["pipeline_parallel_layers_per_stage"] = sizes[0]
-        else:
-            parts = []
-            for s in plan.stages:
-                fq = (["tok_embeddings"] if s.has_embedding else []) + \
-                     [f"layers.{i}" for i in range(*s.layers)] + (["norm", "output"] if s.has_head else [])
-                parts.append(fq)
-            par["module_fqns_per_model_part"] = parts
-    elif cfg.mbs != tr.global_batch_size // dp:
-        warnings.append(f"torchtitan without pipelining runs local_batch_size={tr.global_batch_size // dp} at "
-                        f"once (no gradient accumulation here); the plan uses micro-batches of {cfg.mbs}")
+        if version == "0.3":
+            par.update(_titan_stage_layout(plan, "lm_head"))
+        else:  # 0.2: explicit module lists per stage (the head module was called `output` then)
+            par["module_fqns_per_model_part"] = _titan_stage_layout_explicit(plan, "output")
     par["context_parallel_degree"] = cfg.cp
     if m.moe is not None:
         par["expert_parallel_degree"] = cfg.ep
-    sections["parallelism"] = par
-    ac: dict[str, object]
-    modes = {s.recompute for s in plan.stages}
-    if modes == {"none"}:
-        ac = {"mode": "none"}
-    elif "full" in modes:
-        full = [s for s in plan.stages if s.recompute == "full"]
-        if all(s.recompute_layers >= s.num_layers for s in full):
-            ac = {"mode": "full"}
-        else:
-            frac = sum(s.recompute_layers for s in full) / sum(s.num_layers for s in full)
-            every = max(1, round(1 / frac)) if frac > 0 else 1
-            ac = {"mode": "selective", "selective_ac_option": str(every)}
-            warnings.append(f"partial full recomputation ({frac:.0%} of layers) exported as torchtitan's "
-                            f"layer-selective AC: every {every} layer(s)")
-    else:
-        ac = {"mode": "selective", "selective_ac_option": "op"}
-    sections["activation_checkpoint"] = ac
-    comments = [
-        f"autoplan plan {plan.short_hash}: {cfg.to_string()}",
-        f"predicted step {plan.prediction.step_time_s:.3f} s, MFU {100 * plan.prediction.mfu:.1f}%",
-        f"model shape: layers={m.num_layers} hidden={m.hidden_size} heads={m.num_attention_heads} "
-        f"kv_heads={m.kv_heads} ffn={m.ffn} vocab={m.vocab_size}",
-        f"launch: torchrun --nnodes {plan.cluster.num_nodes} --nproc-per-node {plan.cluster.gpus_per_node} "
-        "-m torchtitan.train --job.config_file <this file>",
-    ]
-    return sections, warnings, comments
+    ac = _titan_recompute(plan, warnings)
+    sections = {"model": {"module": module, "config": config_fn, "flavor": flavor}, "training": training,
+                "parallelism": par, "activation_checkpoint": {"mode": ac}}
+    return sections, warnings
 
 
-def export_torchtitan(plan: Plan) -> dict:
-    sections, warnings, comments = torchtitan_config(plan)
-    lines = [f"# {c}" for c in comments]
-    for name, body in sections.items():
-        lines.append("")
-        lines.append(f"[{name}]")
-        for k, v in body.items():
-            lines.append(f"{k} = {_toml_value(v)}")
-    return {"format": "torchtitan", "plan": plan.short_hash, "config": sections, "toml": "\n".join(lines) + "\n",
-            "warnings": warnings}
+def _titan_stage_layout_explicit(plan: Plan, head: str) -> list[list[str]]:
+    return [(["tok_embeddings"] if s.has_embedding else []) + [f"layers.{i}" for i in range(*s.layers)]
+            + (["norm", head] if s.has_head else []) for s in plan.stages]
+
+
+def _titan_comments(plan: Plan) -> list[str]:
+    cfg, m = plan.parallel, plan.model
+    return [f"autoplan plan {plan.short_hash}: {cfg.to_string()}",
+            f"predicted step {plan.prediction.step_time_s:.3f} s, MFU {100 * plan.prediction.mfu:.1f}%",
+            f"model shape: layers={m.num_layers} hidden={m.hidden_size} heads={m.num_attention_heads} "
+            f"kv_heads={m.kv_heads} ffn={m.ffn} vocab={m.vocab_size}"]
+
+
+def _titan_python(plan: Plan, sections: dict[str, dict], module_name: str) -> str:
+    """A torchtitan 0.3 config module: one function returning the registered config with the plan applied.
+    Every value is written with repr() of a Python literal, so nothing from the plan becomes code."""
+    mdl = sections["model"]
+    ac = sections["activation_checkpoint"]["mode"]
+    lines = [f'"""torchtitan config for autoplan plan {plan.short_hash}.', "", *_titan_comments(plan), "",
+             f"launch: PYTHONPATH=<this folder> torchrun ... -m torchtitan.train --module {module_name} "
+             "--config autoplan_config", '"""', "",
+             f"from torchtitan.models.{mdl['module']}.config_registry import {mdl['config']} as _base", ""]
+    if ac == "full":
+        lines.append("from torchtitan.distributed.activation_checkpoint import FullAC")
+    elif ac == "selective":
+        lines.append("from torchtitan.distributed.activation_checkpoint import SelectiveAC")
+    plain = plan.model.name in _TITAN_CONFIGS and plan.training.dtype != "fp8"
+    if plain:
+        lines.append(f"from torchtitan.models.{mdl['module']} import model_registry")
+    lines += ["", "", "def autoplan_config():", "    config = _base()"]
+    if plain:  # the registered config may add Float8 converters (llama3_405b): the plan trains in bf16/fp32
+        lines.append(f"    config.model_spec = model_registry({mdl['flavor']!r})")
+    for k, v in sections["training"].items():
+        lines.append(f"    config.training.{k} = {v!r}")
+    if plan.parallel.pp > 1:
+        lines.append("    config.training.disable_cuda_graphs = True  # torchtitan: CUDA graphs do not support PP")
+    for k, v in sections["parallelism"].items():
+        lines.append(f"    config.parallelism.{k} = {v!r}")
+    lines.append("    config.activation_checkpoint = " +
+                 {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}[ac])
+    lines += ["    return config", ""]
+    return "\n".join(lines)
+
+
+def export_torchtitan(plan: Plan, version: str = "0.3") -> dict:
+    sections, warnings = torchtitan_settings(plan, version)
+    cl = plan.cluster
+    out = {"format": "torchtitan", "version": version, "plan": plan.short_hash, "config": sections,
+           "warnings": warnings}
+    torchrun = f"torchrun --nnodes {cl.num_nodes} --nproc-per-node {cl.gpus_per_node} -m torchtitan.train"
+    if version == "0.3":
+        module_name = f"autoplan_{plan.short_hash}"
+        out.update(module=module_name, python=_titan_python(plan, sections, module_name),
+                   command=f"PYTHONPATH=. {torchrun} --module {module_name} --config autoplan_config")
+        out["text"] = out["python"]
+        return out
+    import tomli_w
+
+    mdl = sections["model"]
+    body = {"job": {"description": f"autoplan plan {plan.short_hash}: {plan.model.name} on {cl.num_gpus} x "
+                                   f"{cl.gpu.name}"},
+            "model": {"name": mdl["module"], "flavor": mdl["flavor"]},
+            "training": sections["training"], "parallelism": sections["parallelism"],
+            "activation_checkpoint": {"mode": sections["activation_checkpoint"]["mode"]}
+            if sections["activation_checkpoint"]["mode"] != "selective"
+            else {"mode": "selective", "selective_ac_option": "op"}}
+    header = "".join(f"# {c}\n" for c in [*_titan_comments(plan),
+                                          f"launch: {torchrun} --job.config_file <this file>"])
+    out.update(toml=header + "\n" + tomli_w.dumps(body), command=f"{torchrun} --job.config_file <this file>")
+    out["toml_config"] = body
+    out["text"] = out["toml"]
+    return out

@@ -123,14 +123,6 @@ def _k(v: float) -> str:
 
 
 def plot_scaling(rows: list[dict], path: str | Path, *, title: str) -> Path:
-    from .png import line_chart
+    from .plots import plot_scaling as draw
 
-    xs = [r["gpus"] for r in rows]
-    ys = [r.get("tokens_per_s") for r in rows]
-    ok = [r for r in rows if "error" not in r]
-    ideal: list[float | None] = [None] * len(rows)
-    if ok:
-        ref = ok[0]
-        ideal = [ref["tokens_per_s_per_gpu"] * n if n >= ref["gpus"] else None for n in xs]
-    return line_chart(path, xs, [("predicted", ys), ("linear scaling", ideal)], title=title,
-                      xlabel="GPUs (log scale)", ylabel="tokens/s (log scale)", logy=True)
+    return draw(rows, path, title=title)

@@ -1,4 +1,4 @@
-r"""The stage ILP: contiguous layer -> stage assignment and per-stage recomputation, solved with pulp/CBC.
+r"""The stage ILP: contiguous layer -> stage assignment and per-stage recomputation, solved with pulp (HiGHS, or CBC).
 
 One candidate (tp, cp, ep, pp, dp, vp, mbs, sp, ZeRO, schedule) fixes every per-block cost; what is left is
 where the stage boundaries go and how much each stage recomputes. Notation (`problem.StageProblem`):
@@ -47,6 +47,10 @@ are broken by CBC's deterministic search, not by a rule of ours).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+import sys
 import warnings
 
 import pulp
@@ -60,6 +64,50 @@ class InfeasibleStageProblem(Exception):
     def __init__(self, families: list[str]) -> None:
         self.families = families
         super().__init__("infeasible: " + ", ".join(families))
+
+
+def ilp_solver_name() -> str:
+    """'highs' (in-process through highspy, the default where it is installed) or 'cbc' (pulp's bundled CBC,
+    run as a subprocess per solve); $AUTOPLAN_ILP_SOLVER picks one."""
+    want = os.environ.get("AUTOPLAN_ILP_SOLVER", "").strip().lower()
+    if want in ("cbc", "highs"):
+        return want
+    return "highs" if _highs_available() else "cbc"
+
+
+@functools.lru_cache(maxsize=1)
+def _highs_available() -> bool:
+    try:
+        return bool(pulp.HiGHS(msg=False).available())
+    except Exception:  # noqa: BLE001 - a pulp without the HiGHS API
+        return False
+
+
+@contextlib.contextmanager
+def _quiet_stdout(on: bool):
+    """HiGHS prints its banner from C++ to file descriptor 1 when a solver object is made, before pulp can set
+    output_flag=False; `search --json` must print JSON only, so fd 1 points at /dev/null for the solve."""
+    if not on:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def ilp_solver(time_limit_s: float):
+    if ilp_solver_name() == "highs" and _highs_available():
+        # threads=1: deterministic and fair on a shared machine; HiGHS's default random seed is fixed.
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1)
+    return pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=time_limit_s,
+                             options=["randomSeed 1", "randomCbcSeed 1"])
 
 
 class StageILP:
@@ -316,9 +364,9 @@ class StageILP:
     def solve(self) -> StageSolution:
         with warnings.catch_warnings():  # pulp 3 deprecates PULP_CBC_CMD (the bundled CBC) in favour of pulp[cbc]
             warnings.simplefilter("ignore", DeprecationWarning)
-            solver = pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=self.time_limit_s,
-                                       options=["randomSeed 1", "randomCbcSeed 1"])
-            status = self.prob.solve(solver)
+            solver = ilp_solver(self.time_limit_s)
+            with _quiet_stdout(isinstance(solver, pulp.HiGHS)):
+                status = self.prob.solve(solver)
         if pulp.LpStatus[status] != "Optimal":
             raise InfeasibleStageProblem(self.binding_families())
         return self._extract()

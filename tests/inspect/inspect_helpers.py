@@ -36,14 +36,16 @@ def megatron_parser() -> argparse.ArgumentParser:
                  "--moe-ffn-hidden-size", "--moe-layer-freq"):
         ap.add_argument(flag, type=int)
     for flag in ("--recompute-granularity", "--recompute-method", "--normalization", "--position-embedding-type",
-                 "--pipeline-model-parallel-layout", "--fp8-format", "--ckpt-format"):
+                 "--pipeline-model-parallel-layout", "--fp8-format", "--ckpt-format", "--attention-backend",
+                 "--moe-token-dispatcher-type", "--data-parallel-sharding-strategy"):
         ap.add_argument(flag)
     for flag in ("--hidden-dropout", "--attention-dropout"):
         ap.add_argument(flag, type=float)
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--bf16", "--fp16", "--use-flash-attn",
                  "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap", "--swiglu",
                  "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--group-query-attention",
-                 "--accumulate-allreduce-grads-in-fp32", "--use-torch-fsdp2", "--squared-relu"):
+                 "--accumulate-allreduce-grads-in-fp32", "--use-torch-fsdp2", "--squared-relu",
+                 "--grad-reduce-in-bf16", "--use-megatron-fsdp"):
         ap.add_argument(flag, action="store_true")
     return ap
 
@@ -54,6 +56,8 @@ def parse(plan) -> argparse.Namespace:
 
 
 def vp_of(ns: argparse.Namespace) -> int:
+    if ns.pipeline_model_parallel_layout:  # the layout string implies the virtual stage count
+        return len(ns.pipeline_model_parallel_layout.split("|")) // ns.pipeline_model_parallel_size
     if ns.num_layers_per_virtual_pipeline_stage:
         return ns.num_layers // (ns.pipeline_model_parallel_size * ns.num_layers_per_virtual_pipeline_stage)
     return ns.num_virtual_stages_per_pipeline_rank or 1

@@ -75,8 +75,12 @@ def test_export(files, capsys, tmp_path):
     rc, out, _ = run(capsys, "export", files["a"], "--format", "megatron", "--json")
     assert json.loads(out)["flags"]["--num-layers-per-virtual-pipeline-stage"] == 4
     dest = tmp_path / "titan.toml"
-    rc, out, err = run(capsys, "export", files["a"], "--format", "torchtitan", "-o", str(dest))
+    rc, out, err = run(capsys, "export", files["a"], "--format", "torchtitan", "--torchtitan-version", "0.2",
+                       "-o", str(dest))
     assert rc == 0 and toml_loads(dest.read_text())["parallelism"]["tensor_parallel_degree"] == 8
+    py = tmp_path / "titan_cfg.py"
+    rc, _, _ = run(capsys, "export", files["a"], "--format", "torchtitan", "-o", str(py))
+    assert rc == 0 and "config.parallelism.tensor_parallel_degree = 8" in py.read_text()
     assert "warning" in err  # gpt3 is not a torchtitan llama3 flavour: said on stderr, not in the file
 
 

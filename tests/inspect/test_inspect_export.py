@@ -27,7 +27,8 @@ def test_megatron_interleaved(plan_interleaved):
     assert not ns.use_distributed_optimizer
     assert (ns.num_layers, ns.hidden_size, ns.num_attention_heads, ns.seq_length) == (96, 12288, 96, 2048)
     d = export_megatron(plan_interleaved)
-    assert d["command"].startswith("torchrun --nnodes 128 --nproc-per-node 8 pretrain_gpt.py \\\n")
+    assert d["command"].startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nnodes 128 --nproc-per-node 8 "
+                                    "pretrain_gpt.py \\\n")
     assert d["warnings"] == []
     json.dumps(d)
 
@@ -51,7 +52,8 @@ def test_megatron_uneven_first_last(plan_uneven):
 def test_megatron_uneven_virtual_stages_use_layout(plan_uneven_vp):
     d = export_megatron(plan_uneven_vp)
     ns = megatron_parser().parse_args(d["args"])
-    assert ns.num_virtual_stages_per_pipeline_rank == 2
+    assert ns.num_virtual_stages_per_pipeline_rank is None  # Megatron refuses it beside the layout
+    assert vp_of(ns) == 2
     stages = ns.pipeline_model_parallel_layout.split("|")
     assert [s.count("t") for s in stages] == [s.num_layers for s in plan_uneven_vp.stages]
     assert stages[0].startswith("E") and stages[-1].endswith("L")
@@ -114,24 +116,38 @@ def test_megatron_flags_reproduce_published_configurations():
 # ------------------------------------------------------------------------------------------ torchtitan
 
 
-def test_torchtitan_toml(plan_interleaved, plan_uneven, plan_barely):
-    d = export_torchtitan(plan_interleaved)
+def test_torchtitan_02_toml(plan_interleaved, plan_uneven, plan_barely):
+    """The TOML form for torchtitan 0.2.x (--job.config_file), values in 0.2.2's ranges."""
+    d = export_torchtitan(plan_interleaved, "0.2")
     cfg = toml_loads(d["toml"])
     p = cfg["parallelism"]
     assert (p["tensor_parallel_degree"], p["pipeline_parallel_degree"]) == (8, 8)
-    assert p["pipeline_parallel_schedule"] == "Interleaved1F1B" and p["pipeline_parallel_layers_per_stage"] == 4
+    assert p["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    parts = p["module_fqns_per_model_part"]
+    assert [sum(x.startswith("layers.") for x in part) for part in parts] == [4] * 24
     assert p["data_parallel_replicate_degree"] * p["data_parallel_shard_degree"] == 16
     assert cfg["training"]["global_batch_size"] == 1536 and cfg["training"]["seq_len"] == 2048
-    assert cfg["training"]["local_batch_size"] == 1536 // 16
+    assert cfg["training"]["local_batch_size"] == 1536 // 16  # with PP: every micro-batch in one schedule
+    assert cfg["training"]["mixed_precision_reduce"] == "float32"
     assert cfg["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
-    assert cfg == d["config"]
+    assert cfg == d["toml_config"]
     assert any("not a Llama-style" in w for w in d["warnings"])
-    # uneven stages become explicit module lists per stage
-    u = toml_loads(export_torchtitan(plan_uneven)["toml"])["parallelism"]["module_fqns_per_model_part"]
+    u = toml_loads(export_torchtitan(plan_uneven, "0.2")["toml"])["parallelism"]["module_fqns_per_model_part"]
     assert [sum(x.startswith("layers.") for x in part) for part in u] == [11, 12, 12, 12, 12, 12, 12, 13]
     assert u[0][0] == "tok_embeddings" and u[-1][-2:] == ["norm", "output"]
-    b = toml_loads(export_torchtitan(plan_barely)["toml"])
+    b = toml_loads(export_torchtitan(plan_barely, "0.2")["toml"])
     assert b["activation_checkpoint"]["mode"] == "none"
+
+
+def test_torchtitan_03_layers_as_torchtitan_counts(plan_interleaved, plan_uneven):
+    """0.3: embedding and head count as layers (first/last_stage_less_layers)."""
+    p = export_torchtitan(plan_interleaved)["config"]["parallelism"]
+    assert p["pipeline_parallel_layers_per_stage"] == 4
+    assert (p["pipeline_parallel_first_stage_less_layers"], p["pipeline_parallel_last_stage_less_layers"]) == (0, 0)
+    u = export_torchtitan(plan_uneven)["config"]["parallelism"]  # 11 | 12 x 6 | 13: not expressible so
+    assert [sum(x.startswith("layers.") for x in part) for part in u["module_fqns_per_model_part"]] == \
+        [11, 12, 12, 12, 12, 12, 12, 13]
+    assert u["module_fqns_per_model_part"][-1][-1] == "lm_head"
 
 
 def test_torchtitan_llama_flavour():
@@ -140,11 +156,24 @@ def test_torchtitan_llama_flavour():
     plan = make_plan(load_model("llama3-8b"), load_cluster("dgx-h100", gpus=8),
                      TrainingSpec(global_batch_size=16, seq_length=8192), "tp=1,pp=1,mbs=1,zero=3,recompute=full")
     d = export_torchtitan(plan)
-    cfg = toml_loads(d["toml"])
+    assert d["config"]["model"] == {"module": "llama3", "config": "llama3_8b", "flavor": "8B"}
+    assert d["config"]["training"]["local_batch_size"] == 1  # the micro-batch; torchtitan accumulates
+    assert "config.parallelism.data_parallel_shard_degree = 8" in d["python"]
+    assert "config.activation_checkpoint = FullAC.Config()" in d["python"]
+    assert d["command"].endswith("-m torchtitan.train --module autoplan_" + plan.short_hash +
+                                 " --config autoplan_config")
+    assert not any("flavour" in w or "Llama-style" in w or "no config" in w for w in d["warnings"])
+    cfg = toml_loads(export_torchtitan(plan, "0.2")["toml"])
     assert cfg["model"] == {"name": "llama3", "flavor": "8B"}
-    assert cfg["parallelism"]["data_parallel_shard_degree"] == 8
     assert cfg["activation_checkpoint"]["mode"] == "full"
-    assert not any("flavour" in w or "Llama-style" in w for w in d["warnings"])
+
+
+def test_torchtitan_mixed_recompute_warns(gpt175):
+    m, c, tr = gpt175
+    plan = make_plan(m, c, tr, "tp=8,pp=8,mbs=1,sp=1,recompute=full,recompute_layers=3")
+    d = export_torchtitan(plan)
+    assert d["config"]["activation_checkpoint"]["mode"] == "full"
+    assert any("cannot recompute only some blocks" in w for w in d["warnings"])
 
 
 def toml_loads(text: str) -> dict:

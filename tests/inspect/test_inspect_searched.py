@@ -68,4 +68,5 @@ def test_trace_and_export_on_searched_plans(searched):
         assert ns.pipeline_model_parallel_size == plan.parallel.pp
         assert ns.micro_batch_size == plan.parallel.mbs
         json.dumps(export_megatron(plan))
-        assert "[parallelism]" in export_torchtitan(plan)["toml"]
+        assert "[parallelism]" in export_torchtitan(plan, "0.2")["toml"]
+        assert "config.parallelism.tensor_parallel_degree" in export_torchtitan(plan)["python"]

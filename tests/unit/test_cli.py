@@ -100,7 +100,7 @@ def test_memory_limit_keeps_headroom(capsys):
     limited = json.loads(capsys.readouterr().out)
     assert not limited["fits"] and limited["step_time_s"] == pytest.approx(full["step_time_s"])
     assert main(["estimate", *base, "--memory-limit", "81"]) == 2
-    assert "--memory-limit must be" in capsys.readouterr().err
+    assert "--memory-limit must be" in json.loads(capsys.readouterr().out)["error"]  # --json: errors as JSON
 
 
 def test_demo_plans_without_running(capsys):

@@ -87,10 +87,12 @@ def test_estimate_follows_the_layout(capsys):
 
 def test_estimate_layout_errors_are_one_line(capsys):
     assert main(BASE + ["--parallel", "tp=2,pp=4", "--layout", "Et*4|t*4|t*4|t*4"]) == 2
-    err = capsys.readouterr().err.strip()
+    cap = capsys.readouterr()
+    err = (json.loads(cap.out)["error"] if "--json" in BASE else cap.err).strip()  # --json: errors as JSON
     assert "loss (L) must be on the last stage" in err and "stage 3" in err and "\n" not in err
     assert main(BASE + ["--parallel", "tp=2,pp=4,layout=6/6/6/6", "--uneven", "first=4"]) == 2
-    assert "give the stage layout once" in capsys.readouterr().err
+    cap = capsys.readouterr()
+    assert "give the stage layout once" in (cap.out if "--json" in BASE else cap.err)
 
 
 def test_plan_carries_the_layout_to_show_trace_export(tmp_path, capsys):

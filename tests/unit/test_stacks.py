@@ -94,8 +94,8 @@ def test_search_and_scaling_take_a_stack(capsys):
 ])
 def test_bad_stacks_are_one_line_errors(capsys, extra, needle):
     assert main(EST + extra) == 2
-    err = capsys.readouterr().err.strip()
-    assert needle in err and "\n" not in err and "fix:" in err
+    d = json.loads(capsys.readouterr().out)  # EST has --json: the error is one JSON object on stdout
+    assert needle in d["error"] and "\n" not in d["error"] and d["fix"]
 
 
 def test_parse_stack_set():

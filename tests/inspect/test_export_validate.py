@@ -1,0 +1,118 @@
+"""The exports checked by the frameworks' own code, on plans the search chose.
+
+Three levels, each skipped (with its reason) only where its framework cannot be imported:
+- always: the rules Megatron-LM's validate_args enforces that the planner had broken (one layout form, FSDP
+  flavour, launch environment, the plan's assumptions as flags);
+- megatron-core wheel (the `test` extra): the flags become megatron.core's TransformerConfig;
+- Megatron-LM checkout ($MEGATRON_LM): parse_args -> validate_args -> core_transformer_config_from_args;
+- torchtitan (>= 0.3, `pip install torchtitan`): its ConfigManager loads the export, ParallelDims accepts
+  the mesh, its pipeline split equals the plan's.
+benchmarks/export_validation.py runs the same checks on a 17-plan matrix.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoplan.inspect import export_check as ec
+from autoplan.inspect import export_megatron, export_torchtitan
+from autoplan.inspect.export import megatron_arch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from export_validation import MATRIX, searched_plans  # noqa: E402
+
+# uneven interleaved stages, ZeRO-3 with MoE, fp16 on A100
+ROWS = [MATRIX[i] for i in (7, 13, 11)]
+
+
+@pytest.fixture(scope="module")
+def plans():
+    try:
+        rows = searched_plans(ROWS)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"autoplan.search is not available: {e}")
+    assert all(not isinstance(p, str) for _, p in rows), rows
+    return rows
+
+
+def test_megatron_export_keeps_megatron_rules(plans):
+    for label, plan in plans:
+        d = export_megatron(plan)
+        f = d["flags"]
+        vp_flags = {"--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+                    "--pipeline-model-parallel-layout"} & set(f)
+        assert len(vp_flags) <= 1, (label, vp_flags)
+        if plan.parallel.zero == 3:
+            assert f["--use-megatron-fsdp"] and f["--data-parallel-sharding-strategy"] == "optim_grads_params"
+            assert "--use-torch-fsdp2" not in f and d["env"] == {}
+        if (plan.parallel.tp > 1 or plan.parallel.cp > 1) and plan.parallel.zero < 3:
+            assert d["env"] == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+            assert d["command"].startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun ")
+        assert f["--attention-backend"] == ("flash" if plan.training.flash_attention else "unfused")
+        assert ("--grad-reduce-in-bf16" in f) == (plan.training.dtype == "bf16")
+        if plan.model.is_moe:
+            assert f["--moe-token-dispatcher-type"] == "alltoall"
+        assert "--use-flash-attn" not in f
+
+
+def test_megatron_core_accepts_exports(plans):
+    try:
+        ec.check_megatron_core(export_megatron(plans[0][1]))
+    except ec.FrameworkUnavailable as e:
+        pytest.skip(str(e))
+    for label, plan in plans:
+        assert ec.check_megatron_core(export_megatron(plan)) is None, label
+
+
+@pytest.mark.skipif(not ec.megatron_available(), reason="Megatron-LM (megatron.training) is not importable; "
+                    "set MEGATRON_LM to a checkout")
+def test_megatron_lm_validate_args_accepts_exports(plans):
+    for label, plan in plans:
+        d = export_megatron(plan)
+        assert ec.check_megatron(d["args"], plan.cluster.num_gpus, d["env"], megatron_arch(plan)) is None, label
+    # and it is a real check: the old form (layout beside the virtual-stage count) is refused
+    _, plan = plans[0]
+    d = export_megatron(plan)
+    assert "--pipeline-model-parallel-layout" in d["flags"]
+    bad = d["args"] + ["--num-virtual-stages-per-pipeline-rank", str(plan.parallel.vp)]
+    assert "No more than one" in ec.check_megatron(bad, plan.cluster.num_gpus, d["env"], megatron_arch(plan))
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" in ec.check_megatron(d["args"], plan.cluster.num_gpus, {}, 9)
+
+
+@pytest.mark.skipif(not ec.torchtitan_available(), reason="torchtitan >= 0.3 is not installed")
+def test_torchtitan_loads_exports(plans):
+    for label, plan in plans:
+        assert ec.check_torchtitan(plan) is None, label
+
+
+
+@pytest.mark.skipif(not ec.torchtitan_available(), reason="torchtitan >= 0.3 is not installed")
+def test_torchtitan_check_catches_the_old_layer_count(plans, monkeypatch):
+    """The old export gave layers_per_stage as transformer layers only; torchtitan also counts the embedding
+    and the head (first/last_stage_less_layers default to 1), so its split differs from the plan's."""
+    from autoplan.inspect import export
+
+    _, plan = next((lb, p) for lb, p in plans if p.parallel.pp > 1)
+    k = max(s.num_layers for s in plan.stages)
+    monkeypatch.setattr(export, "_titan_stage_layout", lambda plan, head: {"pipeline_parallel_layers_per_stage": k})
+    assert ec.check_torchtitan(plan) is not None
+
+
+def test_torchtitan_export_values_in_range(plans):
+    for label, plan in plans:
+        d = export_torchtitan(plan)
+        tr, par = d["config"]["training"], d["config"]["parallelism"]
+        assert tr["mixed_precision_reduce"] == "float32"  # the only value torchtitan accepts
+        assert tr["mixed_precision_param"] in ("bfloat16", "float32")
+        if plan.parallel.pp == 1:
+            assert tr["local_batch_size"] == plan.parallel.mbs  # torchtitan accumulates the rest
+        else:
+            assert tr["local_batch_size"] % par["pipeline_parallel_microbatch_size"] == 0
+        if plan.training.dtype != "fp32":
+            assert any("float32 only" in w for w in d["warnings"]), label
+        compile(d["python"], "export.py", "exec")
+        old = export_torchtitan(plan, "0.2")
+        assert "[parallelism]" in old["toml"] and old["command"].endswith("--job.config_file <this file>")
