@@ -209,6 +209,25 @@ _CATEGORIES = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "
                "Other": "temporaries", "Input": "activations"}
 
 
+def _tolerant_pop(get_pop_fn):
+    """ModTracker's module-exit hook, without its nesting check. ZeRO-0 runs the model through DDP applied in place
+    (runtime.parallelize.apply_ddp: the model's forward enters DDP's wrapper modules, which hold the model), and
+    ModTracker then sees a module exit that it did not see enter and raises "The Module hierarchy tracking is
+    wrong". The categories measured here come from each tensor's kind, not from the module tree, so a module
+    nesting that ModTracker cannot follow changes nothing in them."""
+    def get(w_mod, name, is_bw):
+        pop = get_pop_fn(w_mod, name, is_bw)
+
+        def fn(*args):
+            try:
+                pop(*args)
+            except RuntimeError as e:
+                if "Module hierarchy tracking" not in str(e):
+                    raise
+        return fn
+    return get
+
+
 class StepMemTracker(MemTracker):
     """MemTracker for a whole training step with several micro-batches: a root module's later forward calls are
     the next micro-batch, not the next iteration (MemTracker's module-wise statistics, which refuse that, are
@@ -217,6 +236,8 @@ class StepMemTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self.category_max: dict[str, int] = defaultdict(int)
+        self._mod_tracker._get_pop_fn = _tolerant_pop(self._mod_tracker._get_pop_fn)
+
 
     def _pre_fw_hook(self, module, inputs) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:

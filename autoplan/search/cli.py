@@ -48,12 +48,18 @@ def cmd_search(args: argparse.Namespace) -> int:
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
                       TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
-            task = bar.add_task("searching", total=1)
+            task = bar.add_task("searching", total=None, count="")
 
             def progress(phase: str, done: int, total: int) -> None:
-                bar.update(task, description=phase, completed=done, total=max(total, 1))
+                # a known total gives a bar and "done/total"; an open-ended phase (total 0) a pulsing bar and
+                # the count so far
+                if total > 0:
+                    bar.update(task, description=phase, completed=min(done, total), total=total,
+                               count=f"{min(done, total)}/{total}")
+                else:
+                    bar.update(task, description=phase, completed=0, total=None, count=f"{done} so far")
 
             result = search(model, cluster, training, profiles=profiles, fix=fix, top=args.top,
                             progress=progress, command=" ".join(["autoplan", *sys.argv[1:]]),

@@ -76,6 +76,8 @@ from .problem import (
 )
 from .space import Knobs, Mesh, knob_options, meshes, parse_fix, to_config
 
+# progress(phase, done, total): total > 0 is an upper bound of `done` for that phase; 0 means open-ended (a
+# best-first search stops when its bound says so, so how many candidates it will rank is not known ahead).
 Progress = Callable[[str, int, int], None]
 
 
@@ -446,7 +448,7 @@ class _Searcher:
                 heapq.heappush(heap, (proxy, 2, counter, mesh, kn, prob))
                 counter += 1
                 if self.progress and self.stats.ranked % 64 == 0:
-                    self.progress("ranking candidates", self.stats.ranked, self.stats.candidates)
+                    self.progress("ranking candidates", self.stats.ranked, 0)  # best-first: most are never ranked
             elif kind == 2:  # a ranked candidate: solve its stage ILP, estimate it in closed form
                 _, _, _, mesh, kn, prob = item
                 fin = self.finalise(mesh, kn, prob, item[0])
@@ -458,7 +460,7 @@ class _Searcher:
                     counter += 1
                     screened += 1
                 if self.progress:
-                    self.progress("solving stage ILPs", self.stats.ilp_solved, self.stats.ranked)
+                    self.progress("solving stage ILPs", self.stats.ilp_solved, 0)  # open-ended, like ranking
             else:  # a screened finalist: simulate its pipeline
                 fin = item[3]
                 screened -= 1
@@ -469,7 +471,7 @@ class _Searcher:
                     self.finalists.append(fin)
                     best = min(best, fin.estimate.step_time_s)
                 if self.progress:
-                    self.progress("simulating pipelines", len(self.finalists), self.top)
+                    self.progress("simulating pipelines", self.stats.estimated, self.max_finalists)  # the cap, at most
         self.finalists += [item[3] for item in heap if item[1] == 3]
         for item in heap:  # whatever is left was pruned by its bound
             if item[1] == 0:

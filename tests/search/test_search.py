@@ -166,3 +166,18 @@ def test_search_table_fits_the_terminal(width):
     best = short_config(res.best.config)
     assert (best.replace(",", " ") if width < 150 else str(res.best.config.tp)) in text
     assert "…" not in text  # nothing cut off
+
+
+def test_progress_never_reports_more_done_than_its_total():
+    """Issue 16: `simulating pipelines 34/5` and `ranking 3008/204316` were totals that were not totals."""
+    from autoplan.search.core import search
+    from autoplan.specs import load_cluster, load_model
+    from autoplan.cost_models.specs import TrainingSpec
+
+    seen: list[tuple[str, int, int]] = []
+    search(load_model("gpt3-175b"), load_cluster("dgx-a100-80g", gpus=1024),
+           TrainingSpec(global_batch_size=1536, seq_length=2048), progress=lambda *a: seen.append(a))
+    phases = {p for p, _, _ in seen}
+    assert {"ranking candidates", "simulating pipelines"} <= phases
+    assert all(done <= total for _, done, total in seen if total > 0)
+    assert all(total == 0 for p, _, total in seen if p in ("ranking candidates", "solving stage ILPs"))
