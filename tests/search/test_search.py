@@ -170,9 +170,9 @@ def test_search_table_fits_the_terminal(width):
 
 def test_progress_never_reports_more_done_than_its_total():
     """Issue 16: `simulating pipelines 34/5` and `ranking 3008/204316` were totals that were not totals."""
+    from autoplan.cost_models.specs import TrainingSpec
     from autoplan.search.core import search
     from autoplan.specs import load_cluster, load_model
-    from autoplan.cost_models.specs import TrainingSpec
 
     seen: list[tuple[str, int, int]] = []
     search(load_model("gpt3-175b"), load_cluster("dgx-a100-80g", gpus=1024),
