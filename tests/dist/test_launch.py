@@ -52,7 +52,7 @@ def test_four_process_run_logs_measured_and_predicted(tmp_path):
     from autoplan.runtime.data import write_token_file
 
     plan_path = _plan(tmp_path, "tiny-llama", 4, "tp=2,pp=2,sp=1", dtype="bf16")
-    data = write_token_file(tmp_path / "tokens.bin", [(i * 7919) % 128 for i in range(20_000)], "uint16")
+    data = write_token_file(tmp_path / "tokens.u16", [(i * 7919) % 128 for i in range(20_000)], "uint16")  # dtype by suffix
     log = tmp_path / "log.jsonl"
     from autoplan.runtime.launch import run  # what `autoplan run plan.json --nproc-per-node 4 -- ...` calls
 
