@@ -196,13 +196,14 @@ class Trainer:
         expert = torch.zeros((), device=self.device)
         for is_expert, mesh, sharded, params in self._norm_groups:
             grads = [p.grad for p in params if p.grad is not None]
-            if not grads:
-                continue
-            if any(isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements) for g in grads):
+            if grads and any(isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements) for g in grads):
                 # squares of partial sums do not add up: reduce these first (not reached after _finalize_grads)
                 sq = sum(g.float().pow(2).sum().full_tensor() for g in grads)
             else:
-                sq = torch.stack(torch._foreach_norm([_local(g) for g in grads])).float().pow(2).sum()
+                # A rank may hold no gradient in a group (an expert that received no token this step has
+                # grad None) while its peers do: it still joins the group's all-reduce with 0, or they deadlock.
+                sq = (torch.stack(torch._foreach_norm([_local(g) for g in grads])).float().pow(2).sum() if grads
+                      else torch.zeros((), device=self.device))
                 for d in sharded:  # summing over each sharded mesh dim in turn sums over all of them
                     dist.all_reduce(sq, group=mesh.get_group(d))
             if is_expert:
