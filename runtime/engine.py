@@ -79,8 +79,6 @@ class Trainer:
         self.cp_positions = (load_balanced_positions(plan.training.seq_length, dims.cp, dims.rank("cp"))
                              if dims.cp_enabled else None)
         self.tied_group = _tied_group(plan, dims)
-        self._grad_lists()
-        self._sync_state = None  # last gradient-sync flag set on the model (set only when it changes)
         self.last_grads_hook = None  # tests: called with the ParallelModel after clipping, before the update
 
     # ------------------------------------------------------------------ one step
@@ -115,15 +113,13 @@ class Trainer:
                 mb = self.mbs
                 for i in range(self.n_micro):
                     last = i == self.n_micro - 1
-                    if self._sync_state != last:  # the flag walks every FSDP module: set it on changes only
-                        _set_sync(model, self.plan.parallel.zero, last)
-                        self._sync_state = last
+                    _set_sync(model, self.plan.parallel.zero, last)
                     logits = model(inputs[i * mb : (i + 1) * mb])
                     loss = loss_fn(logits, labels[i * mb : (i + 1) * mb])
                     (loss / self.n_micro).backward()
                     local_loss += _local(loss).detach() / self.n_micro
         self._finalize_grads()
-        norm = float(self._clip_grads())  # one host sync per step, as the log needs the number anyway
+        norm = self._clip_grads()
         if self.last_grads_hook is not None:
             self.last_grads_hook(pm)
         skipped = not math.isfinite(norm)  # every rank sees the same global norm: never apply a NaN update
@@ -134,46 +130,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ gradient plumbing
 
-    def _grad_lists(self) -> None:
-        """Sort the parameters once (the layout does not change between steps): DTensor ones (whose gradients
-        may come back as partial sums), expert ones (averaged by hand), and the norm groups of `grad_norm`."""
-        pm, dims = self.pm, self.dims
-        self._dtensor_params = [p for _, p in pm.named_parameters() if isinstance(p, DTensor)]
-        self._expert_params = [p for n, p in pm.named_parameters() if is_expert_param(n)] if dims.ep_enabled else []
-        # (is expert, mesh id, non-replicated mesh dims) -> (mesh, dims, parameters); plain tensors: mesh None
-        groups: dict[tuple, tuple[object, tuple[int, ...], list]] = {}
-        for n, p in pm.named_parameters():
-            if n == "output.weight" and self.plan.model.tie_embeddings and not pm.has_first:
-                continue  # a tied head on a later stage is counted on the first
-            if isinstance(p, DTensor):
-                # every non-replicated mesh dim splits the tensor (Shard, and FSDP2's _StridedShard under TP,
-                # which is not a Shard subclass)
-                sharded = tuple(i for i, pl in enumerate(p.placements) if not pl.is_replicate())
-                key = (is_expert_param(n), id(p.device_mesh), sharded)
-                groups.setdefault(key, (p.device_mesh, sharded, []))[2].append(p)
-            else:
-                groups.setdefault((is_expert_param(n), None, ()), (None, (), []))[2].append(p)
-        self._norm_groups = [(key[0], *val) for key, val in sorted(groups.items(), key=lambda kv: str(kv[0]))]
-        self._all_params = [p for _, p in pm.named_parameters()]
-
     def _finalize_grads(self) -> None:
         """Make every gradient the full-batch mean gradient in its parameter's own layout."""
         dims, pm = self.dims, self.pm
         # (a) DTensor grads left as partial sums (e.g. replicated weights fed sequence-sharded inputs) -> reduce
-        for p in self._dtensor_params:
+        for _, p in pm.named_parameters():
             g = p.grad
-            if isinstance(g, DTensor) and g.placements != p.placements:
+            if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
                 p.grad = g.redistribute(p.device_mesh, p.placements)
         # (b) experts: each ep rank's experts got the gradient of every ep rank's local mean loss (all-to-all
         #     backward); sum over the ranks holding the same experts, divide by all dp x cp ranks
-        if self._expert_params:
+        if dims.ep_enabled:
             group = dims["edp_cp"].get_group() if dims.dp_cp // dims.ep > 1 else None
-            grads = [_local(p.grad) for p in self._expert_params if p.grad is not None]
-            if group is not None:
-                for g in grads:
-                    dist.all_reduce(g, group=group)
-            if grads:
-                torch._foreach_div_(grads, dims.dp_cp)
+            for n, p in pm.named_parameters():
+                if is_expert_param(n) and p.grad is not None:
+                    if group is not None:
+                        dist.all_reduce(p.grad, group=group)
+                    p.grad.div_(dims.dp_cp)
         # (c) tied embedding / LM head on the first and last pipeline stages: sum the two contributions
         if self.tied_group is not None:
             for s in pm.stages:
@@ -185,31 +158,45 @@ class Trainer:
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradient: DTensor grads reduce over their mesh; experts sum over ep; stages
-        sum over pp. A tied head on a later stage is not counted twice.
-
-        Per group of gradients with the same layout, one multi-tensor norm (`torch._foreach_norm`, what
-        `clip_grad_norm_(foreach=True)` uses) of the local shards, and one all-reduce of its square per sharded
-        mesh dim -- not one collective, nor one float64 reduction, per parameter (3.5 ms against 0.4 ms a step
-        on tiny-gpt here)."""
-        dims = self.dims
-        dense = torch.zeros((), device=self.device)
-        expert = torch.zeros((), device=self.device)
-        for is_expert, mesh, sharded, params in self._norm_groups:
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads and any(isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements) for g in grads):
-                # squares of partial sums do not add up: reduce these first (not reached after _finalize_grads)
-                sq = sum(g.float().pow(2).sum().full_tensor() for g in grads)
+        sum over pp. A tied head on a later stage is not counted twice."""
+        dims, pm = self.dims, self.pm
+        dense = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert = torch.zeros((), dtype=torch.float64, device=self.device)
+        # Sharded DTensor grads: sum the squares of the local shards per (mesh, sharded dims) and reduce each
+        # such group once, instead of one collective per parameter (which dominated small steps on gloo).
+        partial_sums: dict[tuple, tuple[object, tuple[int, ...], list[torch.Tensor]]] = {}
+        for n, p in pm.named_parameters():
+            g = p.grad
+            if g is None:
+                continue
+            if n == "output.weight" and self.plan.model.tie_embeddings and not pm.has_first:
+                continue
+            expert_param = is_expert_param(n)
+            if isinstance(g, DTensor):
+                if any(pl.is_partial() for pl in g.placements):  # squares of partial sums do not add up
+                    sq = g.to(torch.float64).pow(2).sum().full_tensor()
+                else:
+                    # every non-replicated mesh dim splits the tensor (Shard, and FSDP2's _StridedShard
+                    # under TP, which is not a Shard subclass)
+                    dims_ = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
+                    key = (id(g.device_mesh), dims_, expert_param)
+                    entry = partial_sums.setdefault(key, (g.device_mesh, dims_, []))
+                    entry[2].append(g.to_local().to(torch.float64).pow(2).sum())
+                    continue
             else:
-                # A rank may hold no gradient in a group (an expert that received no token this step has
-                # grad None) while its peers do: it still joins the group's all-reduce with 0, or they deadlock.
-                sq = (torch.stack(torch._foreach_norm([_local(g) for g in grads])).float().pow(2).sum() if grads
-                      else torch.zeros((), device=self.device))
-                for d in sharded:  # summing over each sharded mesh dim in turn sums over all of them
-                    dist.all_reduce(sq, group=mesh.get_group(d))
-            if is_expert:
-                expert = expert + sq
+                sq = g.to(torch.float64).pow(2).sum()
+            if expert_param:
+                expert += sq
             else:
-                dense = dense + sq
+                dense += sq
+        for (_, _, expert_param), (mesh, dims_, parts) in sorted(partial_sums.items(), key=lambda kv: kv[0][1:]):
+            total_sq = torch.stack(parts).sum()
+            for d in dims_:  # summing over each sharded mesh dim in turn sums over all of them
+                dist.all_reduce(total_sq, group=mesh.get_group(d))
+            if expert_param:
+                expert += total_sq
+            else:
+                dense += total_sq
         if dims.ep_enabled:
             dist.all_reduce(expert, group=dims["ep"].get_group())
         total = dense + expert
@@ -217,16 +204,13 @@ class Trainer:
             dist.all_reduce(total, group=dims["pp"].get_group())
         return total.sqrt()
 
-    def _clip_grads(self) -> torch.Tensor:
-        """Scale every gradient by min(1, max_norm / (norm + 1e-6)) in one multi-tensor multiply, with the
-        coefficient kept on the device (clip_grads_with_norm_'s rule: no host synchronisation here).
-        max_grad_norm 0 turns clipping off."""
-        norm = self.grad_norm()
-        if self.max_grad_norm > 0:
-            coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-            grads = [_local(p.grad) for p in self._all_params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, coef)
+    def _clip_grads(self) -> float:
+        norm = float(self.grad_norm())
+        coef = self.max_grad_norm / (norm + 1e-6)
+        if self.max_grad_norm > 0 and coef < 1.0:  # 0: clipping off
+            for _, p in self.pm.named_parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
         return norm
 
     def _reduce_loss(self, local_loss: torch.Tensor) -> float:

@@ -57,8 +57,9 @@ def validate_training_args(args) -> None:
 
     if args.steps < 1:
         bad("--steps", args.steps, "must be >= 1", "pass --steps 10")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        bad("--lr", args.lr, "must be a finite number > 0", "pass e.g. --lr 3e-4")
+    # 0 is allowed: a run that evaluates and round-trips weights without changing them (AdamW's decay is lr-scaled)
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        bad("--lr", args.lr, "must be a finite number >= 0", "pass e.g. --lr 3e-4")
     if args.lr > 10:
         bad("--lr", args.lr, "is above 10, which diverges any AdamW run", "pass e.g. --lr 3e-4")
     if args.warmup < 0:

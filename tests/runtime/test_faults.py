@@ -261,8 +261,8 @@ def test_skip_policy_skips_the_update_and_keeps_the_weights_finite(tmp_path, mon
 
 @pytest.mark.parametrize("args, message", [
     (["--max-grad-norm", "-1"], "--max-grad-norm must be >= 0"),
-    (["--lr", "nan"], "--lr must be a finite number > 0"),
-    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--lr", "nan"], "--lr must be a finite number >= 0"),
+    (["--lr=-1e-3"], "--lr must be a finite number >= 0"),
     (["--lr", "1e6"], "--lr is above 10"),
     (["--warmup", "-2"], "--warmup must be >= 0"),
     (["--weight-decay", "inf"], "--weight-decay must be a finite number"),
