@@ -44,14 +44,24 @@ def input_files(path: Path) -> list[Path]:
                            "pass a Hugging Face dataset directory (save_to_disk or parquet shards) or a file")
 
 
+def _pyarrow():
+    """pyarrow, or a clear error: parquet and arrow inputs need it (`pip install 'autoplan[data]'`)."""
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise PrepareDataError("reading .parquet/.arrow input needs pyarrow, which is not installed", "",
+                               "pip install 'autoplan[data]' (or pyarrow), or pass JSON lines") from None
+    return pyarrow
+
+
 def count_rows(files: list[Path]) -> int | None:
     """Rows in the input when cheap to know (parquet/arrow metadata); None for JSON lines."""
     total = 0
     for f in files:
         if f.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            total += pq.ParquetFile(f).metadata.num_rows
+            total += _pyarrow().parquet.ParquetFile(f).metadata.num_rows
         elif f.suffix == ".arrow":
             total += sum(b.num_rows for b in _arrow_batches(f))
         else:
@@ -60,7 +70,7 @@ def count_rows(files: list[Path]) -> int | None:
 
 
 def _arrow_batches(f: Path):
-    import pyarrow as pa
+    pa = _pyarrow()
 
     try:
         with pa.memory_map(str(f)) as src:
@@ -77,9 +87,7 @@ def read_texts(files: list[Path], field: str) -> Iterator[list[str]]:
     for f in files:
         if f.suffix in (".parquet", ".arrow"):
             if f.suffix == ".parquet":
-                import pyarrow.parquet as pq
-
-                batches = pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS, columns=None)
+                batches = _pyarrow().parquet.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS, columns=None)
             else:
                 batches = _arrow_batches(f)
             for b in batches:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +189,18 @@ def test_prepare_data_errors_are_one_line(tmp_path, capsys):
     assert "line 1 has no text field 'body'" in capsys.readouterr().err
     assert main(["prepare-data", str(tmp_path / "nope"), "--tokenizer", str(tok), "-o", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_prepare_data_without_pyarrow_says_what_to_install(tmp_path, monkeypatch, capsys):
+    from autoplan.cli import main
+
+    tok = _tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "c.parquet").write_bytes(b"PAR1")
+    for mod in ("pyarrow", "pyarrow.parquet", "pyarrow.ipc"):
+        monkeypatch.setitem(sys.modules, mod, None)  # an import of it now raises ImportError
+    assert main(["prepare-data", str(tmp_path / "c.parquet"), "--tokenizer", str(tok), "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "needs pyarrow" in err and "autoplan[data]" in err
 
 
 def test_runtime_refuses_bad_data_before_training(tmp_path, monkeypatch, capsys):
