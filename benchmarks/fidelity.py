@@ -79,7 +79,7 @@ def run_command(run: dict) -> tuple[list[str], str]:
 def short_parallel(cfg: ParallelConfig) -> str:
     """The configuration string without the keys at their defaults (what a user would type)."""
     default = ParallelConfig().as_dict()
-    return ",".join(f"{k}={v}" for k, v in cfg.as_dict().items() if v is not None and v != default.get(k))
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in cfg.as_dict().items() if v is not None and v != default.get(k))
 
 
 def setting_of(argv: list[str]):

@@ -377,9 +377,11 @@ class ParallelConfig(_Frozen):
     def to_string(self) -> str:
         """The canonical string: every key, in DESIGN.md's order."""
         d = self.as_dict()
-        return ",".join(f"{k}={v}" for k, v in d.items() if v is not None)
+        return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in d.items() if v is not None)
 
     def as_dict(self) -> dict[str, object]:
+        """The configuration as a mapping with the Plan's field names and types (`sp` is a bool, as in plan.json;
+        only the configuration string writes it as 1/0)."""
         return {
             "tp": self.tp,
             "pp": self.pp,
@@ -388,7 +390,7 @@ class ParallelConfig(_Frozen):
             "ep": self.ep,
             "vp": self.vp,
             "mbs": self.mbs,
-            "sp": int(self.sp),
+            "sp": self.sp,
             "zero": self.zero,
             "recompute": self.recompute,
             "recompute_layers": self.recompute_layers,

@@ -411,17 +411,13 @@ def _agree(error: str | None) -> None:
             raise CheckpointError(f"rank {r}: {e}")
 
 
-def save(trainer, root: str | Path, step: int, *, data: dict[str, Any] | None = None, keep_last: int = 0) -> Path:
-    """Collective: write DIR/step_<step> atomically and point DIR/latest at it. Returns the checkpoint path."""
+def _begin(root: Path, step: int) -> tuple[Path, Path]:
+    """Collective: rank 0 makes an empty DIR/.step_<n>.tmp (a save that died earlier is cleared); all agree."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
-    plan = trainer.plan
-    root = Path(root)
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
-    rank = dist.get_rank()
     err = None
-    if rank == 0:
+    if dist.get_rank() == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # a save that died earlier
@@ -429,8 +425,71 @@ def save(trainer, root: str | Path, step: int, *, data: dict[str, Any] | None = 
         except OSError as e:
             err = f"cannot create checkpoint directory {tmp}: {e}"
     _agree(err)
+    return final, tmp
+
+
+def _saved_state(trainer, step: int) -> dict[str, Any]:
+    plan = trainer.plan
     sd = state_dict(trainer)
     sd.update({"autoplan.step": step, "autoplan.plan_hash": plan.short_hash, "autoplan.model": plan.model.name})
+    return sd
+
+
+def _meta(plan, step: int, data: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "format": FORMAT, "step": step, "plan_hash": plan.short_hash, "layout": plan.parallel.to_string(),
+        "world_size": plan.world_size, "model": plan.model.model_dump(mode="json"),
+        "model_source": plan.model_source,  # the HF config (autoplan export-weights writes it back out)
+        "global_batch_size": plan.training.global_batch_size, "seq_length": plan.training.seq_length,
+        "data": {**(data or {}), "next_step": step, "sequences_consumed": step * plan.training.global_batch_size},
+        "saved_at": time.time(),
+    }
+
+
+def _write_failed(final: Path, root: Path, e: BaseException) -> CheckpointError:
+    """One line for a failed save. DCP's CheckpointException carries each failing rank's exception with its
+    traceback in its text: report the first rank's exception itself ("rank 1: OSError: disk full")."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        why = f"rank {rank}: {type(inner).__name__}: {inner}"
+    else:
+        why = f"{type(e).__name__}: {e}"
+    return CheckpointError(f"saving checkpoint {final} failed", " ".join(why.split())[:300],
+                           f"the previous checkpoint in {root} is untouched")
+
+
+def _commit(meta: dict[str, Any], root: Path, tmp: Path, final: Path, keep_last: int) -> str | None:
+    """Rank 0, once every rank's shards and DCP's .metadata are in tmp: write autoplan_checkpoint.json and the
+    manifest, rename tmp to step_<n>, point `latest` at it, prune. Returns an error line, or None."""
+    try:
+        _write_synced(tmp / META_FILE, json.dumps(meta, indent=1) + "\n")
+        write_manifest(tmp, meta["step"])
+        old = root / f".step_{meta['step']}.old"
+        if final.exists():  # the same step saved again: keep the old one until the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        _write_synced(root / f".{LATEST}.tmp", final.name + "\n")
+        os.replace(root / f".{LATEST}.tmp", root / LATEST)
+        prune(root, keep_last, keep=final)
+        return None
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return f"finishing checkpoint {final} failed: {e}"
+
+
+def save(trainer, root: str | Path, step: int, *, data: dict[str, Any] | None = None, keep_last: int = 0) -> Path:
+    """Collective: write DIR/step_<step> atomically and point DIR/latest at it. Returns the checkpoint path."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(root)
+    final, tmp = _begin(root, step)
+    rank = dist.get_rank()
+    sd = _saved_state(trainer, step)
     try:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp)))
     except (KeyboardInterrupt, SystemExit):
@@ -440,36 +499,85 @@ def save(trainer, root: str | Path, step: int, *, data: dict[str, Any] | None = 
     except BaseException as e:  # DCP's CheckpointException (a full disk, a dead peer) is a BaseException
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving checkpoint {final} failed", f"{type(e).__name__}: {' '.join(str(e).split())}"[:300],
-                              f"the previous checkpoint in {root} is untouched") from None
-    err = None
-    if rank == 0:
-        meta = {
-            "format": FORMAT, "step": step, "plan_hash": plan.short_hash, "layout": plan.parallel.to_string(),
-            "world_size": plan.world_size, "model": plan.model.model_dump(mode="json"),
-            "model_source": plan.model_source,  # the HF config (autoplan export-weights writes it back out)
-            "global_batch_size": plan.training.global_batch_size, "seq_length": plan.training.seq_length,
-            "data": {**(data or {}), "next_step": step,
-                     "sequences_consumed": step * plan.training.global_batch_size},
-            "saved_at": time.time(),
-        }
-        try:
-            _write_synced(tmp / META_FILE, json.dumps(meta, indent=1) + "\n")
-            write_manifest(tmp, step)
-            old = root / f".step_{step}.old"
-            if final.exists():  # the same step saved again: keep the old one until the new one is in place
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-            _write_synced(root / f".{LATEST}.tmp", final.name + "\n")
-            os.replace(root / f".{LATEST}.tmp", root / LATEST)
-            prune(root, keep_last, keep=final)
-        except OSError as e:
-            err = f"finishing checkpoint {final} failed: {e}"
-            shutil.rmtree(tmp, ignore_errors=True)
-    _agree(err)
+        raise _write_failed(final, root, e) from None
+    _agree(_commit(_meta(trainer.plan, step, data), root, tmp, final, keep_last) if rank == 0 else None)
     return final
+
+
+class AsyncSaver:
+    """`--async-save`: checkpoints written by a background thread while training goes on.
+
+    `start` copies this rank's state to host memory (DCP's stager: new CPU tensors, so the steps that follow
+    cannot change what is written) and returns; `dcp.async_save` then writes the shards from a thread, over a
+    process group of its own (gloo; the training collectives keep theirs, so the two never interleave on one
+    group). When rank 0's save completes (every rank's shards and DCP's .metadata are written: rank 0 is the
+    coordinator of DCP's finish step), rank 0 commits it exactly as a synchronous save does (metadata, manifest,
+    rename, `latest`, retention) from that thread, with no collective. A crash before the commit leaves only
+    .step_<n>.tmp, which nothing reads: the previous checkpoint stays the newest complete one.
+
+    `wait` is collective (every rank calls it at the same step: before the next save starts, before a final
+    synchronous save, at the end of the run) and raises on every rank if any rank's save failed. What stalls
+    training is the copy to host memory, not the write (benchmarks/async_save.py measures both).
+    """
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._group = dist.new_group(backend="gloo")  # collective: every rank constructs the saver
+        self._pending = None  # (future, final, committed event, [error]) of the save in flight
+
+    def start(self, trainer, root: str | Path, step: int, *, data: dict[str, Any] | None = None,
+              keep_last: int = 0) -> Path:
+        import threading
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        root = Path(root)
+        final, tmp = _begin(root, step)
+        rank = dist.get_rank()
+        meta = _meta(trainer.plan, step, data) if rank == 0 else None
+        committed, error = threading.Event(), [None]
+        try:
+            future = dcp.async_save(_saved_state(trainer, step), storage_writer=dcp.FileSystemWriter(str(tmp)),
+                                    process_group=self._group)
+        except BaseException as e:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise _write_failed(final, root, e) from None
+
+        def done(f) -> None:  # DCP's writer thread, after this rank's save (on rank 0: everyone's) is complete
+            try:
+                exc = f.exception()
+                if exc is not None:
+                    error[0] = _write_failed(final, root, exc).one_line()
+                    if rank == 0:
+                        shutil.rmtree(tmp, ignore_errors=True)
+                elif rank == 0:
+                    error[0] = _commit(meta, root, tmp, final, keep_last)
+            finally:
+                committed.set()
+
+        future.add_done_callback(done)
+        self._pending = (future, final, committed, error)
+        return final
+
+    def wait(self) -> Path | None:
+        """Collective: finish the save in flight (if any); its path, or None when none was in flight."""
+        if self._pending is None:
+            return None
+        _, final, committed, error = self._pending
+        self._pending = None
+        committed.wait()
+        _agree(error[0])
+        return final
+
+    def abandon(self) -> None:
+        """Leave without waiting (an error path): an uncommitted save stays a .tmp directory, never `latest`."""
+        self._pending = None
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -79,6 +79,7 @@ class Trainer:
         self.cp_positions = (load_balanced_positions(plan.training.seq_length, dims.cp, dims.rank("cp"))
                              if dims.cp_enabled else None)
         self.tied_group = _tied_group(plan, dims)
+        self._params = list(self.pm.named_parameters())  # fixed after parallelize: walked once, not every step
         self.last_grads_hook = None  # tests: called with the ParallelModel after clipping, before the update
 
     # ------------------------------------------------------------------ one step
@@ -134,7 +135,7 @@ class Trainer:
         """Make every gradient the full-batch mean gradient in its parameter's own layout."""
         dims, pm = self.dims, self.pm
         # (a) DTensor grads left as partial sums (e.g. replicated weights fed sequence-sharded inputs) -> reduce
-        for _, p in pm.named_parameters():
+        for _, p in self._params:
             g = p.grad
             if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
                 p.grad = g.redistribute(p.device_mesh, p.placements)
@@ -142,7 +143,7 @@ class Trainer:
         #     backward); sum over the ranks holding the same experts, divide by all dp x cp ranks
         if dims.ep_enabled:
             group = dims["edp_cp"].get_group() if dims.dp_cp // dims.ep > 1 else None
-            for n, p in pm.named_parameters():
+            for n, p in self._params:
                 if is_expert_param(n) and p.grad is not None:
                     if group is not None:
                         dist.all_reduce(p.grad, group=group)
@@ -158,14 +159,17 @@ class Trainer:
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradient: DTensor grads reduce over their mesh; experts sum over ep; stages
-        sum over pp. A tied head on a later stage is not counted twice."""
+        sum over pp. A tied head on a later stage is not counted twice.
+
+        The gradients are grouped by how their squares must be summed across ranks (plain tensors: not at all;
+        DTensor shards: over each non-replicated mesh dim, once per group instead of once per parameter), and
+        each group's squares are summed with one `torch._foreach_norm` call (the per-tensor norms are squared
+        and added in float64), not a Python loop over parameters."""
         dims, pm = self.dims, self.pm
         dense = torch.zeros((), dtype=torch.float64, device=self.device)
         expert = torch.zeros((), dtype=torch.float64, device=self.device)
-        # Sharded DTensor grads: sum the squares of the local shards per (mesh, sharded dims) and reduce each
-        # such group once, instead of one collective per parameter (which dominated small steps on gloo).
-        partial_sums: dict[tuple, tuple[object, tuple[int, ...], list[torch.Tensor]]] = {}
-        for n, p in pm.named_parameters():
+        groups: dict[tuple, tuple[object, tuple[int, ...], list[torch.Tensor]]] = {}
+        for n, p in self._params:
             g = p.grad
             if g is None:
                 continue
@@ -175,22 +179,20 @@ class Trainer:
             if isinstance(g, DTensor):
                 if any(pl.is_partial() for pl in g.placements):  # squares of partial sums do not add up
                     sq = g.to(torch.float64).pow(2).sum().full_tensor()
-                else:
-                    # every non-replicated mesh dim splits the tensor (Shard, and FSDP2's _StridedShard
-                    # under TP, which is not a Shard subclass)
-                    dims_ = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
-                    key = (id(g.device_mesh), dims_, expert_param)
-                    entry = partial_sums.setdefault(key, (g.device_mesh, dims_, []))
-                    entry[2].append(g.to_local().to(torch.float64).pow(2).sum())
+                    if expert_param:
+                        expert += sq
+                    else:
+                        dense += sq
                     continue
+                # every non-replicated mesh dim splits the tensor (Shard, and FSDP2's _StridedShard under TP,
+                # which is not a Shard subclass)
+                dims_ = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
+                key = (id(g.device_mesh), dims_, expert_param)
+                groups.setdefault(key, (g.device_mesh, dims_, []))[2].append(g.to_local())
             else:
-                sq = g.to(torch.float64).pow(2).sum()
-            if expert_param:
-                expert += sq
-            else:
-                dense += sq
-        for (_, _, expert_param), (mesh, dims_, parts) in sorted(partial_sums.items(), key=lambda kv: kv[0][1:]):
-            total_sq = torch.stack(parts).sum()
+                groups.setdefault((None, (), expert_param), (None, (), []))[2].append(g)
+        for (_, _, expert_param), (mesh, dims_, tensors) in sorted(groups.items(), key=lambda kv: kv[0][1:]):
+            total_sq = _sum_of_squares(tensors)
             for d in dims_:  # summing over each sharded mesh dim in turn sums over all of them
                 dist.all_reduce(total_sq, group=mesh.get_group(d))
             if expert_param:
@@ -208,9 +210,8 @@ class Trainer:
         norm = float(self.grad_norm())
         coef = self.max_grad_norm / (norm + 1e-6)
         if self.max_grad_norm > 0 and coef < 1.0:  # 0: clipping off
-            for _, p in self.pm.named_parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            grads = [_local(p.grad) for _, p in self._params if p.grad is not None]
+            torch._foreach_mul_(grads, coef)  # in place on each local shard: the same as p.grad.mul_(coef)
         return norm
 
     def _reduce_loss(self, local_loss: torch.Tensor) -> float:
@@ -224,6 +225,12 @@ class Trainer:
         t = t.reshape(1).clone()
         dist.all_reduce(t)
         return float(t[0])
+
+
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """sum(t.square().sum() for t in tensors) in float64, from one foreach norm per dtype (an empty shard adds 0)."""
+    norms = torch._foreach_norm(tensors)
+    return torch.stack([x.to(torch.float64) for x in norms]).square().sum()
 
 
 def _local(x):

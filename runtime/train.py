@@ -18,7 +18,8 @@ Checkpoints (runtime.checkpoint, torch.distributed.checkpoint):
                     or corrupt checkpoint, or one of another model, stops at start-up with one line.
 
 Long runs (runtime.faults, runtime.indexed_data):
-  --keep-last K     retention; --overwrite a --save DIR holding another run's checkpoints; --auto-resume from the
+  --async-save      --save-every checkpoints are written by a background thread (DCP async_save) while training
+                    goes on; the last save is synchronous. --keep-last K retention; --overwrite a --save DIR holding another run's checkpoints; --auto-resume from the
                     newest checkpoint that verifies (skipping broken ones; `autoplan run --max-restarts` passes it)
   --on-nonfinite    stop (default) or skip a step whose loss or gradient norm is NaN/inf; a NaN update is never
                     applied and never checkpointed. --loss-spike-factor F warns on spikes.
@@ -83,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "profiled step, else step 2, or 1 for a one-step run); GPUs measure every step")
     ap.add_argument("--keep-last", type=int, default=0, metavar="K",
                     help="keep only the K newest checkpoints in --save (never the newest complete one); 0 keeps all")
+    ap.add_argument("--async-save", action="store_true",
+                    help="write --save-every checkpoints from a background thread (torch.distributed.checkpoint."
+                         "async_save): training stalls only for the copy to host memory. The last save is synchronous")
     ap.add_argument("--overwrite", action="store_true",
                     help="a new run (no --resume) into a --save DIR holding checkpoints deletes them first")
     ap.add_argument("--auto-resume", action="store_true",
@@ -169,6 +173,10 @@ def check_checkpoint_args(args: argparse.Namespace, plan, rank: int = 0) -> None
     if args.save_every < 0 or (args.save_every and not args.save):
         raise AutoplanError("--save-every needs --save DIR and K >= 1", f"got --save-every {args.save_every}",
                             "pass --save DIR --save-every K")
+    if getattr(args, "async_save", False) and not args.save_every:
+        raise AutoplanError("--async-save needs --save DIR --save-every K", "only the checkpoints taken during "
+                            "training are written in the background (the last one is synchronous)",
+                            "pass --save DIR --save-every K, or drop --async-save")
     from . import checkpoint
     from .faults import resolve_resume
 
@@ -319,6 +327,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         # Per-step work outside the step is kept to what a plain script does: the RNG is re-seeded only when
         # the model draws from it (dropout), the learning rate is written only when warm-up changes it, and the
         # metrics (memory, JSON) are made on rank 0 only.
+        saver = checkpoint.AsyncSaver() if getattr(args, "async_save", False) else None
         reseed = plan.model.dropout > 0
         lr = args.lr
         _set_lr(trainer.optimizer, lr)
@@ -364,9 +373,14 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
             signum = stop.agreed(device) if dims.world_size > 1 else stop.signum
             last = step + 1 == args.steps or signum is not None
             if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or last):
-                path = checkpoint.save(trainer, args.save, step + 1, data=data_desc, keep_last=args.keep_last)
-                if rank == 0 and not args.quiet:
-                    print(f"saved {path}", flush=True)
+                if saver is not None and not last:
+                    _report_saved(args, rank, saver.wait())
+                    saver.start(trainer, args.save, step + 1, data=data_desc, keep_last=args.keep_last)
+                else:
+                    if saver is not None:
+                        _report_saved(args, rank, saver.wait())
+                    path = checkpoint.save(trainer, args.save, step + 1, data=data_desc, keep_last=args.keep_last)
+                    _report_saved(args, rank, path)
             if signum is not None:
                 if rank == 0:
                     _print_stopped(args, signum, step + 1)
@@ -437,6 +451,11 @@ def _report_step(args: argparse.Namespace, log, rec: dict, predicted: float, spi
     if not args.quiet:
         print(f"step {rec['step']:4d}  loss {rec['loss']:.4f}  {rec['step_time_s'] * 1e3:8.1f} ms "
               f"(predicted {predicted * 1e3:.1f} ms)  {rec['tokens_per_s']:.0f} tok/s", flush=True)
+
+
+def _report_saved(args: argparse.Namespace, rank: int, path) -> None:
+    if path is not None and rank == 0 and not args.quiet:
+        print(f"saved {path}", flush=True)
 
 
 def _print_stopped(args: argparse.Namespace, signum: int, step: int) -> None:

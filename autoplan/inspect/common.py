@@ -149,7 +149,7 @@ def mesh_info(plan: Plan) -> dict:
 # ------------------------------------------------------------------------------------------ formatting
 
 
-_DEFAULTS = {"cp": 1, "ep": 1, "vp": 1, "sp": 0, "zero": 0, "recompute": "none", "recompute_layers": None,
+_DEFAULTS = {"cp": 1, "ep": 1, "vp": 1, "sp": False, "zero": 0, "recompute": "none", "recompute_layers": None,
              "schedule": "1f1b"}
 
 
@@ -164,15 +164,20 @@ def short_config(cfg: ParallelConfig | dict) -> str:
             continue
         if v is None:
             continue
-        parts.append(f"{k}={v}")
+        parts.append(f"{k}={_text(v)}")
     return ",".join(parts)
+
+
+def _text(v) -> str:
+    """A value as the configuration string writes it (a bool as 1/0)."""
+    return str(int(v)) if isinstance(v, bool) else str(v)
 
 
 def config_diff(a: ParallelConfig | dict, b: ParallelConfig | dict) -> str:
     """What b changes relative to a, e.g. `tp 8->4, pp 8->16`."""
     da = a.as_dict() if isinstance(a, ParallelConfig) else dict(a)
     db = b.as_dict() if isinstance(b, ParallelConfig) else dict(b)
-    parts = [f"{k} {da.get(k)}->{db.get(k)}" for k in db if da.get(k) != db.get(k)]
+    parts = [f"{k} {_text(da.get(k))}->{_text(db.get(k))}" for k in db if da.get(k) != db.get(k)]
     return ", ".join(parts) or "same"
 
 

@@ -178,6 +178,62 @@ def test_failed_save_keeps_the_previous_checkpoint(base, tmp_path, monkeypatch, 
 def test_save_every_needs_save(tmp_path, capsys):
     assert _train("--plan", _plan(tmp_path), "--save-every", "2") == 2
     assert "--save-every needs --save DIR" in _error(capsys)
+    assert _train("--plan", _plan(tmp_path), "--save", tmp_path / "ck", "--async-save") == 2
+    assert "--async-save needs --save DIR --save-every K" in _error(capsys)
+
+
+def _slow_writes(monkeypatch, seconds: float, fail: bool = False) -> list[float]:
+    """DCP's file writes, in whatever thread runs them, wait `seconds` first (or fail): training goes on meanwhile."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    real, starts = dcp.FileSystemWriter.write_data, []
+
+    def write_data(self, plan, planner):
+        starts.append(time.time())
+        time.sleep(seconds)
+        if fail:
+            raise OSError("disk full")
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
+    return starts
+
+
+def test_async_save_writes_a_snapshot_while_training_goes_on(base, tmp_path, monkeypatch):
+    """--async-save: step 2's checkpoint is written while steps 3 and 4 train (its writer is held for 1.5 s), and
+    it still holds step 2's state: resuming from it gives the uninterrupted run's losses; every checkpoint
+    verifies and the run's own losses are unchanged."""
+    from autoplan.runtime import checkpoint
+
+    starts = _slow_writes(monkeypatch, 1.5)
+    ck, log = tmp_path / "ck", tmp_path / "async.jsonl"
+    assert _train("--plan", _plan(tmp_path), "--steps", "4", "--save", ck, "--save-every", "2", "--async-save",
+                  "--log", log) == 0
+    ref = _losses(base / "ref.jsonl")
+    assert _losses(log) == ref
+    steps = {r["step"]: r["time"] for r in map(json.loads, log.read_text().splitlines())}
+    assert steps[3] < starts[0] + 1.5  # step 3 trained while step 2's shards were still being written
+    assert sorted(p.name for p in ck.iterdir() if not p.name.startswith(".")) == ["latest", "step_2", "step_4"]
+    for name in ("step_2", "step_4"):
+        checkpoint.verify(ck / name)
+    monkeypatch.undo()
+    resumed = tmp_path / "resumed.jsonl"
+    assert _train("--plan", _plan(tmp_path), "--steps", "4", "--resume", ck / "step_2", "--log", resumed) == 0
+    got = _losses(resumed)
+    assert sorted(got) == [3, 4] and all(got[s] == ref[s] for s in got)
+
+
+def test_failed_async_save_is_one_line_and_keeps_the_previous_checkpoint(base, tmp_path, monkeypatch, capsys):
+    ck = _copy(base, tmp_path)
+    _slow_writes(monkeypatch, 0.0, fail=True)
+    assert _train("--plan", _plan(tmp_path), "--steps", "8", "--resume", ck, "--save", ck, "--save-every", "2",
+                  "--async-save") == 2
+    line = _error(capsys)
+    assert "saving checkpoint" in line and "step_6 failed" in line and "disk full" in line
+    assert sorted(p.name for p in ck.iterdir() if not p.name.startswith(".")) == ["latest", "step_2", "step_4"]
+    assert (ck / "latest").read_text().strip() == "step_4"
 
 
 # ----------------------------------------------------------------------------- trust (issue 18, SECURITY.md)

@@ -128,3 +128,32 @@ def test_search_json_stdout_is_only_json():
     assert r.returncode == 0, r.stderr[-500:]
     d = json.loads(r.stdout)
     assert d["parallel"]["pp"] == 2 and d["schema_version"]
+
+
+def test_every_parallel_mapping_uses_the_plans_field_names_and_types(tmp_path, capsys):
+    """One vocabulary: the `parallel` mapping of estimate/search/show/explain --json (and the runners-up) has
+    the Plan's field names with the Plan's types (`sp` a bool, as in plan.json), not the string's 1/0."""
+    from autoplan.cost_models.specs import ParallelConfig
+    from autoplan.plan import load_plan
+
+    plan_path = tmp_path / "p.json"
+    args = ["--model", "tiny-gpt", "--cluster", "local-cpu", "--gpus", "4", "--global-batch", "8", "--seq-len", "64"]
+    assert main(["search", *args, "--json", "-o", str(plan_path)]) == 0
+    found = json.loads(capsys.readouterr().out)
+    mappings = [("search", found["parallel"])] + [("search runner-up", r["parallel"]) for r in found["runners_up"]]
+    assert main(["estimate", *args, "--parallel", "tp=2,sp=1", "--json"]) == 0
+    mappings.append(("estimate", json.loads(capsys.readouterr().out)["parallel"]))
+    for cmd in ("show", "explain"):
+        assert main([cmd, str(plan_path), "--json"]) == 0
+        mappings.append((cmd, json.loads(capsys.readouterr().out)["parallel"]))
+    plan = json.loads(plan_path.read_text())
+    mappings.append(("plan.json", plan["parallel"]))
+    mappings += [("plan.json runner-up", r["parallel"]) for r in plan["runners_up"]]
+    fields = set(ParallelConfig.model_fields)
+    for where, d in mappings:
+        assert set(d) <= fields, (where, set(d) - fields)
+        assert isinstance(d["sp"], bool), (where, d["sp"])
+        assert ParallelConfig.model_validate(d).to_string() == ParallelConfig(**d).to_string()
+    assert "sp=1" in ParallelConfig.parse("tp=2,sp=1").to_string()
+    assert load_plan(plan_path).parallel.as_dict() == {k: v for k, v in plan["parallel"].items()
+                                                       if v is not None or k == "recompute_layers"}
