@@ -80,6 +80,11 @@ class Trainer:
                              if dims.cp_enabled else None)
         self.tied_group = _tied_group(plan, dims)
         self._params = list(self.pm.named_parameters())  # fixed after parallelize: walked once, not every step
+        # what the gradient norm sums: (parameter, is an expert's); a tied head on a later stage is not counted
+        # twice (its gradient equals the embedding's after _finalize_grads)
+        tied_later = plan.model.tie_embeddings and not self.pm.has_first
+        self._norm_params = [(p, is_expert_param(n)) for n, p in self._params
+                             if not (tied_later and n == "output.weight")]
         self.last_grads_hook = None  # tests: called with the ParallelModel after clipping, before the update
 
     # ------------------------------------------------------------------ one step
@@ -165,17 +170,14 @@ class Trainer:
         DTensor shards: over each non-replicated mesh dim, once per group instead of once per parameter), and
         each group's squares are summed with one `torch._foreach_norm` call (the per-tensor norms are squared
         and added in float64), not a Python loop over parameters."""
-        dims, pm = self.dims, self.pm
+        dims = self.dims
         dense = torch.zeros((), dtype=torch.float64, device=self.device)
         expert = torch.zeros((), dtype=torch.float64, device=self.device)
         groups: dict[tuple, tuple[object, tuple[int, ...], list[torch.Tensor]]] = {}
-        for n, p in self._params:
+        for p, expert_param in self._norm_params:
             g = p.grad
             if g is None:
                 continue
-            if n == "output.weight" and self.plan.model.tie_embeddings and not pm.has_first:
-                continue
-            expert_param = is_expert_param(n)
             if isinstance(g, DTensor):
                 if any(pl.is_partial() for pl in g.placements):  # squares of partial sums do not add up
                     sq = g.to(torch.float64).pow(2).sum().full_tensor()
@@ -229,8 +231,10 @@ class Trainer:
 
 def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     """sum(t.square().sum() for t in tensors) in float64, from one foreach norm per dtype (an empty shard adds 0)."""
-    norms = torch._foreach_norm(tensors)
-    return torch.stack([x.to(torch.float64) for x in norms]).square().sum()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    return sum(torch.stack(torch._foreach_norm(ts)).to(torch.float64).square().sum() for ts in by_dtype.values())
 
 
 def _local(x):
