@@ -279,7 +279,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
     from .measure import StepMemory, memory_step, profile_record
 
     rank = dist.get_rank()
-    log = tb = None
+    log = tb = saver = None
     stop = faults.StopFlag()
     try:
         dims.build_mesh()
@@ -368,6 +368,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                 _report_step(args, log, rec, predicted, spikes, profile)
                 if tb:
                     tb.write(rec)
+            if saver is not None and step == start and trainer.optimizer.state:
+                saver.prepare(trainer)  # the host copy for --async-save, filled in the background
             heartbeat.beat(step + 1)
             faults.maybe_inject_fault(rank, step + 1)
             signum = stop.agreed(device) if dims.world_size > 1 else stop.signum
@@ -388,6 +390,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         return 0
     finally:
         stop.restore()
+        if saver is not None:
+            saver.close()
         if getattr(args, "heartbeat", None) is not None:
             args.heartbeat.close()
         if log:
