@@ -80,6 +80,7 @@ class Trainer:
                              if dims.cp_enabled else None)
         self.tied_group = _tied_group(plan, dims)
         self._params = list(self.pm.named_parameters())  # fixed after parallelize: walked once, not every step
+        self._synced: bool | None = None  # the gradient-sync flag last set on the (unpipelined) model
         # what the gradient norm sums: (parameter, is an expert's); a tied head on a later stage is not counted
         # twice (its gradient equals the embedding's after _finalize_grads)
         tied_later = plan.model.tie_embeddings and not self.pm.has_first
@@ -119,7 +120,9 @@ class Trainer:
                 mb = self.mbs
                 for i in range(self.n_micro):
                     last = i == self.n_micro - 1
-                    _set_sync(model, self.plan.parallel.zero, last)
+                    if last is not self._synced:  # the setters walk every FSDP module: only on a change
+                        _set_sync(model, self.plan.parallel.zero, last)
+                        self._synced = last
                     logits = model(inputs[i * mb : (i + 1) * mb])
                     loss = loss_fn(logits, labels[i * mb : (i + 1) * mb])
                     (loss / self.n_micro).backward()
