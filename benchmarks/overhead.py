@@ -600,8 +600,12 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     root = Path(args.root).resolve()
     results = []
-    for nproc in sorted({LAYOUTS[n][2] for n in args.layouts}):
-        results += launch([n for n in args.layouts if LAYOUTS[n][2] == nproc], nproc, args, root)
+    # One launch per layout: fresh processes, so no layout is timed in a process that earlier layouts left with
+    # their process groups, DDP reducers and allocator state (as `autoplan run` runs one layout per process).
+    # Sharing one launch made later layouts' steps several times slower on both sides and their ratios noise.
+    for i, name in enumerate(args.layouts):
+        print(f"[{i + 1}/{len(args.layouts)}] {name}", file=sys.stderr, flush=True)
+        results += launch([name], LAYOUTS[name][2], args, root)
     order = {n: i for i, n in enumerate(args.layouts)}
     results.sort(key=lambda r: order[r["layout"]])
     if args.json:

@@ -32,6 +32,7 @@ class StepResult:
     grad_norm: float
     step_time_s: float
     skipped: bool = False  # the gradient norm was not finite: the update was not applied (runtime.faults)
+    stop_signal: int | None = None  # a stop signal (SIGTERM/SIGINT) that any rank had received, agreed by all
 
 
 def loss_fn(logits, labels):
@@ -87,6 +88,9 @@ class Trainer:
         self._norm_params = [(p, is_expert_param(n)) for n, p in self._params
                              if not (tied_later and n == "output.weight")]
         self.last_grads_hook = None  # tests: called with the ParallelModel after clipping, before the update
+        # runtime.faults.StopFlag of the run: its signal travels in the loss's all-reduce, so every rank learns of
+        # a stop request without a collective of its own each step
+        self.stop_flag = None
 
     # ------------------------------------------------------------------ one step
 
@@ -134,8 +138,9 @@ class Trainer:
         skipped = not math.isfinite(norm)  # every rank sees the same global norm: never apply a NaN update
         if not skipped:
             self.optimizer.step()
-        loss = self._reduce_loss(local_loss)
-        return StepResult(loss=loss, grad_norm=norm, step_time_s=time.perf_counter() - t0, skipped=skipped)
+        loss, stop = self._reduce_loss(local_loss)
+        return StepResult(loss=loss, grad_norm=norm, step_time_s=time.perf_counter() - t0, skipped=skipped,
+                          stop_signal=stop)
 
     # ------------------------------------------------------------------ gradient plumbing
 
@@ -219,17 +224,23 @@ class Trainer:
             torch._foreach_mul_(grads, coef)  # in place on each local shard: the same as p.grad.mul_(coef)
         return norm
 
-    def _reduce_loss(self, local_loss: torch.Tensor) -> float:
-        """Mean loss over the global batch, on every rank (one world all-reduce)."""
+    def _reduce_loss(self, local_loss: torch.Tensor) -> tuple[float, int | None]:
+        """(mean loss over the global batch, the stop signal any rank received) on every rank, from one world
+        all-reduce: the stop request rides along with the loss (one flag per signal, summed)."""
+        from .faults import StopFlag
+
         dims, pm = self.dims, self.pm
+        mine = self.stop_flag.signum if self.stop_flag is not None else None
         if dims.world_size == 1:
-            return float(local_loss)
+            return float(local_loss), mine
         contributes = pm.has_last and (not dims.tp_enabled or dims.rank("tp") == 0)
-        t = (local_loss.double() / dims.dp_cp) if contributes else torch.zeros((), dtype=torch.float64,
-                                                                                device=self.device)
-        t = t.reshape(1).clone()
+        loss = (local_loss.double() / dims.dp_cp) if contributes else torch.zeros((), dtype=torch.float64,
+                                                                                   device=self.device)
+        t = torch.cat([loss.reshape(1), torch.tensor(StopFlag.encode(mine), dtype=torch.float64,
+                                                     device=self.device)])
         dist.all_reduce(t)
-        return float(t[0])
+        values = t.tolist()  # one device-to-host copy
+        return values[0], StopFlag.decode(values[1:])
 
 
 def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:

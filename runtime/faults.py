@@ -255,15 +255,17 @@ class StopFlag:
             signal.signal(sig, old)
         self._old.clear()
 
-    def agreed(self, device) -> int | None:
-        """Collective: the signal any rank received (so every rank stops after the same step)."""
-        import torch
-        import torch.distributed as dist
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the order of the flags in encode/decode: SIGTERM wins a tie
 
-        t = torch.tensor([self.signum or 0], dtype=torch.int32, device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t[0]) or None
+    @classmethod
+    def encode(cls, signum: int | None) -> list[float]:
+        """One flag per handled signal, to be summed over ranks (Trainer._reduce_loss sends them with the loss)."""
+        return [1.0 if signum == s else 0.0 for s in cls.SIGNALS]
+
+    @classmethod
+    def decode(cls, summed: list[float]) -> int | None:
+        """The signal every rank acts on, from the flags summed over ranks (None: nobody was asked to stop)."""
+        return next((int(s) for s, n in zip(cls.SIGNALS, summed, strict=True) if n > 0), None)
 
 
 class Heartbeat:

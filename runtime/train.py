@@ -291,6 +291,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         trainer = Trainer(plan, dims, device=device, seed=args.seed, lr=args.lr,
                           weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                           init_from=None if getattr(args, "resume_path", args.resume) else args.init_from)
+        trainer.stop_flag = stop
         data, data_desc = _open_data(args, plan)
         start = 0
         resume_path = getattr(args, "resume_path", args.resume)
@@ -372,7 +373,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                 saver.prepare(trainer)  # the host copy for --async-save, filled in the background
             heartbeat.beat(step + 1)
             faults.maybe_inject_fault(rank, step + 1)
-            signum = stop.agreed(device) if dims.world_size > 1 else stop.signum
+            signum = res.stop_signal  # agreed by every rank in the step's loss all-reduce
             last = step + 1 == args.steps or signum is not None
             if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or last):
                 if saver is not None and not last:

@@ -329,3 +329,21 @@ def test_heartbeats_name_the_missing_rank():
         hb.close()
     assert line.startswith("missing: rank 1 (alive but behind: last finished step 4), rank 2 (no heartbeat for 60 s")
     assert "rank 3 (never started)" in line and line.endswith("this rank finished step 5")
+
+
+def test_stop_flags_summed_over_ranks_name_one_signal():
+    """The stop request rides in the loss all-reduce as one flag per signal: summing any ranks' flags must give
+    the signal every rank then acts on (SIGTERM over SIGINT, nothing when nobody was signalled)."""
+    import signal as sig
+
+    from autoplan.runtime.faults import StopFlag
+
+    def agree(*signums):
+        summed = [sum(col) for col in zip(*(StopFlag.encode(s) for s in signums), strict=True)]
+        return StopFlag.decode(summed)
+
+    assert agree(None, None, None) is None
+    assert agree(None, sig.SIGINT, None) == sig.SIGINT
+    assert agree(sig.SIGTERM, None) == sig.SIGTERM
+    assert agree(sig.SIGINT, sig.SIGTERM, sig.SIGINT) == sig.SIGTERM
+    assert agree(sig.SIGTERM, sig.SIGTERM) == sig.SIGTERM
