@@ -253,11 +253,19 @@ def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec) -> f
     return extra
 
 
+def uses_replicate(cfg: ParallelConfig) -> bool:
+    """ZeRO-0 data parallelism runs as FSDP2's `replicate` (a sharded copy beside each parameter) where a
+    parameter is a DTensor (tp > 1) or the stage is pipelined; otherwise as DDP (runtime.parallelize.apply_dp)."""
+    return cfg.tp > 1 or cfg.pp > 1
+
+
 def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
                  cluster: ClusterSpec, training: TrainingSpec, m: int, in_flight: float) -> dict[str, float]:
     """The memory categories of `estimate.memory_of_rank`, plus what autoplan's runtime holds on top of them:
     - FSDP2 keeps each sharded parameter beside its unsharded copy: a full second copy under `replicate`
-      (zero 0 with dp x cp > 1), a 1/(dp x cp) shard under zero 1/2;
+      (zero 0 with dp x cp > 1 where DDP cannot be used: tensor-parallel DTensors or pipeline stages, see
+      runtime.parallelize.apply_dp), a 1/(dp x cp) shard under zero 1/2; DDP keeps one copy of parameters and
+      one of gradients (views of its buckets);
     - experts are whole on every tp rank (not split over tp), with their gradients and optimizer state, and
       ZeRO does not shard them (FSDP2 ignores them);
     - a tied LM head on the last of several pipeline stages is its own copy (kept equal by an all-reduce);
@@ -282,7 +290,7 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     out["parameters"] += extra / (shard_d if cfg.zero >= 3 else 1) * w
     out["gradients"] += extra / (shard_d if cfg.zero >= 2 and cfg.pp == 1 else 1) * g
     out["optimizer"] += extra / shard_d * (master + 8)
-    if n > 1 and cfg.zero == 0:
+    if n > 1 and cfg.zero == 0 and uses_replicate(cfg):
         out["parameters"] += (dense + tied) * w
     elif n > 1 and cfg.zero in (1, 2):
         out["parameters"] += (dense + tied) / n * w

@@ -53,6 +53,20 @@ def optimizer_groups(params) -> list[dict]:
     return [{"params": ps} for ps in groups.values()]
 
 
+# Devices with torch's fused AdamW kernel (torch.optim.adamw: _get_fused_kernels_supported_devices)
+_FUSED_ADAMW_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+def make_adamw(groups: list[dict], device: torch.device, **kwargs) -> torch.optim.AdamW:
+    """AdamW, fused where torch has the kernel (one kernel per group, no temporaries: the foreach path allocates
+    a parameter-sized sqrt(v) of every group during the step, which the cost model's optimizer memory, like
+    Megatron's fused Adam, does not hold), else foreach. DTensor parameters take the fused op too
+    (torch.distributed.tensor shards `_fused_adamw_` like a pointwise op)."""
+    if device.type in _FUSED_ADAMW_DEVICES:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
 class Trainer:
     def __init__(self, plan: Plan, dims: ParallelDims, *, device: torch.device, seed: int = 0, lr: float = 3e-4,
                  weight_decay: float = 0.1, betas=(0.9, 0.95), max_grad_norm: float = 1.0,
@@ -75,13 +89,16 @@ class Trainer:
             from .hf_init import load_hf_checkpoint
 
             load_hf_checkpoint(self.pm, init_from, plan)
-        self.optimizer = torch.optim.AdamW(optimizer_groups(p for _, p in self.pm.named_parameters()), lr=lr,
-                                           betas=betas, weight_decay=weight_decay, foreach=True)
+        self.optimizer = make_adamw(optimizer_groups(p for _, p in self.pm.named_parameters()), device, lr=lr,
+                                    betas=betas, weight_decay=weight_decay)
         self.cp_positions = (load_balanced_positions(plan.training.seq_length, dims.cp, dims.rank("cp"))
                              if dims.cp_enabled else None)
         self.tied_group = _tied_group(plan, dims)
         self._params = list(self.pm.named_parameters())  # fixed after parallelize: walked once, not every step
         self._synced: bool | None = None  # the gradient-sync flag last set on the (unpipelined) model
+        # DDP's gradients are views of its buckets; zeroing them in place keeps them so (set to None, the next
+        # step's first micro-batches would accumulate into new tensors beside the buckets: two copies at the peak)
+        self._grads_to_none = not any(hasattr(m, "_autoplan_ddp") for m in self.pm.modules)
         # what the gradient norm sums: (parameter, is an expert's); a tied head on a later stage is not counted
         # twice (its gradient equals the embedding's after _finalize_grads)
         tied_later = plan.model.tie_embeddings and not self.pm.has_first
@@ -107,7 +124,7 @@ class Trainer:
         dp_rank = dims.rank("dp") if dims.dp > 1 else 0
         inputs, labels = local_batch(global_batch, dp=dims.dp, dp_rank=dp_rank, cp_positions=self.cp_positions)
         inputs, labels = inputs.to(self.device), labels.to(self.device)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self._grads_to_none)
         local_loss = torch.zeros((), device=self.device)
         with self._context():
             if pm.schedule is not None:

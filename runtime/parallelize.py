@@ -419,14 +419,17 @@ def apply_ddp(model: TransformerLM, dp_mesh, ignored: set | None = None) -> list
     and the emitted program keep the model itself: `model(x)` runs through DDP (its reducer buckets the
     gradients, 25 MiB buckets all-reduced as backward produces them), `model.set_requires_gradient_sync(flag)`
     is DDP's no_sync switch. Buffers are not broadcast (context parallelism keeps a per-rank causal mask; the
-    weights are already identical on every rank because init is by name, hence init_sync=False too)."""
+    weights are already identical on every rank because init is by name, hence init_sync=False too). Gradients
+    are views of the buckets (gradient_as_bucket_view): one copy of the gradients, not two, as the cost model
+    prices it (cost_models.counts)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     inner = _Forward(model, model.forward)
     if ignored:
         names = [f"model.{n}" for n, p in model.named_parameters() if p in ignored]
         DDP._set_params_and_buffers_to_ignore_for_model(inner, names)
-    ddp = DDP(inner, process_group=dp_mesh.get_group(), forward_sync_buffers=False, init_sync=False)
+    ddp = DDP(inner, process_group=dp_mesh.get_group(), forward_sync_buffers=False, init_sync=False,
+              gradient_as_bucket_view=True)
     object.__setattr__(model, "forward", ddp.__call__)  # not a submodule: no cycle, no new names
     object.__setattr__(model, "set_requires_gradient_sync", _DDPSync(ddp))
     object.__setattr__(model, "_autoplan_ddp", ddp)
