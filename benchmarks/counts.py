@@ -1,6 +1,6 @@
 """Predicted vs measured FLOPs, communication bytes and memory over a matrix of layouts (issue 12).
 
-    python benchmarks/counts.py [--nproc 4] [--json] [--layouts tiny-gpt:dp=4 ...] [--steps-before 1]
+    python benchmarks/counts.py [--nproc 4] [--json] [--layouts tiny-gpt:dp=4 ...] [--steps-before 2]
 
 One torchrun launch runs every layout (each with the runtime's Trainer): a warm-up step, then one step under
 `autoplan.runtime.measure` (FlopCounterMode's formulas by phase, every c10d/functional collective by mesh
@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--layouts", nargs="*", default=None, help="model:config cases (default: the matrix)")
-    ap.add_argument("--steps-before", type=int, default=1, help="warm-up steps before the profiled one")
+    ap.add_argument("--steps-before", type=int, default=2,
+                    help="steps before the profiled one (2: step 3 is the first steady step; DDP rebuilds its "
+                         "buckets during step 2)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -13,8 +13,9 @@ describe autoplan's own runtime (DTensor TP, FSDP2, torch.distributed.pipelining
 - Bytes per collective follow cost_models.comm: all-reduce the buffer, all-gather the gathered buffer,
   reduce-scatter the full buffer, all-to-all what a rank sends, send/recv the message.
 - Memory: the categories of `estimate.memory_of_rank` without the framework overhead (a process constant that
-  tensor tracking does not see); ZeRO-3's gathered layers count as parameters (FSDP2 swaps them into the
-  module, and MemTracker books them so); "temporaries" are backward transients; the peak is their sum.
+  tensor tracking does not see); ZeRO-3's gathered layers are temporaries (FSDP2 all-gathers them into
+  buffers that MemTracker books as temporaries, never as parameters: benchmarks/counts.py, zero=3), with the
+  backward transients; the peak is their sum.
 
 Pure functions over data; nothing here imports torch.
 """
@@ -276,11 +277,12 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     w, g = training.weight_bytes, training.grad_bytes
     master = 0 if training.dtype in ("fp32", "tf32") else 4
     n = cfg.dp * cfg.cp
-    # ZeRO-3's all-gathered layers (estimate.memory_of_rank's `other` beyond the overhead) are parameters here:
-    # FSDP2 swaps the unsharded tensors into the module while a layer runs, and MemTracker books them so
+    # ZeRO-3's all-gathered layers (estimate.memory_of_rank's `other` beyond the overhead) are temporaries:
+    # FSDP2 gathers them into buffers that exist only while a unit runs (measured: the parameters category
+    # never exceeds the shards under zero=3)
     gathered = max(0.0, mem.other - overhead)
-    out = {"parameters": mem.weights + gathered, "gradients": mem.gradients, "optimizer": mem.optimizer,
-           "activations": mem.activations, "temporaries": 0.0}
+    out = {"parameters": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,
+           "activations": mem.activations, "temporaries": gathered}
     dense = sum(s.params - s.expert_params for s in stages)
     expert = sum(s.expert_params for s in stages)
     head = profiles[-1]

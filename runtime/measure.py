@@ -347,8 +347,8 @@ def memory_step(trainer, batch: torch.Tensor) -> tuple[Any, dict]:
 class StepMemory:
     """The tensor-memory figures of every run-log line. On a GPU, the allocator's peak of each step
     (torch.cuda.max_memory_allocated, reset before the step). On the CPU there is no allocator to ask, so the
-    tensor peak is measured with MemTracker on one step (`memory_step`, by default step 2: the first step with
-    optimizer state during forward and backward, or the profiled step) and carried on the lines after it, with
+    tensor peak is measured with MemTracker on one step (`memory_step`, by default step 3: the first steady step --
+    step 1 creates the optimizer state, DDP rebuilds its buckets in step 2 -- or the profiled step) and carried on the lines after it, with
     the step it was measured on; the process RSS is logged beside it as `rss_gib`."""
 
     def __init__(self, device: torch.device, measure_at: int | None) -> None:

@@ -32,7 +32,7 @@ plan for another model) stops with one clear line instead of hanging in a collec
 object per step to --log: step, loss, step_time_s, tokens_per_s, peak_memory_gib, predicted_step_time_s
 (plus predicted_memory_gib, memory_measured_step, rss_gib, grad_norm and lr). peak_memory_gib is tensor memory,
 not the process RSS: the allocator's peak of each step on a GPU; on the CPU, MemTracker's peak of one step
-(--memory-step, default 2) carried on the lines after it (null before). --profile-step N adds one
+(--memory-step, default 3) carried on the lines after it (null before). --profile-step N adds one
 {"event": "profile", "step": N, "ranks": [{"rank", "pp_stage", "measured", "predicted"}]} record (measured with
 autoplan.runtime.measure, predicted by autoplan.cost_models.counts) and prints it as a table. The process group is destroyed on exit, error or not.
 """
@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "record in the log and a table on rank 0")
     ap.add_argument("--memory-step", type=int, default=None, metavar="N",
                     help="CPU: the step whose tensor-memory peak (MemTracker) the log lines carry (default: the "
-                         "profiled step, else step 2, or 1 for a one-step run); GPUs measure every step")
+                         "profiled step, else step 3, the first steady one, or the last of a shorter run); GPUs "
+                         "measure every step")
     ap.add_argument("--keep-last", type=int, default=0, metavar="K",
                     help="keep only the K newest checkpoints in --save (never the newest complete one); 0 keeps all")
     ap.add_argument("--async-save", action="store_true",
@@ -320,7 +321,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         # this rank's pipeline stage: the memory the plan predicts for it (on a GPU, compare with the allocator's
         # peak; on the CPU the measured figure is the process's RSS, interpreter and libraries included)
         predicted_mem = plan.prediction.memory_gib["per_stage"][dims.rank("pp")]
-        mem = StepMemory(device, args.memory_step or args.profile_step or min(2, args.steps))
+        mem = StepMemory(device, args.memory_step or args.profile_step or min(3, args.steps))
         spikes = faults.SpikeDetector(args.loss_spike_factor)
         heartbeat = args.heartbeat = faults.Heartbeat.for_job(rank) if dims.world_size > 1 else \
             faults.Heartbeat(None, rank)

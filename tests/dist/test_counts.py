@@ -27,7 +27,7 @@ def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("counts") / "counts.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(ROOT / "benchmarks" / "counts.py"),
-           "--worker", str(out), "--layouts", *CASES]
+           "--worker", str(out), "--steps-before", "2", "--layouts", *CASES]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     if not out.exists():
         pytest.fail(f"counts launch failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -54,10 +54,13 @@ def test_counts_agree(records, case):
     assert meas_d > 0 and abs(pred_d - meas_d) <= 0.02 * meas_d, (case, c["comm"])
     for rank, _stage, p, m in c["memory"]:
         assert m["peak"] > 0 and abs(p["peak"] - m["peak"]) <= 0.10 * m["peak"], f"{case} rank {rank}: {p} vs {m}"
-        # categories at the peak: gradients always; parameters where no unit is gathered (ZeRO-3 books the gathered
-        # unit as parameter memory, the model as a temporary); the optimizer category is not checked, since a peak
-        # inside the optimizer step books the foreach temporaries there (docs/cost_model.md)
-        for k in ("gradients",) + (("parameters",) if "zero=3" not in case else ()):
+        # the categories at the peak (temporaries are an approximation, docs/cost_model.md). Not checked: ZeRO-3's
+        # parameters (MemTracker books a gathered unit as a parameter or a temporary depending on the micro-batch
+        # in which it first sees it) and a pipeline stage's activations (the schedule keeps each in-flight
+        # micro-batch's stage output and receive buffers, not yet priced: 12% on stage 0 of pp=2)
+        checked = ["gradients", "optimizer"] + ([] if "zero=3" in case else ["parameters"]) + \
+            ([] if "pp=" in case else ["activations"])
+        for k in checked:
             assert abs(p[k] - m[k]) <= 0.10 * m[k], f"{case} rank {rank} {k}: {p[k]} vs {m[k]}"
 
 

@@ -68,8 +68,8 @@ def test_four_process_run_logs_measured_and_predicted(tmp_path):
         assert r["predicted_step_time_s"] == predicted
         assert r["predicted_memory_gib"] == prediction["memory_gib"]["per_stage"][0]  # rank 0 is pp stage 0
         assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
-        # tensor memory (MemTracker on step 2 on the CPU), carried from the measured step on
-        assert (r["peak_memory_gib"] is None) if r["step"] == 1 else (r["peak_memory_gib"] > 0)
+        # tensor memory (MemTracker on step 3 on the CPU), carried from the measured step on
+        assert (r["peak_memory_gib"] is None) if r["step"] < 3 else (r["peak_memory_gib"] > 0)
         assert 0 < r["loss"] < 10
     assert rows[-1]["loss"] < rows[0]["loss"]  # a periodic token stream is learnable
     assert "predicted" in out.read_text()
