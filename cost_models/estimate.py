@@ -384,7 +384,8 @@ def pipeline_p2p_time(cluster: ClusterSpec, training: TrainingSpec, *, hidden: i
     if pp <= 1:
         return 0.0
     e = training.weight_bytes  # activations share the weights' dtype
-    # Megatron splits the message over the tp ranks (scatter/gather, SC21 sec. 4.1); DeepSpeed's engine does not.
+    # Megatron splits the message over the tp ranks (scatter/gather, SC21 sec. 4.1), and so does DeepSpeed's
+    # PipelineEngine (is_pipe_partitioned / is_grad_partitioned, PartitionedTensor); false = whole hidden states.
     split = tp if training.p2p_scatter_gather else 1
     nbytes = mbs * training.seq_length // cp * hidden * e / split
     cross = tp * cp * dp >= cluster.gpus_per_node and cluster.num_nodes > 1

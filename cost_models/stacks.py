@@ -90,12 +90,16 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack(
         name="megatron-deepspeed", title="Megatron-DeepSpeed (2021-22): MT-NLG 530B, BLOOM 176B",
         knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
-               "overlap_param_gather": False, "tp_comm_overlap": False, "p2p_scatter_gather": False,
+               "overlap_param_gather": False, "tp_comm_overlap": False,
                "grad_accum_fused": False, "kernels": "megatron", "grad_reduce_dtype": "fp32"},
+        # p2p_scatter_gather stays true: DeepSpeed's PipelineEngine partitions what it sends between stages over
+        # the tensor-parallel ("model") axis of its grid, `self.is_pipe_partitioned = self.is_model_parallel` and
+        # likewise `is_grad_partitioned` (deepspeed/runtime/pipe/engine.py, 2021-22), and the receiver rebuilds
+        # the tensor with PartitionedTensor.full(), an all-gather over that group: Megatron's scatter/gather.
         assumes="Megatron's TP layers and fused kernels, unfused softmax attention, run by DeepSpeed's pipeline "
-                "engine: whole hidden states sent between stages by every tp rank (no scatter/gather); "
-                "gradients accumulated into fp32 buffers by a separate pass per micro-batch and reduced in fp32 "
-                "after the pipeline flush (BF16_Optimizer / ZeRO-1), not overlapped",
+                "engine: stage-to-stage activations and gradients partitioned over the tp ranks and all-gathered "
+                "on arrival (PartitionedTensor); gradients accumulated into fp32 buffers by a separate pass per "
+                "micro-batch and reduced in fp32 after the pipeline flush (BF16_Optimizer / ZeRO-1), not overlapped",
         typical="zero=1, recompute=full, schedule=1f1b",
         source="Smith et al. 2022 (MT-NLG, arXiv 2201.11990) sec. 2-3; BigScience BLOOM (arXiv 2211.05100) "
                "sec. 3.4; DeepSpeed pipe/engine.py and runtime/bf16_optimizer.py",

@@ -37,7 +37,7 @@ def test_heldout_runs_are_cli_commands_and_stay_guarded():
     rows = evaluate_heldout()
     assert len(rows) >= 10 and {r["stack"] for r in rows} >= {"megatron-2022", "megatron-deepspeed", "megatron-core"}
     assert all(r["command"].startswith("autoplan estimate --model ") for r in rows)
-    assert any("--layout" in r["command"] for r in rows) and any("--uneven" in r["command"] for r in rows)
+    assert any("--layout" in r["command"] for r in rows) and any("--stack-set" in r["command"] for r in rows)
     errs = [abs(r["step_error"]) for r in rows]
     assert statistics.mean(errs) <= 0.10 and max(errs) <= 0.16, errs
     by_gpus = trend(rows, "gpus", ((1, 512), (513, 1 << 30)))
