@@ -288,6 +288,10 @@ class TrainingSpec(_Frozen):
         default=True, description="Pipeline activations cross stages split over the tp ranks (SC21 sec. 4.1); "
         "false = every tp rank sends the whole hidden state (a pipeline runtime that does not partition its "
         "messages; Megatron-LM and DeepSpeed's PipelineEngine both do).")
+    p2p_overlap: bool = Field(
+        default=True, description="Pipeline sends are asynchronous, overlapped with compute (their NCCL kernels "
+        "still take SMs: overlap_interference); false = a stage's compute stream waits until each send is "
+        "delivered (Megatron-LM's and DeepSpeed's blocking p2p).")
     grad_accum_fused: bool = Field(
         default=True, description="Weight-gradient GEMMs accumulate straight into the gradient buffer; false = "
         "each micro-batch's gradients are added into an fp32 buffer by a separate memory-bound pass (DeepSpeed).")
