@@ -107,3 +107,16 @@ def test_stack_p2p_facts():
         assert get_stack(name).knobs["p2p_overlap"] is False
     for name in ("autoplan", "torchtitan"):  # torch.distributed.pipelining: isend/irecv
         assert get_stack(name).knobs["p2p_overlap"] is True
+
+
+def test_deepspeed_train_schedule_replay_matches_1f1b_without_messages():
+    """benchmarks/ds_train_schedule.py replays DeepSpeed's TrainSchedule with blocking paired sends; without
+    message time it is exactly 1F1B, and messages only add their own time (no lock-step): the evidence that
+    MT-NLG's missing per-step time is not its pipeline schedule."""
+    from autoplan.cost_models.pipeline import simulate
+    from benchmarks.ds_train_schedule import makespan
+
+    for pp, m in ((4, 8), (5, 12)):
+        assert makespan(m, pp, 1.0, 2.0, 0.0) == pytest.approx(simulate("1f1b", pp, m, 1, [1.0] * pp, [2.0] * pp).makespan)
+    slow = makespan(16, 4, 1.0, 3.0, 0.05)
+    assert (16 + 3) * 4.0 < slow < (16 + 3) * 4.0 * 1.1
