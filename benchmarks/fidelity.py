@@ -272,6 +272,15 @@ def trend(rows: list[dict], key: str, buckets) -> list[dict]:
     return out
 
 
+def by_source(rows: list[dict]) -> dict[str, dict]:
+    """Held-out errors per publication (the source's text before its first parenthesis: 'Smith et al. 2022')."""
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        groups.setdefault(r["source"].split(" (")[0], []).append(r["step_error"])
+    return {k: {"runs": len(e), "mean_error": statistics.mean(e), "mean_abs_error": statistics.mean(map(abs, e)),
+                "worst_abs_error": max(map(abs, e))} for k, e in groups.items()}
+
+
 def plot_trend(rows: list[dict], path: str) -> None:
     """Signed step-time error against GPUs and against pp, one marker per run, by table."""
     import matplotlib
@@ -318,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = evaluate(args.reference) + evaluate_heldout(args.heldout)
     summary = summarize(rows)
     trends = {"by_gpus": trend(rows, "gpus", GPU_BUCKETS), "by_pp": trend(rows, "pp", PP_BUCKETS),
-              "heldout_by_gpus": trend([r for r in rows if r["table"] == "held-out"], "gpus", GPU_BUCKETS)}
+              "heldout_by_gpus": trend([r for r in rows if r["table"] == "held-out"], "gpus", GPU_BUCKETS),
+              "heldout_by_source": by_source([r for r in rows if r["table"] == "held-out"])}
     if args.plot:
         plot_trend(rows, args.plot)
     if args.json:
@@ -350,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in summary.items():
         print(f"{k:18s} mean |err| {100 * v['mean_abs_error']:.2f}%  worst {100 * v['worst_abs_error']:.2f}%  "
               f"({v['runs']} runs)")
+    for k, v in trends["heldout_by_source"].items():
+        print(f"  held-out, {k:24s} signed {100 * v['mean_error']:+.1f}%  mean |err| {100 * v['mean_abs_error']:.1f}%"
+              f"  worst {100 * v['worst_abs_error']:.1f}%  ({v['runs']} runs)")
     if args.commands:
         for r in rows:
             print(f"# {r['model']} ({r['table']})\n{r['command']}")
