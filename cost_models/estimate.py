@@ -392,15 +392,15 @@ def pipeline_p2p_parts(cluster: ClusterSpec, training: TrainingSpec, *, hidden: 
     full = mbs * training.seq_length // cp * hidden * e
     cross = tp * cp * dp >= cluster.gpus_per_node and cluster.num_nodes > 1
     t = comm.p2p(cluster, full / split, cross)
-    busy = full / split / comm._bw(cluster.inter_node if cross else cluster.intra_node)
+    busy = comm.transfer_time(cluster.inter_node if cross else cluster.intra_node, full / split)
     if split > 1 and not sp:
         # ... and the receiving stage all-gathers the pieces over the tp group (NVLink) before it can use them
         # (SC21 sec. 4.1; DeepSpeed's PartitionedTensor.full()). With sequence parallelism the next stage
         # consumes the sequence-sharded piece as it is (Megatron sends the SP shard): nothing to gather.
         grp = comm.group_of(cluster, tp, 1)
         t += comm.all_gather(cluster, grp, full)
-        busy += comm.all_gather(cluster, grp, full) - (grp.per_node - 1) * comm._alpha(cluster, cluster.intra_node) \
-            - (grp.nodes - 1) * comm._alpha(cluster, cluster.inter_node)
+        busy += comm.all_gather(cluster, grp, full) - (grp.per_node - 1) * comm.hop_latency(cluster, cluster.intra_node) \
+            - (grp.nodes - 1) * comm.hop_latency(cluster, cluster.inter_node)
     return t, busy
 
 

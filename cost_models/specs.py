@@ -290,8 +290,8 @@ class TrainingSpec(_Frozen):
         "messages; Megatron-LM and DeepSpeed's PipelineEngine both do).")
     p2p_overlap: bool = Field(
         default=True, description="Pipeline sends are asynchronous, overlapped with compute (their NCCL kernels "
-        "still take SMs: overlap_interference); false = a stage's compute stream waits until each send is "
-        "delivered (Megatron-LM's and DeepSpeed's blocking p2p).")
+        "still take SMs: overlap_interference); false = blocking p2p (Megatron-LM's and DeepSpeed's): a transfer "
+        "starts only when the receiver posts it, so every received message is on the receiving stage's path.")
     grad_accum_fused: bool = Field(
         default=True, description="Weight-gradient GEMMs accumulate straight into the gradient buffer; false = "
         "each micro-batch's gradients are added into an fp32 buffer by a separate memory-bound pass (DeepSpeed).")

@@ -42,7 +42,8 @@ class Stack(BaseModel):
     source: str = Field(default="", description="Where the assumptions come from.")
 
 
-# p2p_overlap=false (blocking pipeline sends) where the runtime waits for each send before its next kernel:
+# p2p_overlap=false (blocking pipeline p2p: send and receive are posted together and waited on, so a transfer
+# runs only once the receiver is ready for it; estimate.p2p_occupancy):
 # Megatron-LM 2021-22 p2p_communication._communicate (batch_isend_irecv, req.wait(), torch.cuda.synchronize());
 # Megatron-Core's non-interleaved 1F1B (send_forward_recv_backward with wait_on_reqs; --overlap-p2p-communication
 # applies to the interleaved schedule only); DeepSpeed's PipelineEngine ("The communication is blocking and must

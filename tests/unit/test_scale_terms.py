@@ -52,7 +52,7 @@ def test_interference_counts_the_bytes_not_the_latency():
     from autoplan.cost_models.estimate import pipeline_p2p_parts
 
     total, busy = pipeline_p2p_parts(A100, t, hidden=20480, pp=35, tp=8, cp=1, dp=8, mbs=1, sp=True)
-    assert 0 < busy < total and total - busy == pytest.approx(comm._alpha(A100, A100.inter_node))
+    assert 0 < busy < total and total - busy == pytest.approx(comm.hop_latency(A100, A100.inter_node))
 
 
 def test_messages_per_rank_grow_with_interleaving():
