@@ -1,6 +1,6 @@
 """Cost-model fidelity: predicted vs published step time and TFLOP/s per GPU for every calibration run.
 
-    python benchmarks/fidelity.py [--json] [--reference PATH]
+    python benchmarks/fidelity.py [--json] [--reference PATH] [--decompose] [--plot PNG] [--commands]
 
 Runs come from shared/reference/calibration_runs.json. Every run is expressed as the `autoplan estimate`
 command a user would type (`--commands` prints them) and resolved through the CLI's own path. SC21 rows use
@@ -186,6 +186,63 @@ def evaluate_heldout(path: Path = HELDOUT, calibration: dict[str, GPUCalibration
     return rows
 
 
+def decompose(path: Path = HELDOUT) -> list[dict]:
+    """Per held-out run, the predicted step taken apart: micro-batches, the per-micro-batch forward/backward of
+    the first, a middle and the last (virtual) stage, one pipeline message, and the step's breakdown. Runs of
+    one model at several GPU counts (same stage costs, fewer micro-batches) also get the line T = a*m + b fitted
+    through the published and through the predicted steps: a is the time per micro-batch, b what each step pays
+    once (fill and drain, gradient sync, optimizer)."""
+    from autoplan.cost_models.estimate import num_microbatches, pipeline_p2p_time
+
+    out = []
+    for run in yaml.safe_load(path.read_text())["runs"]:
+        argv = heldout_command(run)
+        model, cluster, training, _cfg, _args = setting_of(argv)
+        _, _, cfg, est = predict(argv)
+        st = est.stages
+        p2p = pipeline_p2p_time(cluster, training, hidden=model.hidden_size, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp,
+                                dp=cfg.dp, mbs=cfg.mbs, sp=cfg.sp)
+        pick = {"first": st[0], "middle": st[len(st) // 2], "last": st[-1]}
+        out.append({
+            "model": run["name"], "family": run["model"]["name"], "gpus": cluster.num_gpus, "config": cfg.to_string(),
+            "m": num_microbatches(cfg, training), "published_step_s": published_step(run, est),
+            "predicted_step_s": est.step_time_s, "p2p_ms": 1e3 * p2p,
+            "stages_ms": {k: {"blocks": s.layout.layers[1] - s.layout.layers[0], "fwd": 1e3 * s.fwd_s,
+                              "bwd": 1e3 * s.bwd_s, "recompute": 1e3 * s.recompute_s, "tp_comm": 1e3 * s.comm_s,
+                              "p2p": 1e3 * s.p2p_s} for k, s in pick.items()},
+            "breakdown": {k: round(v, 3) for k, v in est.breakdown.items()},
+        })
+    fam: dict[str, list[dict]] = {}
+    for r in out:
+        fam.setdefault(r["family"], []).append(r)
+    for rs in fam.values():
+        if len({r["m"] for r in rs}) < 2:
+            continue
+        for key in ("published_step_s", "predicted_step_s"):
+            ms, ts = [r["m"] for r in rs], [r[key] for r in rs]
+            mm, tt = statistics.mean(ms), statistics.mean(ts)
+            a = sum((x - mm) * (y - tt) for x, y in zip(ms, ts)) / sum((x - mm) ** 2 for x in ms)
+            for r in rs:
+                r.setdefault("line", {})[key.split("_")[0]] = {"a_ms_per_mb": 1e3 * a, "b_s": tt - a * mm}
+    return out
+
+
+def print_decomposition(rows: list[dict]) -> None:
+    for r in rows:
+        err = (r["predicted_step_s"] - r["published_step_s"]) / r["published_step_s"]
+        print(f"\n{r['model']}  ({r['gpus']} GPUs, m={r['m']}, one p2p message {r['p2p_ms']:.2f} ms)  published "
+              f"{r['published_step_s']:.2f} s, predicted {r['predicted_step_s']:.2f} s ({100 * err:+.1f}%)")
+        print("  " + r["config"])
+        for k, s in r["stages_ms"].items():
+            print(f"  {k:6s} stage {s['blocks']:3d} blocks: fwd {s['fwd']:7.1f} ms  bwd {s['bwd']:7.1f} ms  (recompute "
+                  f"{s['recompute']:.1f}, exposed tp {s['tp_comm']:.1f}, p2p held {s['p2p']:.1f})")
+        print("  breakdown s: " + "  ".join(f"{k} {v:.2f}" for k, v in r["breakdown"].items()))
+        if "line" in r:
+            pub, pred = r["line"]["published"], r["line"]["predicted"]
+            print(f"  T = a*m + b over this model's runs: published a = {pub['a_ms_per_mb']:.1f} ms, b = "
+                  f"{pub['b_s']:.2f} s; predicted a = {pred['a_ms_per_mb']:.1f} ms, b = {pred['b_s']:.2f} s")
+
+
 def summarize(rows: list[dict]) -> dict:
     summary = {}
     for table in sorted({r["table"] for r in rows}):
@@ -213,6 +270,15 @@ def trend(rows: list[dict], key: str, buckets) -> list[dict]:
             out.append({key: _label(lo, hi), "runs": len(sel), "mean_error": statistics.mean(sel),
                         "mean_abs_error": statistics.mean(abs(e) for e in sel), "worst_abs_error": max(map(abs, sel))})
     return out
+
+
+def by_source(rows: list[dict]) -> dict[str, dict]:
+    """Held-out errors per publication (the source's text before its first parenthesis: 'Smith et al. 2022')."""
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        groups.setdefault(r["source"].split(" (")[0], []).append(r["step_error"])
+    return {k: {"runs": len(e), "mean_error": statistics.mean(e), "mean_abs_error": statistics.mean(map(abs, e)),
+                "worst_abs_error": max(map(abs, e))} for k, e in groups.items()}
 
 
 def plot_trend(rows: list[dict], path: str) -> None:
@@ -247,12 +313,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heldout", type=Path, default=HELDOUT, help="held-out published runs (YAML)")
     ap.add_argument("--plot", metavar="PNG", help="draw the error against GPUs and pp into this PNG")
     ap.add_argument("--commands", action="store_true", help="print the autoplan command of every run")
+    ap.add_argument("--decompose", action="store_true",
+                    help="take every held-out prediction apart: stage costs, p2p, breakdown, per-micro-batch line")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.decompose:
+        dec = decompose(args.heldout)
+        if args.json:
+            print(json.dumps(dec, indent=1))
+        else:
+            print_decomposition(dec)
+        return 0
     rows = evaluate(args.reference) + evaluate_heldout(args.heldout)
     summary = summarize(rows)
     trends = {"by_gpus": trend(rows, "gpus", GPU_BUCKETS), "by_pp": trend(rows, "pp", PP_BUCKETS),
-              "heldout_by_gpus": trend([r for r in rows if r["table"] == "held-out"], "gpus", GPU_BUCKETS)}
+              "heldout_by_gpus": trend([r for r in rows if r["table"] == "held-out"], "gpus", GPU_BUCKETS),
+              "heldout_by_source": by_source([r for r in rows if r["table"] == "held-out"])}
     if args.plot:
         plot_trend(rows, args.plot)
     if args.json:
@@ -284,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in summary.items():
         print(f"{k:18s} mean |err| {100 * v['mean_abs_error']:.2f}%  worst {100 * v['worst_abs_error']:.2f}%  "
               f"({v['runs']} runs)")
+    for k, v in trends["heldout_by_source"].items():
+        print(f"  held-out, {k:24s} signed {100 * v['mean_error']:+.1f}%  mean |err| {100 * v['mean_abs_error']:.1f}%"
+              f"  worst {100 * v['worst_abs_error']:.1f}%  ({v['runs']} runs)")
     if args.commands:
         for r in rows:
             print(f"# {r['model']} ({r['table']})\n{r['command']}")

@@ -49,6 +49,17 @@ def _alpha(cluster: ClusterSpec, link: LinkSpec) -> float:
     return (link.latency_us + cluster.oversubscription_wait_us * cluster.descheduled_fraction) * 1e-6
 
 
+def transfer_time(link: LinkSpec, nbytes: float) -> float:
+    """Seconds a link spends moving `nbytes` at its reachable bandwidth (no latency): the part of a message
+    during which its kernels work, rather than wait."""
+    return nbytes / _bw(link)
+
+
+def hop_latency(cluster: ClusterSpec, link: LinkSpec) -> float:
+    """Latency of one message hop on `link` (see _alpha)."""
+    return _alpha(cluster, link)
+
+
 def _ring(cluster: ClusterSpec, n: int, nbytes: float, link: LinkSpec, factor: float) -> float:
     """One ring collective moving factor*(n-1)/n of `nbytes` per rank, with n-1 (x factor) latency hops."""
     if n <= 1 or nbytes <= 0:

@@ -73,6 +73,7 @@ class StageCost:
     model_flops: float  # per micro-batch forward
     recompute_flops: float
     zero3_s: float = 0.0  # exposed ZeRO-3 gathers and reduce-scatters per micro-batch (inside bwd_s)
+    p2p_s: float = 0.0  # compute time lost to its pipeline messages per micro-batch (inside fwd_s + bwd_s)
 
 
 @dataclass
@@ -377,18 +378,63 @@ def grad_accum_time(params_local: float, cluster: ClusterSpec, training: Trainin
     return nbytes / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
 
 
-def pipeline_p2p_time(cluster: ClusterSpec, training: TrainingSpec, *, hidden: int, pp: int, tp: int, cp: int,
-                      dp: int, mbs: int) -> float:
-    """One activation (or gradient) message between neighbouring pipeline stages: a micro-batch's hidden
-    states, split across tp (sequence-parallel / scatter-gather), across nodes once tp*cp*dp fills a node."""
+def pipeline_p2p_parts(cluster: ClusterSpec, training: TrainingSpec, *, hidden: int, pp: int, tp: int, cp: int,
+                       dp: int, mbs: int, sp: bool = False) -> tuple[float, float]:
+    """One activation (or gradient) message between neighbouring pipeline stages, (its time, the part of it
+    that moves bytes): a micro-batch's hidden states, split across tp (sequence-parallel / scatter-gather),
+    across nodes once tp*cp*dp fills a node. The rest of the time is latency (waiting, not working)."""
     if pp <= 1:
-        return 0.0
+        return 0.0, 0.0
     e = training.weight_bytes  # activations share the weights' dtype
-    # Megatron splits the message over the tp ranks (scatter/gather, SC21 sec. 4.1); DeepSpeed's engine does not.
+    # Megatron splits the message over the tp ranks (scatter/gather, SC21 sec. 4.1), and so does DeepSpeed's
+    # PipelineEngine (is_pipe_partitioned / is_grad_partitioned, PartitionedTensor); false = whole hidden states.
     split = tp if training.p2p_scatter_gather else 1
-    nbytes = mbs * training.seq_length // cp * hidden * e / split
+    full = mbs * training.seq_length // cp * hidden * e
     cross = tp * cp * dp >= cluster.gpus_per_node and cluster.num_nodes > 1
-    return comm.p2p(cluster, nbytes, cross)
+    t = comm.p2p(cluster, full / split, cross)
+    busy = comm.transfer_time(cluster.inter_node if cross else cluster.intra_node, full / split)
+    if split > 1 and not sp:
+        # ... and the receiving stage all-gathers the pieces over the tp group (NVLink) before it can use them
+        # (SC21 sec. 4.1; DeepSpeed's PartitionedTensor.full()). With sequence parallelism the next stage
+        # consumes the sequence-sharded piece as it is (Megatron sends the SP shard): nothing to gather.
+        grp = comm.group_of(cluster, tp, 1)
+        t += comm.all_gather(cluster, grp, full)
+        busy += comm.all_gather(cluster, grp, full) - (grp.per_node - 1) * comm.hop_latency(cluster, cluster.intra_node) \
+            - (grp.nodes - 1) * comm.hop_latency(cluster, cluster.inter_node)
+    return t, busy
+
+
+def pipeline_p2p_time(cluster: ClusterSpec, training: TrainingSpec, *, hidden: int, pp: int, tp: int, cp: int,
+                      dp: int, mbs: int, sp: bool = False) -> float:
+    """One activation (or gradient) message between neighbouring pipeline stages (`pipeline_p2p_parts`)."""
+    return pipeline_p2p_parts(cluster, training, hidden=hidden, pp=pp, tp=tp, cp=cp, dp=dp, mbs=mbs, sp=sp)[0]
+
+
+def p2p_occupancy(index: int, n_stages: int, p2p_s: float, cluster: ClusterSpec,
+                  training: TrainingSpec, busy_s: float | None = None) -> tuple[float, float]:
+    """Compute time a (virtual) stage loses per micro-batch to its pipeline messages, (forward, backward).
+
+    The simulated schedule charges a message on the edge it travels (the receiver cannot start before it
+    arrives), which hides it whenever the message was sent long before the receiver is free. With blocking
+    p2p (`p2p_overlap=false`: Megatron-LM 2021-22 and Megatron-Core's 1F1B post send and receive together and
+    wait on them, then synchronise; DeepSpeed's engine broadcasts synchronously) a transfer starts only when both
+    ends have posted it, and a receiver posts when it is about to compute: every received message, its input
+    activation (forward) or output gradient (backward), is on that stage's critical path. In the steady state
+    the sender's blocking send completes with the receive it is waiting for anyway, so nothing is added there.
+    (Fill and drain messages are then counted on the edge and here: 2(p-1) of them, a small overcount.)
+    With asynchronous p2p (torch.distributed.pipelining, Megatron-Core's --overlap-p2p-communication, Llama 3's
+    async p2p) the NCCL send and receive kernels run beside the compute and cost `overlap_interference` of the
+    time they move bytes (`busy_s`, default all of it) on both ends: SMs and HBM taken, as for every hidden
+    collective; waiting out the latency takes nothing. Interleaving multiplies the stages a rank holds, so its
+    messages per micro-batch grow with vp."""
+    if p2p_s <= 0 or n_stages <= 1:
+        return 0.0, 0.0
+    has_prev, has_next = index > 0, index < n_stages - 1
+    if not training.p2p_overlap:
+        return p2p_s * has_prev, p2p_s * has_next  # forward receives from before, backward from after
+    k = cluster.gpu.calibration.overlap_interference
+    per_phase = k * (p2p_s if busy_s is None else busy_s) * (has_prev + has_next)  # one in, one out per phase
+    return per_phase, per_phase
 
 
 def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig,
@@ -413,8 +459,14 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
             s.bwd_s += s.zero3_s
     for s in stages:  # unfused gradient accumulation: a memory-bound pass per micro-batch (compute time)
         s.bwd_s += grad_accum_time(s.params, cluster, training)
-    p2p_s = pipeline_p2p_time(cluster, training, hidden=profiles[0].hidden, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp,
-                              dp=cfg.dp, mbs=cfg.mbs)
+    p2p_s, p2p_busy = pipeline_p2p_parts(cluster, training, hidden=profiles[0].hidden, pp=cfg.pp, tp=cfg.tp,
+                                         cp=cfg.cp, dp=cfg.dp, mbs=cfg.mbs, sp=cfg.sp)
+    if cfg.pp > 1:  # what the messages cost the ranks at either end (blocking sends, or interference)
+        for s in stages:
+            pf, pb = p2p_occupancy(s.index, n_stages, p2p_s, cluster, training, p2p_busy)
+            s.fwd_s += pf
+            s.bwd_s += pb
+            s.p2p_s = pf + pb
     fwd = [s.fwd_s for s in stages]
     bwd = [s.bwd_s for s in stages]
     timeline = None
@@ -444,7 +496,8 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
     step = max(finish)
     crit = max(range(cfg.pp), key=lambda r: finish[r])
     rank_stages = by_rank[crit]
-    compute = m * sum(s.fwd_s + s.bwd_s - s.recompute_s - s.comm_s - s.zero3_s for s in rank_stages)
+    compute = m * sum(s.fwd_s + s.bwd_s - s.recompute_s - s.comm_s - s.zero3_s - s.p2p_s for s in rank_stages)
+    p2p_held = m * sum(s.p2p_s for s in rank_stages)
     zero3 = m * sum(s.zero3_s for s in rank_stages)
     recompute = m * sum(s.recompute_s for s in rank_stages)
     exposed_comm = m * sum(s.comm_s for s in rank_stages)
@@ -452,7 +505,7 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
         "compute": compute,
         "recompute": recompute,
         "tp_cp_ep_comm": exposed_comm,
-        "pp_comm": max(0.0, makespan - no_comm),
+        "pp_comm": max(0.0, makespan - no_comm) + p2p_held,
         "bubble": max(0.0, no_comm - busy[crit]),
         "dp_comm": dp_times[crit] + gather_times[crit] + zero3,
         "optimizer": opt_time[crit],

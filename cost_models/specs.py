@@ -286,7 +286,12 @@ class TrainingSpec(_Frozen):
         "weight-gradient GEMM (Megatron-LM's async tensor-parallel all-reduce / SP all-gather, 2022).")
     p2p_scatter_gather: bool = Field(
         default=True, description="Pipeline activations cross stages split over the tp ranks (SC21 sec. 4.1); "
-        "false = every tp rank sends the whole hidden state (DeepSpeed's pipeline engine).")
+        "false = every tp rank sends the whole hidden state (a pipeline runtime that does not partition its "
+        "messages; Megatron-LM and DeepSpeed's PipelineEngine both do).")
+    p2p_overlap: bool = Field(
+        default=True, description="Pipeline sends are asynchronous, overlapped with compute (their NCCL kernels "
+        "still take SMs: overlap_interference); false = blocking p2p (Megatron-LM's and DeepSpeed's): a transfer "
+        "starts only when the receiver posts it, so every received message is on the receiving stage's path.")
     grad_accum_fused: bool = Field(
         default=True, description="Weight-gradient GEMMs accumulate straight into the gradient buffer; false = "
         "each micro-batch's gradients are added into an fp32 buffer by a separate memory-bound pass (DeepSpeed).")

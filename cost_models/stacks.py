@@ -23,9 +23,10 @@ DEFAULT_STACK = "autoplan"
 # The TrainingSpec fields a stack may set (the runtime's software, not the workload: batch and sequence length
 # are never part of a stack).
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
-               "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "grad_accum_fused", "kernels")
+               "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
+               "kernels")
 # Values every stack has unless it says otherwise (TrainingSpec's defaults for these knobs).
-_COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "grad_accum_fused": True}
+_COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True}
 
 
 class Stack(BaseModel):
@@ -39,6 +40,15 @@ class Stack(BaseModel):
     assumes: str = Field(description="What the values mean, in words.")
     typical: str = Field(default="", description="Parallel settings its users typically ran (not applied).")
     source: str = Field(default="", description="Where the assumptions come from.")
+
+
+# p2p_overlap=false (blocking pipeline p2p: send and receive are posted together and waited on, so a transfer
+# runs only once the receiver is ready for it; estimate.p2p_occupancy):
+# Megatron-LM 2021-22 p2p_communication._communicate (batch_isend_irecv, req.wait(), torch.cuda.synchronize());
+# Megatron-Core's non-interleaved 1F1B (send_forward_recv_backward with wait_on_reqs; --overlap-p2p-communication
+# applies to the interleaved schedule only); DeepSpeed's PipelineEngine ("The communication is blocking and must
+# be paired", deepspeed/runtime/pipe/schedule.py SendActivation/SendGrad). torch.distributed.pipelining (autoplan,
+# torchtitan) posts isend/irecv and waits only on what the next action consumes: overlapped.
 
 
 def _stack(**kw) -> Stack:
@@ -59,7 +69,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         name="megatron-2021", title="Megatron-LM as in Narayanan et al. SC21",
         knobs={"dtype": "fp16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "kernels": "megatron",
-               "grad_reduce_dtype": None},
+               "grad_reduce_dtype": None, "p2p_overlap": False},
         assumes="fp16; unfused softmax attention (fused scale-mask-softmax over the s x s scores); Megatron's fused "
                 "bias-GeLU and LayerNorm; fp16 gradients all-reduced after the backward, not overlapped; "
                 "no distributed optimizer",
@@ -70,7 +80,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         name="megatron-2022", title="Megatron-LM with selective recomputation and SP (Korthikanti et al. 2022)",
         knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "tp_bwd_comm_overlap": True,
-               "kernels": "megatron", "grad_reduce_dtype": None},
+               "kernels": "megatron", "grad_reduce_dtype": None, "p2p_overlap": False},
         assumes="bf16; unfused softmax attention (selective recomputation recomputes it); Megatron's fused kernels; "
                 "gradient all-reduce after the backward, not overlapped; forward TP collectives exposed, in the "
                 "backward one collective per linear pair beside the weight-gradient GEMM (async TP all-reduce)",
@@ -80,7 +90,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack(
         name="megatron-core", title="Megatron-Core with Transformer Engine and overlaps (2024+)",
         knobs={"dtype": "bf16", "flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
-               "tp_comm_overlap": True, "kernels": "megatron", "grad_reduce_dtype": None},
+               "tp_comm_overlap": True, "kernels": "megatron", "grad_reduce_dtype": None, "p2p_overlap": False},
         assumes="bf16; TE fused (flash) attention and fused kernels; --overlap-grad-reduce, --overlap-param-gather "
                 "(distributed optimizer), --tp-comm-overlap (userbuffers); fp32 cross-entropy over materialised "
                 "logits; gradients reduced in bf16 (grad_reduce_in_fp32=False)",
@@ -90,12 +100,16 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack(
         name="megatron-deepspeed", title="Megatron-DeepSpeed (2021-22): MT-NLG 530B, BLOOM 176B",
         knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
-               "overlap_param_gather": False, "tp_comm_overlap": False, "p2p_scatter_gather": False,
+               "overlap_param_gather": False, "tp_comm_overlap": False, "p2p_overlap": False,
                "grad_accum_fused": False, "kernels": "megatron", "grad_reduce_dtype": "fp32"},
+        # p2p_scatter_gather stays true: DeepSpeed's PipelineEngine partitions what it sends between stages over
+        # the tensor-parallel ("model") axis of its grid, `self.is_pipe_partitioned = self.is_model_parallel` and
+        # likewise `is_grad_partitioned` (deepspeed/runtime/pipe/engine.py, 2021-22), and the receiver rebuilds
+        # the tensor with PartitionedTensor.full(), an all-gather over that group: Megatron's scatter/gather.
         assumes="Megatron's TP layers and fused kernels, unfused softmax attention, run by DeepSpeed's pipeline "
-                "engine: whole hidden states sent between stages by every tp rank (no scatter/gather); "
-                "gradients accumulated into fp32 buffers by a separate pass per micro-batch and reduced in fp32 "
-                "after the pipeline flush (BF16_Optimizer / ZeRO-1), not overlapped",
+                "engine: stage-to-stage activations and gradients partitioned over the tp ranks and all-gathered "
+                "on arrival (PartitionedTensor); gradients accumulated into fp32 buffers by a separate pass per "
+                "micro-batch and reduced in fp32 after the pipeline flush (BF16_Optimizer / ZeRO-1), not overlapped",
         typical="zero=1, recompute=full, schedule=1f1b",
         source="Smith et al. 2022 (MT-NLG, arXiv 2201.11990) sec. 2-3; BigScience BLOOM (arXiv 2211.05100) "
                "sec. 3.4; DeepSpeed pipe/engine.py and runtime/bf16_optimizer.py",

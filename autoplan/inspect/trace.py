@@ -25,7 +25,7 @@ def p2p_seconds(plan: Plan) -> float:
     charges it."""
     cfg = plan.parallel
     return pipeline_p2p_time(plan.cluster, plan.training, hidden=plan.model.hidden_size, pp=cfg.pp, tp=cfg.tp,
-                             cp=cfg.cp, dp=cfg.dp or 1, mbs=cfg.mbs)
+                             cp=cfg.cp, dp=cfg.dp or 1, mbs=cfg.mbs, sp=cfg.sp)
 
 
 def _slices(plan: Plan, est: Estimate):

@@ -260,10 +260,11 @@ class _Searcher:
     def micro_batches(self, mesh: Mesh) -> int:
         return self.training.global_batch_size // (mesh.dp * mesh.mbs)
 
-    def p2p_time(self, mesh: Mesh) -> float:
-        """One activation message between neighbouring pipeline stages (the cost model's)."""
+    def p2p_time(self, mesh: Mesh, sp: bool = True) -> float:
+        """One activation message between neighbouring pipeline stages (the cost model's). sp=True leaves out
+        the receiver's tp all-gather that only non-sp configurations pay, so bounds built on it stay bounds."""
         return pipeline_p2p_time(self.cluster, self.training, hidden=self.profiles[0].hidden, pp=mesh.pp,
-                                 tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, mbs=mesh.mbs)
+                                 tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, mbs=mesh.mbs, sp=sp)
 
     def p2p_proxy(self, mesh: Mesh, kn: Knobs) -> float:
         """Exposed point-to-point time: the closed form's 2 (pp - 1) messages; the interleaved schedule's
@@ -455,7 +456,7 @@ class _Searcher:
                 if fin is not None:
                     # keyed by what its simulation cannot beat: the closed form overstates uneven pipelines
                     key = fin.estimate.step_time_s if fin.simulated else step_time_lower_bound(
-                        fin.estimate, self.cluster, self.training, self.p2p_time(mesh))
+                        fin.estimate, self.cluster, self.training, self.p2p_time(mesh, fin.estimate.config.sp))
                     heapq.heappush(heap, (key, 3, counter, fin))
                     counter += 1
                     screened += 1
