@@ -148,6 +148,13 @@ def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times
         comm.add("all_to_all", "ep", routed, times * (n_fwd + 2))
 
 
+def boundary_bytes(profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig, training: TrainingSpec) -> float:
+    """One micro-batch's tensor at a pipeline stage boundary: a stage's output, the next stage's input (the
+    residual stream, sequence-sharded over tp with sp)."""
+    act = ctx.mbs * training.seq_length // cfg.cp * profiles[0].hidden * ctx.act_bytes
+    return act / (cfg.tp if cfg.sp else 1)
+
+
 def rank_counts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
                 m: int, n_stages: int, training: TrainingSpec) -> tuple[dict, _Comm]:
     """FLOPs by phase and the per-micro-batch collectives (TP/CP/EP/PP) of one pipeline rank, for the step."""
@@ -159,8 +166,7 @@ def rank_counts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Cont
                 flops[k] += m * v
             layer_comm(p, ctx, rec, comm, m)
         if cfg.pp > 1:
-            act = ctx.mbs * training.seq_length // cfg.cp * profiles[0].hidden * ctx.act_bytes
-            act /= cfg.tp if cfg.sp else 1
+            act = boundary_bytes(profiles, ctx, cfg, training)
             if s.index > 0:
                 comm.add("recv", "pp", act, m)
                 comm.add("send", "pp", act, m)
@@ -254,6 +260,62 @@ def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec) -> f
     return extra
 
 
+def pipeline_act(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
+                 training: TrainingSpec, m: int, in_flight: float) -> float:
+    """Activation bytes that torch.distributed.pipelining keeps on a rank beyond its in-flight micro-batches'
+    saved tensors (the profile's counts, in which a stage's first block counts its input):
+    - receive buffers: PipelineStage._prepare_forward_infra allocates one activation buffer per micro-batch
+      (`args_recv_info[chunk]`) for every stage after the first, and keeps them across steps. The in-flight
+      micro-batches' buffers are the first block's inputs, already counted; the other m - in_flight are extra.
+    - stage outputs: a stage that sends its output keeps it in `fwd_cache` until that micro-batch's backward
+      (counted nowhere by the profile: it is the next stage's input). Schedule1F1B also holds the warm-up's last
+      fired send (`send_work`: the Work keeps the tensor) through the steady phase, one output more once that
+      micro-batch's backward is done (w >= 2 warm-up forwards and m >= 2w - 1). The interleaved schedule
+      (_PipelineScheduleRuntime) waits on its sends only at the end of the step: all m outputs of every stage
+      that sends stay alive until then.
+    `in_flight` is pipeline.in_flight's (units of the rank's whole layer set); in micro-batch x stage pairs it is
+    in_flight x len(stages), split evenly over the rank's stages (exact without virtual stages)."""
+    if cfg.pp == 1 or not stages:
+        return 0.0
+    x = boundary_bytes(profiles, ctx, cfg, training)
+    n_stages = cfg.pp * cfg.vp
+    receiving = sum(1 for s in stages if s.index > 0)
+    sending = sum(1 for s in stages if s.index < n_stages - 1)
+    per_stage = in_flight  # micro-batches in flight on each of the rank's stages (in_flight x len / len)
+    out = receiving * (m - per_stage) * x
+    if cfg.vp > 1:
+        out += sending * m * x
+    elif sending:
+        w = int(in_flight)  # 1F1B: the warm-up forwards; GPipe: all m, waited before the backward
+        held = 1 if cfg.schedule == "1f1b" and w >= 2 and m >= 2 * w - 1 else 0
+        out += (in_flight + held) * x
+    return out
+
+
+def token_ids_bytes(cfg: ParallelConfig, training: TrainingSpec) -> float:
+    """The step's token ids on every rank (int64): the global batch of gbs x (seq + 1) that every rank reads
+    (runtime.data: each rank slices its part out of it) and this rank's inputs and labels."""
+    local = training.global_batch_size // cfg.dp * training.seq_length // cfg.cp
+    return 8.0 * (training.global_batch_size * (training.seq_length + 1) + 2 * local)
+
+
+def _head_parts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context) -> tuple[float, float, float]:
+    """(the head's saved activations as estimate counts them per in-flight micro-batch, as they are, the
+    temporaries of its backward) on a rank holding the head, else zeros. The profile counts the cross-entropy's
+    fp32 softmax in 2-byte units that layer_cost scales by the activation width: with fp32 activations that
+    doubles a tensor that is fp32 anyway. Its backward makes the gradient of the log-softmax and then of the
+    logits (nll_loss_backward, _log_softmax_backward_data): two fp32 tensors of the local logits."""
+    if not any(s.has_head for s in stages):
+        return 0.0, 0.0, 0.0
+    head = profiles[-1]
+    est = cached_layer_cost(head, ctx).act_none
+    fused = ctx.training.fused_kernels
+    softmax = 0.0 if fused else ctx.tokens * head.act_tp / ctx.tp
+    real = est - softmax * (ctx.act_bytes / 2.0) + softmax
+    tmp = 0.0 if fused else 2 * ctx.tokens * head.logits_per_token / ctx.tp * 4
+    return est, real, tmp
+
+
 def uses_replicate(cfg: ParallelConfig) -> bool:
     """ZeRO-0 data parallelism runs as FSDP2's `replicate` (a sharded copy beside each parameter) where a
     parameter is a DTensor (tp > 1) or the stage is pipelined; otherwise as DDP (runtime.parallelize.apply_dp)."""
@@ -305,9 +367,29 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
         out["activations"] += m * ctx.tokens * head.logits_per_token / ctx.tp * 4  # fp32 logits kept per micro-batch
     out["activations"] += in_flight * sum(_eager_extra_act(p, ctx, training) for s in stages
                                           for p, rec in _stage_layers(s, profiles) if rec != "full")
-    # Backward transients (an approximation, not a count): while one layer runs backward it holds the gradients
-    # of its activations, about the size of what it saved; the largest layer of the rank sets the peak.
-    out["temporaries"] += max((c.act_none for s in stages for c in _layer_costs(s, profiles, ctx)), default=0.0)
+    out["activations"] += pipeline_act(stages, profiles, ctx, cfg, training, m, in_flight)
+    out["activations"] += token_ids_bytes(cfg, training)
+    # Full recomputation: estimate adds the largest recomputed layer's activations while it runs backward, but
+    # that layer's input is its checkpoint, already counted among the kept inputs (act_full)
+    rec = [c for s in stages for (p, r), c in zip(_stage_layers(s, profiles), _layer_costs(s, profiles, ctx))
+           if r == "full"]
+    if rec:
+        out["activations"] -= max(c.act_none for c in rec) - max(c.act_none - c.act_full for c in rec)
+    # The peak is at the start of a backward: the head's (cross-entropy's), or, once the head's saved tensors are
+    # freed, the last block's. estimate counts the head's activations for every in-flight micro-batch; at most
+    # one micro-batch has them (the head's stage runs each backward right after its forward). Backward
+    # transients of a block are an approximation, not a count (while one layer runs backward it holds the
+    # gradients of its activations, about the size of what it saved; the largest layer sets the term); the
+    # head's are its two fp32 logit-sized gradients.
+    head_est, head_act, head_tmp = _head_parts(stages, profiles, ctx)
+    out["activations"] -= in_flight * head_est
+    block_tmp = max((c.act_none for s in stages for (p, _), c in zip(_stage_layers(s, profiles),
+                     _layer_costs(s, profiles, ctx)) if p.kind != "head"), default=0.0)
+    if head_act + head_tmp > block_tmp:  # the head's backward is the higher moment
+        out["activations"] += head_act
+        out["temporaries"] += head_tmp
+    else:
+        out["temporaries"] += block_tmp
     out["peak"] = sum(out.values())
     return out
 
