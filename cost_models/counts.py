@@ -238,7 +238,7 @@ def step_comm(stages: list[StageCost], profiles: list[LayerProfile], ctx: Contex
         comm.add("all_reduce", "pp" if cfg.pp == 2 else "other", head.gemms[0].n * head.gemms[0].k / ctx.tp * g)
 
 
-def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec) -> float:
+def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec, rec: str = "") -> float:
     """Activation bytes of one micro-batch that the runtime's eager modules save beyond the profile's (Megatron's)
     counts: eager SwiGLU keeps silu(w1 x) as well as w1 x (a fused kernel recomputes it), the MoE combine keeps
     the k expert outputs of each token for the gradient of the router weights, and experts are whole on every tp
@@ -257,7 +257,50 @@ def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec) -> f
         k, gated = p.moe_top_k, p.act_kind == "swiglu"
         moe_act = 2 * p.act_elems * (2 if gated else 1) + 2 * p.act_elems + 2 * p.hidden * k + 4 * p.moe_experts
         extra += ctx.tokens * moe_act * (1 - 1 / ctx.tp) * ctx.act_bytes / 2.0
+    return extra + _eager_attention_act(p, ctx, rec) + _eager_norm_act(p, ctx)
+
+
+def _eager_attention_act(p: LayerProfile, ctx: Context, rec: str) -> float:
+    """What the runtime's attention core saves beyond the profile's local Q, K, V (one micro-batch), unless it is
+    recomputed (selective or full: then only its inputs are kept). SDPA saves the K and V it is given: the eager
+    core repeats K/V heads to the query heads for GQA (repeat_interleave before SDPA) and, with context
+    parallelism, gathers them over the whole sequence (runtime.parallelize.ContextParallelAttentionCore), so it
+    saves cp x seq/cp tokens of a query-head-wide K and V instead of the local kv-head-wide ones (which nothing
+    else keeps). With cp the core passes a boolean (s/cp, s) mask that SDPA turns into an additive fp32 mask
+    (`where`), saved for the backward."""
+    a = p.attention
+    if a is None or rec:
+        return 0.0
+    d_tp = a.head_dim / ctx.tp
+    extra = ctx.tokens * 2 * d_tp * (ctx.cp * a.heads - a.kv_heads) * ctx.act_bytes
+    if ctx.cp > 1:
+        extra += ctx.seq / ctx.cp * ctx.seq * 4
     return extra
+
+
+def _eager_norm_act(p: LayerProfile, ctx: Context) -> float:
+    """torch runs rms_norm as its composite (x * rsqrt(mean(x^2) + eps) * w) except on CUDA, where
+    `_fused_rms_norm` saves only the input and the rstd: the composite also saves the normalised x (for the
+    weight's gradient), one more residual-stream-wide tensor per norm (two per block)."""
+    if p.kind != "block" or p.norm_kind != "rmsnorm" or ctx.cluster.gpu.name != "cpu":
+        return 0.0
+    return 2 * ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * ctx.act_bytes
+
+
+def _block_backward_tmp(p: LayerProfile, ctx: Context, training: TrainingSpec) -> float:
+    """Temporaries when a block's backward starts (its last GEMM's backward): the gradient of the residual
+    stream, the gradient of w2's input and w2's weight gradient (made before it is added to .grad). A MoE block
+    starts with the combine's backward: the gradient of the k expert outputs of every token, then one expert's
+    w2 backward on its share of the routed tokens."""
+    w2 = p.gemms[-1] if p.gemms else None
+    e = ctx.act_bytes
+    tmp = ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * e
+    if w2 is None:
+        return tmp
+    if p.moe_top_k:
+        rows = ctx.tokens * p.moe_top_k / p.moe_experts
+        return tmp + ctx.tokens * p.moe_top_k * p.hidden * e + rows * w2.k * e + w2.n * w2.k * training.grad_bytes
+    return tmp + ctx.tokens * w2.k / ctx.tp * e + w2.n * w2.k / ctx.tp * training.grad_bytes
 
 
 def pipeline_act(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
@@ -365,7 +408,7 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     out["parameters"] += unshard_e * w if cfg.zero >= 3 else 0.0
     if cfg.pp > 1 and any(s.has_head for s in stages):
         out["activations"] += m * ctx.tokens * head.logits_per_token / ctx.tp * 4  # fp32 logits kept per micro-batch
-    out["activations"] += in_flight * sum(_eager_extra_act(p, ctx, training) for s in stages
+    out["activations"] += in_flight * sum(_eager_extra_act(p, ctx, training, rec) for s in stages
                                           for p, rec in _stage_layers(s, profiles) if rec != "full")
     out["activations"] += pipeline_act(stages, profiles, ctx, cfg, training, m, in_flight)
     out["activations"] += token_ids_bytes(cfg, training)
@@ -383,8 +426,12 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     # head's are its two fp32 logit-sized gradients.
     head_est, head_act, head_tmp = _head_parts(stages, profiles, ctx)
     out["activations"] -= in_flight * head_est
-    block_tmp = max((c.act_none for s in stages for (p, _), c in zip(_stage_layers(s, profiles),
-                     _layer_costs(s, profiles, ctx)) if p.kind != "head"), default=0.0)
+    block_tmp = max((_block_backward_tmp(p, ctx, training) for s in stages for p, _ in _stage_layers(s, profiles)
+                     if p.kind == "block"), default=0.0)
+    if head_act and profiles[0] in [p for s in stages for p, _ in _stage_layers(s, profiles)] and \
+            head.gemms and head.gemms[0].count == 0:
+        # a tied LM head's weight gradient waits in the autograd engine for the embedding's to be added to it
+        block_tmp += head.gemms[0].n * head.gemms[0].k / ctx.tp * training.grad_bytes
     if head_act + head_tmp > block_tmp:  # the head's backward is the higher moment
         out["activations"] += head_act
         out["temporaries"] += head_tmp
