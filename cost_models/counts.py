@@ -298,7 +298,7 @@ def _block_backward_tmp(p: LayerProfile, ctx: Context, training: TrainingSpec) -
     if w2 is None:
         return tmp
     if p.moe_top_k:
-        rows = ctx.tokens * p.moe_top_k / p.moe_experts
+        rows = ctx.tokens * p.moe_top_k * ctx.ep / p.moe_experts  # a local expert's tokens from every ep rank
         return tmp + ctx.tokens * p.moe_top_k * p.hidden * e + rows * w2.k * e + w2.n * w2.k * training.grad_bytes
     return tmp + ctx.tokens * w2.k / ctx.tp * e + w2.n * w2.k / ctx.tp * training.grad_bytes
 
@@ -411,6 +411,13 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     out["activations"] += in_flight * sum(_eager_extra_act(p, ctx, training, rec) for s in stages
                                           for p, rec in _stage_layers(s, profiles) if rec != "full")
     out["activations"] += pipeline_act(stages, profiles, ctx, cfg, training, m, in_flight)
+    # the gradient receive buffers: one per micro-batch for every stage before the last
+    # (PipelineStage._create_grad_recv_info), kept across steps. MemTracker sees a buffer once this step touches
+    # it (m - in_flight + 1 of them at a 1F1B stage's peak); all m exist.
+    if cfg.pp > 1:
+        n_stages = cfg.pp * cfg.vp
+        out["temporaries"] += sum(1 for s in stages if s.index < n_stages - 1) * m * \
+            boundary_bytes(profiles, ctx, cfg, training)
     out["activations"] += token_ids_bytes(cfg, training)
     # Full recomputation: estimate adds the largest recomputed layer's activations while it runs backward, but
     # that layer's input is its checkpoint, already counted among the kept inputs (act_full)
