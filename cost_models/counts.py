@@ -257,7 +257,18 @@ def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec, rec:
         k, gated = p.moe_top_k, p.act_kind == "swiglu"
         moe_act = 2 * p.act_elems * (2 if gated else 1) + 2 * p.act_elems + 2 * p.hidden * k + 4 * p.moe_experts
         extra += ctx.tokens * moe_act * (1 - 1 / ctx.tp) * ctx.act_bytes / 2.0
-    return extra + _eager_attention_act(p, ctx, rec) + _eager_norm_act(p, ctx)
+    return extra + _eager_attention_act(p, ctx, rec) + _eager_norm_act(p, ctx) + _sp_gathered_act(p, ctx)
+
+
+def _sp_gathered_act(p: LayerProfile, ctx: Context) -> float:
+    """With sequence parallelism, DTensor's SequenceParallel -> ColwiseParallel all-gathers a norm's output over
+    the sequence before the column-parallel GEMMs, and those GEMMs save the gathered (whole-sequence) input; the
+    profile counts the sharded norm output (Megatron keeps the shard and gathers again in backward). Once before
+    the attention, once before a dense MLP (a MoE block's experts are not tensor-parallel)."""
+    if p.kind != "block" or not ctx.sp or ctx.tp == 1:
+        return 0.0
+    gathers = 1 if p.moe_top_k else 2
+    return gathers * ctx.tokens * p.hidden * (1 - 1 / ctx.tp) * ctx.act_bytes
 
 
 def _eager_attention_act(p: LayerProfile, ctx: Context, rec: str) -> float:
