@@ -298,20 +298,38 @@ def _eager_norm_act(p: LayerProfile, ctx: Context) -> float:
     return 2 * ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * ctx.act_bytes
 
 
-def _block_backward_tmp(p: LayerProfile, ctx: Context, training: TrainingSpec) -> float:
-    """Temporaries when a block's backward starts (its last GEMM's backward): the gradient of the residual
-    stream, the gradient of w2's input and w2's weight gradient (made before it is added to .grad). A MoE block
-    starts with the combine's backward: the gradient of the k expert outputs of every token, then one expert's
-    w2 backward on its share of the routed tokens."""
+def _block_backward(p: LayerProfile, ctx: Context, training: TrainingSpec) -> tuple[float, float]:
+    """(temporaries, activations already released) at the widest point of a block's backward.
+
+    Dense block: its last GEMM's backward, holding the gradient of the residual stream, the gradient of w2's
+    input and w2's weight gradient (made before it is added to .grad); nothing of the block is released yet.
+    MoE block: an expert's SwiGLU backward, on its rows (its share of the routed tokens of every ep rank):
+    by then the combine's backward has released the k expert outputs it saved and the expert's w2 and product
+    backward have released w2's input, silu(w1 x) and w3 x; alive are the residual gradient, the gradient of the
+    routed tokens and the eager SwiGLU backward's intermediates -- grad*b and grad*silu(a) of the product, and
+    silu's backward (sigmoid(a) and its products) -- eight rows x ffn tensors at the widest, as SiteMemTracker
+    counts them (benchmarks/counts.py --sites, tiny-moe)."""
     w2 = p.gemms[-1] if p.gemms else None
     e = ctx.act_bytes
     tmp = ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * e
     if w2 is None:
-        return tmp
+        return tmp, 0.0
     if p.moe_top_k:
-        rows = ctx.tokens * p.moe_top_k * ctx.ep / p.moe_experts  # a local expert's tokens from every ep rank
-        return tmp + ctx.tokens * p.moe_top_k * p.hidden * e + rows * w2.k * e + w2.n * w2.k * training.grad_bytes
-    return tmp + ctx.tokens * w2.k / ctx.tp * e + w2.n * w2.k / ctx.tp * training.grad_bytes
+        rows = ctx.tokens * p.moe_top_k * ctx.ep / p.moe_experts
+        routed = ctx.tokens * p.moe_top_k * p.hidden * e
+        return tmp + routed + 8 * rows * w2.k * e, routed + 3 * rows * w2.k * e
+    return tmp + ctx.tokens * w2.k / ctx.tp * e + w2.n * w2.k / ctx.tp * training.grad_bytes, 0.0
+
+
+def _moe_dispatch_transients(p: LayerProfile, ctx: Context) -> float:
+    """Forward transients of a MoE block's dispatch, booked as activations (made in a forward): when the return
+    all-to-all's output is allocated, runtime.parallelize._ep_dispatch still holds the routed token copies
+    (x[order // k], in MoE.forward), the received tokens, the experts' outputs (cat), those in (source, expert)
+    order and the returned tokens -- five routed-token-wide tensors beside what the block saves. Without ep:
+    the routed copies and the experts' outputs."""
+    if not p.moe_top_k:
+        return 0.0
+    return (5 if ctx.ep > 1 else 2) * ctx.tokens * p.moe_top_k * p.hidden * ctx.act_bytes
 
 
 def pipeline_act(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
@@ -436,25 +454,33 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
            if r == "full"]
     if rec:
         out["activations"] -= max(c.act_none for c in rec) - max(c.act_none - c.act_full for c in rec)
-    # The peak is at the start of a backward: the head's (cross-entropy's), or, once the head's saved tensors are
-    # freed, the last block's. estimate counts the head's activations for every in-flight micro-batch; at most
-    # one micro-batch has them (the head's stage runs each backward right after its forward). Backward
-    # transients of a block are an approximation, not a count (while one layer runs backward it holds the
-    # gradients of its activations, about the size of what it saved; the largest layer sets the term); the
-    # head's are its two fp32 logit-sized gradients.
+    # The peak is in a backward: the head's (cross-entropy's), or, once the head's saved tensors are freed, a
+    # block's at its widest (_block_backward); whichever holds more. estimate counts the head's activations for
+    # every in-flight micro-batch; at most one micro-batch has them (the head's stage runs each backward right
+    # after its forward). The head's backward makes its two fp32 logit-sized gradients.
     head_est, head_act, head_tmp = _head_parts(stages, profiles, ctx)
     out["activations"] -= in_flight * head_est
-    block_tmp = max((_block_backward_tmp(p, ctx, training) for s in stages for p, _ in _stage_layers(s, profiles)
-                     if p.kind == "block"), default=0.0)
+    block_tmp, released = max((_block_backward(p, ctx, training) for s in stages
+                               for p, r in _stage_layers(s, profiles) if p.kind == "block"),
+                              key=lambda tr: tr[0] - tr[1], default=(0.0, 0.0))
     if head_act and profiles[0] in [p for s in stages for p, _ in _stage_layers(s, profiles)] and \
             head.gemms and head.gemms[0].count == 0:
         # a tied LM head's weight gradient waits in the autograd engine for the embedding's to be added to it
         block_tmp += head.gemms[0].n * head.gemms[0].k / ctx.tp * training.grad_bytes
-    if head_act + head_tmp > block_tmp:  # the head's backward is the higher moment
+    # a MoE block's forward can be higher still: its dispatch's transients on top of everything saved before
+    # the head runs
+    dispatch = max((_moe_dispatch_transients(p, ctx) for s in stages for p, _ in _stage_layers(s, profiles)),
+                   default=0.0)
+    moment = max(("head", head_act + head_tmp), ("block", block_tmp - released), ("dispatch", dispatch),
+                 key=lambda kv: kv[1])[0]
+    if moment == "head":
         out["activations"] += head_act
         out["temporaries"] += head_tmp
-    else:
+    elif moment == "block":
+        out["activations"] -= released
         out["temporaries"] += block_tmp
+    else:
+        out["activations"] += dispatch
     out["peak"] = sum(out.values())
     return out
 
