@@ -471,8 +471,8 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     # the head runs
     dispatch = max((_moe_dispatch_transients(p, ctx) for s in stages for p, _ in _stage_layers(s, profiles)),
                    default=0.0)
-    moment = max(("head", head_act + head_tmp), ("block", block_tmp - released), ("dispatch", dispatch),
-                 key=lambda kv: kv[1])[0]
+    moment = max(("block", block_tmp - released), ("head", head_act + head_tmp), ("dispatch", dispatch),
+                 key=lambda kv: kv[1])[0]  # a tie goes to the block (tiny-gpt tp=2,pp=2: 80 KiB either way)
     if moment == "head":
         out["activations"] += head_act
         out["temporaries"] += head_tmp
