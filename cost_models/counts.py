@@ -404,9 +404,16 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     - experts are whole on every tp rank (not split over tp), with their gradients and optimizer state, and
       ZeRO does not shard them (FSDP2 ignores them);
     - a tied LM head on the last of several pipeline stages is its own copy (kept equal by an all-reduce);
-    - the pipeline schedule keeps the last stage's output (the logits) of every micro-batch until the step ends;
-    - eager modules save a little more than the profile's (Megatron's) activation counts (`_eager_extra_act`).
-    Without the framework overhead (a process constant that tensor tracking does not see)."""
+    - the pipeline schedule keeps the last stage's output (the logits) of every micro-batch until the step ends,
+      one activation receive buffer per micro-batch and stage, each sending stage's outputs (`pipeline_act`)
+      and one gradient receive buffer per micro-batch and stage;
+    - eager modules save more than the profile's (Megatron's) activation counts (`_eager_extra_act`: SwiGLU,
+      MoE combine, GQA/CP K and V, composite RMSNorm, SP's gathered GEMM inputs);
+    - the step's token ids;
+    - the categories at the moment of the peak: a block's backward at its widest, the head's backward or a MoE
+      dispatch in a forward, whichever holds most (tensors released by then are not counted).
+    Without the framework overhead (a process constant that tensor tracking does not see). Each term's source
+    in torch or the runtime: docs/notes/session-5/issue-12-activations.md."""
     overhead = cluster.gpu.calibration.framework_overhead_gib * GIB
     w, g = training.weight_bytes, training.grad_bytes
     master = 0 if training.dtype in ("fp32", "tf32") else 4
