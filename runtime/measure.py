@@ -19,6 +19,8 @@ side of that comparison, taken from the program autoplan actually runs (`Trainer
 - Memory: `torch.distributed._tools.mem_tracker.MemTracker` (per storage, categorised as parameter, gradient,
   optimizer state, activation, temporary), with the maximum of each category over the step kept beside the
   peak and its breakdown. On a GPU the allocator's peak (`torch.cuda.max_memory_allocated`) is reported too.
+  `SiteMemTracker` (a diagnostic: benchmarks/counts.py --sites) also says which storages make up each category
+  at the peak, by the module, phase, op and micro-batch that made them.
 """
 
 from __future__ import annotations
