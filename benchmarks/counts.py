@@ -44,7 +44,7 @@ MATRIX = [
 # ------------------------------------------------------------------------------------------------ worker
 
 
-def run_case(case: str, world: int, steps_before: int) -> dict | None:
+def run_case(case: str, world: int, steps_before: int, sites: bool = False) -> dict | None:
     import torch
     import torch.distributed as dist
 
@@ -64,12 +64,12 @@ def run_case(case: str, world: int, steps_before: int) -> dict | None:
     data = SyntheticDataset(spec.vocab_size, SEQ, GBS, seed=0)
     for s in range(steps_before):
         trainer.step(data.batch(s))
-    _, rec = profile_record(trainer, steps_before + 1, data.batch(steps_before))
+    _, rec = profile_record(trainer, steps_before + 1, data.batch(steps_before), sites)
     dist.barrier()
     return rec if dist.get_rank() == 0 else None
 
 
-def worker(out: str, cases: list[str], steps_before: int) -> int:
+def worker(out: str, cases: list[str], steps_before: int, sites: bool = False) -> int:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -78,7 +78,7 @@ def worker(out: str, cases: list[str], steps_before: int) -> int:
     for case in cases:
         t0 = time.perf_counter()
         try:
-            rec = run_case(case, world, steps_before)
+            rec = run_case(case, world, steps_before, sites)
             if rank == 0:
                 rec.update(case=case, seconds=time.perf_counter() - t0)
                 results.append(rec)
@@ -166,6 +166,21 @@ def render(results: list[dict], console) -> list[dict]:
     return summary
 
 
+def render_sites(results: list[dict], console) -> None:
+    """Per layout and rank: the activation (and temporary) storages live at the peak, by where they were made."""
+    for rec in results:
+        for r in rec.get("ranks", []):
+            rows = r["measured"].get("memory_sites")
+            if not rows:
+                continue
+            p, m = r["predicted"]["memory_bytes"], r["measured"]["memory_bytes"]
+            console.print(f"[bold]{rec['case']} rank {r['rank']} (stage {r['pp_stage']})[/bold]: activations "
+                          f"predicted {p['activations'] / 2**20:.4f} MiB, measured {m['activations'] / 2**20:.4f} MiB")
+            for row in rows:
+                console.print(f"  {row['category'][:4]:4} {row['bytes'] / 2**20:8.4f} MiB {row['count']:4d}x  "
+                              f"{row['phase']:9} {row['module']:42} {row['op']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=4)
@@ -174,11 +189,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="steps before the profiled one (2: step 3 is the first steady step; DDP rebuilds its "
                          "buckets during step 2)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--sites", action="store_true",
+                    help="also list, per rank, the activation and temporary storages live at the peak by the module, "
+                         "phase and op that made them (runtime.measure.SiteMemTracker; slower)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cases = args.layouts or MATRIX
     if args.worker:
-        return worker(args.worker, cases, args.steps_before)
+        return worker(args.worker, cases, args.steps_before, args.sites)
     from rich.console import Console
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         torchrun = Path(sys.executable).with_name("torchrun")
         cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(args.nproc), __file__, "--worker", str(out),
-               "--steps-before", str(args.steps_before), "--layouts", *cases]
+               "--steps-before", str(args.steps_before), *(["--sites"] if args.sites else []), "--layouts", *cases]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if not out.exists():
             print(proc.stderr[-4000:], file=sys.stderr)
@@ -194,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(out.read_text())
     console = Console(stderr=args.json)
     summary = render(results, console)
+    if args.sites:
+        render_sites(results, console)
     worst = {k: max((s[k] for s in summary), default=0.0) for k in ("flops_err", "bytes_err", "memory_err")}
     if args.json:
         print(json.dumps({"layouts": results, "summary": summary, "worst": worst}))

@@ -148,6 +148,13 @@ def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times
         comm.add("all_to_all", "ep", routed, times * (n_fwd + 2))
 
 
+def boundary_bytes(profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig, training: TrainingSpec) -> float:
+    """One micro-batch's tensor at a pipeline stage boundary: a stage's output, the next stage's input (the
+    residual stream, sequence-sharded over tp with sp)."""
+    act = ctx.mbs * training.seq_length // cfg.cp * profiles[0].hidden * ctx.act_bytes
+    return act / (cfg.tp if cfg.sp else 1)
+
+
 def rank_counts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
                 m: int, n_stages: int, training: TrainingSpec) -> tuple[dict, _Comm]:
     """FLOPs by phase and the per-micro-batch collectives (TP/CP/EP/PP) of one pipeline rank, for the step."""
@@ -159,8 +166,7 @@ def rank_counts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Cont
                 flops[k] += m * v
             layer_comm(p, ctx, rec, comm, m)
         if cfg.pp > 1:
-            act = ctx.mbs * training.seq_length // cfg.cp * profiles[0].hidden * ctx.act_bytes
-            act /= cfg.tp if cfg.sp else 1
+            act = boundary_bytes(profiles, ctx, cfg, training)
             if s.index > 0:
                 comm.add("recv", "pp", act, m)
                 comm.add("send", "pp", act, m)
@@ -232,7 +238,7 @@ def step_comm(stages: list[StageCost], profiles: list[LayerProfile], ctx: Contex
         comm.add("all_reduce", "pp" if cfg.pp == 2 else "other", head.gemms[0].n * head.gemms[0].k / ctx.tp * g)
 
 
-def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec) -> float:
+def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec, rec: str = "") -> float:
     """Activation bytes of one micro-batch that the runtime's eager modules save beyond the profile's (Megatron's)
     counts: eager SwiGLU keeps silu(w1 x) as well as w1 x (a fused kernel recomputes it), the MoE combine keeps
     the k expert outputs of each token for the gradient of the router weights, and experts are whole on every tp
@@ -251,7 +257,135 @@ def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec) -> f
         k, gated = p.moe_top_k, p.act_kind == "swiglu"
         moe_act = 2 * p.act_elems * (2 if gated else 1) + 2 * p.act_elems + 2 * p.hidden * k + 4 * p.moe_experts
         extra += ctx.tokens * moe_act * (1 - 1 / ctx.tp) * ctx.act_bytes / 2.0
+    return extra + _eager_attention_act(p, ctx, rec) + _eager_norm_act(p, ctx) + _sp_gathered_act(p, ctx)
+
+
+def _sp_gathered_act(p: LayerProfile, ctx: Context) -> float:
+    """With sequence parallelism, DTensor's SequenceParallel -> ColwiseParallel all-gathers a norm's output over
+    the sequence before the column-parallel GEMMs, and those GEMMs save the gathered (whole-sequence) input; the
+    profile counts the sharded norm output (Megatron keeps the shard and gathers again in backward). Once before
+    the attention, once before a dense MLP (a MoE block's experts are not tensor-parallel)."""
+    if p.kind != "block" or not ctx.sp or ctx.tp == 1:
+        return 0.0
+    gathers = 1 if p.moe_top_k else 2
+    return gathers * ctx.tokens * p.hidden * (1 - 1 / ctx.tp) * ctx.act_bytes
+
+
+def _eager_attention_act(p: LayerProfile, ctx: Context, rec: str) -> float:
+    """What the runtime's attention core saves beyond the profile's local Q, K, V (one micro-batch), unless it is
+    recomputed (selective or full: then only its inputs are kept). SDPA saves the K and V it is given: the eager
+    core repeats K/V heads to the query heads for GQA (repeat_interleave before SDPA) and, with context
+    parallelism, gathers them over the whole sequence (runtime.parallelize.ContextParallelAttentionCore), so it
+    saves cp x seq/cp tokens of a query-head-wide K and V instead of the local kv-head-wide ones (which nothing
+    else keeps). With cp the core passes a boolean (s/cp, s) mask that SDPA turns into an additive fp32 mask
+    (`where`), saved for the backward."""
+    a = p.attention
+    if a is None or rec:
+        return 0.0
+    d_tp = a.head_dim / ctx.tp
+    extra = ctx.tokens * 2 * d_tp * (ctx.cp * a.heads - a.kv_heads) * ctx.act_bytes
+    if ctx.cp > 1:
+        extra += ctx.seq / ctx.cp * ctx.seq * 4
     return extra
+
+
+def _eager_norm_act(p: LayerProfile, ctx: Context) -> float:
+    """torch runs rms_norm as its composite (x * rsqrt(mean(x^2) + eps) * w) except on CUDA, where
+    `_fused_rms_norm` saves only the input and the rstd: the composite also saves the normalised x (for the
+    weight's gradient), one more residual-stream-wide tensor per norm (two per block)."""
+    if p.kind != "block" or p.norm_kind != "rmsnorm" or ctx.cluster.gpu.name != "cpu":
+        return 0.0
+    return 2 * ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * ctx.act_bytes
+
+
+def _block_backward(p: LayerProfile, ctx: Context, training: TrainingSpec) -> tuple[float, float]:
+    """(temporaries, activations already released) at the widest point of a block's backward.
+
+    Dense block: its last GEMM's backward, holding the gradient of the residual stream, the gradient of w2's
+    input and w2's weight gradient (made before it is added to .grad); nothing of the block is released yet.
+    MoE block: an expert's SwiGLU backward, on its rows (its share of the routed tokens of every ep rank):
+    by then the combine's backward has released the k expert outputs it saved and the expert's w2 and product
+    backward have released w2's input, silu(w1 x) and w3 x; alive are the residual gradient, the gradient of the
+    routed tokens and the eager SwiGLU backward's intermediates -- grad*b and grad*silu(a) of the product, and
+    silu's backward (sigmoid(a) and its products) -- eight rows x ffn tensors at the widest, as SiteMemTracker
+    counts them (benchmarks/counts.py --sites, tiny-moe)."""
+    w2 = p.gemms[-1] if p.gemms else None
+    e = ctx.act_bytes
+    tmp = ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * e
+    if w2 is None:
+        return tmp, 0.0
+    if p.moe_top_k:
+        rows = ctx.tokens * p.moe_top_k * ctx.ep / p.moe_experts
+        routed = ctx.tokens * p.moe_top_k * p.hidden * e
+        return tmp + routed + 8 * rows * w2.k * e, routed + 3 * rows * w2.k * e
+    return tmp + ctx.tokens * w2.k / ctx.tp * e + w2.n * w2.k / ctx.tp * training.grad_bytes, 0.0
+
+
+def _moe_dispatch_transients(p: LayerProfile, ctx: Context) -> float:
+    """Forward transients of a MoE block's dispatch, booked as activations (made in a forward): when the return
+    all-to-all's output is allocated, runtime.parallelize._ep_dispatch still holds the routed token copies
+    (x[order // k], in MoE.forward), the received tokens, the experts' outputs (cat), those in (source, expert)
+    order and the returned tokens -- five routed-token-wide tensors beside what the block saves. Without ep:
+    the routed copies and the experts' outputs."""
+    if not p.moe_top_k:
+        return 0.0
+    return (5 if ctx.ep > 1 else 2) * ctx.tokens * p.moe_top_k * p.hidden * ctx.act_bytes
+
+
+def pipeline_act(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
+                 training: TrainingSpec, m: int, in_flight: float) -> float:
+    """Activation bytes that torch.distributed.pipelining keeps on a rank beyond its in-flight micro-batches'
+    saved tensors (the profile's counts, in which a stage's first block counts its input):
+    - receive buffers: PipelineStage._prepare_forward_infra allocates one activation buffer per micro-batch
+      (`args_recv_info[chunk]`) for every stage after the first, and keeps them across steps. The in-flight
+      micro-batches' buffers are the first block's inputs, already counted; the other m - in_flight are extra.
+    - stage outputs: a stage that sends its output keeps it in `fwd_cache` until that micro-batch's backward
+      (counted nowhere by the profile: it is the next stage's input). Schedule1F1B also holds the warm-up's last
+      fired send (`send_work`: the Work keeps the tensor) through the steady phase, one output more once that
+      micro-batch's backward is done (w >= 2 warm-up forwards and m >= 2w - 1). The interleaved schedule
+      (_PipelineScheduleRuntime) waits on its sends only at the end of the step: all m outputs of every stage
+      that sends stay alive until then.
+    `in_flight` is pipeline.in_flight's (units of the rank's whole layer set); in micro-batch x stage pairs it is
+    in_flight x len(stages), split evenly over the rank's stages (exact without virtual stages)."""
+    if cfg.pp == 1 or not stages:
+        return 0.0
+    x = boundary_bytes(profiles, ctx, cfg, training)
+    n_stages = cfg.pp * cfg.vp
+    receiving = sum(1 for s in stages if s.index > 0)
+    sending = sum(1 for s in stages if s.index < n_stages - 1)
+    per_stage = in_flight  # micro-batches in flight on each of the rank's stages (in_flight x len / len)
+    out = receiving * (m - per_stage) * x
+    if cfg.vp > 1:
+        out += sending * m * x
+    elif sending:
+        w = int(in_flight)  # 1F1B: the warm-up forwards; GPipe: all m, waited before the backward
+        held = 1 if cfg.schedule == "1f1b" and w >= 2 and m >= 2 * w - 1 else 0
+        out += (in_flight + held) * x
+    return out
+
+
+def token_ids_bytes(cfg: ParallelConfig, training: TrainingSpec) -> float:
+    """The step's token ids on every rank (int64): the global batch of gbs x (seq + 1) that every rank reads
+    (runtime.data: each rank slices its part out of it) and this rank's inputs and labels."""
+    local = training.global_batch_size // cfg.dp * training.seq_length // cfg.cp
+    return 8.0 * (training.global_batch_size * (training.seq_length + 1) + 2 * local)
+
+
+def _head_parts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context) -> tuple[float, float, float]:
+    """(the head's saved activations as estimate counts them per in-flight micro-batch, as they are, the
+    temporaries of its backward) on a rank holding the head, else zeros. The profile counts the cross-entropy's
+    fp32 softmax in 2-byte units that layer_cost scales by the activation width: with fp32 activations that
+    doubles a tensor that is fp32 anyway. Its backward makes the gradient of the log-softmax and then of the
+    logits (nll_loss_backward, _log_softmax_backward_data): two fp32 tensors of the local logits."""
+    if not any(s.has_head for s in stages):
+        return 0.0, 0.0, 0.0
+    head = profiles[-1]
+    est = cached_layer_cost(head, ctx).act_none
+    fused = ctx.training.fused_kernels
+    softmax = 0.0 if fused else ctx.tokens * head.act_tp / ctx.tp
+    real = est - softmax * (ctx.act_bytes / 2.0) + softmax
+    tmp = 0.0 if fused else 2 * ctx.tokens * head.logits_per_token / ctx.tp * 4
+    return est, real, tmp
 
 
 def uses_replicate(cfg: ParallelConfig) -> bool:
@@ -270,9 +404,16 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     - experts are whole on every tp rank (not split over tp), with their gradients and optimizer state, and
       ZeRO does not shard them (FSDP2 ignores them);
     - a tied LM head on the last of several pipeline stages is its own copy (kept equal by an all-reduce);
-    - the pipeline schedule keeps the last stage's output (the logits) of every micro-batch until the step ends;
-    - eager modules save a little more than the profile's (Megatron's) activation counts (`_eager_extra_act`).
-    Without the framework overhead (a process constant that tensor tracking does not see)."""
+    - the pipeline schedule keeps the last stage's output (the logits) of every micro-batch until the step ends,
+      one activation receive buffer per micro-batch and stage, each sending stage's outputs (`pipeline_act`)
+      and one gradient receive buffer per micro-batch and stage;
+    - eager modules save more than the profile's (Megatron's) activation counts (`_eager_extra_act`: SwiGLU,
+      MoE combine, GQA/CP K and V, composite RMSNorm, SP's gathered GEMM inputs);
+    - the step's token ids;
+    - the categories at the moment of the peak: a block's backward at its widest, the head's backward or a MoE
+      dispatch in a forward, whichever holds most (tensors released by then are not counted).
+    Without the framework overhead (a process constant that tensor tracking does not see). Each term's source
+    in torch or the runtime: docs/notes/session-5/issue-12-activations.md."""
     overhead = cluster.gpu.calibration.framework_overhead_gib * GIB
     w, g = training.weight_bytes, training.grad_bytes
     master = 0 if training.dtype in ("fp32", "tf32") else 4
@@ -303,11 +444,50 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     out["parameters"] += unshard_e * w if cfg.zero >= 3 else 0.0
     if cfg.pp > 1 and any(s.has_head for s in stages):
         out["activations"] += m * ctx.tokens * head.logits_per_token / ctx.tp * 4  # fp32 logits kept per micro-batch
-    out["activations"] += in_flight * sum(_eager_extra_act(p, ctx, training) for s in stages
+    out["activations"] += in_flight * sum(_eager_extra_act(p, ctx, training, rec) for s in stages
                                           for p, rec in _stage_layers(s, profiles) if rec != "full")
-    # Backward transients (an approximation, not a count): while one layer runs backward it holds the gradients
-    # of its activations, about the size of what it saved; the largest layer of the rank sets the peak.
-    out["temporaries"] += max((c.act_none for s in stages for c in _layer_costs(s, profiles, ctx)), default=0.0)
+    out["activations"] += pipeline_act(stages, profiles, ctx, cfg, training, m, in_flight)
+    # the gradient receive buffers: one per micro-batch for every stage before the last
+    # (PipelineStage._create_grad_recv_info), kept across steps. MemTracker sees a buffer once this step touches
+    # it (m - in_flight + 1 of them at a 1F1B stage's peak); all m exist.
+    if cfg.pp > 1:
+        n_stages = cfg.pp * cfg.vp
+        out["temporaries"] += sum(1 for s in stages if s.index < n_stages - 1) * m * \
+            boundary_bytes(profiles, ctx, cfg, training)
+    out["activations"] += token_ids_bytes(cfg, training)
+    # Full recomputation: estimate adds the largest recomputed layer's activations while it runs backward, but
+    # that layer's input is its checkpoint, already counted among the kept inputs (act_full)
+    rec = [c for s in stages for (p, r), c in zip(_stage_layers(s, profiles), _layer_costs(s, profiles, ctx))
+           if r == "full"]
+    if rec:
+        out["activations"] -= max(c.act_none for c in rec) - max(c.act_none - c.act_full for c in rec)
+    # The peak is in a backward: the head's (cross-entropy's), or, once the head's saved tensors are freed, a
+    # block's at its widest (_block_backward); whichever holds more. estimate counts the head's activations for
+    # every in-flight micro-batch; at most one micro-batch has them (the head's stage runs each backward right
+    # after its forward). The head's backward makes its two fp32 logit-sized gradients.
+    head_est, head_act, head_tmp = _head_parts(stages, profiles, ctx)
+    out["activations"] -= in_flight * head_est
+    block_tmp, released = max((_block_backward(p, ctx, training) for s in stages
+                               for p, r in _stage_layers(s, profiles) if p.kind == "block"),
+                              key=lambda tr: tr[0] - tr[1], default=(0.0, 0.0))
+    if head_act and profiles[0] in [p for s in stages for p, _ in _stage_layers(s, profiles)] and \
+            head.gemms and head.gemms[0].count == 0:
+        # a tied LM head's weight gradient waits in the autograd engine for the embedding's to be added to it
+        block_tmp += head.gemms[0].n * head.gemms[0].k / ctx.tp * training.grad_bytes
+    # a MoE block's forward can be higher still: its dispatch's transients on top of everything saved before
+    # the head runs
+    dispatch = max((_moe_dispatch_transients(p, ctx) for s in stages for p, _ in _stage_layers(s, profiles)),
+                   default=0.0)
+    moment = max(("block", block_tmp - released), ("head", head_act + head_tmp), ("dispatch", dispatch),
+                 key=lambda kv: kv[1])[0]  # a tie goes to the block (tiny-gpt tp=2,pp=2: 80 KiB either way)
+    if moment == "head":
+        out["activations"] += head_act
+        out["temporaries"] += head_tmp
+    elif moment == "block":
+        out["activations"] -= released
+        out["temporaries"] += block_tmp
+    else:
+        out["activations"] += dispatch
     out["peak"] = sum(out.values())
     return out
 

@@ -144,8 +144,10 @@ class Trainer:
                     if last is not self._synced:  # the setters walk every FSDP module: only on a change
                         _set_sync(model, self.plan.parallel.zero, last)
                         self._synced = last
-                    logits = model(inputs[i * mb : (i + 1) * mb])
-                    loss = loss_fn(logits, labels[i * mb : (i + 1) * mb])
+                    # the logits are not bound to a name: a reference here would keep this micro-batch's
+                    # logits through its backward and the next micro-batch's forward (the loss's graph saves
+                    # only what cross-entropy needs)
+                    loss = loss_fn(model(inputs[i * mb : (i + 1) * mb]), labels[i * mb : (i + 1) * mb])
                     (loss / self.n_micro).backward()
                     local_loss += _local(loss).detach() / self.n_micro
         self._finalize_grads()

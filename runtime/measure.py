@@ -19,6 +19,8 @@ side of that comparison, taken from the program autoplan actually runs (`Trainer
 - Memory: `torch.distributed._tools.mem_tracker.MemTracker` (per storage, categorised as parameter, gradient,
   optimizer state, activation, temporary), with the maximum of each category over the step kept beside the
   peak and its breakdown. On a GPU the allocator's peak (`torch.cuda.max_memory_allocated`) is reported too.
+  `SiteMemTracker` (a diagnostic: benchmarks/counts.py --sites) also says which storages make up each category
+  at the peak, by the module, phase, op and micro-batch that made them.
 """
 
 from __future__ import annotations
@@ -275,6 +277,76 @@ class StepMemTracker(MemTracker):
         return out
 
 
+class SiteMemTracker(StepMemTracker):
+    """StepMemTracker that also says *which* tensors make up each category at the peak: every storage is tagged
+    at creation with its site (the innermost module running, the phase -- forward, backward or recompute -- and
+    the op that made it, with its shape and dtype), live bytes are kept per (category, site), and the table at the
+    moment of the peak is kept. A diagnostic (benchmarks/counts.py --sites), not used by the training loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._site = None
+        self.site_live: dict[tuple[str, tuple], list[int]] = defaultdict(lambda: [0, 0])
+        self.site_at_peak: dict[tuple[str, tuple], list[int]] = {}
+        self._micro_batch = -1  # forward calls of a root module so far (the micro-batch a storage belongs to)
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        name = self._mod_tracker.get_known_fqn(module)
+        if name is not None and "." not in name and not self._mod_tracker.is_bw:
+            self._micro_batch += 1
+        super()._pre_fw_hook(module, inputs)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t == DTensor for t in types):
+            return NotImplemented
+        parents = [p for p in self._mod_tracker.parents if p != "Global"]
+        mod = max(parents, key=lambda n: (n.count("."), n), default="Global")
+        self._site = (mod, current_phase(), func._overloadpacket.__name__, self._micro_batch)
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._site = None
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        from torch.distributed._tools.mem_tracker import _UpdateType
+
+        site = getattr(winfo, "site", None)
+        if site is None:
+            site = winfo.site = self._site or ("<hook>", "", "", self._micro_batch)
+        cat = _ref_name(winfo.reftype)
+        if u_type == _UpdateType.ADD:
+            e = self.site_live[(cat, site)]
+            e[0] += winfo.mem_consumed
+            e[1] += 1
+        elif u_type == _UpdateType.DEL:
+            e = self.site_live[(cat, site)]
+            e[0] -= winfo.mem_consumed
+            e[1] -= 1
+        elif u_type == _UpdateType.REF:
+            old = self.site_live[(_ref_name(old_reftype), site)]
+            old[0] -= winfo.mem_consumed
+            old[1] -= 1
+            e = self.site_live[(cat, site)]
+            e[0] += winfo.mem_consumed
+            e[1] += 1
+        elif u_type == _UpdateType.SIZE:
+            self.site_live[(cat, site)][0] += winfo.mem_consumed - old_mem_consumed
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        before = dict(self._peak_mem)
+        super()._update_peak_stats(peak_state)
+        if self._peak_mem != before:
+            self.site_at_peak = {k: list(v) for k, v in self.site_live.items() if v[0]}
+
+    def sites(self, categories=("Activation",)) -> list[dict]:
+        """The storages of `categories` live at the peak, by site, largest first."""
+        rows = [{"category": c, "module": s[0], "phase": s[1], "op": s[2], "micro_batch": s[3], "bytes": b,
+                 "count": n}
+                for (c, s), (b, n) in self.site_at_peak.items() if c in categories and b]
+        return sorted(rows, key=lambda r: -r["bytes"])
+
+
 def _ref_name(k) -> str:
     return str(getattr(k, "value", k))
 
@@ -282,13 +354,14 @@ def _ref_name(k) -> str:
 # ------------------------------------------------------------------------------------------- one step
 
 
-def measure_step(trainer, batch: torch.Tensor) -> tuple[Any, dict]:
+def measure_step(trainer, batch: torch.Tensor, sites: bool = False) -> tuple[Any, dict]:
     """Run `trainer.step(batch)` under the three instruments: (its StepResult, this rank's measured counts, the
-    `measured` part of the run log's profile record)."""
+    `measured` part of the run log's profile record). `sites`: also list the activation and temporary storages
+    live at the peak by where they were made (SiteMemTracker), under "memory_sites"."""
     dims = trainer.dims
     flops = PhaseFlopCounter()
     comm = CommCounter(group_names(dims))
-    mem = StepMemTracker()
+    mem = SiteMemTracker() if sites else StepMemTracker()
     for s in trainer.pm.stages:
         mem.track_external(s.module)
     mem.track_external(trainer.optimizer)
@@ -309,19 +382,21 @@ def measure_step(trainer, batch: torch.Tensor) -> tuple[Any, dict]:
                                                "temporaries")},
         "time_s": {"step": wall},
     }
+    if sites:
+        out["memory_sites"] = mem.sites(("Activation", "Temp", "Other", "Buffer"))
     if trainer.device.type == "cuda":
         out["memory_bytes"]["allocator_peak"] = int(torch.cuda.max_memory_allocated(trainer.device))
     return res, out
 
 
-def profile_record(trainer, step: int, batch: torch.Tensor) -> tuple[Any, dict | None]:
+def profile_record(trainer, step: int, batch: torch.Tensor, sites: bool = False) -> tuple[Any, dict | None]:
     """Measure this step on every rank, gather to rank 0: (the StepResult, the run log's profile record on rank 0,
     None on the others): {"event": "profile", "step": N, "ranks": [{"rank", "pp_stage", "measured",
     "predicted"}]}. Every rank must call it (it gathers)."""
     from autoplan.counts import counts_of_plan
 
     dims = trainer.dims
-    res, measured = measure_step(trainer, batch)
+    res, measured = measure_step(trainer, batch, sites)
     pp_rank = dims.rank("pp") if dims.pp_enabled else 0
     predicted = counts_of_plan(trainer.plan)[pp_rank]
     mine = {"rank": dist.get_rank(), "pp_stage": pp_rank, "measured": measured, "predicted": predicted}

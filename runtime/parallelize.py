@@ -214,7 +214,9 @@ def _ep_dispatch(moe: MoE, group, routed: torch.Tensor, counts: torch.Tensor) ->
     grouped = received.index_select(0, perm_t)
     per_expert = [sum(matrix[j][e] for j in range(ep)) for e in range(n_local)]
     out = run_experts(moe.experts, grouped, per_expert, first_expert=rank * n_local)
-    back = torch.zeros_like(out).index_copy(0, perm_t, out)  # (source, expert) order again
+    # (source, expert) order again, by the inverse permutation: index_select's backward keeps only the index
+    # (index_copy would save `out`, one more routed-token-wide tensor per layer and micro-batch)
+    back = out.index_select(0, perm_t.argsort())
     return _AllToAllSingle.apply(back, send_splits, recv_splits, group)
 
 

@@ -235,7 +235,7 @@ class SparseMoE(_ZooMoE):
         order = flat_idx.argsort(stable=True)
         counts = torch.bincount(flat_idx, minlength=self.num_experts)
         out = self.dispatch(x[order // self.top_k], counts)  # (T*k, h)
-        combined = torch.empty_like(out).index_copy(0, order, out)
+        combined = out.index_select(0, order.argsort())  # (token, slot) order; see autoplan.zoo.model.MoE
         combined = (combined.view(-1, self.top_k, shape[-1]) * weights[..., None].to(x.dtype)).sum(1)
         if self.shared_expert is not None:
             combined = combined + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -173,7 +173,9 @@ class MoE(nn.Module):
         counts = torch.bincount(flat_idx, minlength=self.num_experts)  # (E,)
         routed = x[order // self.top_k]  # (T*k, h) token copies, grouped by expert
         out = self.dispatch(routed, counts)  # (T*k, h)
-        combined = torch.empty_like(out).index_copy(0, order, out)  # back to (token, slot) order
+        # back to (token, slot) order: a gather by the inverse permutation, whose backward keeps only the index
+        # (index_copy into an empty tensor computes the same but saves `out` for its backward)
+        combined = out.index_select(0, order.argsort())
         combined = (combined.view(-1, self.top_k, shape[-1]) * weights[..., None]).sum(1)  # (T, h)
         return combined.view(shape)
 

@@ -74,3 +74,39 @@ def test_counts_need_no_torch():
     code = ("import sys; from autoplan.counts import counts_of_plan; from autoplan.plan import load_plan; "
             "import autoplan.inspect.counts_view; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_pipeline_keeps_receive_buffers_and_stage_outputs():
+    """torch.distributed.pipelining's buffers beyond the in-flight micro-batches' saved tensors, in units of one
+    stage-boundary tensor (64 tokens x 64 x fp32 = 16 KiB): pp=4, m=8, one block per stage. Rank r holds
+    4 - r micro-batches; it keeps m - (4 - r) more receive buffers than the profile's block inputs (not rank 0),
+    and sends (not rank 3) keep its in-flight outputs plus the 1F1B warm-up's last send (SiteMemTracker on
+    benchmarks/counts.py --sites: rank 1 held 5 + 3 + 1). Interleaved pp=2, vp=2, m=4: all outputs of both
+    sending stages on rank 0 are kept until the step ends, and 4 - 2.5 receive buffers of stage 2."""
+    from autoplan.cost_models.counts import boundary_bytes, pipeline_act
+    from autoplan.cost_models.estimate import (
+        StageLayout,
+        _stages_by_rank,
+        context,
+        estimate,
+        num_microbatches,
+    )
+    from autoplan.cost_models.pipeline import in_flight
+    from autoplan.cost_models.profile import profile_from_spec
+
+    def extras(cfg: str) -> list[float]:
+        plan = _plan(cfg)
+        profiles, cfg_, training = profile_from_spec(plan.model), plan.parallel, plan.training
+        layout = [StageLayout(tuple(s.layers), s.recompute, s.recompute_layers) for s in plan.stages]
+        est = estimate(profiles, plan.cluster, training, cfg_, layout, simulate_pipeline=False)
+        ctx = context(plan.cluster, training, cfg_)
+        m = num_microbatches(cfg_, training)
+        fl = in_flight(cfg_.schedule, cfg_.pp, m, cfg_.vp)
+        x = boundary_bytes(profiles, ctx, cfg_, training)
+        assert x == 64 * 64 * 4
+        return [pipeline_act(st, profiles, ctx, cfg_, training, m, fl[r]) / x
+                for r, st in enumerate(_stages_by_rank(est.stages, cfg_.pp))]
+
+    assert extras("pp=4") == [5, 9, 9, 7]
+    assert extras("pp=2,vp=2,dp=2,schedule=interleaved")[0] == pytest.approx(2 * 4 + (4 - 2.5))
+    assert extras("dp=4") == [0]
