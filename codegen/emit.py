@@ -40,6 +40,7 @@ from autoplan.plan import StagePlan
 from autoplan.models import build as build_model, init_weights
 from autoplan.codegen.fuse import substitute_kernels  # noqa: F401
 from autoplan.cost_models.specs import ModelSpec
+from autoplan.models.factory import apply_factory_recompute, apply_factory_tp, cut_factory_stage  # noqa: F401
 from autoplan.runtime.parallelize import (  # noqa: F401
     PositionsSequenceParallel,
     apply_cp,
@@ -82,7 +83,10 @@ def _header(p: StageProgram) -> str:
         f"sequence(s) per rank per step (global batch {plan.training.global_batch_size}, seq "
         f"{plan.training.seq_length})",
     ]
-    if p.tp:
+    if plan.model_source and "factory" in plan.model_source and c.tp > 1:
+        lines.append(f"tensor par.   tp={c.tp}: the column/row linears the capture of the module found "
+                     "(autoplan.models.factory.apply_factory_tp)")
+    elif p.tp:
         lines.append(f"tensor par.   tp={c.tp}, sequence parallel {'on' if c.sp else 'off'}")
         for group, styles in p.tp.items():
             for path, s in styles.items():
@@ -145,7 +149,7 @@ def stage_source(p: StageProgram) -> str:
          "    " + docstring(f"Stage {st.index} as rank(s) {', '.join(map(str, p.ranks))} run it. dims: "
                        "runtime.ParallelDims, mesh built.")]
     if plan.model_source and "factory" in plan.model_source:
-        out.append("\n".join(b + _factory_body(plan)))
+        out.append("\n".join(b + _factory_body(plan, st)))
         return "\n".join(out) + "\n"
     lo, hi = st.layers
     kept = f"layers {lo}..{hi - 1}" if hi > lo else "no blocks"
@@ -202,16 +206,30 @@ def stage_source(p: StageProgram) -> str:
     return "\n".join(out) + "\n"
 
 
-def _factory_body(plan: Plan) -> list[str]:
-    """A user module (autoplan.models.factory): data parallelism only (other layouts are refused at start-up)."""
+def _factory_body(plan: Plan, st) -> list[str]:
+    """A user module (autoplan.models.factory): its structure (blocks, column/row linears, head counts) comes from
+    the capture of the same module at run time; layouts it cannot take were refused at start-up."""
     c = plan.parallel
     b = ["    # 1. the module the factory returns, materialised and initialised under the seed (same on every rank)",
-         "    model = build_model(SOURCE, device=device, seed=seed)",
-         "    " + comment(f"7. precision: {plan.training.dtype}"),
-         f"    apply_mixed_precision(model, {literal(plan.training.dtype)}, device.type)"]
+         "    model = build_model(SOURCE, device=device, seed=seed)"]
+    if c.pp > 1:
+        lo, hi = st.layers
+        b.append("    " + comment(f"1b. pipeline cut at the captured block boundaries: blocks {lo}..{hi - 1} of "
+                                  f"{plan.model.num_layers}; the other stages' modules pass their input through"))
+        b.append("    cut_factory_stage(model, STAGE)")
+    if c.tp > 1:
+        b.append("    " + comment(f"3. tensor parallelism: tp={c.tp} on the column/row linear pairs the capture found, "
+                                  "vocabulary-parallel embedding and head, head-count attributes divided by tp"))
+        b.append('    apply_factory_tp(model, dims["tp"], STAGE)')
+    if st.recompute != "none":
+        b.append("    " + comment(f"6. recompute ({st.recompute})"))
+        b.append("    apply_factory_recompute(model, STAGE)")
+    b += ["    " + comment(f"7. precision: {plan.training.dtype}"),
+          f"    apply_mixed_precision(model, {literal(plan.training.dtype)}, device.type)"]
     if (c.dp or 1) * c.cp > 1:
         b.append(f"    # 8. data parallelism over dp x cp, ZeRO-{c.zero}: one unit per repeated block, plus the root")
-        b.append(f'    apply_dp(model, dims["dp_cp"], {c.zero})')
+        pipelined = ", pipelined=True" if c.pp > 1 else ""  # DDP needs its own forward; the schedule drives it
+        b.append(f'    apply_dp(model, dims["dp_cp"], {literal(c.zero)}{pipelined})')
     b.append("    return model")
     return b
 

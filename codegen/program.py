@@ -87,6 +87,16 @@ def recompute_regions(stage: StagePlan) -> list[str]:
     return []
 
 
+def _factory_regions(stage: StagePlan) -> list[str]:
+    """What a user module's stage recomputes, by block index (the module paths come from its capture)."""
+    lo = stage.layers[0]
+    if stage.recompute == "full":
+        return [f"blocks {lo}..{lo + stage.recompute_layers - 1} (whole)"]
+    if stage.recompute == "selective":
+        return [f"the attention kernel of blocks {lo}..{stage.layers[1] - 1}"]
+    return []
+
+
 def kernel_substitutions(spec: ModelSpec, stage: StagePlan, mode: str, sp: bool) -> dict[str, str]:
     """Module path -> fused module class (kernels.modules) for `mode == "fused"`.
 
@@ -145,8 +155,8 @@ def stage_programs(plan: Plan) -> list[StageProgram]:
     for st in plan.stages:
         out.append(StageProgram(
             plan=plan, stage=st,
-            tp=tp_layout(spec, st, c.sp) if c.tp > 1 else {},
-            recompute=recompute_regions(st),
+            tp=tp_layout(spec, st, c.sp) if c.tp > 1 and not factory else {},
+            recompute=_factory_regions(st) if factory else recompute_regions(st),
             kernels={} if factory else kernel_substitutions(spec, st, plan.kernels, c.sp and c.tp > 1),
             ranks=stage_ranks(plan, st),
         ))

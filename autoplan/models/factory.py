@@ -7,15 +7,37 @@ in a fixed order under that seed, so every rank holds the same initial weights (
 element of a tuple is taken), and `layers` names the repeated blocks (the largest ModuleList/ModuleDict) that
 FSDP wraps one by one.
 
-This version shards user modules with data parallelism only (replicate, FSDP ZeRO-1/2/3); tensor, pipeline,
-context and expert parallelism and recomputation need autoplan's module layout and are refused before launch
-(`check_factory_plan`), naming the module and the reason.
+What is sharded comes from the capture of the same module (`factory_structure`, autoplan.capture):
+  * tensor parallelism (`apply_factory_tp`): the block GEMMs the capture marks column-parallel (reading the
+    replicated residual stream) become ColwiseParallel, the ones reading their output RowwiseParallel; the token
+    embedding RowwiseParallel (vocabulary rows) and the LM head ColwiseParallel (vocabulary columns). Attribute
+    head counts are divided by tp: the int attributes of the block's own (non-torch) modules that equal the
+    captured head or KV-head count. Before launch a meta-device dry run (`_dry_run_tp`) runs the module with its
+    linears narrowed to one rank's shards and checks every attention call gets heads/tp heads of the unchanged
+    head size; a module that reshapes by a literal count, splits a fused projection, or applies a weight
+    outside nn.Linear is refused, naming the module and the reason.
+  * pipeline parallelism (`cut_factory_stage`): every rank builds the whole module (same initial weights as one
+    process), then blocks of other stages become pass-throughs, a later stage's embedding module returns the
+    stage input, and an earlier stage's head modules pass through, so the user's own forward runs each stage.
+    Only a forward that is a sequence embedding -> blocks -> head (one hidden-state tensor between them, no
+    computation outside modules on that path) is cut; others are refused.
+  * recomputation (`apply_factory_recompute`): full = checkpoint_wrapper on the first N blocks of a stage;
+    selective = the whole block under torch's selective activation checkpointing with a policy that recomputes
+    only the scaled_dot_product_attention kernel (refused when the attention is written as matmul/softmax).
+Context, sequence and expert parallelism are refused (`check_factory_plan`).
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
+
+SPLIT_OPS = {"split", "split_with_sizes", "chunk", "tensor_split", "slice", "narrow", "unbind"}
+# where a module's head count can live: ints in a user module's own attributes (not torch's modules)
+_TORCH_PREFIXES = ("torch.",)
 
 
 class FactoryModel(nn.Module):
@@ -24,10 +46,12 @@ class FactoryModel(nn.Module):
         self.module = module
         self.ref = ref
         self.positions = None  # the runtime's context-parallel hook (unused: cp is refused)
+        object.__setattr__(self, "_stage_input", None)  # a later pipeline stage's input module (cut_factory_stage)
 
     @property
     def layers(self) -> dict[str, nn.Module]:
-        """The repeated blocks: children of the largest ModuleList/ModuleDict (FSDP units), else none."""
+        """The repeated blocks this rank runs: children of the largest ModuleList/ModuleDict (FSDP units), else
+        none; blocks a pipeline cut replaced by pass-throughs are left out."""
         best: nn.Module | None = None
         for m in self.module.modules():
             if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and (best is None or len(m) > len(best)):
@@ -35,15 +59,41 @@ class FactoryModel(nn.Module):
         if best is None:
             return {}
         items = best.items() if isinstance(best, nn.ModuleDict) else enumerate(best)
-        return {str(k): v for k, v in items}
+        return {str(k): v for k, v in items if not isinstance(v, _PassThrough)}
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        out = self.module(tokens)
+        entry = self._stage_input
+        if entry is not None:  # a later pipeline stage: `tokens` is the previous stage's hidden state
+            entry.value = tokens
+            try:
+                out = self.module(torch.zeros(tokens.shape[:2], dtype=torch.long, device=tokens.device))
+            finally:
+                entry.value = None
+        else:
+            out = self.module(tokens)
         if hasattr(out, "logits"):
             return out.logits
         if isinstance(out, (tuple, list)):
             return out[0]
         return out
+
+
+class _PassThrough(nn.Module):
+    """Stands for a module another pipeline stage runs: returns its first input unchanged."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+class _StageInput(nn.Module):
+    """Stands for the embedding module on a later pipeline stage: returns the hidden state the stage received."""
+
+    value: torch.Tensor | None = None
+
+    def forward(self, *args, **kwargs):
+        if self.value is None:
+            raise RuntimeError("a later pipeline stage ran without its input (call FactoryModel, not the module)")
+        return self.value
 
 
 def build_factory(ref: str, *, device="cpu", seed: int = 0) -> FactoryModel:
@@ -65,17 +115,452 @@ def build_factory(ref: str, *, device="cpu", seed: int = 0) -> FactoryModel:
     return FactoryModel(module, ref)
 
 
+# ------------------------------------------------------------------------------ what the capture found
+
+
+@dataclass
+class FactoryStructure:
+    """What the capture of a factory's module says about sharding it. Module paths are relative to the user's
+    module; `col`/`row` are relative to a block (the same in every block)."""
+
+    ref: str
+    blocks: list[str]
+    col: list[str] = field(default_factory=list)
+    row: list[str] = field(default_factory=list)
+    embedding: str | None = None  # nn.Embedding looking up the input token ids (vocabulary rows)
+    head: str | None = None  # nn.Linear producing the vocabulary logits
+    head_is_output: bool = False  # the logits leave the forward unchanged (only views after the head)
+    tied: bool = False  # head and embedding share a weight
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    sdpa: bool = False  # every block's attention core is one scaled_dot_product_attention call
+    attention: str = ""  # the module running the first block's attention core
+    pre_modules: list[str] = field(default_factory=list)  # modules before the first block (outermost first)
+    post_modules: list[str] = field(default_factory=list)  # modules after the last block
+    vocab: int = 0
+    hidden: int = 0
+    tp_problems: list[str] = field(default_factory=list)
+    pp_problems: list[str] = field(default_factory=list)
+    selective_problems: list[str] = field(default_factory=list)
+    num_parameters: int = 0
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + ".")
+
+
+def _outer_module(path: str, stack: str) -> str | None:
+    """The outermost module holding `path` that does not also hold the block stack (None: the op runs in a
+    forward that also runs the blocks, e.g. the root's)."""
+    parts = path.split(".") if path else []
+    for i in range(1, len(parts) + 1):
+        cand = ".".join(parts[:i])
+        if not _under(stack, cand):
+            return cand
+    return None
+
+
+def _analyse(graph, ref: str) -> FactoryStructure:
+    """Torch-free: the FactoryStructure of a captured ModelGraph (see the module docstring)."""
+    ops = graph.ops
+    blocks = list(graph.blocks)
+    stack = blocks[0].rsplit(".", 1)[0] if "." in blocks[0] else ""
+    st = FactoryStructure(ref=ref, blocks=blocks, num_parameters=graph.num_parameters)
+    profiles = {p.name: p for p in graph.profiles}
+    att = next((profiles[b].attention for b in blocks if profiles[b].attention is not None), None)
+    if att is not None:
+        st.heads, st.kv_heads, st.head_dim = att.heads, att.kv_heads, att.head_dim
+    first = graph.layer(blocks[0])
+    st.hidden = next((profiles[b].hidden for b in blocks), 0)
+
+    def rel(path: str, block: str) -> str:
+        return path[len(block) + 1:] if path.startswith(block + ".") else ""
+
+    users: dict[str, list[str]] = {}
+    for o in ops.values():
+        for i in o.inputs:
+            users.setdefault(i, []).append(o.name)
+
+    # ---- tensor parallelism: roles of the first block's GEMMs (blocks of one group are identical)
+    roles = {g.name: g.tp for g in profiles[blocks[0]].gemms}
+    if len(graph.block_groups) > 1:
+        st.tp_problems.append(f"{stack or 'the model'}: the blocks are not all alike ({len(graph.block_groups)} "
+                              "kinds); one tensor-parallel layout is applied to every block")
+    for n in first.order:
+        o = ops[n]
+        if o.kind != "gemm":
+            continue
+        r = rel(o.module, blocks[0])
+        if o.opname != "linear" or o.module_type != "Linear" or not r:
+            st.tp_problems.append(f"{o.module or stack}: applies a weight with {o.opname} outside an nn.Linear "
+                                  "(ColwiseParallel/RowwiseParallel shard nn.Linear modules)")
+            continue
+        role = roles.get(r)
+        if role not in ("col", "row") or any(p.isdigit() for p in r.split(".")):
+            st.tp_problems.append(f"{o.module}: a {role or 'expert'} GEMM (mixture of experts): experts are not "
+                                  "sharded over tp for module:factory models")
+            continue
+        target = st.col if role == "col" else st.row
+        if r not in target:
+            target.append(r)
+        if role == "col":  # a fused projection split along its output features
+            n_out = o.out.shape[-1]
+            stack_ = [n]
+            while stack_:
+                c = stack_.pop()
+                for u in users.get(c, []):
+                    uo = ops[u]
+                    if uo.opname in SPLIT_OPS and uo.in_meta and uo.in_meta[0] is not None and \
+                            uo.in_meta[0].shape[-1] == n_out and any(m.shape[-1] < n_out for m in uo.outputs):
+                        st.tp_problems.append(
+                            f"{o.module}: its output is split along its {n_out} features ({uo.opname}) into several "
+                            "tensors (a fused projection such as q/k/v); a contiguous column shard would give each "
+                            "rank parts of each, not whole heads: use one nn.Linear per projection")
+                        stack_ = []
+                        break
+                    if uo.kind in ("view", "alias") and uo.opname not in SPLIT_OPS:
+                        stack_.append(u)
+    # the attention core: scaled_dot_product_attention (selective recompute) or matmul/softmax (explicit)
+    sdpa = [ops[n] for n in first.order if ops[n].kind == "attention"]
+    soft = [ops[n] for n in first.order if ops[n].opname in ("softmax", "_softmax", "_safe_softmax")]
+    st.attention = (sdpa or soft)[0].module if (sdpa or soft) else blocks[0]
+    if sdpa:
+        st.sdpa = True
+    elif att is not None:
+        st.selective_problems.append(f"{st.attention}: the attention core is written as matmul/softmax, not one "
+                                     "scaled_dot_product_attention call, so it cannot be recomputed on its own")
+    # token embedding and vocabulary head
+    inputs = {o.name for o in ops.values() if o.kind == "input"}
+    for n in graph.layer("embedding").order:
+        o = ops[n]
+        if o.kind == "embedding" and len(o.inputs) >= 2 and o.inputs[1] in inputs and o.module_type == "Embedding":
+            st.embedding = o.module
+            st.vocab = o.in_meta[0].shape[0] if o.in_meta[0] is not None else 0
+            emb_param = ops[o.inputs[0]].param
+            break
+    else:
+        emb_param = None
+    for n in graph.layer("head").order:
+        o = ops[n]
+        if o.kind == "gemm" and o.module_type == "Linear" and o.out is not None and o.out.shape[-1] == st.vocab:
+            st.head = o.module
+            w = next((ops[i].param for i in o.inputs if ops[i].kind == "param"), None)
+            st.tied = w is not None and w == emb_param
+            # the logits leave the forward unchanged: nothing but views consumes them
+            cur, ok = [n], True
+            while cur:
+                for u in users.get(cur.pop(), []):
+                    if ops[u].kind in ("view", "alias", "skip"):
+                        cur.append(u)
+                    else:
+                        ok = False
+            st.head_is_output = ok
+    if st.embedding is None:
+        st.tp_problems.append("no nn.Embedding reads the input token ids: the vocabulary is not sharded")
+    # ---- pipeline cuts: embedding -> blocks -> head, one hidden-state tensor between consecutive parts
+    order = ["embedding", *blocks, "head"]
+    nxt = {a: b for a, b in zip(order, order[1:])}
+    for a, b, tensors in graph.layers.edges(data="tensors"):
+        live = sorted(t for t in tensors if ops[t].token_dependent and ops[t].out is not None and ops[t].out.is_float)
+        if not live:
+            continue  # position tables, masks: recomputed by every stage from the input's shape
+        if nxt.get(a) != b or len(live) > 1:
+            st.pp_problems.append(f"the forward passes {', '.join(live)} from {a} to {b}: pipeline stages exchange one "
+                                  "hidden-state tensor between consecutive parts (embedding -> blocks -> head)")
+    for lname, where in (("embedding", st.pre_modules), ("head", st.post_modules)):
+        for n in graph.layer(lname).order:
+            o = ops[n]
+            if not o.token_dependent or o.kind in ("skip",):
+                continue
+            outer = _outer_module(o.module, stack)
+            if outer is None:
+                st.pp_problems.append(
+                    f"the model's own forward computes {o.opname} on the hidden state "
+                    f"{'before the first' if lname == 'embedding' else 'after the last'} block, outside any module: "
+                    "a pipeline stage runs whole modules (move it into the embedding or head module)")
+                break
+            if outer not in where:
+                where.append(outer)
+    for b in blocks:
+        stray = [ops[n] for n in graph.layer(b).order if ops[n].token_dependent and not _under(ops[n].module, b)
+                 and ops[n].kind not in ("view", "skip")]
+        if stray:
+            st.pp_problems.append(f"the forward computes {stray[0].opname} between {b} and the next block, outside "
+                                  "any block: a pipeline cut there would lose it")
+            break
+    if st.tied:
+        st.pp_problems.append(f"{st.head} shares its weight with {st.embedding}: the first and last pipeline stages "
+                              "would each hold a copy (not supported for module:factory models)")
+    return st
+
+
+@functools.lru_cache(maxsize=8)
+def factory_structure(ref: str) -> FactoryStructure:
+    """Capture the factory's module (meta device) and analyse it; cached per process (runs once per rank)."""
+    from autoplan.capture import capture, load_module_factory
+
+    module, inputs = load_module_factory(ref)
+    return _analyse(capture(module, inputs, name=ref.rpartition(":")[2]), ref)
+
+
+# ------------------------------------------------------------------------------------ module surgery
+
+
+def _set_module(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, new)
+
+
+def _head_attributes(block: nn.Module, counts: set[int]) -> list[tuple[str, str, int]]:
+    """(module path in the block, attribute, value): int attributes of the block's own (user-defined) modules
+    equal to a captured head or KV-head count, which a rank holding 1/tp of the heads must divide."""
+    out = []
+    for path, m in block.named_modules():
+        if type(m).__module__.startswith(_TORCH_PREFIXES):
+            continue
+        for k, v in vars(m).items():
+            if not k.startswith("_") and type(v) is int and v in counts:
+                out.append((path, k, v))
+    return out
+
+
+def _narrow(lin: nn.Module, dim: int, tp: int) -> None:
+    """Meta-device stand-in for one rank's shard of an nn.Linear (dim 0: columns, 1: rows)."""
+    w = lin.weight
+    shape = list(w.shape)
+    shape[dim] //= tp
+    lin.weight = nn.Parameter(torch.empty(shape, device="meta", dtype=w.dtype))
+    if dim == 0:
+        lin.out_features = shape[0]
+        if lin.bias is not None:
+            lin.bias = nn.Parameter(torch.empty(shape[0], device="meta", dtype=lin.bias.dtype))
+    else:
+        lin.in_features = shape[1]
+
+
+class _AttentionCalls(torch.overrides.TorchFunctionMode):
+    """Records the shapes scaled_dot_product_attention and softmax are called with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sdpa: list[tuple] = []
+        self.softmax: list[tuple] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "scaled_dot_product_attention":
+            self.sdpa.append(tuple(tuple(a.shape) for a in args[:3]))
+        elif name == "softmax" and args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4:
+            self.softmax.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def _dry_run_tp(st: FactoryStructure, tp: int) -> list[str]:
+    """Run one rank's shard of the module on meta: the column linears narrowed to 1/tp of their outputs, the row
+    linears to 1/tp of their inputs, the head-count attributes divided. Returns the problems found."""
+    from autoplan.capture import load_module_factory
+
+    problems = []
+    for what, n in (("heads", st.heads), ("KV heads", st.kv_heads)):
+        if n and n % tp:
+            problems.append(f"{n} attention {what} do not divide over tp={tp}")
+    if problems:
+        return problems
+    module, inputs = load_module_factory(st.ref)
+    model = FactoryModel(module.to("meta"), st.ref)
+    for b in st.blocks:
+        block = module.get_submodule(b)
+        for paths, dim in ((st.col, 0), (st.row, 1)):
+            for p in paths:
+                lin = block.get_submodule(p)
+                if lin.weight.shape[dim] % tp:
+                    return [f"{b}.{p}: {lin.weight.shape[dim]} {'output' if dim == 0 else 'input'} features do not "
+                            f"divide over tp={tp}"]
+                _narrow(lin, dim, tp)
+        for path, k, v in _head_attributes(block, {st.heads, st.kv_heads} - {0}):
+            setattr(block.get_submodule(path) if path else block, k, v // tp)
+    tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+    rec = _AttentionCalls()
+    where = st.attention or st.blocks[0]
+    try:
+        with rec:
+            out = model(tokens.to("meta"))
+    except Exception as e:  # noqa: BLE001 - the user's code: report what failed, in one line
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return [f"{where}: its forward fails with its linears split over tp={tp} and its head counts divided "
+                f"({type(e).__name__}: {msg[:160]}); reshape by attributes holding the head counts (self.n_heads) "
+                "and -1, not by the hidden size"]
+    want_q, want_kv = st.heads // tp, st.kv_heads // tp
+    for q, k, _v in rec.sdpa:
+        if q[-3] != want_q or q[-1] != st.head_dim or k[-3] not in (want_kv, want_q):
+            return [f"{where}: with its linears split over tp={tp} the attention gets {q[-3]} heads of size {q[-1]} per "
+                    f"rank instead of {want_q} of size {st.head_dim}: the reshape does not take the head count from "
+                    f"an attribute (a literal count, or one computed from the hidden size)"]
+    for s in rec.softmax:
+        if s[-3] != want_q:
+            return [f"{where}: with its linears split over tp={tp} the attention scores have {s[-3]} heads per rank "
+                    f"instead of {want_q}: the reshape does not take the head count from an attribute"]
+    if st.heads and not rec.sdpa and not rec.softmax:
+        return [f"{where}: no attention call was seen in the dry run"]
+    if tuple(out.shape[-1:]) != (st.vocab,) and st.vocab:
+        return [f"the forward returns {tuple(out.shape)} with its linears split over tp={tp}, not logits over "
+                f"{st.vocab} tokens"]
+    return []
+
+
+def _dry_run_pp(st: FactoryStructure, plan) -> list[str]:
+    """Cut the module (meta) as each stage of the plan and run it: a stage must turn its input (token ids or
+    the previous stage's hidden state) into a hidden state of the same shape, or the last into logits."""
+    from autoplan.capture import load_module_factory
+
+    _, inputs = load_module_factory(st.ref)
+    tokens = (inputs[0] if isinstance(inputs, (tuple, list)) else inputs).to("meta")
+    hidden = torch.empty(*tokens.shape[:2], st.hidden, device="meta")
+    for stage in plan.stages:
+        model = build_factory(st.ref, device="meta")
+        cut_factory_stage(model, stage, st)
+        try:
+            out = model(tokens if stage.has_embedding else hidden)
+        except Exception as e:  # noqa: BLE001
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return [f"stage {stage.index} (blocks {stage.layers[0]}..{stage.layers[1] - 1}) fails when the other "
+                    f"stages' modules pass their input through ({type(e).__name__}: {msg[:160]})"]
+        want = (*tokens.shape[:2], st.vocab if stage.has_head else st.hidden)
+        if tuple(out.shape) != want:
+            return [f"stage {stage.index} returns shape {tuple(out.shape)}, expected {want}"]
+    return []
+
+
+# ----------------------------------------------------------------------------- applied per stage
+
+
+def cut_factory_stage(model: FactoryModel, stage, st: FactoryStructure | None = None) -> list[str]:
+    """Pipeline cut of a (materialised or meta) FactoryModel at the captured block boundaries: blocks outside
+    `stage.layers` pass their input through; without the embedding the first pre-block module returns the
+    stage's input (the others pass through); without the head the post-block modules pass through.
+    Parameter names of what is kept are unchanged (global block keys)."""
+    st = st or factory_structure(model.ref)
+    lo, hi = stage.layers
+    for i, b in enumerate(st.blocks):
+        if not lo <= i < hi:
+            _set_module(model.module, b, _PassThrough())
+    notes = [f"blocks {lo}..{hi - 1} of {len(st.blocks)}"]
+    if not stage.has_embedding:
+        entry = _StageInput()
+        _set_module(model.module, st.pre_modules[0], entry)
+        for p in st.pre_modules[1:]:
+            _set_module(model.module, p, _PassThrough())
+        object.__setattr__(model, "_stage_input", entry)
+        notes.append(f"{st.pre_modules[0]} returns the stage input")
+    if not stage.has_head:
+        for p in st.post_modules:
+            _set_module(model.module, p, _PassThrough())
+    return notes
+
+
+def apply_factory_tp(model: FactoryModel, tp_mesh, stage, st: FactoryStructure | None = None) -> list[str]:
+    """Tensor parallelism on the captured column/row pairs (see the module docstring); returns what was done."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    st = st or factory_structure(model.ref)
+    tp = tp_mesh.size()
+    styles: dict[str, object] = {}
+    names: dict[str, str] = {}
+    if stage.has_embedding and st.embedding:
+        styles[st.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        names[st.embedding] = "RowwiseParallel (vocabulary rows)"
+    lo, hi = stage.layers
+    for b in st.blocks[lo:hi]:
+        for p in st.col:
+            styles[f"{b}.{p}"], names[f"{b}.{p}"] = ColwiseParallel(), "ColwiseParallel"
+        for p in st.row:
+            styles[f"{b}.{p}"], names[f"{b}.{p}"] = RowwiseParallel(), "RowwiseParallel"
+    if stage.has_head and st.head:
+        if st.head_is_output:  # logits stay sharded over the vocabulary for loss_parallel
+            styles[st.head] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+            names[st.head] = "ColwiseParallel (vocabulary-sharded logits)"
+        else:
+            styles[st.head] = ColwiseParallel(output_layouts=Replicate())
+            names[st.head] = "ColwiseParallel (logits gathered)"
+    parallelize_module(model.module, tp_mesh, styles)
+    notes = [f"{k}: {v}" for k, v in names.items()]
+    counts = {st.heads, st.kv_heads} - {0}
+    for b in st.blocks[lo:hi]:
+        block = model.module.get_submodule(b)
+        for path, k, v in _head_attributes(block, counts):
+            setattr(block.get_submodule(path) if path else block, k, v // tp)
+            notes.append(f"{b}{'.' + path if path else ''}.{k}: {v} -> {v // tp}")
+    if st.tied and stage.has_embedding and stage.has_head:  # both Shard(0) over the vocabulary: one tensor again
+        model.module.get_submodule(st.head).weight = model.module.get_submodule(st.embedding).weight
+    return notes
+
+
+def _attention_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from autoplan.runtime.parallelize import ATTENTION_CORE_OPS
+
+    if str(getattr(op, "overloadpacket", op)) in ATTENTION_CORE_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
+
+
+def apply_factory_recompute(model: FactoryModel, stage, st: FactoryStructure | None = None) -> list[str]:
+    """full: the first `stage.recompute_layers` blocks of the stage checkpointed whole; selective: every block of
+    the stage under selective activation checkpointing that recomputes only the attention kernel."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    st = st or factory_structure(model.ref)
+    lo, hi = stage.layers
+    if stage.recompute == "full":
+        keys = st.blocks[lo:hi][: stage.recompute_layers]
+        for b in keys:
+            _set_module(model.module, b, checkpoint_wrapper(model.module.get_submodule(b), preserve_rng_state=True))
+        return [f"full: {', '.join(keys)}"]
+    if stage.recompute == "selective":
+        ctx = functools.partial(create_selective_checkpoint_contexts, _attention_policy)
+        for b in st.blocks[lo:hi]:
+            _set_module(model.module, b, checkpoint_wrapper(model.module.get_submodule(b), preserve_rng_state=True,
+                                                            context_fn=ctx))
+        return [f"selective (attention kernel): {', '.join(st.blocks[lo:hi])}"]
+    return []
+
+
+# -------------------------------------------------------------------------------------- the check
+
+
 def check_factory_plan(plan) -> None:
-    """Refuse, before launch, what this version cannot do to a user module (see the module docstring)."""
+    """Refuse, before launch, what cannot be done to this user module (see the module docstring)."""
     from autoplan.cost_models.errors import ConfigError
 
     ref = plan.model_source["factory"]
     c = plan.parallel
-    bad = [f"{k}={v}" for k, v in (("tp", c.tp), ("pp", c.pp), ("cp", c.cp), ("ep", c.ep)) if v > 1]
-    bad += [f"recompute={s.recompute} (stage {s.index})" for s in plan.stages if s.recompute != "none"][:1]
+
+    def refuse(knob: str, reason: str, fix: str) -> None:
+        raise ConfigError(f"module {ref} cannot be sharded as planned", f"{knob}: {reason}", fix)
+
+    bad = [f"{k}={v}" for k, v in (("cp", c.cp), ("ep", c.ep)) if v > 1]
     if bad:
-        raise ConfigError(f"module {ref} cannot be sharded as planned",
-                          f"{', '.join(bad)}: user modules are trained with data parallelism (replicate, FSDP "
-                          "ZeRO-1/2/3) only; tp/pp/cp/ep and recomputation need autoplan's module layout",
-                          "re-plan with --fix tp=1 --fix pp=1 --fix cp=1 --fix ep=1 --fix recompute=none, or "
-                          "return an autoplan.models model from the factory")
+        refuse(", ".join(bad), "context and expert parallelism need autoplan's own attention and MoE modules",
+               "re-plan with --fix cp=1 --fix ep=1, or return an autoplan.models model from the factory")
+    if c.sp and c.tp > 1:
+        refuse("sp=1", "sequence parallelism needs the norms and residual stream of autoplan's own blocks; user "
+               "modules get tensor parallelism without it", "re-plan with --fix sp=0")
+    selective = any(s.recompute == "selective" for s in plan.stages)
+    if c.tp == 1 and c.pp == 1 and not selective:
+        return
+    st = factory_structure(ref)
+    if c.tp > 1:
+        problems = st.tp_problems or _dry_run_tp(st, c.tp)
+        if problems:
+            refuse(f"tp={c.tp}", problems[0], "re-plan with --fix tp=1, or change the module as the reason says")
+    if c.pp > 1:
+        problems = st.pp_problems or _dry_run_pp(st, plan)
+        if problems:
+            refuse(f"pp={c.pp}", problems[0], "re-plan with --fix pp=1, or make the forward embedding -> blocks -> "
+                   "head with the computation inside those modules")
+    if selective and st.selective_problems:
+        refuse("recompute=selective", st.selective_problems[0], "re-plan with --fix recompute=full or none")
