@@ -1,0 +1,114 @@
+"""module:factory models: what the capture of the user's module allows, the refusals before launch (module and
+reason named), and recomputation doing what it says (counted ops). In-process, no torchrun."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoplan.api import make_plan
+from autoplan.cost_models.errors import ConfigError
+from autoplan.models import check_plan_model
+from autoplan.models.factory import (
+    apply_factory_recompute,
+    build_factory,
+    cut_factory_stage,
+    factory_structure,
+)
+from autoplan.models.source import attach
+from autoplan.plan import StagePlan
+from autoplan.specs import TrainingSpec, load_cluster
+from autoplan.workload import resolve_model
+
+M = "tests/capture/_models.py"
+
+
+def _plan(ref: str, layout: str, world: int = 2):
+    spec, _ = resolve_model(ref)
+    training = TrainingSpec(global_batch_size=4, seq_length=8, dtype="fp32")
+    uneven = [(0, 2), (2, 3)] if "pp=2" in layout else None
+    return attach(make_plan(spec, load_cluster("local-cpu").with_gpus(world), training, layout, kernels="torch",
+                            stage_layers=uneven), ref)
+
+
+def test_capture_finds_the_column_row_pairs_heads_and_cut_points():
+    st = factory_structure(f"{M}:split_lm")
+    assert st.col == ["attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"]
+    assert st.row == ["attn.wo", "mlp.w2"]
+    assert (st.embedding, st.head, st.head_is_output, st.tied) == ("embed.tok", "head", True, False)
+    assert (st.heads, st.kv_heads, st.head_dim, st.sdpa, st.attention) == (4, 2, 8, True, "layers.0.attn")
+    assert (st.pre_modules, st.post_modules) == (["embed"], ["norm", "head"])
+    assert not st.tp_problems and not st.pp_problems and not st.selective_problems
+
+
+@pytest.mark.parametrize("layout", ["tp=2", "pp=2", "tp=2,recompute=selective", "dp=2,recompute=full"])
+def test_shardable_module_passes_the_check(layout):
+    check_plan_model(_plan(f"{M}:split_lm", layout))
+
+
+@pytest.mark.parametrize("factory, layout, message", [
+    ("tiny_lm", "tp=2", "tp=2: blocks.0.qkv: its output is split along its 96 features (split) into several "
+                        "tensors (a fused projection"),
+    ("hard_heads_lm", "tp=2", "tp=2: layers.0.attn: with its linears split over tp=2 the attention gets 4 heads of "
+                              "size 4 per rank instead of 2 of size 8"),
+    ("root_scale_lm", "pp=2", "pp=2: the model's own forward computes mul on the hidden state before the first "
+                              "block, outside any module"),
+    ("explicit_core_lm", "tp=2,recompute=selective", "recompute=selective: layers.0.attn: the attention core is "
+                                                     "written as matmul/softmax"),
+    ("split_lm", "tp=2,sp=1", "sp=1: sequence parallelism needs the norms and residual stream of autoplan's own"),
+    ("split_lm", "cp=2", "cp=2: context and expert parallelism need autoplan's own"),
+])
+def test_refusals_name_the_module_and_the_reason(factory, layout, message):
+    ref = f"{M}:{factory}"
+    with pytest.raises(ConfigError) as e:
+        check_plan_model(_plan(ref, layout))
+    assert str(e.value).startswith(f"module {ref} cannot be sharded as planned: {message}"), str(e.value)
+    assert "fix: re-plan with --fix" in str(e.value)
+
+
+def test_pipeline_cut_keeps_global_names_and_runs_the_users_forward():
+    ref = f"{M}:split_lm"
+    full = build_factory(ref, seed=3)
+    tokens = torch.randint(0, 96, (2, 8))
+    stages = [StagePlan(index=i, pp_rank=i, layers=r, has_embedding=i == 0, has_head=i == 1, recompute="none",
+                        recompute_layers=0, forward_s=0, backward_s=0) for i, r in enumerate([(0, 2), (2, 3)])]
+    first, last = build_factory(ref, seed=3), build_factory(ref, seed=3)
+    cut_factory_stage(first, stages[0])
+    cut_factory_stage(last, stages[1])
+    names = [n for m in (first, last) for n, _ in m.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in full.named_parameters())  # each parameter on exactly one stage
+    assert "module.layers.2.attn.wq.weight" in dict(last.named_parameters())
+    assert sorted(first.layers) == ["0", "1"] and sorted(last.layers) == ["2"]
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(tokens)), full(tokens), rtol=0, atol=0)
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops(recompute: str, n: int = 0) -> dict[str, int]:
+    model = build_factory(f"{M}:split_lm", seed=0)
+    stage = StagePlan(index=0, pp_rank=0, layers=(0, 3), has_embedding=True, has_head=True, recompute=recompute,
+                      recompute_layers=n, forward_s=0, backward_s=0)
+    apply_factory_recompute(model, stage)
+    tokens = torch.randint(0, 96, (2, 8))
+    with _Count() as c:
+        model(tokens).sum().backward()
+    return c.ops
+
+
+def test_selective_recompute_reruns_only_the_attention_kernel_and_full_reruns_blocks():
+    sdpa = "aten._scaled_dot_product_flash_attention_for_cpu"
+    none, selective, full = _ops("none"), _ops("selective"), _ops("full", 2)
+    assert none[sdpa] == 3 and selective[sdpa] == 6  # forward + recomputed in backward, every block
+    assert selective["aten.addmm"] == none["aten.addmm"]  # the linears are not recomputed
+    assert full[sdpa] == 5 and full["aten.addmm"] > none["aten.addmm"]  # 2 of 3 blocks rerun whole
