@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from autoplan.api import make_plan  # noqa: E402
@@ -97,7 +98,7 @@ def run_case(case: str, world: int, refs: dict) -> dict:
     held = {"local_params": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
                                 for _, p in trainer.pm.named_parameters()),
             "tp_sharded": sum(1 for _, p in trainer.pm.named_parameters() if _tp_sharded(p)),
-            "checkpointed": sum(type(m).__name__ == "CheckpointWrapper" for m in mods),
+            "checkpointed": sum(isinstance(m, CheckpointWrapper) for m in mods),
             "stages": [s.plan.index for s in trainer.pm.stages]}
     captured: dict = {}
 
