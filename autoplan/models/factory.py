@@ -22,8 +22,8 @@ What is sharded comes from the capture of the same module (`factory_structure`, 
     Only a forward that is a sequence embedding -> blocks -> head (one hidden-state tensor between them, no
     computation outside modules on that path) is cut; others are refused.
   * recomputation (`apply_factory_recompute`): full = checkpoint_wrapper on the first N blocks of a stage;
-    selective = the whole block under torch's selective activation checkpointing with a policy that recomputes
-    only the scaled_dot_product_attention kernel (refused when the attention is written as matmul/softmax).
+    selective = every scaled_dot_product_attention call of the block's forward checkpointed (refused when the
+    attention is written as matmul/softmax).
 Context, sequence and expert parallelism are refused (`check_factory_plan`).
 """
 
@@ -497,21 +497,39 @@ def apply_factory_tp(model: FactoryModel, tp_mesh, stage, st: FactoryStructure |
     return notes
 
 
-def _attention_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
+class _RecomputeAttention(torch.overrides.TorchFunctionMode):
+    """Active during a block's forward: every scaled_dot_product_attention call runs under activation
+    checkpointing (its inputs saved, the kernel recomputed in the backward pass), the other ops as usual. (Torch's
+    selective activation checkpointing with an op policy was tried first: it failed in pipelined runs under the
+    runtime's CPU memory tracker, 'aten.mul.Scalar encountered during backward but not found in storage'.)"""
 
-    from autoplan.runtime.parallelize import ATTENTION_CORE_OPS
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            from torch.utils.checkpoint import checkpoint
 
-    if str(getattr(op, "overloadpacket", op)) in ATTENTION_CORE_OPS:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE
+            return checkpoint(func, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _recompute_attention(block: nn.Module) -> None:
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def selective_forward(*args, **kwargs):
+        with _RecomputeAttention():
+            return forward(*args, **kwargs)
+
+    block.forward = selective_forward
+    block._autoplan_recompute = "selective"
 
 
 def apply_factory_recompute(model: FactoryModel, stage, st: FactoryStructure | None = None) -> list[str]:
-    """full: the first `stage.recompute_layers` blocks of the stage checkpointed whole; selective: every block of
-    the stage under selective activation checkpointing that recomputes only the attention kernel."""
+    """full: the first `stage.recompute_layers` blocks of the stage checkpointed whole (checkpoint_wrapper);
+    selective: in every block of the stage, each scaled_dot_product_attention call is checkpointed (the
+    attention core, as the zoo's selective recompute; a function call in the user's code, so it is caught by a
+    TorchFunctionMode around the block's forward rather than wrapped as a module)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     st = st or factory_structure(model.ref)
     lo, hi = stage.layers
@@ -521,11 +539,9 @@ def apply_factory_recompute(model: FactoryModel, stage, st: FactoryStructure | N
             _set_module(model.module, b, checkpoint_wrapper(model.module.get_submodule(b), preserve_rng_state=True))
         return [f"full: {', '.join(keys)}"]
     if stage.recompute == "selective":
-        ctx = functools.partial(create_selective_checkpoint_contexts, _attention_policy)
         for b in st.blocks[lo:hi]:
-            _set_module(model.module, b, checkpoint_wrapper(model.module.get_submodule(b), preserve_rng_state=True,
-                                                            context_fn=ctx))
-        return [f"selective (attention kernel): {', '.join(st.blocks[lo:hi])}"]
+            _recompute_attention(model.module.get_submodule(b))
+        return [f"selective (scaled_dot_product_attention): {', '.join(st.blocks[lo:hi])}"]
     return []
 
 

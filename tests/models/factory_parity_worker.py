@@ -4,7 +4,7 @@ For each case (factory reference, parallel configuration) the plan is made with 
 module's capture and checked as `autoplan run` checks it (check_plan_model); the runtime's Trainer builds the
 sharded module (tensor parallelism on the captured column/row linears, pipeline cuts at the captured blocks,
 recomputation, FSDP) and trains 3 steps. Rank 0 compares the losses of every step and the gradients of the first
-step (after clipping) with the factory's module trained on the full batch by torch's AdamW in one process, and
+step (after clipping; the second step runs under the run's memory tracker) with the factory's module trained on the full batch by torch's AdamW in one process, and
 records the parameter count the run log would report next to the capture's.
 
     torchrun --nproc-per-node 2 tests/models/factory_parity_worker.py --out results.json CONFIG ...
@@ -35,6 +35,7 @@ from autoplan.models.factory import build_factory, factory_structure  # noqa: E4
 from autoplan.models.source import attach  # noqa: E402
 from autoplan.runtime.data import SyntheticDataset  # noqa: E402
 from autoplan.runtime.engine import Trainer  # noqa: E402
+from autoplan.runtime.measure import memory_step  # noqa: E402
 from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
 from autoplan.runtime.train import trainer_parameter_count  # noqa: E402
 from autoplan.specs import TrainingSpec, load_cluster  # noqa: E402
@@ -98,7 +99,7 @@ def run_case(case: str, world: int, refs: dict) -> dict:
     held = {"local_params": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
                                 for _, p in trainer.pm.named_parameters()),
             "tp_sharded": sum(1 for _, p in trainer.pm.named_parameters() if _tp_sharded(p)),
-            "checkpointed": sum(isinstance(m, CheckpointWrapper) for m in mods),
+            "checkpointed": sum(isinstance(m, CheckpointWrapper) or hasattr(m, "_autoplan_recompute") for m in mods),
             "stages": [s.plan.index for s in trainer.pm.stages]}
     captured: dict = {}
 
@@ -111,7 +112,9 @@ def run_case(case: str, world: int, refs: dict) -> dict:
 
     trainer.last_grads_hook = hook
     data = SyntheticDataset(spec.vocab_size, SEQ, GBS, seed=SEED)
-    losses = [trainer.step(data.batch(s)).loss for s in range(STEPS)]
+    # step 2 runs under the memory tracker, as `autoplan run` measures it on the CPU (runtime.measure)
+    losses = [(memory_step(trainer, data.batch(s))[0] if s == 1 else trainer.step(data.batch(s))).loss
+              for s in range(STEPS)]
     gathered: list = [None] * world
     dist.all_gather_object(gathered, captured)
     ranks: list = [None] * world
