@@ -104,7 +104,9 @@ def build_factory(ref: str, *, device="cpu", seed: int = 0) -> FactoryModel:
     if torch.device(device).type == "meta":
         return FactoryModel(module.to("meta"), ref)
     if any(p.is_meta for p in module.parameters()) or any(b.is_meta for b in module.buffers()):
+        ties = _shared_parameters(module)
         module = module.to_empty(device=device)
+        _retie(module, ties)  # to_empty gives each name its own tensor: a tied head would train untied
         torch.manual_seed(seed)
         with torch.no_grad():
             for m in module.modules():
@@ -113,6 +115,24 @@ def build_factory(ref: str, *, device="cpu", seed: int = 0) -> FactoryModel:
     else:
         module = module.to(device)
     return FactoryModel(module, ref)
+
+
+def _shared_parameters(module: nn.Module) -> list[tuple[str, str]]:
+    """(name, first name) of every parameter registered under a second name (tied weights)."""
+    first: dict[int, str] = {}
+    out = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out.append((name, first[id(p)]))
+        else:
+            first[id(p)] = name
+    return out
+
+
+def _retie(module: nn.Module, ties: list[tuple[str, str]]) -> None:
+    for name, src in ties:
+        owner, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(owner) if owner else module, attr, module.get_parameter(src))
 
 
 # ------------------------------------------------------------------------------ what the capture found
@@ -144,6 +164,12 @@ class FactoryStructure:
     pp_problems: list[str] = field(default_factory=list)
     selective_problems: list[str] = field(default_factory=list)
     num_parameters: int = 0
+
+    @property
+    def attention_scope(self) -> str:
+        """The attention module's path relative to its block ("" when the block's own forward calls it)."""
+        b = self.blocks[0]
+        return self.attention[len(b) + 1:] if self.attention.startswith(b + ".") else ""
 
 
 def _under(path: str, prefix: str) -> bool:
@@ -312,12 +338,13 @@ def _set_module(root: nn.Module, path: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, name, new)
 
 
-def _head_attributes(block: nn.Module, counts: set[int]) -> list[tuple[str, str, int]]:
-    """(module path in the block, attribute, value): int attributes of the block's own (user-defined) modules
-    equal to a captured head or KV-head count, which a rank holding 1/tp of the heads must divide."""
+def _head_attributes(block: nn.Module, counts: set[int], scope: str) -> list[tuple[str, str, int]]:
+    """(module path in the block, attribute, value): int attributes equal to a captured head or KV-head count, of
+    the user-defined modules from the block down to `scope` (the module calling the attention core, relative to
+    the block), which a rank holding 1/tp of the heads must divide. Other modules (the MLP's) are not searched."""
     out = []
     for path, m in block.named_modules():
-        if type(m).__module__.startswith(_TORCH_PREFIXES):
+        if type(m).__module__.startswith(_TORCH_PREFIXES) or not (path == "" or _under(scope, path)):
             continue
         for k, v in vars(m).items():
             if not k.startswith("_") and type(v) is int and v in counts:
@@ -369,6 +396,8 @@ def _dry_run_tp(st: FactoryStructure, tp: int) -> list[str]:
         return problems
     module, inputs = load_module_factory(st.ref)
     model = FactoryModel(module.to("meta"), st.ref)
+    found = _head_attributes(module.get_submodule(st.blocks[0]), {st.heads, st.kv_heads} - {0}, st.attention_scope)
+    found_s = ", ".join(f"{p + '.' if p else ''}{k}={v}" for p, k, v in found) or "none"
     for b in st.blocks:
         block = module.get_submodule(b)
         for paths, dim in ((st.col, 0), (st.row, 1)):
@@ -378,7 +407,7 @@ def _dry_run_tp(st: FactoryStructure, tp: int) -> list[str]:
                     return [f"{b}.{p}: {lin.weight.shape[dim]} {'output' if dim == 0 else 'input'} features do not "
                             f"divide over tp={tp}"]
                 _narrow(lin, dim, tp)
-        for path, k, v in _head_attributes(block, {st.heads, st.kv_heads} - {0}):
+        for path, k, v in _head_attributes(block, {st.heads, st.kv_heads} - {0}, st.attention_scope):
             setattr(block.get_submodule(path) if path else block, k, v // tp)
     tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
     rec = _AttentionCalls()
@@ -388,15 +417,16 @@ def _dry_run_tp(st: FactoryStructure, tp: int) -> list[str]:
             out = model(tokens.to("meta"))
     except Exception as e:  # noqa: BLE001 - the user's code: report what failed, in one line
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        return [f"{where}: its forward fails with its linears split over tp={tp} and its head counts divided "
-                f"({type(e).__name__}: {msg[:160]}); reshape by attributes holding the head counts (self.n_heads) "
+        return [f"{where}: its forward fails with its linears split over tp={tp} and its head-count attributes "
+                f"({found_s}) divided ({type(e).__name__}: {msg[:160]}); reshape by attributes holding the head counts (self.n_heads) "
                 "and -1, not by the hidden size"]
     want_q, want_kv = st.heads // tp, st.kv_heads // tp
     for q, k, _v in rec.sdpa:
         if q[-3] != want_q or q[-1] != st.head_dim or k[-3] not in (want_kv, want_q):
             return [f"{where}: with its linears split over tp={tp} the attention gets {q[-3]} heads of size {q[-1]} per "
                     f"rank instead of {want_q} of size {st.head_dim}: the reshape does not take the head count from "
-                    f"an attribute (a literal count, or one computed from the hidden size)"]
+                    f"an attribute (a literal count, or one computed from the hidden size; attributes divided: "
+                    f"{found_s})"]
     for s in rec.softmax:
         if s[-3] != want_q:
             return [f"{where}: with its linears split over tp={tp} the attention scores have {s[-3]} heads per rank "
@@ -489,7 +519,7 @@ def apply_factory_tp(model: FactoryModel, tp_mesh, stage, st: FactoryStructure |
     counts = {st.heads, st.kv_heads} - {0}
     for b in st.blocks[lo:hi]:
         block = model.module.get_submodule(b)
-        for path, k, v in _head_attributes(block, counts):
+        for path, k, v in _head_attributes(block, counts, st.attention_scope):
             setattr(block.get_submodule(path) if path else block, k, v // tp)
             notes.append(f"{b}{'.' + path if path else ''}.{k}: {v} -> {v // tp}")
     if st.tied and stage.has_embedding and stage.has_head:  # both Shard(0) over the vocabulary: one tensor again

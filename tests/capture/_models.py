@@ -165,16 +165,20 @@ class Embeddings(nn.Module):
 class SplitLM(nn.Module):
     """A user's decoder: embeddings -> blocks -> norm -> head, with separate q/k/v projections.
     `root_scale` scales the embeddings in the model's own forward (outside any module), which a pipeline stage
-    cannot skip."""
+    cannot skip; `softcap` soft-caps the logits there (the head's output is not the model's); `tied` shares the
+    head's weight with the token embedding."""
 
     def __init__(self, vocab: int = 96, h: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 3,
-                 max_seq: int = 64, root_scale: bool = False, **attn) -> None:
+                 max_seq: int = 64, root_scale: bool = False, softcap: float | None = None, tied: bool = False,
+                 **attn) -> None:
         super().__init__()
-        self.root_scale = root_scale
+        self.root_scale, self.softcap = root_scale, softcap
         self.embed = Embeddings(vocab, h, max_seq)
         self.layers = nn.ModuleList(SplitBlock(h, heads, kv_heads, **attn) for _ in range(layers))
         self.norm = nn.LayerNorm(h)
         self.head = nn.Linear(h, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.tok.weight
 
     def forward(self, tokens):
         x = self.embed(tokens)
@@ -182,7 +186,10 @@ class SplitLM(nn.Module):
             x = x * 2.0
         for blk in self.layers:
             x = blk(x)
-        return self.head(self.norm(x))
+        logits = self.head(self.norm(x))
+        if self.softcap is not None:  # Gemma 2's final soft-capping, in the root forward
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        return logits
 
 
 def _meta_factory(**kw):
@@ -204,6 +211,16 @@ def hard_heads_lm():
 def explicit_core_lm():
     """Attention written as matmul-softmax-matmul: no selective recomputation."""
     return _meta_factory(explicit_core=True)
+
+
+def softcap_lm():
+    """Soft-caps its logits in the root forward: tp gathers the logits; not cut into pipeline stages."""
+    return _meta_factory(softcap=3.0)
+
+
+def tied_lm():
+    """Head tied to the token embedding."""
+    return _meta_factory(tied=True)
 
 
 def root_scale_lm():

@@ -40,6 +40,9 @@ def test_capture_finds_the_column_row_pairs_heads_and_cut_points():
     assert (st.heads, st.kv_heads, st.head_dim, st.sdpa, st.attention) == (4, 2, 8, True, "layers.0.attn")
     assert (st.pre_modules, st.post_modules) == (["embed"], ["norm", "head"])
     assert not st.tp_problems and not st.pp_problems and not st.selective_problems
+    softcap = factory_structure(f"{M}:softcap_lm")
+    assert (softcap.head, softcap.head_is_output) == ("head", False)  # tanh after the head: logits gathered
+    assert factory_structure(f"{M}:tied_lm").tied
 
 
 @pytest.mark.parametrize("layout", ["tp=2", "pp=2", "tp=2,recompute=selective", "dp=2,recompute=full"])
@@ -51,11 +54,14 @@ def test_shardable_module_passes_the_check(layout):
     ("tiny_lm", "tp=2", "tp=2: blocks.0.qkv: its output is split along its 96 features (split) into several "
                         "tensors (a fused projection"),
     ("hard_heads_lm", "tp=2", "tp=2: layers.0.attn: with its linears split over tp=2 the attention gets 4 heads of "
-                              "size 4 per rank instead of 2 of size 8"),
+                              "size 4 per rank instead of 2 of size 8: the reshape does not take the head count from an attribute (a literal "
+    "count, or one computed from the hidden size; attributes divided: attn.n_heads=4, attn.n_kv_heads=2)"),
     ("root_scale_lm", "pp=2", "pp=2: the model's own forward computes mul on the hidden state before the first "
                               "block, outside any module"),
     ("explicit_core_lm", "tp=2,recompute=selective", "recompute=selective: layers.0.attn: the attention core is "
                                                      "written as matmul/softmax"),
+    ("softcap_lm", "pp=2", "pp=2: the model's own forward computes div on the hidden state after the last block"),
+    ("tied_lm", "pp=2", "pp=2: head shares its weight with embed.tok: the first and last pipeline stages would each"),
     ("split_lm", "tp=2,sp=1", "sp=1: sequence parallelism needs the norms and residual stream of autoplan's own"),
     ("split_lm", "cp=2", "cp=2: context and expert parallelism need autoplan's own"),
 ])
@@ -82,6 +88,12 @@ def test_pipeline_cut_keeps_global_names_and_runs_the_users_forward():
     assert sorted(first.layers) == ["0", "1"] and sorted(last.layers) == ["2"]
     with torch.no_grad():
         torch.testing.assert_close(last(first(tokens)), full(tokens), rtol=0, atol=0)
+
+
+def test_materialising_a_meta_module_keeps_its_tied_weights():
+    model = build_factory(f"{M}:tied_lm", seed=0)
+    assert model.module.head.weight is model.module.embed.tok.weight
+    assert sum(p.numel() for p in model.parameters()) == factory_structure(f"{M}:tied_lm").num_parameters
 
 
 class _Count(TorchDispatchMode):

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("factory_parity_worker.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 EXPLICIT = "tests/capture/_models.py:explicit_core_lm"
+SOFTCAP = "tests/capture/_models.py:softcap_lm"
+TIED = "tests/capture/_models.py:tied_lm"
 
 CASES = [
     "tp=2",  # q/k/v/w1/w3 column-, wo/w2 row-parallel; n_heads and n_kv_heads attributes halved
@@ -31,6 +33,9 @@ CASES = [
     "tp=2,recompute=selective",  # only the attention kernel recomputed (selective activation checkpointing)
     "pp=2,recompute=selective",
     f"{EXPLICIT}@tp=2",  # attention written as matmul/softmax: heads checked through the scores' shape
+    f"{SOFTCAP}@tp=2",  # the root forward soft-caps the logits: the head's output is gathered over the vocabulary
+    f"{TIED}@tp=2",  # head and embedding share one vocabulary-sharded weight
+    f"{TIED}@dp=2,zero=3",  # the tie survives materialising the meta-device module
 ]
 CASES_4 = ["dp=2,tp=2", "tp=2,pp=2", "dp=2,pp=2,zero=3", "dp=2,tp=2,zero=3,recompute=full"]
 
