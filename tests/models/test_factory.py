@@ -124,3 +124,12 @@ def test_selective_recompute_reruns_only_the_attention_kernel_and_full_reruns_bl
     assert none[sdpa] == 3 and selective[sdpa] == 6  # forward + recomputed in backward, every block
     assert selective["aten.addmm"] == none["aten.addmm"]  # the linears are not recomputed
     assert full[sdpa] == 5 and full["aten.addmm"] > none["aten.addmm"]  # 2 of 3 blocks rerun whole
+
+
+def test_search_pins_what_the_runtime_cannot_shard():
+    from autoplan.models.source import planner_pins
+
+    assert planner_pins(f"{M}:split_lm") == {"sp": "0", "cp": "1", "ep": "1"}
+    assert planner_pins(f"{M}:tiny_lm") == {"sp": "0", "cp": "1", "ep": "1", "tp": "1"}  # fused qkv
+    assert planner_pins(f"{M}:root_scale_lm")["pp"] == "1"
+    assert planner_pins("tiny-llama") == {}
