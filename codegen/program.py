@@ -77,6 +77,30 @@ def tp_layout(spec: ModelSpec, stage: StagePlan, sp: bool) -> dict[str, dict[str
     return out
 
 
+def factory_tp_layout(st, stage: StagePlan) -> dict[str, Style]:
+    """A user module's tensor-parallel layout, from its capture (`autoplan.models.factory.FactoryStructure`):
+    module path (relative to the user's module) -> Style. Column-parallel linears read the replicated residual
+    stream, row-parallel ones their output; the token embedding is split over vocabulary rows and the head over
+    vocabulary columns (logits left sharded for loss_parallel when the forward returns them as they are)."""
+    out: dict[str, Style] = {}
+    if stage.has_embedding and st.embedding:
+        out[st.embedding] = Style("RowwiseParallel", (("input_layouts", "Replicate()"),
+                                                      ("output_layouts", "Replicate()")), "vocab-parallel embedding")
+    lo, hi = stage.layers
+    for b in st.blocks[lo:hi]:
+        for p, role in st.linears:
+            out[f"{b}.{p}"] = (Style("ColwiseParallel", (), "column-parallel (reads the residual stream)") if role == "col"
+                               else Style("RowwiseParallel", (), "row-parallel (reads a column-parallel output)"))
+    if stage.has_head and st.head:
+        if st.head_is_output:
+            out[st.head] = Style("ColwiseParallel", (("output_layouts", "Shard(-1)"), ("use_local_output", "False")),
+                                 "vocab-parallel LM head; logits stay sharded for loss_parallel")
+        else:
+            out[st.head] = Style("ColwiseParallel", (("output_layouts", "Replicate()"),),
+                                 "vocab-parallel LM head; logits gathered (the forward transforms them)")
+    return out
+
+
 def recompute_regions(stage: StagePlan) -> list[str]:
     """Module paths checkpointed (recomputed in the backward pass)."""
     if stage.recompute == "full":
@@ -151,11 +175,20 @@ def stage_programs(plan: Plan) -> list[StageProgram]:
     c = plan.parallel
     spec = layout_spec(plan)
     factory = "factory" in (plan.model_source or {})  # a user module: no kernel substitution (its own modules)
+    structure = None
+    if factory and c.tp > 1:  # the capture of the user's module (imports torch; cached per process)
+        from autoplan.models.factory import factory_structure
+
+        structure = factory_structure(plan.model_source["factory"])
     out = []
     for st in plan.stages:
+        if structure is not None:
+            tp = {"module": factory_tp_layout(structure, st)}
+        else:
+            tp = tp_layout(spec, st, c.sp) if c.tp > 1 else {}
         out.append(StageProgram(
             plan=plan, stage=st,
-            tp=tp_layout(spec, st, c.sp) if c.tp > 1 and not factory else {},
+            tp=tp,
             recompute=_factory_regions(st) if factory else recompute_regions(st),
             kernels={} if factory else kernel_substitutions(spec, st, plan.kernels, c.sp and c.tp > 1),
             ranks=stage_ranks(plan, st),

@@ -147,6 +147,7 @@ class FactoryStructure:
     blocks: list[str]
     col: list[str] = field(default_factory=list)
     row: list[str] = field(default_factory=list)
+    linears: list[tuple[str, str]] = field(default_factory=list)  # (path in a block, "col" | "row"), forward order
     embedding: str | None = None  # nn.Embedding looking up the input token ids (vocabulary rows)
     head: str | None = None  # nn.Linear producing the vocabulary logits
     head_is_output: bool = False  # the logits leave the forward unchanged (only views after the head)
@@ -164,6 +165,8 @@ class FactoryStructure:
     pp_problems: list[str] = field(default_factory=list)
     selective_problems: list[str] = field(default_factory=list)
     num_parameters: int = 0
+    # int attributes holding a head count, found on the first block: (module path in the block, name, value)
+    head_attrs: list[tuple[str, str, int]] = field(default_factory=list)
 
     @property
     def attention_scope(self) -> str:
@@ -230,6 +233,7 @@ def _analyse(graph, ref: str) -> FactoryStructure:
         target = st.col if role == "col" else st.row
         if r not in target:
             target.append(r)
+            st.linears.append((r, role))
         if role == "col":  # a fused projection split along its output features
             n_out = o.out.shape[-1]
             stack_ = [n]
@@ -327,7 +331,10 @@ def factory_structure(ref: str) -> FactoryStructure:
     from autoplan.capture import capture, load_module_factory
 
     module, inputs = load_module_factory(ref)
-    return _analyse(capture(module, inputs, name=ref.rpartition(":")[2]), ref)
+    st = _analyse(capture(module, inputs, name=ref.rpartition(":")[2]), ref)
+    st.head_attrs = _head_attributes(module.get_submodule(st.blocks[0]), {st.heads, st.kv_heads} - {0},
+                                     st.attention_scope)
+    return st
 
 
 # ------------------------------------------------------------------------------------ module surgery
@@ -396,8 +403,7 @@ def _dry_run_tp(st: FactoryStructure, tp: int) -> list[str]:
         return problems
     module, inputs = load_module_factory(st.ref)
     model = FactoryModel(module.to("meta"), st.ref)
-    found = _head_attributes(module.get_submodule(st.blocks[0]), {st.heads, st.kv_heads} - {0}, st.attention_scope)
-    found_s = ", ".join(f"{p + '.' if p else ''}{k}={v}" for p, k, v in found) or "none"
+    found_s = ", ".join(f"{p + '.' if p else ''}{k}={v}" for p, k, v in st.head_attrs) or "none"
     for b in st.blocks:
         block = module.get_submodule(b)
         for paths, dim in ((st.col, 0), (st.row, 1)):
@@ -407,8 +413,7 @@ def _dry_run_tp(st: FactoryStructure, tp: int) -> list[str]:
                     return [f"{b}.{p}: {lin.weight.shape[dim]} {'output' if dim == 0 else 'input'} features do not "
                             f"divide over tp={tp}"]
                 _narrow(lin, dim, tp)
-        for path, k, v in _head_attributes(block, {st.heads, st.kv_heads} - {0}, st.attention_scope):
-            setattr(block.get_submodule(path) if path else block, k, v // tp)
+    divide_head_counts(module, tp, head_count_attributes(st, (0, len(st.blocks))))
     tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
     rec = _AttentionCalls()
     where = st.attention or st.blocks[0]
@@ -489,42 +494,35 @@ def cut_factory_stage(model: FactoryModel, stage, st: FactoryStructure | None = 
     return notes
 
 
+def head_count_attributes(st: FactoryStructure, layers: tuple[int, int]) -> list[tuple[str, str]]:
+    """(module path, attribute) of every head-count attribute in blocks `layers` (what tp divides)."""
+    return [(f"{b}.{p}" if p else b, k) for b in st.blocks[layers[0]:layers[1]] for p, k, _ in st.head_attrs]
+
+
+def divide_head_counts(module: nn.Module, tp: int, attributes: list[tuple[str, str]]) -> None:
+    """Each rank holds 1/tp of the heads: divide the attributes the module reshapes by."""
+    for path, name in attributes:
+        owner = module.get_submodule(path)
+        setattr(owner, name, getattr(owner, name) // tp)
+
+
 def apply_factory_tp(model: FactoryModel, tp_mesh, stage, st: FactoryStructure | None = None) -> list[str]:
-    """Tensor parallelism on the captured column/row pairs (see the module docstring); returns what was done."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    """Tensor parallelism on the captured column/row pairs: the layout table `codegen.program.factory_tp_layout`
+    (the one the emitted stage program prints), the head-count attributes divided, a tied head re-tied. Returns
+    what was done."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from autoplan.codegen.program import factory_tp_layout
+    from autoplan.runtime.parallelize import _make_style
 
     st = st or factory_structure(model.ref)
-    tp = tp_mesh.size()
-    styles: dict[str, object] = {}
-    names: dict[str, str] = {}
-    if stage.has_embedding and st.embedding:
-        styles[st.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        names[st.embedding] = "RowwiseParallel (vocabulary rows)"
-    lo, hi = stage.layers
-    for b in st.blocks[lo:hi]:
-        for p in st.col:
-            styles[f"{b}.{p}"], names[f"{b}.{p}"] = ColwiseParallel(), "ColwiseParallel"
-        for p in st.row:
-            styles[f"{b}.{p}"], names[f"{b}.{p}"] = RowwiseParallel(), "RowwiseParallel"
-    if stage.has_head and st.head:
-        if st.head_is_output:  # logits stay sharded over the vocabulary for loss_parallel
-            styles[st.head] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-            names[st.head] = "ColwiseParallel (vocabulary-sharded logits)"
-        else:
-            styles[st.head] = ColwiseParallel(output_layouts=Replicate())
-            names[st.head] = "ColwiseParallel (logits gathered)"
-    parallelize_module(model.module, tp_mesh, styles)
-    notes = [f"{k}: {v}" for k, v in names.items()]
-    counts = {st.heads, st.kv_heads} - {0}
-    for b in st.blocks[lo:hi]:
-        block = model.module.get_submodule(b)
-        for path, k, v in _head_attributes(block, counts, st.attention_scope):
-            setattr(block.get_submodule(path) if path else block, k, v // tp)
-            notes.append(f"{b}{'.' + path if path else ''}.{k}: {v} -> {v // tp}")
+    layout = factory_tp_layout(st, stage)
+    parallelize_module(model.module, tp_mesh, {k: _make_style(v.code()) for k, v in layout.items()})
+    attrs = head_count_attributes(st, stage.layers)
+    divide_head_counts(model.module, tp_mesh.size(), attrs)
     if st.tied and stage.has_embedding and stage.has_head:  # both Shard(0) over the vocabulary: one tensor again
         model.module.get_submodule(st.head).weight = model.module.get_submodule(st.embedding).weight
-    return notes
+    return [f"{k}: {v.code()}" for k, v in layout.items()] + [f"{p}.{k} / {tp_mesh.size()}" for p, k in attrs]
 
 
 class _RecomputeAttention(torch.overrides.TorchFunctionMode):

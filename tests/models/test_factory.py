@@ -133,3 +133,16 @@ def test_search_pins_what_the_runtime_cannot_shard():
     assert planner_pins(f"{M}:tiny_lm") == {"sp": "0", "cp": "1", "ep": "1", "tp": "1"}  # fused qkv
     assert planner_pins(f"{M}:root_scale_lm")["pp"] == "1"
     assert planner_pins("tiny-llama") == {}
+
+
+def test_the_emitted_program_lists_the_factory_layout():
+    """The stage program the runtime executes names every sharded module of the user's module."""
+    from autoplan.codegen.emit import emit_source
+
+    src = emit_source(_plan(f"{M}:tied_lm", "tp=2"))["stage_0.py"]
+    assert '"layers.2.attn.wq": ColwiseParallel(),' in src and '"layers.0.mlp.w2": RowwiseParallel(),' in src
+    assert '"embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),' in src
+    assert '"head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),' in src
+    assert 'HEAD_COUNTS = [("layers.0.attn", "n_heads"), ("layers.0.attn", "n_kv_heads"),' in src
+    assert 'TIED = ("head", "embed.tok")' in src
+    compile(src, "stage_0.py", "exec")
