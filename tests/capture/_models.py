@@ -203,6 +203,11 @@ def split_lm():
     return _meta_factory()
 
 
+def split_lm4():
+    """split_lm with 4 blocks (one per virtual pipeline stage at pp=2, vp=2)."""
+    return _meta_factory(layers=4)
+
+
 def hard_heads_lm():
     """Its attention reshapes by literal head counts: not shardable by tp."""
     return _meta_factory(hard_heads=True)

@@ -100,7 +100,8 @@ def run_case(case: str, world: int, refs: dict) -> dict:
                                 for _, p in trainer.pm.named_parameters()),
             "tp_sharded": sum(1 for _, p in trainer.pm.named_parameters() if _tp_sharded(p)),
             "checkpointed": sum(isinstance(m, CheckpointWrapper) or hasattr(m, "_autoplan_recompute") for m in mods),
-            "stages": [s.plan.index for s in trainer.pm.stages]}
+            "stages": [s.plan.index for s in trainer.pm.stages],
+            "blocks": sum(len(s.module.layers) for s in trainer.pm.stages)}
     captured: dict = {}
 
     def hook(pm):

@@ -36,6 +36,7 @@ CASES = [
     f"{SOFTCAP}@tp=2",  # the root forward soft-caps the logits: the head's output is gathered over the vocabulary
     f"{TIED}@tp=2",  # head and embedding share one vocabulary-sharded weight
     f"{TIED}@dp=2,zero=3",  # the tie survives materialising the meta-device module
+    "tests/capture/_models.py:split_lm4@pp=2,vp=2",  # interleaved 1F1B, one block per virtual stage
 ]
 CASES_4 = ["dp=2,tp=2", "tp=2,pp=2", "dp=2,pp=2,zero=3", "dp=2,tp=2,zero=3,recompute=full"]
 
@@ -82,12 +83,13 @@ def _check(results: dict, case: str, world: int) -> None:
     # the layout was applied, not run unsharded
     layout = case.rpartition("@")[2]
     ranks = r["ranks"]
-    pp = 2 if "pp=2" in layout else 1
-    blocks = [[2, 1][x["stages"][0]] if pp == 2 else 3 for x in ranks]  # blocks 0-1 | block 2 when pipelined
+    pp, vp = (2 if "pp=2" in layout else 1), (2 if "vp=2" in layout else 1)
+    blocks = [x["blocks"] for x in ranks]  # blocks each rank runs
     if "tp=2" in layout:
         assert all(x["tp_sharded"] >= 7 * b for x, b in zip(ranks, blocks)), ranks  # 7 linears per block
-    if pp == 2:
-        assert [x["stages"] for x in ranks] == [[i * pp // world] for i in range(world)], ranks
+    if pp == 2:  # pp rank r holds stages r, r + pp, ... (ranks: tp innermost, then dp, then pp)
+        assert [x["stages"] for x in ranks] == [list(range(i * pp // world, pp * vp, pp)) for i in range(world)]
+        assert all(0 < b < sum(blocks) * pp // world for b in blocks), ranks
     held, n = sum(x["local_params"] for x in ranks), r["parameters_captured"]
     if "dp=2" not in layout and "tp=2" in layout:  # linears split over tp; norms and biases of row linears not
         assert n < held < 2 * n
