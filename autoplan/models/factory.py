@@ -260,25 +260,26 @@ def _analyse(graph, ref: str) -> FactoryStructure:
     elif att is not None:
         st.selective_problems.append(f"{st.attention}: the attention core is written as matmul/softmax, not one "
                                      "scaled_dot_product_attention call, so it cannot be recomputed on its own")
-    # token embedding and vocabulary head
-    inputs = {o.name for o in ops.values() if o.kind == "input"}
-    for n in graph.layer("embedding").order:
-        o = ops[n]
-        if o.kind == "embedding" and len(o.inputs) >= 2 and o.inputs[1] in inputs and o.module_type == "Embedding":
-            st.embedding = o.module
-            st.vocab = o.in_meta[0].shape[0] if o.in_meta[0] is not None else 0
-            emb_param = ops[o.inputs[0]].param
-            break
-    else:
-        emb_param = None
+    # vocabulary head: the head GEMM the capture marks vocab-parallel, sharded when it is an nn.Linear;
+    # token embedding: the nn.Embedding looking up the input ids, sharded when nothing else reads its weight
+    # (a head applying it with F.linear would meet a sharded weight); otherwise both stay replicated
+    head_gemm = next((g for g in graph.profiles[-1].gemms if g.tp == "vocab"), None)
+    st.vocab = head_gemm.n if head_gemm is not None else 0
+    readers: dict[str, list[str]] = {}
+    for o in ops.values():
+        for i in o.inputs:
+            p = ops[i].param if ops[i].kind == "param" else None
+            if p is not None:
+                readers.setdefault(p, []).append(o.name)
+    head_param = None
     for n in graph.layer("head").order:
         o = ops[n]
-        if o.kind == "gemm" and o.module_type == "Linear" and o.out is not None and o.out.shape[-1] == st.vocab:
+        if o.kind == "gemm" and o.out is not None and o.out.shape[-1] == st.vocab and st.vocab:
+            if o.module_type != "Linear":
+                break  # F.linear / matmul with a weight: the head stays replicated
             st.head = o.module
-            w = next((ops[i].param for i in o.inputs if ops[i].kind == "param"), None)
-            st.tied = w is not None and w == emb_param
-            # the logits leave the forward unchanged: nothing but views consumes them
-            cur, ok = [n], True
+            head_param = next((ops[i].param for i in o.inputs if ops[i].kind == "param"), None)
+            cur, ok = [n], True  # the logits leave the forward unchanged: nothing but views consumes them
             while cur:
                 for u in users.get(cur.pop(), []):
                     if ops[u].kind in ("view", "alias", "skip"):
@@ -286,8 +287,17 @@ def _analyse(graph, ref: str) -> FactoryStructure:
                     else:
                         ok = False
             st.head_is_output = ok
-    if st.embedding is None:
-        st.tp_problems.append("no nn.Embedding reads the input token ids: the vocabulary is not sharded")
+            break
+    inputs = {o.name for o in ops.values() if o.kind == "input"}
+    for n in graph.layer("embedding").order:
+        o = ops[n]
+        if o.kind == "embedding" and len(o.inputs) >= 2 and o.inputs[1] in inputs and o.module_type == "Embedding":
+            w = ops[o.inputs[0]].param
+            shared = w == head_param  # a tied nn.Linear head: both sharded alike
+            others = [r for r in readers.get(w, []) if r != n and not (shared and ops[r].module == st.head)]
+            if o.in_meta[0] is not None and o.in_meta[0].shape[0] == st.vocab and not others:
+                st.embedding, st.tied = o.module, shared
+            break
     # ---- pipeline cuts: embedding -> blocks -> head, one hidden-state tensor between consecutive parts
     order = ["embedding", *blocks, "head"]
     nxt = {a: b for a, b in zip(order, order[1:])}

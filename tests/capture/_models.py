@@ -166,17 +166,18 @@ class SplitLM(nn.Module):
     """A user's decoder: embeddings -> blocks -> norm -> head, with separate q/k/v projections.
     `root_scale` scales the embeddings in the model's own forward (outside any module), which a pipeline stage
     cannot skip; `softcap` soft-caps the logits there (the head's output is not the model's); `tied` shares the
-    head's weight with the token embedding."""
+    head's weight with the token embedding; `functional_head` computes the logits with F.linear on the token
+    embedding's weight (and has no `head` module)."""
 
     def __init__(self, vocab: int = 96, h: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 3,
                  max_seq: int = 64, root_scale: bool = False, softcap: float | None = None, tied: bool = False,
-                 **attn) -> None:
+                 functional_head: bool = False, **attn) -> None:
         super().__init__()
-        self.root_scale, self.softcap = root_scale, softcap
+        self.root_scale, self.softcap, self.functional_head = root_scale, softcap, functional_head
         self.embed = Embeddings(vocab, h, max_seq)
         self.layers = nn.ModuleList(SplitBlock(h, heads, kv_heads, **attn) for _ in range(layers))
         self.norm = nn.LayerNorm(h)
-        self.head = nn.Linear(h, vocab, bias=False)
+        self.head = None if functional_head else nn.Linear(h, vocab, bias=False)
         if tied:
             self.head.weight = self.embed.tok.weight
 
@@ -186,7 +187,10 @@ class SplitLM(nn.Module):
             x = x * 2.0
         for blk in self.layers:
             x = blk(x)
-        logits = self.head(self.norm(x))
+        if self.functional_head:  # GPT-2 style: the embedding's weight applied with F.linear in the root forward
+            logits = F.linear(self.norm(x), self.embed.tok.weight)
+        else:
+            logits = self.head(self.norm(x))
         if self.softcap is not None:  # Gemma 2's final soft-capping, in the root forward
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return logits
@@ -221,6 +225,11 @@ def explicit_core_lm():
 def softcap_lm():
     """Soft-caps its logits in the root forward: tp gathers the logits; not cut into pipeline stages."""
     return _meta_factory(softcap=3.0)
+
+
+def functional_head_lm():
+    """Logits by F.linear on the embedding's weight: tp leaves the vocabulary replicated; not pipelined."""
+    return _meta_factory(functional_head=True)
 
 
 def tied_lm():

@@ -43,6 +43,8 @@ def test_capture_finds_the_column_row_pairs_heads_and_cut_points():
     softcap = factory_structure(f"{M}:softcap_lm")
     assert (softcap.head, softcap.head_is_output) == ("head", False)  # tanh after the head: logits gathered
     assert factory_structure(f"{M}:tied_lm").tied
+    functional = factory_structure(f"{M}:functional_head_lm")  # F.linear(x, embed.tok.weight) in the root forward
+    assert (functional.embedding, functional.head, functional.vocab) == (None, None, 96)  # vocabulary replicated
 
 
 @pytest.mark.parametrize("layout", ["tp=2", "pp=2", "tp=2,recompute=selective", "dp=2,recompute=full"])

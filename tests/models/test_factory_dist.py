@@ -36,7 +36,8 @@ CASES = [
     f"{SOFTCAP}@tp=2",  # the root forward soft-caps the logits: the head's output is gathered over the vocabulary
     f"{TIED}@tp=2",  # head and embedding share one vocabulary-sharded weight
     f"{TIED}@dp=2,zero=3",  # the tie survives materialising the meta-device module
-    "tests/capture/_models.py:split_lm4@pp=2,vp=2",  # interleaved 1F1B, one block per virtual stage
+    "tests/capture/_models.py:split_lm4@pp=2,vp=2",
+    "tests/capture/_models.py:functional_head_lm@tp=2",  # logits by F.linear on the embedding: vocab replicated  # interleaved 1F1B, one block per virtual stage
 ]
 CASES_4 = ["dp=2,tp=2", "tp=2,pp=2", "dp=2,pp=2,zero=3", "dp=2,tp=2,zero=3,recompute=full"]
 
