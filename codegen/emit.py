@@ -144,7 +144,7 @@ def stage_source(p: StageProgram) -> str:
         from autoplan.models.factory import factory_structure, head_count_attributes
 
         fs = factory_structure(plan.model_source["factory"])
-        out.append(f"HEAD_COUNTS = {literal(head_count_attributes(fs, st.layers))}  # (module, attribute) divided by tp")
+        out.append(f"HEAD_COUNTS = {literal(head_count_attributes(fs, st.layers, c.tp))}  # (module, attribute) divided by tp")
         tie = (fs.head, fs.embedding) if fs.tied and st.has_embedding and st.has_head else None
         out.append(f"TIED = {literal(tie)}  # (head, embedding) sharing one weight")
     out.append("")

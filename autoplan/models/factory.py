@@ -104,6 +104,13 @@ def build_factory(ref: str, *, device="cpu", seed: int = 0) -> FactoryModel:
     if torch.device(device).type == "meta":
         return FactoryModel(module.to("meta"), ref)
     if any(p.is_meta for p in module.parameters()) or any(b.is_meta for b in module.buffers()):
+        missing = uninitialisable(module)
+        if missing:
+            from autoplan.cost_models.errors import SpecError
+
+            raise SpecError(f"module {ref} is built on the meta device and cannot be initialised",
+                            f"{missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""),
+                            "build the module on the CPU in the factory, or give that module a reset_parameters()")
         ties = _shared_parameters(module)
         module = module.to_empty(device=device)
         _retie(module, ties)  # to_empty gives each name its own tensor: a tied head would train untied
@@ -115,6 +122,18 @@ def build_factory(ref: str, *, device="cpu", seed: int = 0) -> FactoryModel:
     else:
         module = module.to(device)
     return FactoryModel(module, ref)
+
+
+def uninitialisable(module: nn.Module) -> list[str]:
+    """Modules of a meta-device module holding parameters or buffers of their own but no reset_parameters():
+    materialised with to_empty, their values would be whatever memory held (a norm's weight, a rotary table)."""
+    out = []
+    for name, m in module.named_modules():
+        own = [n for n, _ in m.named_parameters(recurse=False)] + [n for n, _ in m.named_buffers(recurse=False)]
+        if own and not callable(getattr(m, "reset_parameters", None)):
+            out.append(f"{name or type(module).__name__} ({type(m).__name__}) holds {', '.join(own)} and has no "
+                       "reset_parameters()")
+    return out
 
 
 def _shared_parameters(module: nn.Module) -> list[tuple[str, str]]:
@@ -311,8 +330,8 @@ def _analyse(graph, ref: str) -> FactoryStructure:
     for lname, where in (("embedding", st.pre_modules), ("head", st.post_modules)):
         for n in graph.layer(lname).order:
             o = ops[n]
-            if not o.token_dependent or o.kind in ("skip",):
-                continue
+            if not o.token_dependent or o.kind == "skip" or (lname == "head" and o.kind in ("view", "alias")):
+                continue  # views of the last hidden state (HF's logits slice) pass through; the dry run checks shapes
             outer = _outer_module(o.module, stack)
             if outer is None:
                 st.pp_problems.append(
@@ -333,6 +352,14 @@ def _analyse(graph, ref: str) -> FactoryStructure:
         st.pp_problems.append(f"{st.head} shares its weight with {st.embedding}: the first and last pipeline stages "
                               "would each hold a copy (not supported for module:factory models)")
     return st
+
+
+@functools.lru_cache(maxsize=8)
+def load_module_factory_cached(ref: str):
+    """The factory's (module, example inputs), called once per process for checks (never trained)."""
+    from autoplan.capture import load_module_factory
+
+    return load_module_factory(ref)
 
 
 @functools.lru_cache(maxsize=8)
@@ -383,81 +410,82 @@ def _narrow(lin: nn.Module, dim: int, tp: int) -> None:
         lin.in_features = shape[1]
 
 
-class _AttentionCalls(torch.overrides.TorchFunctionMode):
-    """Records the shapes scaled_dot_product_attention and softmax are called with."""
+def _dry_run_tp(st: FactoryStructure, tp: int, attrs: list[tuple[str, str, int]]) -> list[str]:
+    """Capture one rank's shard of the module on the meta device: the column linears narrowed to 1/tp of their
+    outputs, the row linears to 1/tp of their inputs, the head-count attributes `attrs` (paths in a block)
+    divided. Every block's attention must get heads/tp heads and KV heads/tp KV heads of the unchanged size.
+    Returns the problems found (the same tracer as planning, so code that only traces, e.g. with .item() on
+    shapes, is checked too)."""
+    from autoplan.capture import CaptureError, capture, load_module_factory
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.sdpa: list[tuple] = []
-        self.softmax: list[tuple] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name == "scaled_dot_product_attention":
-            self.sdpa.append(tuple(tuple(a.shape) for a in args[:3]))
-        elif name == "softmax" and args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4:
-            self.softmax.append(tuple(args[0].shape))
-        return func(*args, **(kwargs or {}))
-
-
-def _dry_run_tp(st: FactoryStructure, tp: int) -> list[str]:
-    """Run one rank's shard of the module on meta: the column linears narrowed to 1/tp of their outputs, the row
-    linears to 1/tp of their inputs, the head-count attributes divided. Returns the problems found."""
-    from autoplan.capture import load_module_factory
-
-    problems = []
-    for what, n in (("heads", st.heads), ("KV heads", st.kv_heads)):
-        if n and n % tp:
-            problems.append(f"{n} attention {what} do not divide over tp={tp}")
-    if problems:
-        return problems
     module, inputs = load_module_factory(st.ref)
-    model = FactoryModel(module.to("meta"), st.ref)
-    found_s = ", ".join(f"{p + '.' if p else ''}{k}={v}" for p, k, v in st.head_attrs) or "none"
+    module = module.to("meta")
+    found = ", ".join(f"{p + '.' if p else ''}{k}={v}" for p, k, v in attrs) or "none"
     for b in st.blocks:
         block = module.get_submodule(b)
-        for paths, dim in ((st.col, 0), (st.row, 1)):
-            for p in paths:
-                lin = block.get_submodule(p)
-                if lin.weight.shape[dim] % tp:
-                    return [f"{b}.{p}: {lin.weight.shape[dim]} {'output' if dim == 0 else 'input'} features do not "
-                            f"divide over tp={tp}"]
-                _narrow(lin, dim, tp)
-    divide_head_counts(module, tp, head_count_attributes(st, (0, len(st.blocks))))
-    tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
-    rec = _AttentionCalls()
+        for p, role in st.linears:
+            dim = 0 if role == "col" else 1
+            lin = block.get_submodule(p)
+            if lin.weight.shape[dim] % tp:
+                return [f"{b}.{p}: {lin.weight.shape[dim]} {'output' if dim == 0 else 'input'} features do not "
+                        f"divide over tp={tp}"]
+            _narrow(lin, dim, tp)
+        divide_head_counts(block, tp, [(p, k) for p, k, _ in attrs])
     where = st.attention or st.blocks[0]
     try:
-        with rec:
-            out = model(tokens.to("meta"))
-    except Exception as e:  # noqa: BLE001 - the user's code: report what failed, in one line
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        return [f"{where}: its forward fails with its linears split over tp={tp} and its head-count attributes "
-                f"({found_s}) divided ({type(e).__name__}: {msg[:160]}); reshape by attributes holding the head counts (self.n_heads) "
+        graph = capture(module, inputs, name="shard")
+    except CaptureError as e:
+        return [f"{where}: with its linears split over tp={tp} and its head-count attributes ({found}) divided, its "
+                f"forward fails ({e.detail[:200]}); reshape by attributes holding the head counts (self.n_heads) "
                 "and -1, not by the hidden size"]
     want_q, want_kv = st.heads // tp, st.kv_heads // tp
-    for q, k, _v in rec.sdpa:
-        if q[-3] != want_q or q[-1] != st.head_dim or k[-3] not in (want_kv, want_q):
-            return [f"{where}: with its linears split over tp={tp} the attention gets {q[-3]} heads of size {q[-1]} per "
-                    f"rank instead of {want_q} of size {st.head_dim}: the reshape does not take the head count from "
-                    f"an attribute (a literal count, or one computed from the hidden size; attributes divided: "
-                    f"{found_s})"]
-    for s in rec.softmax:
-        if s[-3] != want_q:
-            return [f"{where}: with its linears split over tp={tp} the attention scores have {s[-3]} heads per rank "
-                    f"instead of {want_q}: the reshape does not take the head count from an attribute"]
-    if st.heads and not rec.sdpa and not rec.softmax:
-        return [f"{where}: no attention call was seen in the dry run"]
-    if tuple(out.shape[-1:]) != (st.vocab,) and st.vocab:
-        return [f"the forward returns {tuple(out.shape)} with its linears split over tp={tp}, not logits over "
-                f"{st.vocab} tokens"]
+    for prof in graph.profiles:
+        att = prof.attention
+        if prof.kind != "block" or att is None:
+            continue
+        if att.heads != want_q or att.head_dim != st.head_dim or att.kv_heads != want_kv:
+            return [f"{where}: with its linears split over tp={tp} the attention gets {att.heads} heads of size "
+                    f"{att.head_dim} ({att.kv_heads} KV heads) per rank instead of {want_q} of size {st.head_dim} "
+                    f"({want_kv} KV heads): the reshape does not take the head count from an attribute (a literal "
+                    f"count, or one computed from the hidden size; attributes divided: {found})"]
     return []
 
 
+@functools.lru_cache(maxsize=16)
+def tp_head_counts(ref: str, tp: int) -> tuple[tuple[tuple[str, str, int], ...], tuple[str, ...]]:
+    """(head-count attributes to divide, problems) for tensor parallelism of degree tp, cached per process.
+
+    The candidates are the int attributes equal to a captured head or KV-head count (`FactoryStructure.head_attrs`);
+    one equal by coincidence (Hugging Face's `num_key_value_groups` = heads / KV heads, here equal to the KV
+    heads) must not be divided. The dry run tries the subsets of the candidates, smallest first (divide only what
+    the shapes need: a reshape with -1 needs nothing), and keeps the first one under which the module traces and
+    every attention gets heads/tp heads of the unchanged size; no subset: the problems of dividing them all."""
+    import itertools
+
+    st = factory_structure(ref)
+    problems = list(st.tp_problems)
+    for what, n in (("heads", st.heads), ("KV heads", st.kv_heads)):
+        if n and n % tp:
+            problems.append(f"{st.attention}: {n} attention {what} do not divide over tp={tp}")
+    if problems:
+        return (), tuple(problems)
+    cands = list(st.head_attrs)
+    last: list[str] = []
+    for r in range(len(cands) + 1):
+        for subset in itertools.combinations(cands, r):
+            found = _dry_run_tp(st, tp, list(subset))
+            if not found:
+                return tuple(subset), ()
+            last = found  # the problems with every candidate divided are the ones reported
+    return (), tuple(last)
+
+
 def _dry_run_pp(st: FactoryStructure, plan) -> list[str]:
-    """Cut the module (meta) as each stage of the plan and run it: a stage must turn its input (token ids or
-    the previous stage's hidden state) into a hidden state of the same shape, or the last into logits."""
+    """Cut the module (meta) as each stage of the plan and trace it (torch.export, as capture does, so code that
+    only traces is checked too): a stage must turn its input (token ids or the previous stage's hidden state)
+    into a hidden state of the same shape, or the last into logits."""
     from autoplan.capture import load_module_factory
+    from autoplan.capture.trace import _quiet
 
     _, inputs = load_module_factory(st.ref)
     tokens = (inputs[0] if isinstance(inputs, (tuple, list)) else inputs).to("meta")
@@ -466,7 +494,9 @@ def _dry_run_pp(st: FactoryStructure, plan) -> list[str]:
         model = build_factory(st.ref, device="meta")
         cut_factory_stage(model, stage, st)
         try:
-            out = model(tokens if stage.has_embedding else hidden)
+            with _quiet():
+                ep = torch.export.export(model, (tokens if stage.has_embedding else hidden,), strict=False)
+            out = [n for n in ep.graph.nodes if n.op == "output"][0].args[0][0].meta["val"]
         except Exception as e:  # noqa: BLE001
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             return [f"stage {stage.index} (blocks {stage.layers[0]}..{stage.layers[1] - 1}) fails when the other "
@@ -504,9 +534,10 @@ def cut_factory_stage(model: FactoryModel, stage, st: FactoryStructure | None = 
     return notes
 
 
-def head_count_attributes(st: FactoryStructure, layers: tuple[int, int]) -> list[tuple[str, str]]:
-    """(module path, attribute) of every head-count attribute in blocks `layers` (what tp divides)."""
-    return [(f"{b}.{p}" if p else b, k) for b in st.blocks[layers[0]:layers[1]] for p, k, _ in st.head_attrs]
+def head_count_attributes(st: FactoryStructure, layers: tuple[int, int], tp: int) -> list[tuple[str, str]]:
+    """(module path, attribute) of every head-count attribute tp divides in blocks `layers` (tp_head_counts)."""
+    attrs = tp_head_counts(st.ref, tp)[0]
+    return [(f"{b}.{p}" if p else b, k) for b in st.blocks[layers[0]:layers[1]] for p, k, _ in attrs]
 
 
 def divide_head_counts(module: nn.Module, tp: int, attributes: list[tuple[str, str]]) -> None:
@@ -528,7 +559,7 @@ def apply_factory_tp(model: FactoryModel, tp_mesh, stage, st: FactoryStructure |
     st = st or factory_structure(model.ref)
     layout = factory_tp_layout(st, stage)
     parallelize_module(model.module, tp_mesh, {k: _make_style(v.code()) for k, v in layout.items()})
-    attrs = head_count_attributes(st, stage.layers)
+    attrs = head_count_attributes(st, stage.layers, tp_mesh.size())
     divide_head_counts(model.module, tp_mesh.size(), attrs)
     if st.tied and stage.has_embedding and stage.has_head:  # both Shard(0) over the vocabulary: one tensor again
         model.module.get_submodule(st.head).weight = model.module.get_submodule(st.embedding).weight
@@ -603,12 +634,17 @@ def check_factory_plan(plan) -> None:
     if c.sp and c.tp > 1:
         refuse("sp=1", "sequence parallelism needs the norms and residual stream of autoplan's own blocks; user "
                "modules get tensor parallelism without it", "re-plan with --fix sp=0")
+    meta, _ = load_module_factory_cached(ref)
+    missing = uninitialisable(meta) if any(p.is_meta for p in meta.parameters()) else []
+    if missing:
+        refuse("initialisation", f"the factory builds it on the meta device and {missing[0]}",
+               "build the module on the CPU in the factory, or give that module a reset_parameters()")
     selective = any(s.recompute == "selective" for s in plan.stages)
     if c.tp == 1 and c.pp == 1 and not selective:
         return
     st = factory_structure(ref)
     if c.tp > 1:
-        problems = st.tp_problems or _dry_run_tp(st, c.tp)
+        problems = tp_head_counts(ref, c.tp)[1]
         if problems:
             refuse(f"tp={c.tp}", problems[0], "re-plan with --fix tp=1, or change the module as the reason says")
     if c.pp > 1:

@@ -240,3 +240,27 @@ def tied_lm():
 def root_scale_lm():
     """Scales the embeddings in the root forward: not cut into pipeline stages."""
     return _meta_factory(root_scale=True)
+
+
+def hf_llama():
+    """transformers' own LlamaForCausalLM (tiny config, sdpa attention) as a user's module, built and initialised
+    on the CPU by transformers (its RMSNorm and rotary tables have no reset_parameters for a meta build)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  tie_word_embeddings=False, use_cache=False)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model, (torch.zeros(2, 16, dtype=torch.long),)
+
+
+def hf_llama_meta():
+    """The same on the meta device: refused (RMSNorm and the rotary table cannot be initialised)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  tie_word_embeddings=False, use_cache=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),)

@@ -56,7 +56,7 @@ def test_shardable_module_passes_the_check(layout):
     ("tiny_lm", "tp=2", "tp=2: blocks.0.qkv: its output is split along its 96 features (split) into several "
                         "tensors (a fused projection"),
     ("hard_heads_lm", "tp=2", "tp=2: layers.0.attn: with its linears split over tp=2 the attention gets 4 heads of "
-                              "size 4 per rank instead of 2 of size 8: the reshape does not take the head count from an attribute (a literal "
+                              "size 4 (2 KV heads) per rank instead of 2 of size 8 (1 KV heads): the reshape does not take the head count from an attribute (a literal "
     "count, or one computed from the hidden size; attributes divided: attn.n_heads=4, attn.n_kv_heads=2)"),
     ("root_scale_lm", "pp=2", "pp=2: the model's own forward computes mul on the hidden state before the first "
                               "block, outside any module"),
@@ -148,3 +148,22 @@ def test_the_emitted_program_lists_the_factory_layout():
     assert 'HEAD_COUNTS = [("layers.0.attn", "n_heads"), ("layers.0.attn", "n_kv_heads"),' in src
     assert 'TIED = ("head", "embed.tok")' in src
     compile(src, "stage_0.py", "exec")
+
+
+def test_a_meta_module_that_cannot_be_initialised_is_refused_and_a_cpu_one_shards():
+    """transformers' Llama built on meta: its RMSNorm weights and rotary table have no reset_parameters, so
+    materialising it would train from uninitialised memory (refused); built on the CPU it is sharded with tp: the
+    reshape uses -1, so no attribute is divided (num_key_value_groups equals the KV heads by coincidence)."""
+    pytest.importorskip("transformers")
+    from autoplan.models.factory import tp_head_counts
+
+    ref = f"{M}:hf_llama_meta"
+    with pytest.raises(ConfigError) as e:
+        check_plan_model(_plan(ref, "dp=2"))
+    assert str(e.value).startswith(
+        f"module {ref} cannot be sharded as planned: initialisation: the factory builds it on the meta device and "
+        "model.layers.0.input_layernorm (LlamaRMSNorm) holds weight and has no reset_parameters()"), str(e.value)
+    st = factory_structure(f"{M}:hf_llama")
+    assert st.head_attrs == [("self_attn", "num_key_value_groups", 2)]
+    assert tp_head_counts(st.ref, 2) == ((), ())
+    assert (st.pre_modules, st.post_modules) == (["model.embed_tokens"], ["model.norm", "lm_head"])

@@ -9,6 +9,7 @@ count the run log reports equals the capture's. See tests/models/factory_parity_
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 EXPLICIT = "tests/capture/_models.py:explicit_core_lm"
 SOFTCAP = "tests/capture/_models.py:softcap_lm"
 TIED = "tests/capture/_models.py:tied_lm"
+HF = "tests/capture/_models.py:hf_llama"
 
 CASES = [
     "tp=2",  # q/k/v/w1/w3 column-, wo/w2 row-parallel; n_heads and n_kv_heads attributes halved
@@ -36,9 +38,11 @@ CASES = [
     f"{SOFTCAP}@tp=2",  # the root forward soft-caps the logits: the head's output is gathered over the vocabulary
     f"{TIED}@tp=2",  # head and embedding share one vocabulary-sharded weight
     f"{TIED}@dp=2,zero=3",  # the tie survives materialising the meta-device module
-    "tests/capture/_models.py:split_lm4@pp=2,vp=2",
-    "tests/capture/_models.py:functional_head_lm@tp=2",  # logits by F.linear on the embedding: vocab replicated  # interleaved 1F1B, one block per virtual stage
+    "tests/capture/_models.py:split_lm4@pp=2,vp=2",  # interleaved 1F1B, one block per virtual stage
+    "tests/capture/_models.py:functional_head_lm@tp=2",  # logits by F.linear on the embedding: vocab replicated
 ]
+if importlib.util.find_spec("transformers") is not None:  # transformers' own LlamaForCausalLM as the user's module
+    CASES += [f"{HF}@tp=2", f"{HF}@pp=2,recompute=selective"]
 CASES_4 = ["dp=2,tp=2", "tp=2,pp=2", "dp=2,pp=2,zero=3", "dp=2,tp=2,zero=3,recompute=full"]
 
 
