@@ -186,6 +186,7 @@ class FactoryStructure:
     num_parameters: int = 0
     # int attributes holding a head count, found on the first block: (module path in the block, name, value)
     head_attrs: list[tuple[str, str, int]] = field(default_factory=list)
+    uninitialisable: list[str] = field(default_factory=list)  # built on meta: modules build_factory cannot init
 
     @property
     def attention_scope(self) -> str:
@@ -355,14 +356,6 @@ def _analyse(graph, ref: str) -> FactoryStructure:
 
 
 @functools.lru_cache(maxsize=8)
-def load_module_factory_cached(ref: str):
-    """The factory's (module, example inputs), called once per process for checks (never trained)."""
-    from autoplan.capture import load_module_factory
-
-    return load_module_factory(ref)
-
-
-@functools.lru_cache(maxsize=8)
 def factory_structure(ref: str) -> FactoryStructure:
     """Capture the factory's module (meta device) and analyse it; cached per process (runs once per rank)."""
     from autoplan.capture import capture, load_module_factory
@@ -371,6 +364,8 @@ def factory_structure(ref: str) -> FactoryStructure:
     st = _analyse(capture(module, inputs, name=ref.rpartition(":")[2]), ref)
     st.head_attrs = _head_attributes(module.get_submodule(st.blocks[0]), {st.heads, st.kv_heads} - {0},
                                      st.attention_scope)
+    if any(p.is_meta for p in module.parameters()):
+        st.uninitialisable = uninitialisable(module)
     return st
 
 
@@ -634,15 +629,13 @@ def check_factory_plan(plan) -> None:
     if c.sp and c.tp > 1:
         refuse("sp=1", "sequence parallelism needs the norms and residual stream of autoplan's own blocks; user "
                "modules get tensor parallelism without it", "re-plan with --fix sp=0")
-    meta, _ = load_module_factory_cached(ref)
-    missing = uninitialisable(meta) if any(p.is_meta for p in meta.parameters()) else []
-    if missing:
-        refuse("initialisation", f"the factory builds it on the meta device and {missing[0]}",
+    st = factory_structure(ref)  # the capture of the module (once per process)
+    if st.uninitialisable:
+        refuse("initialisation", f"the factory builds it on the meta device and {st.uninitialisable[0]}",
                "build the module on the CPU in the factory, or give that module a reset_parameters()")
     selective = any(s.recompute == "selective" for s in plan.stages)
     if c.tp == 1 and c.pp == 1 and not selective:
         return
-    st = factory_structure(ref)
     if c.tp > 1:
         problems = tp_head_counts(ref, c.tp)[1]
         if problems:
