@@ -1,20 +1,21 @@
 """`package.module:factory` models at run time: the module the factory returns is the module that trains.
 
 The factory (the same one capture calls: it returns (module, example_inputs), often on the meta device) is called
-with the run's seed set; a meta-device module is materialised and every submodule's own `reset_parameters` runs
-in a fixed order under that seed, so every rank holds the same initial weights (what FSDP's param_init_fn does).
-`FactoryModel` wraps it for the runtime: forward returns the logits tensor (a `.logits` attribute or the first
-element of a tuple is taken), and `layers` names the repeated blocks (the largest ModuleList/ModuleDict) that
-FSDP wraps one by one.
+with the run's seed set; a meta-device module is materialised (tied weights kept tied) and every submodule's own
+`reset_parameters` runs in a fixed order under that seed, so every rank holds the same initial weights (what
+FSDP's param_init_fn does); a meta-device module holding parameters or buffers in a module without
+`reset_parameters` is refused. `FactoryModel` wraps it for the runtime: forward returns the logits tensor (a
+`.logits` attribute or the first element of a tuple is taken), and `layers` names the repeated blocks (the
+largest ModuleList/ModuleDict) that FSDP wraps one by one.
 
 What is sharded comes from the capture of the same module (`factory_structure`, autoplan.capture):
-  * tensor parallelism (`apply_factory_tp`): the block GEMMs the capture marks column-parallel (reading the
-    replicated residual stream) become ColwiseParallel, the ones reading their output RowwiseParallel; the token
-    embedding RowwiseParallel (vocabulary rows) and the LM head ColwiseParallel (vocabulary columns). Attribute
-    head counts are divided by tp: the int attributes of the block's own (non-torch) modules that equal the
-    captured head or KV-head count. Before launch a meta-device dry run (`_dry_run_tp`) runs the module with its
-    linears narrowed to one rank's shards and checks every attention call gets heads/tp heads of the unchanged
-    head size; a module that reshapes by a literal count, splits a fused projection, or applies a weight
+  * tensor parallelism (the stage program's table, `codegen.program.factory_tp_layout`; `apply_factory_tp` for
+    direct use): the block GEMMs the capture marks column-parallel (reading the replicated residual stream)
+    become ColwiseParallel, the ones reading their output RowwiseParallel; the token embedding RowwiseParallel
+    (vocabulary rows) and the LM head ColwiseParallel (vocabulary columns) where that is safe. Head counts held
+    in int attributes are divided by tp: `tp_head_counts` captures one rank's shard (linears narrowed, on meta)
+    with the smallest subset of candidate attributes under which every attention gets heads/tp heads of the
+    unchanged size. A module that reshapes by a literal count, splits a fused projection, or applies a weight
     outside nn.Linear is refused, naming the module and the reason.
   * pipeline parallelism (`cut_factory_stage`): every rank builds the whole module (same initial weights as one
     process), then blocks of other stages become pass-throughs, a later stage's embedding module returns the
