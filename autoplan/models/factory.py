@@ -234,9 +234,13 @@ def _analyse(graph, ref: str) -> FactoryStructure:
 
     # ---- tensor parallelism: roles of the first block's GEMMs (blocks of one group are identical)
     roles = {g.name: g.tp for g in profiles[blocks[0]].gemms}
-    if len(graph.block_groups) > 1:
-        st.tp_problems.append(f"{stack or 'the model'}: the blocks are not all alike ({len(graph.block_groups)} "
-                              "kinds); one tensor-parallel layout is applied to every block")
+    # blocks may differ (a sliding window on some, another attention core) as long as their linears and roles do
+    kinds = {tuple((g.name, g.tp) for g in profiles[grp.first].gemms) for grp in graph.block_groups}
+    if len(kinds) > 1:
+        other = next(grp.first for grp in graph.block_groups
+                     if tuple((g.name, g.tp) for g in profiles[grp.first].gemms) != tuple(roles.items()))
+        st.tp_problems.append(f"{other}: its linears differ from {blocks[0]}'s; one tensor-parallel layout is "
+                              "applied to every block")
     for n in first.order:
         o = ops[n]
         if o.kind != "gemm":
@@ -273,14 +277,21 @@ def _analyse(graph, ref: str) -> FactoryStructure:
                     if uo.kind in ("view", "alias") and uo.opname not in SPLIT_OPS:
                         stack_.append(u)
     # the attention core: scaled_dot_product_attention (selective recompute) or matmul/softmax (explicit)
-    sdpa = [ops[n] for n in first.order if ops[n].kind == "attention"]
-    soft = [ops[n] for n in first.order if ops[n].opname in ("softmax", "_softmax", "_safe_softmax")]
+    def core(block: str) -> tuple[list, list]:
+        order = graph.layer(block).order
+        return ([ops[n] for n in order if ops[n].kind == "attention"],
+                [ops[n] for n in order if ops[n].opname in ("softmax", "_softmax", "_safe_softmax")])
+
+    sdpa, soft = core(blocks[0])
     st.attention = (sdpa or soft)[0].module if (sdpa or soft) else blocks[0]
-    if sdpa:
-        st.sdpa = True
-    elif att is not None:
-        st.selective_problems.append(f"{st.attention}: the attention core is written as matmul/softmax, not one "
-                                     "scaled_dot_product_attention call, so it cannot be recomputed on its own")
+    for b in blocks:  # selective recompute checkpoints SDPA calls: every block's core must be one
+        b_sdpa, b_soft = core(b)
+        if not b_sdpa and profiles[b].attention is not None:
+            st.selective_problems.append(f"{(b_soft[0].module if b_soft else b)}: the attention core is written as "
+                                         "matmul/softmax, not one scaled_dot_product_attention call, so it cannot "
+                                         "be recomputed on its own")
+            break
+    st.sdpa = not st.selective_problems and bool(sdpa)
     # vocabulary head: the head GEMM the capture marks vocab-parallel, sharded when it is an nn.Linear;
     # token embedding: the nn.Embedding looking up the input ids, sharded when nothing else reads its weight
     # (a head applying it with F.linear would meet a sharded weight); otherwise both stay replicated

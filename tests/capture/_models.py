@@ -175,7 +175,10 @@ class SplitLM(nn.Module):
         super().__init__()
         self.root_scale, self.softcap, self.functional_head = root_scale, softcap, functional_head
         self.embed = Embeddings(vocab, h, max_seq)
-        self.layers = nn.ModuleList(SplitBlock(h, heads, kv_heads, **attn) for _ in range(layers))
+        mixed = attn.pop("mixed", False)  # alternate SDPA and explicit attention cores
+        self.layers = nn.ModuleList(SplitBlock(h, heads, kv_heads, **attn, **({"explicit_core": i % 2 == 1}
+                                                                              if mixed else {}))
+                                    for i in range(layers))
         self.norm = nn.LayerNorm(h)
         self.head = None if functional_head else nn.Linear(h, vocab, bias=False)
         if tied:
@@ -215,6 +218,12 @@ def split_lm4():
 def hard_heads_lm():
     """Its attention reshapes by literal head counts: not shardable by tp."""
     return _meta_factory(hard_heads=True)
+
+
+def mixed_core_lm():
+    """Blocks alternate SDPA and matmul/softmax cores: not all alike, the same linears (tp applies; selective
+    recompute is refused, naming block 1)."""
+    return _meta_factory(mixed=True)
 
 
 def explicit_core_lm():

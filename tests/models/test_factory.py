@@ -52,6 +52,12 @@ def test_shardable_module_passes_the_check(layout):
     check_plan_model(_plan(f"{M}:split_lm", layout))
 
 
+def test_blocks_that_differ_but_share_their_linears_take_tp():
+    st = factory_structure(f"{M}:mixed_core_lm")
+    assert len({st.blocks[0], st.blocks[1]}) == 2 and not st.tp_problems
+    check_plan_model(_plan(f"{M}:mixed_core_lm", "tp=2"))
+
+
 @pytest.mark.parametrize("factory, layout, message", [
     ("tiny_lm", "tp=2", "tp=2: blocks.0.qkv: its output is split along its 96 features (split) into several "
                         "tensors (a fused projection"),
@@ -62,6 +68,8 @@ def test_shardable_module_passes_the_check(layout):
                               "block, outside any module"),
     ("explicit_core_lm", "tp=2,recompute=selective", "recompute=selective: layers.0.attn: the attention core is "
                                                      "written as matmul/softmax"),
+    ("mixed_core_lm", "tp=2,recompute=selective", "recompute=selective: layers.1.attn: the attention core is "
+                                                  "written as matmul/softmax"),
     ("softcap_lm", "pp=2", "pp=2: the model's own forward computes div on the hidden state after the last block"),
     ("tied_lm", "pp=2", "pp=2: head shares its weight with embed.tok: the first and last pipeline stages would each"),
     ("split_lm", "tp=2,sp=1", "sp=1: sequence parallelism needs the norms and residual stream of autoplan's own"),

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("factory_parity_worker.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-EXPLICIT = "tests/capture/_models.py:explicit_core_lm"
+MIXED = "tests/capture/_models.py:mixed_core_lm"
 SOFTCAP = "tests/capture/_models.py:softcap_lm"
 TIED = "tests/capture/_models.py:tied_lm"
 HF = "tests/capture/_models.py:hf_llama"
@@ -34,7 +34,7 @@ CASES = [
     "dp=2,recompute=full",
     "tp=2,recompute=selective",  # only the attention kernel recomputed (selective activation checkpointing)
     "pp=2,recompute=selective",
-    f"{EXPLICIT}@tp=2",  # attention written as matmul/softmax: heads checked through the scores' shape
+    f"{MIXED}@tp=2",  # blocks alternate SDPA and matmul/softmax attention: two kinds of block, one set of linears
     f"{SOFTCAP}@tp=2",  # the root forward soft-caps the logits: the head's output is gathered over the vocabulary
     f"{TIED}@tp=2",  # head and embedding share one vocabulary-sharded weight
     f"{TIED}@dp=2,zero=3",  # the tie survives materialising the meta-device module
