@@ -1,7 +1,9 @@
 """What each (virtual) pipeline stage of a Plan runs, as data: the single source for the emitted source code
 (`autoplan.codegen.emit`) and for the runtime (which executes that emitted code).
 
-No torch here: placements and parallel styles are described by name and rendered to code by `Style.code()`.
+No torch here: placements and parallel styles are described by name and rendered to code by `Style.code()`. (A
+module:factory plan with tp > 1 is the exception: its layout comes from capturing the user's module, which
+imports torch, lazily.)
 """
 
 from __future__ import annotations

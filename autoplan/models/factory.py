@@ -213,26 +213,33 @@ def _outer_module(path: str, stack: str) -> str | None:
 
 def _analyse(graph, ref: str) -> FactoryStructure:
     """Torch-free: the FactoryStructure of a captured ModelGraph (see the module docstring)."""
-    ops = graph.ops
     blocks = list(graph.blocks)
-    stack = blocks[0].rsplit(".", 1)[0] if "." in blocks[0] else ""
     st = FactoryStructure(ref=ref, blocks=blocks, num_parameters=graph.num_parameters)
     profiles = {p.name: p for p in graph.profiles}
     att = next((profiles[b].attention for b in blocks if profiles[b].attention is not None), None)
     if att is not None:
         st.heads, st.kv_heads, st.head_dim = att.heads, att.kv_heads, att.head_dim
-    first = graph.layer(blocks[0])
     st.hidden = next((profiles[b].hidden for b in blocks), 0)
-
-    def rel(path: str, block: str) -> str:
-        return path[len(block) + 1:] if path.startswith(block + ".") else ""
-
     users: dict[str, list[str]] = {}
-    for o in ops.values():
+    for o in graph.ops.values():
         for i in o.inputs:
             users.setdefault(i, []).append(o.name)
+    _find_linears(st, graph, profiles, users)
+    _find_attention_core(st, graph, profiles)
+    _find_vocabulary(st, graph, users)
+    _find_pipeline_cuts(st, graph)
+    return st
 
-    # ---- tensor parallelism: roles of the first block's GEMMs (blocks of one group are identical)
+
+def _rel(path: str, block: str) -> str:
+    return path[len(block) + 1:] if path.startswith(block + ".") else ""
+
+
+def _find_linears(st: FactoryStructure, graph, profiles: dict, users: dict[str, list[str]]) -> None:
+    """Column/row roles of the first block's nn.Linear modules (the capture's LayerProfile.gemms), and what keeps
+    tensor parallelism off them: weights outside nn.Linear, experts, fused projections, differing blocks."""
+    ops, blocks = graph.ops, st.blocks
+    stack = blocks[0].rsplit(".", 1)[0] if "." in blocks[0] else ""
     roles = {g.name: g.tp for g in profiles[blocks[0]].gemms}
     # blocks may differ (a sliding window on some, another attention core) as long as their linears and roles do
     kinds = {tuple((g.name, g.tp) for g in profiles[grp.first].gemms) for grp in graph.block_groups}
@@ -241,11 +248,11 @@ def _analyse(graph, ref: str) -> FactoryStructure:
                      if tuple((g.name, g.tp) for g in profiles[grp.first].gemms) != tuple(roles.items()))
         st.tp_problems.append(f"{other}: its linears differ from {blocks[0]}'s; one tensor-parallel layout is "
                               "applied to every block")
-    for n in first.order:
+    for n in graph.layer(blocks[0]).order:
         o = ops[n]
         if o.kind != "gemm":
             continue
-        r = rel(o.module, blocks[0])
+        r = _rel(o.module, blocks[0])
         if o.opname != "linear" or o.module_type != "Linear" or not r:
             st.tp_problems.append(f"{o.module or stack}: applies a weight with {o.opname} outside an nn.Linear "
                                   "(ColwiseParallel/RowwiseParallel shard nn.Linear modules)")
@@ -259,32 +266,42 @@ def _analyse(graph, ref: str) -> FactoryStructure:
         if r not in target:
             target.append(r)
             st.linears.append((r, role))
-        if role == "col":  # a fused projection split along its output features
-            n_out = o.out.shape[-1]
-            stack_ = [n]
-            while stack_:
-                c = stack_.pop()
-                for u in users.get(c, []):
-                    uo = ops[u]
-                    if uo.opname in SPLIT_OPS and uo.in_meta and uo.in_meta[0] is not None and \
-                            uo.in_meta[0].shape[-1] == n_out and any(m.shape[-1] < n_out for m in uo.outputs):
-                        st.tp_problems.append(
-                            f"{o.module}: its output is split along its {n_out} features ({uo.opname}) into several "
-                            "tensors (a fused projection such as q/k/v); a contiguous column shard would give each "
-                            "rank parts of each, not whole heads: use one nn.Linear per projection")
-                        stack_ = []
-                        break
-                    if uo.kind in ("view", "alias") and uo.opname not in SPLIT_OPS:
-                        stack_.append(u)
-    # the attention core: scaled_dot_product_attention (selective recompute) or matmul/softmax (explicit)
+        split = _split_along_features(n, ops, users) if role == "col" else None
+        if split:
+            st.tp_problems.append(
+                f"{o.module}: its output is split along its {o.out.shape[-1]} features ({split}) into several "
+                "tensors (a fused projection such as q/k/v); a contiguous column shard would give each rank parts "
+                "of each, not whole heads: use one nn.Linear per projection")
+
+
+def _split_along_features(name: str, ops: dict, users: dict[str, list[str]]) -> str | None:
+    """The op (name) that splits GEMM `name`'s output along its whole feature dimension, looking through views."""
+    n_out = ops[name].out.shape[-1]
+    todo = [name]
+    while todo:
+        for u in users.get(todo.pop(), []):
+            uo = ops[u]
+            if uo.opname in SPLIT_OPS and uo.in_meta and uo.in_meta[0] is not None and \
+                    uo.in_meta[0].shape[-1] == n_out and any(m.shape[-1] < n_out for m in uo.outputs):
+                return uo.opname
+            if uo.kind in ("view", "alias") and uo.opname not in SPLIT_OPS:
+                todo.append(u)
+    return None
+
+
+def _find_attention_core(st: FactoryStructure, graph, profiles: dict) -> None:
+    """The module calling the first block's attention core, and whether every block's core is one
+    scaled_dot_product_attention call (what selective recompute checkpoints)."""
+    ops = graph.ops
+
     def core(block: str) -> tuple[list, list]:
         order = graph.layer(block).order
         return ([ops[n] for n in order if ops[n].kind == "attention"],
                 [ops[n] for n in order if ops[n].opname in ("softmax", "_softmax", "_safe_softmax")])
 
-    sdpa, soft = core(blocks[0])
-    st.attention = (sdpa or soft)[0].module if (sdpa or soft) else blocks[0]
-    for b in blocks:  # selective recompute checkpoints SDPA calls: every block's core must be one
+    sdpa, soft = core(st.blocks[0])
+    st.attention = (sdpa or soft)[0].module if (sdpa or soft) else st.blocks[0]
+    for b in st.blocks:
         b_sdpa, b_soft = core(b)
         if not b_sdpa and profiles[b].attention is not None:
             st.selective_problems.append(f"{(b_soft[0].module if b_soft else b)}: the attention core is written as "
@@ -292,17 +309,20 @@ def _analyse(graph, ref: str) -> FactoryStructure:
                                          "be recomputed on its own")
             break
     st.sdpa = not st.selective_problems and bool(sdpa)
-    # vocabulary head: the head GEMM the capture marks vocab-parallel, sharded when it is an nn.Linear;
-    # token embedding: the nn.Embedding looking up the input ids, sharded when nothing else reads its weight
-    # (a head applying it with F.linear would meet a sharded weight); otherwise both stay replicated
+
+
+def _find_vocabulary(st: FactoryStructure, graph, users: dict[str, list[str]]) -> None:
+    """The vocabulary head (the head GEMM the capture marks vocab-parallel), sharded when it is an nn.Linear; the
+    token embedding (the nn.Embedding looking up the input ids), sharded when nothing else reads its weight (a
+    head applying it with F.linear would meet a sharded weight); otherwise both stay replicated."""
+    ops = graph.ops
     head_gemm = next((g for g in graph.profiles[-1].gemms if g.tp == "vocab"), None)
     st.vocab = head_gemm.n if head_gemm is not None else 0
     readers: dict[str, list[str]] = {}
     for o in ops.values():
         for i in o.inputs:
-            p = ops[i].param if ops[i].kind == "param" else None
-            if p is not None:
-                readers.setdefault(p, []).append(o.name)
+            if ops[i].kind == "param" and ops[i].param is not None:
+                readers.setdefault(ops[i].param, []).append(o.name)
     head_param = None
     for n in graph.layer("head").order:
         o = ops[n]
@@ -311,11 +331,11 @@ def _analyse(graph, ref: str) -> FactoryStructure:
                 break  # F.linear / matmul with a weight: the head stays replicated
             st.head = o.module
             head_param = next((ops[i].param for i in o.inputs if ops[i].kind == "param"), None)
-            cur, ok = [n], True  # the logits leave the forward unchanged: nothing but views consumes them
-            while cur:
-                for u in users.get(cur.pop(), []):
+            todo, ok = [n], True  # the logits leave the forward unchanged: nothing but views consumes them
+            while todo:
+                for u in users.get(todo.pop(), []):
                     if ops[u].kind in ("view", "alias", "skip"):
-                        cur.append(u)
+                        todo.append(u)
                     else:
                         ok = False
             st.head_is_output = ok
@@ -330,7 +350,14 @@ def _analyse(graph, ref: str) -> FactoryStructure:
             if o.in_meta[0] is not None and o.in_meta[0].shape[0] == st.vocab and not others:
                 st.embedding, st.tied = o.module, shared
             break
-    # ---- pipeline cuts: embedding -> blocks -> head, one hidden-state tensor between consecutive parts
+
+
+def _find_pipeline_cuts(st: FactoryStructure, graph) -> None:
+    """The modules before the first and after the last block, and what keeps the forward from being cut at the
+    block boundaries: embedding -> blocks -> head with one hidden-state tensor between consecutive parts, and no
+    computation on it outside modules."""
+    ops, blocks = graph.ops, st.blocks
+    stack = blocks[0].rsplit(".", 1)[0] if "." in blocks[0] else ""
     order = ["embedding", *blocks, "head"]
     nxt = {a: b for a, b in zip(order, order[1:])}
     for a, b, tensors in graph.layers.edges(data="tensors"):
@@ -364,7 +391,6 @@ def _analyse(graph, ref: str) -> FactoryStructure:
     if st.tied:
         st.pp_problems.append(f"{st.head} shares its weight with {st.embedding}: the first and last pipeline stages "
                               "would each hold a copy (not supported for module:factory models)")
-    return st
 
 
 @functools.lru_cache(maxsize=8)
