@@ -361,9 +361,14 @@ def _find_pipeline_cuts(st: FactoryStructure, graph) -> None:
     order = ["embedding", *blocks, "head"]
     nxt = {a: b for a, b in zip(order, order[1:])}
     for a, b, tensors in graph.layers.edges(data="tensors"):
+        derived = sorted(t for t in tensors if ops[t].token_dependent and ops[t].out is not None
+                         and not ops[t].out.is_float)
+        if derived and a == "embedding":  # a later stage runs the root's code on dummy token ids
+            st.pp_problems.append(f"the forward computes {', '.join(derived)} from the token ids and passes it to {b}: "
+                                  "a later pipeline stage receives only the hidden state (a padding mask?)")
         live = sorted(t for t in tensors if ops[t].token_dependent and ops[t].out is not None and ops[t].out.is_float)
         if not live:
-            continue  # position tables, masks: recomputed by every stage from the input's shape
+            continue  # position tables, causal masks: recomputed by every stage from the input's shape
         if nxt.get(a) != b or len(live) > 1:
             st.pp_problems.append(f"the forward passes {', '.join(live)} from {a} to {b}: pipeline stages exchange one "
                                   "hidden-state tensor between consecutive parts (embedding -> blocks -> head)")
@@ -375,7 +380,7 @@ def _find_pipeline_cuts(st: FactoryStructure, graph) -> None:
             outer = _outer_module(o.module, stack)
             if outer is None:
                 st.pp_problems.append(
-                    f"the model's own forward computes {o.opname} on the hidden state "
+                    f"the model's own forward computes {o.opname} "
                     f"{'before the first' if lname == 'embedding' else 'after the last'} block, outside any module: "
                     "a pipeline stage runs whole modules (move it into the embedding or head module)")
                 break

@@ -146,9 +146,10 @@ class SplitBlock(nn.Module):
         self.attn = Attention(h, heads, kv_heads, **attn)
         self.mlp = GatedMLP(h, 3 * h)
 
-    def forward(self, x):
+    def forward(self, x, keep=None):
         x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.mlp(self.mlp_norm(x))
+        return x if keep is None else x * keep
 
 
 class Embeddings(nn.Module):
@@ -171,9 +172,10 @@ class SplitLM(nn.Module):
 
     def __init__(self, vocab: int = 96, h: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 3,
                  max_seq: int = 64, root_scale: bool = False, softcap: float | None = None, tied: bool = False,
-                 functional_head: bool = False, **attn) -> None:
+                 functional_head: bool = False, pad_mask: bool = False, **attn) -> None:
         super().__init__()
         self.root_scale, self.softcap, self.functional_head = root_scale, softcap, functional_head
+        self.pad_mask = pad_mask
         self.embed = Embeddings(vocab, h, max_seq)
         mixed = attn.pop("mixed", False)  # alternate SDPA and explicit attention cores
         self.layers = nn.ModuleList(SplitBlock(h, heads, kv_heads, **attn, **({"explicit_core": i % 2 == 1}
@@ -188,8 +190,9 @@ class SplitLM(nn.Module):
         x = self.embed(tokens)
         if self.root_scale:
             x = x * 2.0
+        keep = (tokens != 0).unsqueeze(-1) if self.pad_mask else None  # padding tokens (id 0) zeroed by every block
         for blk in self.layers:
-            x = blk(x)
+            x = blk(x) if keep is None else blk(x, keep)
         if self.functional_head:  # GPT-2 style: the embedding's weight applied with F.linear in the root forward
             logits = F.linear(self.norm(x), self.embed.tok.weight)
         else:
@@ -239,6 +242,12 @@ def softcap_lm():
 def functional_head_lm():
     """Logits by F.linear on the embedding's weight: tp leaves the vocabulary replicated; not pipelined."""
     return _meta_factory(functional_head=True)
+
+
+def pad_mask_lm():
+    """Its blocks zero padding positions with a mask the root forward computes from the token ids: not pipelined
+    (a later stage sees only the hidden state)."""
+    return _meta_factory(pad_mask=True)
 
 
 def tied_lm():

@@ -64,13 +64,15 @@ def test_blocks_that_differ_but_share_their_linears_take_tp():
     ("hard_heads_lm", "tp=2", "tp=2: layers.0.attn: with its linears split over tp=2 the attention gets 4 heads of "
                               "size 4 (2 KV heads) per rank instead of 2 of size 8 (1 KV heads): the reshape does not take the head count from an attribute (a literal "
     "count, or one computed from the hidden size; attributes divided: attn.n_heads=4, attn.n_kv_heads=2)"),
-    ("root_scale_lm", "pp=2", "pp=2: the model's own forward computes mul on the hidden state before the first "
-                              "block, outside any module"),
+    ("root_scale_lm", "pp=2", "pp=2: the model's own forward computes mul before the first block, outside any "
+                              "module"),
+    ("pad_mask_lm", "pp=2", "pp=2: the forward computes unsqueeze from the token ids and passes it to layers.0: a "
+                            "later pipeline stage receives only the hidden state (a padding mask?)"),
     ("explicit_core_lm", "tp=2,recompute=selective", "recompute=selective: layers.0.attn: the attention core is "
                                                      "written as matmul/softmax"),
     ("mixed_core_lm", "tp=2,recompute=selective", "recompute=selective: layers.1.attn: the attention core is "
                                                   "written as matmul/softmax"),
-    ("softcap_lm", "pp=2", "pp=2: the model's own forward computes div on the hidden state after the last block"),
+    ("softcap_lm", "pp=2", "pp=2: the model's own forward computes div after the last block"),
     ("tied_lm", "pp=2", "pp=2: head shares its weight with embed.tok: the first and last pipeline stages would each"),
     ("split_lm", "tp=2,sp=1", "sp=1: sequence parallelism needs the norms and residual stream of autoplan's own"),
     ("split_lm", "cp=2", "cp=2: context and expert parallelism need autoplan's own"),
