@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (  # noqa: F401
     ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,

@@ -90,6 +90,11 @@ def factory_tp_layout(st, stage: StagePlan) -> dict[str, Style]:
                                                       ("output_layouts", "Replicate()")), "vocab-parallel embedding")
     lo, hi = stage.layers
     for b in st.blocks[lo:hi]:
+        for m in st.fanout:
+            out[f"{b}.{m}"] = Style("PrepareModuleOutput", (("output_layouts", "Replicate()"),
+                                                            ("desired_output_layouts", "Replicate()"),
+                                                            ("use_local_output", "False")),
+                                    "read by several column linears: one all-reduce of its gradient")
         for p, role in st.linears:
             out[f"{b}.{p}"] = (Style("ColwiseParallel", (), "column-parallel (reads the residual stream)") if role == "col"
                                else Style("RowwiseParallel", (), "row-parallel (reads a column-parallel output)"))

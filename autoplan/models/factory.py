@@ -168,6 +168,9 @@ class FactoryStructure:
     col: list[str] = field(default_factory=list)
     row: list[str] = field(default_factory=list)
     linears: list[tuple[str, str]] = field(default_factory=list)  # (path in a block, "col" | "row"), forward order
+    # modules in a block whose output only column linears read, several of them (a norm before q, k, v): made a
+    # replicated DTensor once, so its input gradient is all-reduced once rather than once per linear
+    fanout: list[str] = field(default_factory=list)
     embedding: str | None = None  # nn.Embedding looking up the input token ids (vocabulary rows)
     head: str | None = None  # nn.Linear producing the vocabulary logits
     head_is_output: bool = False  # the logits leave the forward unchanged (only views after the head)
@@ -241,6 +244,7 @@ def _find_linears(st: FactoryStructure, graph, profiles: dict, users: dict[str, 
     ops, blocks = graph.ops, st.blocks
     stack = blocks[0].rsplit(".", 1)[0] if "." in blocks[0] else ""
     roles = {g.name: g.tp for g in profiles[blocks[0]].gemms}
+    col_inputs: dict[str, list[str]] = {}  # base tensor -> column GEMMs reading it
     # blocks may differ (a sliding window on some, another attention core) as long as their linears and roles do
     kinds = {tuple((g.name, g.tp) for g in profiles[grp.first].gemms) for grp in graph.block_groups}
     if len(kinds) > 1:
@@ -267,11 +271,42 @@ def _find_linears(st: FactoryStructure, graph, profiles: dict, users: dict[str, 
             target.append(r)
             st.linears.append((r, role))
         split = _split_along_features(n, ops, users) if role == "col" else None
+        if role == "col":
+            col_inputs.setdefault(_base(o.inputs[0], ops), []).append(n)
         if split:
             st.tp_problems.append(
                 f"{o.module}: its output is split along its {o.out.shape[-1]} features ({split}) into several "
                 "tensors (a fused projection such as q/k/v); a contiguous column shard would give each rank parts "
                 "of each, not whole heads: use one nn.Linear per projection")
+    _find_fanout(st, graph, col_inputs, users)
+
+
+def _find_fanout(st: FactoryStructure, graph, col_inputs: dict[str, list[str]], users: dict[str, list[str]]) -> None:
+    """Modules of the first block whose output is read, through views, only by several column linears."""
+    ops, b = graph.ops, st.blocks[0]
+    order = graph.layer(b).order
+    for base, gemms in col_inputs.items():
+        p = ops[base]
+        m = _rel(p.module, b)
+        if len(gemms) < 2 or not m:
+            continue
+        readers, todo = set(), [base]
+        while todo:
+            for u in users.get(todo.pop(), []):
+                if ops[u].kind in ("view", "alias"):
+                    todo.append(u)
+                elif ops[u].kind != "skip":
+                    readers.add(u)
+        after = [n for n in order[order.index(base) + 1:] if _under(ops[n].module, p.module)]
+        if readers == set(gemms) and not after and m not in st.fanout:  # the module's last op is its output
+            st.fanout.append(m)
+
+
+def _base(name: str, ops: dict) -> str:
+    o = ops[name]
+    while o.kind in ("view", "alias") and o.inputs:
+        o = ops[o.inputs[0]]
+    return o.name
 
 
 def _split_along_features(name: str, ops: dict, users: dict[str, list[str]]) -> str | None:

@@ -105,7 +105,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = heads, kv_heads, h // heads
         self.hard_heads, self.explicit_core = hard_heads, explicit_core
         self.wq = nn.Linear(h, heads * self.head_dim)
-        self.wk = nn.Linear(h, kv_heads * self.head_dim)
+        self.wk = nn.Linear(h, kv_heads * self.head_dim, bias=False)  # a key bias has no gradient (softmax)
         self.wv = nn.Linear(h, kv_heads * self.head_dim)
         self.wo = nn.Linear(heads * self.head_dim, h)
 

@@ -39,6 +39,7 @@ def test_capture_finds_the_column_row_pairs_heads_and_cut_points():
     assert (st.embedding, st.head, st.head_is_output, st.tied) == ("embed.tok", "head", True, False)
     assert (st.heads, st.kv_heads, st.head_dim, st.sdpa, st.attention) == (4, 2, 8, True, "layers.0.attn")
     assert (st.pre_modules, st.post_modules) == (["embed"], ["norm", "head"])
+    assert st.fanout == ["attn_norm", "mlp_norm"]  # read by q/k/v and by w1/w3: one input all-reduce each
     assert not st.tp_problems and not st.pp_problems and not st.selective_problems
     softcap = factory_structure(f"{M}:softcap_lm")
     assert (softcap.head, softcap.head_is_output) == ("head", False)  # tanh after the head: logits gathered
@@ -155,6 +156,8 @@ def test_the_emitted_program_lists_the_factory_layout():
     assert '"layers.2.attn.wq": ColwiseParallel(),' in src and '"layers.0.mlp.w2": RowwiseParallel(),' in src
     assert '"embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),' in src
     assert '"head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),' in src
+    assert ('"layers.1.mlp_norm": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(), '
+            'use_local_output=False),') in src
     assert 'HEAD_COUNTS = [("layers.0.attn", "n_heads"), ("layers.0.attn", "n_kv_heads"),' in src
     assert 'TIED = ("head", "embed.tok")' in src
     compile(src, "stage_0.py", "exec")
@@ -177,3 +180,4 @@ def test_a_meta_module_that_cannot_be_initialised_is_refused_and_a_cpu_one_shard
     assert st.head_attrs == [("self_attn", "num_key_value_groups", 2)]
     assert tp_head_counts(st.ref, 2) == ((), ())
     assert (st.pre_modules, st.post_modules) == (["model.embed_tokens"], ["model.norm", "lm_head"])
+    assert st.fanout == ["input_layernorm", "post_attention_layernorm"]
