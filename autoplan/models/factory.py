@@ -428,6 +428,9 @@ def _find_pipeline_cuts(st: FactoryStructure, graph) -> None:
             st.pp_problems.append(f"the forward computes {stray[0].opname} between {b} and the next block, outside "
                                   "any block: a pipeline cut there would lose it")
             break
+    if not st.pre_modules:
+        st.pp_problems.append("no module runs before the first block (the embedding) to hand a later stage its "
+                              "input")
     if st.tied:
         st.pp_problems.append(f"{st.head} shares its weight with {st.embedding}: the first and last pipeline stages "
                               "would each hold a copy (not supported for module:factory models)")
