@@ -97,13 +97,26 @@ class _StageInput(nn.Module):
         return self.value
 
 
+def load_on_meta(ref: str):
+    """The factory's (module, inputs) on the meta device, built there when the factory allows it (it creates
+    its tensors on the default device), so checks of a large CPU-built model allocate nothing."""
+    from autoplan.capture import CaptureError, load_module_factory
+
+    try:
+        with torch.device("meta"):
+            module, inputs = load_module_factory(ref)
+    except CaptureError:  # the factory needs real tensors while building: build it, then move it
+        module, inputs = load_module_factory(ref)
+    return module.to("meta"), inputs
+
+
 def build_factory(ref: str, *, device="cpu", seed: int = 0) -> FactoryModel:
     from autoplan.capture import load_module_factory
 
     torch.manual_seed(seed)
-    module, _inputs = load_module_factory(ref)
     if torch.device(device).type == "meta":
-        return FactoryModel(module.to("meta"), ref)
+        return FactoryModel(load_on_meta(ref)[0], ref)
+    module, _inputs = load_module_factory(ref)
     if any(p.is_meta for p in module.parameters()) or any(b.is_meta for b in module.buffers()):
         missing = uninitialisable(module)
         if missing:
@@ -492,10 +505,9 @@ def _dry_run_tp(st: FactoryStructure, tp: int, attrs: list[tuple[str, str, int]]
     divided. Every block's attention must get heads/tp heads and KV heads/tp KV heads of the unchanged size.
     Returns the problems found (the same tracer as planning, so code that only traces, e.g. with .item() on
     shapes, is checked too)."""
-    from autoplan.capture import CaptureError, capture, load_module_factory
+    from autoplan.capture import CaptureError, capture
 
-    module, inputs = load_module_factory(st.ref)
-    module = module.to("meta")
+    module, inputs = load_on_meta(st.ref)
     found = ", ".join(f"{p + '.' if p else ''}{k}={v}" for p, k, v in attrs) or "none"
     for b in st.blocks:
         block = module.get_submodule(b)
@@ -560,10 +572,9 @@ def _dry_run_pp(st: FactoryStructure, plan) -> list[str]:
     """Cut the module (meta) as each stage of the plan and trace it (torch.export, as capture does, so code that
     only traces is checked too): a stage must turn its input (token ids or the previous stage's hidden state)
     into a hidden state of the same shape, or the last into logits."""
-    from autoplan.capture import load_module_factory
     from autoplan.capture.trace import _quiet
 
-    _, inputs = load_module_factory(st.ref)
+    _, inputs = load_on_meta(st.ref)
     tokens = (inputs[0] if isinstance(inputs, (tuple, list)) else inputs).to("meta")
     hidden = torch.empty(*tokens.shape[:2], st.hidden, device="meta")
     for stage in plan.stages:
