@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (  # noqa: F401
     ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -40,6 +41,7 @@ from autoplan.plan import StagePlan
 from autoplan.models import build as build_model, init_weights
 from autoplan.codegen.fuse import substitute_kernels  # noqa: F401
 from autoplan.cost_models.specs import ModelSpec
+from autoplan.models.factory import apply_factory_recompute, cut_factory_stage, divide_head_counts  # noqa: F401
 from autoplan.runtime.parallelize import (  # noqa: F401
     PositionsSequenceParallel,
     apply_cp,
@@ -139,13 +141,20 @@ def stage_source(p: StageProgram) -> str:
     else:
         out.append("SOURCE = SPEC  # the zoo model of this spec")
     out.append(f"STAGE = StagePlan.model_validate({literal(st.model_dump(mode='python'))})")
+    if plan.model_source and "factory" in plan.model_source and c.tp > 1:
+        from autoplan.models.factory import factory_structure, head_count_attributes
+
+        fs = factory_structure(plan.model_source["factory"])
+        out.append(f"HEAD_COUNTS = {literal(head_count_attributes(fs, st.layers, c.tp))}  # (module, attribute) divided by tp")
+        tie = (fs.head, fs.embedding) if fs.tied and st.has_embedding and st.has_head else None
+        out.append(f"TIED = {literal(tie)}  # (head, embedding) sharing one weight")
     out.append("")
     out.append("")
     b = ["def build(dims, *, seed: int = 0, device: torch.device = torch.device(\"cpu\")) -> torch.nn.Module:",
          "    " + docstring(f"Stage {st.index} as rank(s) {', '.join(map(str, p.ranks))} run it. dims: "
                        "runtime.ParallelDims, mesh built.")]
     if plan.model_source and "factory" in plan.model_source:
-        out.append("\n".join(b + _factory_body(plan)))
+        out.append("\n".join(b + _factory_body(plan, st, p.tp.get("module", {}))))
         return "\n".join(out) + "\n"
     lo, hi = st.layers
     kept = f"layers {lo}..{hi - 1}" if hi > lo else "no blocks"
@@ -202,16 +211,34 @@ def stage_source(p: StageProgram) -> str:
     return "\n".join(out) + "\n"
 
 
-def _factory_body(plan: Plan) -> list[str]:
-    """A user module (autoplan.models.factory): data parallelism only (other layouts are refused at start-up)."""
+def _factory_body(plan: Plan, st, tp_styles: dict) -> list[str]:
+    """A user module (autoplan.models.factory): its structure (blocks, column/row linears, head counts) comes from
+    the capture of the same module at run time; layouts it cannot take were refused at start-up."""
     c = plan.parallel
     b = ["    # 1. the module the factory returns, materialised and initialised under the seed (same on every rank)",
-         "    model = build_model(SOURCE, device=device, seed=seed)",
-         "    " + comment(f"7. precision: {plan.training.dtype}"),
-         f"    apply_mixed_precision(model, {literal(plan.training.dtype)}, device.type)"]
+         "    model = build_model(SOURCE, device=device, seed=seed)"]
+    if c.pp > 1:
+        lo, hi = st.layers
+        b.append("    " + comment(f"1b. pipeline cut at the captured block boundaries: blocks {lo}..{hi - 1} of "
+                                  f"{plan.model.num_layers}; the other stages' modules pass their input through"))
+        b.append("    cut_factory_stage(model, STAGE)")
+    if c.tp > 1:
+        b.append("    " + comment(f"3. tensor parallelism: tp={c.tp} on the column/row linear pairs the capture of the "
+                                  "module found (codegen.program.factory_tp_layout)"))
+        b.append('    tp = dims["tp"]')
+        b.append(f"    parallelize_module(model.module, tp, {_dict_literal(tp_styles, '    ')})")
+        b.append("    divide_head_counts(model.module, tp.size(), HEAD_COUNTS)  # each rank holds 1/tp of the heads")
+        b.append("    if TIED:  # both Shard(0) over the vocabulary: one tensor again")
+        b.append("        model.module.get_submodule(TIED[0]).weight = model.module.get_submodule(TIED[1]).weight")
+    if st.recompute != "none":
+        b.append("    " + comment(f"6. recompute ({st.recompute})"))
+        b.append("    apply_factory_recompute(model, STAGE)")
+    b += ["    " + comment(f"7. precision: {plan.training.dtype}"),
+          f"    apply_mixed_precision(model, {literal(plan.training.dtype)}, device.type)"]
     if (c.dp or 1) * c.cp > 1:
         b.append(f"    # 8. data parallelism over dp x cp, ZeRO-{c.zero}: one unit per repeated block, plus the root")
-        b.append(f'    apply_dp(model, dims["dp_cp"], {c.zero})')
+        pipelined = ", pipelined=True" if c.pp > 1 else ""  # DDP needs its own forward; the schedule drives it
+        b.append(f'    apply_dp(model, dims["dp_cp"], {literal(c.zero)}{pipelined})')
     b.append("    return model")
     return b
 

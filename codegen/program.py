@@ -1,7 +1,9 @@
 """What each (virtual) pipeline stage of a Plan runs, as data: the single source for the emitted source code
 (`autoplan.codegen.emit`) and for the runtime (which executes that emitted code).
 
-No torch here: placements and parallel styles are described by name and rendered to code by `Style.code()`.
+No torch here: placements and parallel styles are described by name and rendered to code by `Style.code()`. (A
+module:factory plan with tp > 1 is the exception: its layout comes from capturing the user's module, which
+imports torch, lazily.)
 """
 
 from __future__ import annotations
@@ -77,6 +79,35 @@ def tp_layout(spec: ModelSpec, stage: StagePlan, sp: bool) -> dict[str, dict[str
     return out
 
 
+def factory_tp_layout(st, stage: StagePlan) -> dict[str, Style]:
+    """A user module's tensor-parallel layout, from its capture (`autoplan.models.factory.FactoryStructure`):
+    module path (relative to the user's module) -> Style. Column-parallel linears read the replicated residual
+    stream, row-parallel ones their output; the token embedding is split over vocabulary rows and the head over
+    vocabulary columns (logits left sharded for loss_parallel when the forward returns them as they are)."""
+    out: dict[str, Style] = {}
+    if stage.has_embedding and st.embedding:
+        out[st.embedding] = Style("RowwiseParallel", (("input_layouts", "Replicate()"),
+                                                      ("output_layouts", "Replicate()")), "vocab-parallel embedding")
+    lo, hi = stage.layers
+    for b in st.blocks[lo:hi]:
+        for m in st.fanout:
+            out[f"{b}.{m}"] = Style("PrepareModuleOutput", (("output_layouts", "Replicate()"),
+                                                            ("desired_output_layouts", "Replicate()"),
+                                                            ("use_local_output", "False")),
+                                    "read by several column linears: one all-reduce of its gradient")
+        for p, role in st.linears:
+            out[f"{b}.{p}"] = (Style("ColwiseParallel", (), "column-parallel (reads the residual stream)") if role == "col"
+                               else Style("RowwiseParallel", (), "row-parallel (reads a column-parallel output)"))
+    if stage.has_head and st.head:
+        if st.head_is_output:
+            out[st.head] = Style("ColwiseParallel", (("output_layouts", "Shard(-1)"), ("use_local_output", "False")),
+                                 "vocab-parallel LM head; logits stay sharded for loss_parallel")
+        else:
+            out[st.head] = Style("ColwiseParallel", (("output_layouts", "Replicate()"),),
+                                 "vocab-parallel LM head; logits gathered (the forward transforms them)")
+    return out
+
+
 def recompute_regions(stage: StagePlan) -> list[str]:
     """Module paths checkpointed (recomputed in the backward pass)."""
     if stage.recompute == "full":
@@ -84,6 +115,16 @@ def recompute_regions(stage: StagePlan) -> list[str]:
         return [f"layers.{i}" for i in range(start, start + stage.recompute_layers)]
     if stage.recompute == "selective":
         return [f"layers.{i}.attention.core" for i in range(*stage.layers)]
+    return []
+
+
+def _factory_regions(stage: StagePlan) -> list[str]:
+    """What a user module's stage recomputes, by block index (the module paths come from its capture)."""
+    lo = stage.layers[0]
+    if stage.recompute == "full":
+        return [f"blocks {lo}..{lo + stage.recompute_layers - 1} (whole)"]
+    if stage.recompute == "selective":
+        return [f"the attention kernel of blocks {lo}..{stage.layers[1] - 1}"]
     return []
 
 
@@ -141,12 +182,21 @@ def stage_programs(plan: Plan) -> list[StageProgram]:
     c = plan.parallel
     spec = layout_spec(plan)
     factory = "factory" in (plan.model_source or {})  # a user module: no kernel substitution (its own modules)
+    structure = None
+    if factory and c.tp > 1:  # the capture of the user's module (imports torch; cached per process)
+        from autoplan.models.factory import factory_structure
+
+        structure = factory_structure(plan.model_source["factory"])
     out = []
     for st in plan.stages:
+        if structure is not None:
+            tp = {"module": factory_tp_layout(structure, st)}
+        else:
+            tp = tp_layout(spec, st, c.sp) if c.tp > 1 else {}
         out.append(StageProgram(
             plan=plan, stage=st,
-            tp=tp_layout(spec, st, c.sp) if c.tp > 1 else {},
-            recompute=recompute_regions(st),
+            tp=tp,
+            recompute=_factory_regions(st) if factory else recompute_regions(st),
             kernels={} if factory else kernel_substitutions(spec, st, plan.kernels, c.sp and c.tp > 1),
             ranks=stage_ranks(plan, st),
         ))

@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -159,7 +160,8 @@ def apply_tp(model: TransformerLM, tp_mesh, *, sp: bool, stage: StagePlan | None
 
 _STYLES = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
            "SequenceParallel": SequenceParallel, "PrepareModuleInput": PrepareModuleInput,
-           "PrepareModuleInputOutput": PrepareModuleInputOutput, "Shard": Shard, "Replicate": Replicate}
+           "PrepareModuleInputOutput": PrepareModuleInputOutput, "PrepareModuleOutput": PrepareModuleOutput,
+           "Shard": Shard, "Replicate": Replicate}
 
 
 def _make_style(code: str):

@@ -41,6 +41,26 @@ def runtime_source(plan) -> Any:
     return plan.model
 
 
+def planner_pins(ref: Any) -> dict[str, str]:
+    """Knobs `autoplan search` pins for this model source because the runtime would refuse other values: for a
+    module:factory model sp, cp and ep (always), and tp or pp when the capture of the module already shows they
+    cannot be applied (autoplan.models.factory.factory_structure; the tp dry run, which depends on tp, is left to
+    `autoplan run`). Empty for other sources. `--fix` overrides a pin."""
+    from . import is_factory
+
+    if not (isinstance(ref, str) and is_factory(ref)):
+        return {}
+    from .factory import factory_structure
+
+    st = factory_structure(ref)
+    pins = {"sp": "0", "cp": "1", "ep": "1"}
+    if st.tp_problems:
+        pins["tp"] = "1"
+    if st.pp_problems:
+        pins["pp"] = "1"
+    return pins
+
+
 def warn_unsupported(ref: Any, *, stream=None) -> list:
     """Planning-time warning for the config fields the runtime will refuse (search/estimate still plan)."""
     from . import check, hf_config_of

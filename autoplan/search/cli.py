@@ -43,6 +43,13 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     model, cluster, training, profiles = load_workload(args)
     fix = parse_fix_args(args.fix)
+    from autoplan.models.source import planner_pins
+
+    pinned = {k: v for k, v in planner_pins(args.model).items() if k not in fix}
+    if pinned:  # a user module: only the layouts `autoplan run` can apply to it
+        fix.update(pinned)
+        print(f"autoplan: note: {args.model}: pinned {','.join(f'{k}={v}' for k, v in pinned.items())} (what the "
+              "runtime can shard in this module; docs/models.md); --fix overrides", file=sys.stderr)
     show_progress = not args.json and sys.stderr.isatty()
     if show_progress:
         from rich.console import Console

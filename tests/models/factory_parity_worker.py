@@ -1,0 +1,186 @@
+"""Sharded runs of a user's own module (`module:factory`) against the same module in one process, under torchrun.
+
+For each case (factory reference, parallel configuration) the plan is made with the planner's API from the
+module's capture and checked as `autoplan run` checks it (check_plan_model); the runtime's Trainer builds the
+sharded module (tensor parallelism on the captured column/row linears, pipeline cuts at the captured blocks,
+recomputation, FSDP) and trains 3 steps. Rank 0 compares the losses of every step and the gradients of the first
+step (after clipping; the second step runs under the run's memory tracker) with the factory's module trained on the full batch by torch's AdamW in one process, and
+records the parameter count the run log would report next to the capture's.
+
+    torchrun --nproc-per-node 2 tests/models/factory_parity_worker.py --out results.json CONFIG ...
+    CONFIG = [ref@]layout, e.g. tp=2 or tests/capture/_models.py:split_lm@pp=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from autoplan.api import make_plan  # noqa: E402
+from autoplan.models import check_plan_model  # noqa: E402
+from autoplan.models.factory import build_factory, factory_structure  # noqa: E402
+from autoplan.models.source import attach  # noqa: E402
+from autoplan.runtime.data import SyntheticDataset  # noqa: E402
+from autoplan.runtime.engine import Trainer  # noqa: E402
+from autoplan.runtime.measure import memory_step  # noqa: E402
+from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
+from autoplan.runtime.train import trainer_parameter_count  # noqa: E402
+from autoplan.specs import TrainingSpec, load_cluster  # noqa: E402
+from autoplan.workload import resolve_model  # noqa: E402
+from autoplan.zoo import cross_entropy_loss  # noqa: E402
+
+REF = "tests/capture/_models.py:split_lm"
+STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 3, 4, 16, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
+RTOL = 1e-5
+GRAD_FLOOR = 1e-3  # relative errors against max(|ref grad|, 1e-3 * largest gradient entry), as tests/dist
+
+
+def reference(ref: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = build_factory(ref, seed=SEED)
+    vocab = model(torch.zeros(1, 1, dtype=torch.long)).shape[-1]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
+    data = SyntheticDataset(vocab, SEQ, GBS, seed=SEED)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        b = data.batch(step)
+        opt.zero_grad()
+        loss = cross_entropy_loss(model(b[:, :-1]), b[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _tp_sharded(p) -> bool:
+    """A parameter split over the tp mesh dimension (FSDP's dp shards do not count)."""
+    if not isinstance(p, DTensor):
+        return False
+    names = p.device_mesh.mesh_dim_names or ()
+    return "tp" in names and p.placements[names.index("tp")].is_shard()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    return float((a - b).abs().max() / max(float(b.abs().max()), floor, 1e-30))
+
+
+def run_case(case: str, world: int, refs: dict) -> dict:
+    ref, _, layout = case.rpartition("@")
+    ref = ref or REF
+    rank = dist.get_rank()
+    t0 = time.perf_counter()
+    spec, profiles = resolve_model(ref)
+    training = TrainingSpec(global_batch_size=GBS, seq_length=SEQ, dtype="fp32")
+    uneven = [(0, 2), (2, 3)] if "pp=2" in layout and spec.num_layers == 3 else None  # searched plans do this
+    plan = attach(make_plan(spec, load_cluster("local-cpu").with_gpus(world), training, layout, kernels="torch",
+                            stage_layers=uneven), ref)
+    check_plan_model(plan)  # what `autoplan run` and runtime.train check before any collective
+    dims = ParallelDims.from_plan(plan, world).build_mesh()
+    trainer = Trainer(plan, dims, device=torch.device("cpu"), seed=SEED, lr=LR, weight_decay=WD, betas=BETAS,
+                      max_grad_norm=CLIP)
+    n_params = trainer_parameter_count(trainer)
+    # what this rank holds, so the test can tell a layout was applied (not silently run unsharded)
+    mods = [m for s in trainer.pm.stages for m in s.module.modules()]
+    held = {"local_params": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                                for _, p in trainer.pm.named_parameters()),
+            "tp_sharded": sum(1 for _, p in trainer.pm.named_parameters() if _tp_sharded(p)),
+            "checkpointed": sum(isinstance(m, CheckpointWrapper) or hasattr(m, "_autoplan_recompute") for m in mods),
+            "stages": [s.plan.index for s in trainer.pm.stages],
+            "blocks": sum(len(s.module.layers) for s in trainer.pm.stages)}
+    captured: dict = {}
+
+    def hook(pm):
+        if captured:
+            return
+        for n, p in pm.named_parameters():
+            if p.grad is not None:
+                captured[n] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+
+    trainer.last_grads_hook = hook
+    data = SyntheticDataset(spec.vocab_size, SEQ, GBS, seed=SEED)
+    # step 2 runs under the memory tracker, as `autoplan run` measures it on the CPU (runtime.measure)
+    losses = [(memory_step(trainer, data.batch(s))[0] if s == 1 else trainer.step(data.batch(s))).loss
+              for s in range(STEPS)]
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, captured)
+    ranks: list = [None] * world
+    dist.all_gather_object(ranks, held)
+    result = {"case": case, "seconds": 0.0, "parameters_trained": n_params,
+              "parameters_captured": factory_structure(ref).num_parameters, "ranks": ranks}
+    if rank == 0:
+        if ref not in refs:
+            refs[ref] = reference(ref)
+        ref_losses, ref_grads = refs[ref]
+        merged, replica_err = {}, 0.0
+        for d in gathered:
+            for n, g in d.items():
+                if n in merged:  # replicas (dp, tp-replicated weights) must agree
+                    replica_err = max(replica_err, rel_err(g, merged[n]))
+                else:
+                    merged[n] = g
+        missing, extra = sorted(set(ref_grads) - set(merged)), sorted(set(merged) - set(ref_grads))
+        floor = GRAD_FLOOR * max(float(g.abs().max()) for g in ref_grads.values())
+        grad_errs = {n: rel_err(merged[n], ref_grads[n], floor) for n in ref_grads if n in merged}
+        worst = max(grad_errs, key=grad_errs.get)
+        loss_errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
+        result.update(losses=losses, ref_losses=ref_losses, max_loss_rel_err=max(loss_errs),
+                      max_grad_rel_err=grad_errs[worst], worst_grad=worst, replica_rel_err=replica_err,
+                      missing=missing, extra=extra)
+        result["ok"] = (not missing and not extra and max(loss_errs) <= RTOL and grad_errs[worst] <= RTOL
+                        and replica_err <= RTOL and n_params == result["parameters_captured"])
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("cases", nargs="+")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    refs: dict = {}
+    results = []
+    try:
+        for case in args.cases:
+            try:
+                r = run_case(case, world, refs)
+            except Exception as e:  # one broken layout must not hide the others
+                r = {"case": case, "ok": False, "error": f"{type(e).__name__}: {e}",
+                     "traceback": traceback.format_exc()[-3000:]}
+                print(f"[rank {rank}] {case}: {r['error']}", file=sys.stderr, flush=True)
+                results.append(r)
+                break  # ranks may now be out of step
+            results.append(r)
+            if rank == 0:
+                print(f"{case}: ok={r.get('ok')} loss_err={r.get('max_loss_rel_err')} "
+                      f"grad_err={r.get('max_grad_rel_err')} params={r['parameters_trained']} "
+                      f"({r['seconds']:.1f}s)", flush=True)
+        if rank == 0:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from autoplan.runtime.train import exit_process
+
+    exit_process(main())
