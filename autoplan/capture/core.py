@@ -218,8 +218,33 @@ def capture_hf_config(path: str | Path, batch: int = 1, seq: int | None = None) 
         raise CaptureError(f"cannot read {p}", e.strerror or str(e), "check the path") from None
     except json.JSONDecodeError as e:
         raise CaptureError(f"{p} is not valid JSON", str(e), "fix the file") from None
-    model = hf_model_from_config(data)
-    return capture_hf_model(model, batch, seq, name=p.parent.name or p.stem)
+    return capture_arch_model(p, data, batch, seq, name=p.parent.name or p.stem)
+
+
+def capture_arch_model(p: Path, data: dict, batch: int = 1, seq: int | None = None, *, name: str) -> ModelGraph:
+    """Capture the module `autoplan run` trains for a Hugging Face config: `autoplan.models.build` (the one entry
+    point the runtime, codegen and tests use), on meta in bf16, with its loss. Configs autoplan cannot represent
+    are captured as transformers builds them (`hf_model_from_config`), so `search` still plans them (the run
+    refuses them with the field and value)."""
+    import torch
+
+    from autoplan.models import build, resolve_arch
+
+    try:
+        arch = resolve_arch(p)
+    except Exception:  # a field autoplan does not honour: plan transformers' own module, refuse at run time
+        arch = None
+    if arch is None:
+        return capture_hf_model(hf_model_from_config(data), batch, seq, name=name)
+    from .trace import balanced_moe_dispatch
+
+    model = build(p, device="meta").to(torch.bfloat16)
+    balanced_moe_dispatch(model)
+    max_pos = data.get("max_position_embeddings") or data.get("n_positions") or 2048
+    seq = seq or max_pos
+    cs = min(seq, CAPTURE_SEQ)
+    tokens = torch.zeros(batch, cs, dtype=torch.long, device="meta")
+    return capture(_with_loss(model), (tokens, tokens), name=name, seq=seq, strip_prefix="model.")
 
 
 def _is_hf_config(p: Path) -> bool:

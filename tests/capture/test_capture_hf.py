@@ -117,3 +117,36 @@ def test_unknown_model_type_is_a_capture_error(tmp_path):
     path.write_text(json.dumps({"model_type": "no-such-model", "hidden_size": 8}))
     with pytest.raises(CaptureError, match="no-such-model"):
         capture_hf_config(path)
+
+
+def test_hf_config_capture_is_the_module_autoplan_runs(tmp_path):
+    """A config.json is captured through `autoplan.models.build` (what `autoplan run` trains), not transformers'
+    class: the parameter count is still transformers', and the MoE FLOPs are what runs -- every token through
+    top_k experts (balanced), Qwen2-MoE's shared expert and its dense `mlp_only_layers` included. (transformers'
+    own modules traced on meta lose most routed expert work: Mixtral's capture there has half the FLOPs.)"""
+    import torch
+
+    from autoplan.models import build
+
+    cfg = dict(model_type="qwen2_moe", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+               decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False)
+    path = tmp_path / "qmoe" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    g = capture_hf_config(path)
+    theirs = hf_model_from_config(dict(cfg))
+    assert g.num_parameters == _unique_params(theirs)
+    ours = build(path, device="meta")
+    assert g.num_parameters == sum(p.numel() for p in ours.parameters())
+    # forward FLOPs per token of the blocks, by hand: attention projections, the scores, and per layer either the
+    # dense SwiGLU (layer 1) or router + 2 of 4 experts + shared expert + its gate (layers 0 and 2)
+    h, s, kv = 32, g.seq, 2 * 8  # kv: 2 heads of 8
+    attn = 2 * h * (h + 2 * kv + h) + 2 * 2 * s * h  # q, k, v, o; QK^T and PV counted in full (causal in full)
+    swiglu = lambda f: 2 * 3 * h * f  # noqa: E731
+    moe = 2 * h * 4 + 2 * swiglu(16) + swiglu(24) + 2 * h * 1
+    blocks = [p for p in g.profiles if p.kind == "block"]
+    assert len(blocks) == 3
+    got = [p.model_flops_per_token(s) for p in blocks]
+    assert got == pytest.approx([attn + moe, attn + swiglu(48), attn + moe], rel=1e-6), got
