@@ -124,7 +124,6 @@ def test_hf_config_capture_is_the_module_autoplan_runs(tmp_path):
     class: the parameter count is still transformers', and the MoE FLOPs are what runs -- every token through
     top_k experts (balanced), Qwen2-MoE's shared expert and its dense `mlp_only_layers` included. (transformers'
     own modules traced on meta lose most routed expert work: Mixtral's capture there has half the FLOPs.)"""
-    import torch
 
     from autoplan.models import build
 
