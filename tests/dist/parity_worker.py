@@ -32,6 +32,7 @@ from autoplan.zoo import build_model, cross_entropy_loss  # noqa: E402
 from autoplan.runtime.data import SyntheticDataset  # noqa: E402
 from autoplan.runtime.engine import Trainer  # noqa: E402
 from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
+from tests.dist.worker_loop import worker_main  # noqa: E402
 
 STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 10, 4, 64, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
 RTOL = 1e-5
@@ -136,35 +137,8 @@ def run_case(case: str, world: int, refs: dict) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("cases", nargs="+")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
     refs: dict = {}
-    results = []
-    try:
-        for case in args.cases:
-            try:
-                r = run_case(case, world, refs)
-            except Exception as e:  # one broken layout must not hide the others
-                r = {"case": case, "ok": False, "error": f"{type(e).__name__}: {e}",
-                     "traceback": traceback.format_exc()[-3000:]}
-                print(f"[rank {rank}] {case}: {r['error']}", file=sys.stderr, flush=True)
-                results.append(r)
-                break  # ranks may now be out of step; stop here, the test reports the rest as not run
-            results.append(r)
-            if rank == 0:
-                print(f"{case}: ok={r.get('ok')} loss_err={r.get('max_loss_rel_err')} "
-                      f"grad_err={r.get('max_grad_rel_err')} ({r['seconds']:.1f}s)", flush=True)
-        if rank == 0:
-            Path(args.out).write_text(json.dumps(results, indent=1))
-    finally:
-        dist.destroy_process_group()
-    return 0
-
+    return worker_main(lambda world, rank: lambda case: run_case(case, world, refs))
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -13,12 +13,9 @@ records the parameter count the run log would report next to the capture's.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -41,6 +38,7 @@ from autoplan.runtime.train import trainer_parameter_count  # noqa: E402
 from autoplan.specs import TrainingSpec, load_cluster  # noqa: E402
 from autoplan.workload import resolve_model  # noqa: E402
 from autoplan.zoo import cross_entropy_loss  # noqa: E402
+from tests.dist.worker_loop import worker_main  # noqa: E402
 
 REF = "tests/capture/_models.py:split_lm"
 STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 3, 4, 16, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
@@ -148,36 +146,9 @@ def run_case(case: str, world: int, refs: dict) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("cases", nargs="+")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
     refs: dict = {}
-    results = []
-    try:
-        for case in args.cases:
-            try:
-                r = run_case(case, world, refs)
-            except Exception as e:  # one broken layout must not hide the others
-                r = {"case": case, "ok": False, "error": f"{type(e).__name__}: {e}",
-                     "traceback": traceback.format_exc()[-3000:]}
-                print(f"[rank {rank}] {case}: {r['error']}", file=sys.stderr, flush=True)
-                results.append(r)
-                break  # ranks may now be out of step
-            results.append(r)
-            if rank == 0:
-                print(f"{case}: ok={r.get('ok')} loss_err={r.get('max_loss_rel_err')} "
-                      f"grad_err={r.get('max_grad_rel_err')} params={r['parameters_trained']} "
-                      f"({r['seconds']:.1f}s)", flush=True)
-        if rank == 0:
-            Path(args.out).write_text(json.dumps(results, indent=1))
-    finally:
-        dist.destroy_process_group()
-    return 0
-
+    return worker_main(lambda world, rank: lambda case: run_case(case, world, refs),
+                       describe=lambda r: f" params={r.get('parameters_trained')}")
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -11,13 +11,10 @@ mapped to autoplan's names), with transformers' model trained on the full batch 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -36,6 +33,7 @@ from autoplan.runtime.engine import Trainer  # noqa: E402
 from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
 from autoplan.specs import TrainingSpec, load_cluster  # noqa: E402
 from autoplan.zoo import cross_entropy_loss  # noqa: E402
+from tests.dist.worker_loop import worker_main  # noqa: E402
 from tests.models.hf_configs import CONFIGS, hf_model  # noqa: E402
 
 STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 3, 4, 16, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
@@ -142,37 +140,13 @@ def spec_model_shapes(arch) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("cases", nargs="+")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    results = []
-    tmp_obj = [tempfile.mkdtemp(prefix="hfparity-") if rank == 0 else None]
-    dist.broadcast_object_list(tmp_obj)
-    tmp = Path(tmp_obj[0])
-    try:
-        for case in args.cases:
-            try:
-                r = run_case(case, world, tmp)
-            except Exception as e:  # one broken layout must not hide the others
-                r = {"case": case, "ok": False, "error": f"{type(e).__name__}: {e}",
-                     "traceback": traceback.format_exc()[-3000:]}
-                print(f"[rank {rank}] {case}: {r['error']}", file=sys.stderr, flush=True)
-                results.append(r)
-                break  # ranks may now be out of step
-            results.append(r)
-            if rank == 0:
-                print(f"{case}: ok={r.get('ok')} loss_err={r.get('max_loss_rel_err')} "
-                      f"grad_err={r.get('max_grad_rel_err')} ({r['seconds']:.1f}s)", flush=True)
-        if rank == 0:
-            Path(args.out).write_text(json.dumps(results, indent=1))
-    finally:
-        dist.destroy_process_group()
-    return 0
+    def runner(world: int, rank: int):
+        box = [tempfile.mkdtemp(prefix="hfparity-") if rank == 0 else None]  # one directory for every rank
+        dist.broadcast_object_list(box)
+        tmp = Path(box[0])
+        return lambda case: run_case(case, world, tmp)
 
+    return worker_main(runner)
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
