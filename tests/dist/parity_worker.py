@@ -32,11 +32,9 @@ from autoplan.zoo import build_model, cross_entropy_loss  # noqa: E402
 from autoplan.runtime.data import SyntheticDataset  # noqa: E402
 from autoplan.runtime.engine import Trainer  # noqa: E402
 from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
-from tests.dist.worker_loop import worker_main  # noqa: E402
+from tests.dist.worker_loop import compare_with_reference, reference_run, worker_main  # noqa: E402
 
 STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 10, 4, 64, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
-RTOL = 1e-5
-GRAD_FLOOR = 1e-3  # relative errors are taken against max(|ref grad|, 1e-3 * largest gradient entry)
 
 
 def spec_of(name: str):
@@ -50,21 +48,8 @@ def training() -> TrainingSpec:
 
 def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     spec = spec_of(name)
-    model = build_model(spec, seed=SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
-    data = SyntheticDataset(spec.vocab_size, SEQ, GBS, seed=SEED)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        b = data.batch(step)
-        opt.zero_grad()
-        loss = cross_entropy_loss(model(b[:, :-1]), b[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads
+    return reference_run(build_model(spec, seed=SEED), spec.vocab_size, steps=STEPS, gbs=GBS, seq=SEQ, lr=LR,
+                         betas=BETAS, weight_decay=WD, clip=CLIP, seed=SEED)
 
 
 def full_grads(pm, tied: bool) -> dict[str, torch.Tensor]:
@@ -77,12 +62,6 @@ def full_grads(pm, tied: bool) -> dict[str, torch.Tensor]:
             n = "tok_embeddings.weight"
         out[n] = g.detach().clone()
     return out
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
-    """max |a - b| relative to max |b|; `floor` keeps mathematically-zero gradients (e.g. the key bias, which
-    softmax cancels) from turning rounding noise into a huge relative error."""
-    return float((a - b).abs().max() / max(float(b.abs().max()), floor, 1e-30))
 
 
 def run_case(case: str, world: int, refs: dict) -> dict:
@@ -112,26 +91,7 @@ def run_case(case: str, world: int, refs: dict) -> dict:
         if name not in refs:
             refs[name] = reference(name)
         ref_losses, ref_grads = refs[name]
-        merged, replica_err = {}, 0.0
-        for d in gathered:
-            for n, g in d.items():
-                if n in merged:  # replicas (dp, tp-replicated weights, tied copies) must agree exactly-ish
-                    replica_err = max(replica_err, rel_err(g, merged[n]))
-                else:
-                    merged[n] = g
-        missing = sorted(set(ref_grads) - set(merged))
-        extra = sorted(set(merged) - set(ref_grads))
-        floor = GRAD_FLOOR * max(float(g.abs().max()) for g in ref_grads.values())
-        grad_errs = {n: rel_err(merged[n], ref_grads[n], floor) for n in ref_grads if n in merged}
-        worst = max(grad_errs, key=grad_errs.get) if grad_errs else None
-        loss_errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
-        result.update({
-            "losses": losses, "ref_losses": ref_losses, "max_loss_rel_err": max(loss_errs),
-            "max_grad_rel_err": grad_errs[worst] if worst else None, "worst_grad": worst,
-            "replica_rel_err": replica_err, "missing": missing, "extra": extra,
-        })
-        result["ok"] = (not missing and not extra and max(loss_errs) <= RTOL and grad_errs[worst] <= RTOL
-                        and replica_err <= RTOL)
+        result.update(compare_with_reference(gathered, losses, ref_losses, ref_grads))
     result["seconds"] = time.perf_counter() - t0
     return result
 

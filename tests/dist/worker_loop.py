@@ -48,3 +48,63 @@ def worker_main(make_runner: Callable[[int, int], Callable[[str], dict]],
     finally:
         dist.destroy_process_group()
     return 0
+
+
+# ------------------------------------------------------------------------------ what every parity case checks
+
+RTOL = 1e-5  # fp32: losses, gradients and replicas of one gradient agree to this (relative)
+GRAD_FLOOR = 1e-3  # relative errors are taken against max(|ref grad|, 1e-3 * largest gradient entry)
+
+
+def rel_err(a, b, floor: float = 0.0) -> float:
+    """max |a - b| relative to max |b|; `floor` keeps mathematically-zero gradients (e.g. the key bias, which
+    softmax cancels) from turning rounding noise into a huge relative error."""
+    return float((a - b).abs().max() / max(float(b.abs().max()), floor, 1e-30))
+
+
+def compare_with_reference(gathered: list[dict], losses: list[float], ref_losses: list[float],
+                           ref_grads: dict) -> dict:
+    """The parity verdict of one case (rank 0): every rank's full first-step gradients (`gathered`, name ->
+    tensor; replicas must agree) and the run's losses against the single-process reference."""
+    merged, replica_err = {}, 0.0
+    for d in gathered:
+        for n, g in d.items():
+            if n in merged:  # replicas (dp, tp-replicated weights, tied copies) must agree
+                replica_err = max(replica_err, rel_err(g, merged[n]))
+            else:
+                merged[n] = g
+    missing, extra = sorted(set(ref_grads) - set(merged)), sorted(set(merged) - set(ref_grads))
+    floor = GRAD_FLOOR * max(float(g.abs().max()) for g in ref_grads.values())
+    grad_errs = {n: rel_err(merged[n], ref_grads[n], floor) for n in ref_grads if n in merged}
+    worst = max(grad_errs, key=grad_errs.get) if grad_errs else None
+    loss_errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
+    ok = (not missing and not extra and worst is not None and max(loss_errs) <= RTOL
+          and grad_errs[worst] <= RTOL and replica_err <= RTOL)
+    return {"losses": losses, "ref_losses": ref_losses, "max_loss_rel_err": max(loss_errs),
+            "max_grad_rel_err": grad_errs[worst] if worst else None, "worst_grad": worst,
+            "replica_rel_err": replica_err, "missing": missing, "extra": extra, "ok": ok}
+
+
+def reference_run(model, vocab: int, *, steps: int, gbs: int, seq: int, lr: float, betas, weight_decay: float,
+                  clip: float, seed: int) -> tuple[list[float], dict]:
+    """One process, plain PyTorch: AdamW, clip_grad_norm_, the runtime's synthetic data. (losses per step, the
+    first step's clipped gradients by parameter name)."""
+    import torch
+
+    from autoplan.runtime.data import SyntheticDataset
+    from autoplan.zoo import cross_entropy_loss
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, foreach=False)
+    data = SyntheticDataset(vocab, seq, gbs, seed=seed)
+    losses, grads = [], {}
+    for step in range(steps):
+        b = data.batch(step)
+        opt.zero_grad()
+        loss = cross_entropy_loss(model(b[:, :-1]), b[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads

@@ -37,32 +37,17 @@ from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
 from autoplan.runtime.train import trainer_parameter_count  # noqa: E402
 from autoplan.specs import TrainingSpec, load_cluster  # noqa: E402
 from autoplan.workload import resolve_model  # noqa: E402
-from autoplan.zoo import cross_entropy_loss  # noqa: E402
-from tests.dist.worker_loop import worker_main  # noqa: E402
+from tests.dist.worker_loop import compare_with_reference, reference_run, worker_main  # noqa: E402
 
 REF = "tests/capture/_models.py:split_lm"
 STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 3, 4, 16, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
-RTOL = 1e-5
-GRAD_FLOOR = 1e-3  # relative errors against max(|ref grad|, 1e-3 * largest gradient entry), as tests/dist
 
 
 def reference(ref: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = build_factory(ref, seed=SEED)
     vocab = model(torch.zeros(1, 1, dtype=torch.long)).shape[-1]
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
-    data = SyntheticDataset(vocab, SEQ, GBS, seed=SEED)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        b = data.batch(step)
-        opt.zero_grad()
-        loss = cross_entropy_loss(model(b[:, :-1]), b[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads
+    return reference_run(model, vocab, steps=STEPS, gbs=GBS, seq=SEQ, lr=LR, betas=BETAS, weight_decay=WD,
+                         clip=CLIP, seed=SEED)
 
 
 def _tp_sharded(p) -> bool:
@@ -71,10 +56,6 @@ def _tp_sharded(p) -> bool:
         return False
     names = p.device_mesh.mesh_dim_names or ()
     return "tp" in names and p.placements[names.index("tp")].is_shard()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
-    return float((a - b).abs().max() / max(float(b.abs().max()), floor, 1e-30))
 
 
 def run_case(case: str, world: int, refs: dict) -> dict:
@@ -124,23 +105,8 @@ def run_case(case: str, world: int, refs: dict) -> dict:
         if ref not in refs:
             refs[ref] = reference(ref)
         ref_losses, ref_grads = refs[ref]
-        merged, replica_err = {}, 0.0
-        for d in gathered:
-            for n, g in d.items():
-                if n in merged:  # replicas (dp, tp-replicated weights) must agree
-                    replica_err = max(replica_err, rel_err(g, merged[n]))
-                else:
-                    merged[n] = g
-        missing, extra = sorted(set(ref_grads) - set(merged)), sorted(set(merged) - set(ref_grads))
-        floor = GRAD_FLOOR * max(float(g.abs().max()) for g in ref_grads.values())
-        grad_errs = {n: rel_err(merged[n], ref_grads[n], floor) for n in ref_grads if n in merged}
-        worst = max(grad_errs, key=grad_errs.get)
-        loss_errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
-        result.update(losses=losses, ref_losses=ref_losses, max_loss_rel_err=max(loss_errs),
-                      max_grad_rel_err=grad_errs[worst], worst_grad=worst, replica_rel_err=replica_err,
-                      missing=missing, extra=extra)
-        result["ok"] = (not missing and not extra and max(loss_errs) <= RTOL and grad_errs[worst] <= RTOL
-                        and replica_err <= RTOL and n_params == result["parameters_captured"])
+        result.update(compare_with_reference(gathered, losses, ref_losses, ref_grads))
+        result["ok"] = result["ok"] and n_params == result["parameters_captured"]
     result["seconds"] = time.perf_counter() - t0
     return result
 

@@ -33,12 +33,10 @@ from autoplan.runtime.engine import Trainer  # noqa: E402
 from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
 from autoplan.specs import TrainingSpec, load_cluster  # noqa: E402
 from autoplan.zoo import cross_entropy_loss  # noqa: E402
-from tests.dist.worker_loop import worker_main  # noqa: E402
+from tests.dist.worker_loop import compare_with_reference, worker_main  # noqa: E402
 from tests.models.hf_configs import CONFIGS, hf_model  # noqa: E402
 
 STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 3, 4, 16, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
-RTOL = 1e-5
-GRAD_FLOOR = 1e-3  # relative errors against max(|ref grad|, 1e-3 * largest gradient entry), as tests/dist
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dropout": 0.0, "attention_dropout": 0.0,
               "hidden_dropout": 0.0}
 
@@ -65,10 +63,6 @@ def reference(model) -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.step()
         losses.append(loss.item())
     return losses, grads
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
-    return float((a - b).abs().max() / max(float(b.abs().max()), floor, 1e-30))
 
 
 def run_case(case: str, world: int, tmp: Path) -> dict:
@@ -111,23 +105,7 @@ def run_case(case: str, world: int, tmp: Path) -> dict:
         ref_losses, hf_grads = reference(ref)
         shapes = {n: p.shape for n, p in spec_model_shapes(arch).items()}
         ref_grads = hf_weights.from_hf(hf_grads, arch, shapes)
-        merged, replica_err = {}, 0.0
-        for d in gathered:
-            for n, g in d.items():
-                if n in merged:
-                    replica_err = max(replica_err, rel_err(g, merged[n]))
-                else:
-                    merged[n] = g
-        missing, extra = sorted(set(ref_grads) - set(merged)), sorted(set(merged) - set(ref_grads))
-        floor = GRAD_FLOOR * max(float(g.abs().max()) for g in ref_grads.values())
-        grad_errs = {n: rel_err(merged[n], ref_grads[n], floor) for n in ref_grads if n in merged}
-        worst = max(grad_errs, key=grad_errs.get)
-        loss_errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
-        result.update(losses=losses, ref_losses=ref_losses, max_loss_rel_err=max(loss_errs),
-                      max_grad_rel_err=grad_errs[worst], worst_grad=worst, replica_rel_err=replica_err,
-                      missing=missing, extra=extra)
-        result["ok"] = (not missing and not extra and max(loss_errs) <= RTOL and grad_errs[worst] <= RTOL
-                        and replica_err <= RTOL)
+        result.update(compare_with_reference(gathered, losses, ref_losses, ref_grads))
     result["seconds"] = time.perf_counter() - t0
     return result
 
