@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist.worker_loop import assert_parity, launch_workers
+
 pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,14 +53,7 @@ CASES_4 = [f"{m}:{c}" for m in ("tiny-gpt", "tiny-llama") for c in DENSE_4] + [
 
 
 def _launch(nproc: int, cases: list[str], tmp: Path) -> dict[str, dict]:
-    out = tmp / f"parity{nproc}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(WORKER), "--out", str(out),
-           *cases]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    if not out.exists():
-        pytest.fail(f"parity launch with {nproc} processes failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return {r["case"]: r for r in json.loads(out.read_text())}
+    return launch_workers(WORKER, nproc, cases, tmp / f"parity{nproc}.json", ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +67,7 @@ def results4(tmp_path_factory):
 
 
 def _check(results: dict, case: str) -> None:
-    r = results.get(case)
-    if r is None:
-        pytest.fail(f"{case} did not run (an earlier layout of the same launch failed)")
-    assert "error" not in r, f"{case}: {r['error']}\n{r.get('traceback', '')}"
-    assert not r["missing"] and not r["extra"], f"{case}: parameters missing {r['missing']} extra {r['extra']}"
-    assert r["max_loss_rel_err"] <= 1e-5, f"{case}: losses {r['losses']} vs {r['ref_losses']}"
-    assert r["max_grad_rel_err"] <= 1e-5, f"{case}: gradient {r['worst_grad']} off by {r['max_grad_rel_err']:.2e}"
-    assert r["replica_rel_err"] <= 1e-5, f"{case}: replicas disagree by {r['replica_rel_err']:.2e}"
+    r = assert_parity(results, case)
     if case.endswith("|fused"):
         assert r["fused_modules"] > 0, f"{case}: no kernels.modules substituted"
     else:

@@ -108,3 +108,39 @@ def reference_run(model, vocab: int, *, steps: int, gbs: int, seq: int, lr: floa
         opt.step()
         losses.append(loss.item())
     return losses, grads
+
+
+# ------------------------------------------------------------------------------------------ the test side
+
+
+def launch_workers(worker: Path, nproc: int, cases: list[str], out: Path, root: Path) -> dict[str, dict]:
+    """Run `worker` under torchrun on `nproc` gloo processes for `cases`; {case: result} (pytest.fail with the
+    launch's stderr when no result file was written)."""
+    import os
+    import subprocess
+
+    import pytest
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), str(worker), "--out", str(out), *cases]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=420)
+    if not out.exists():
+        pytest.fail(f"{worker.name} launch with {nproc} processes failed (rc {proc.returncode}):\n"
+                    f"{proc.stderr[-4000:]}")
+    return {r["case"]: r for r in json.loads(out.read_text())}
+
+
+def assert_parity(results: dict, case: str, against: str = "one process") -> dict:
+    """The case ran, no parameter is missing or extra, and losses, gradients and replicas agree within RTOL."""
+    import pytest
+
+    r = results.get(case)
+    if r is None:
+        pytest.fail(f"{case} did not run (an earlier layout of the same launch failed)")
+    assert "error" not in r, f"{case}: {r['error']}\n{r.get('traceback', '')}"
+    assert not r["missing"] and not r["extra"], f"{case}: parameters missing {r['missing']} extra {r['extra']}"
+    assert r["max_loss_rel_err"] <= RTOL, f"{case}: losses {r['losses']} vs {against} {r['ref_losses']}"
+    assert r["max_grad_rel_err"] <= RTOL, f"{case}: gradient {r['worst_grad']} off by {r['max_grad_rel_err']:.2e}"
+    assert r["replica_rel_err"] <= RTOL, f"{case}: replicas disagree by {r['replica_rel_err']:.2e}"
+    return r

@@ -10,13 +10,12 @@ count the run log reports equals the capture's. See tests/models/factory_parity_
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.dist.worker_loop import assert_parity, launch_workers
 
 pytestmark = pytest.mark.dist
 
@@ -47,12 +46,7 @@ CASES_4 = ["dp=2,tp=2", "tp=2,pp=2", "dp=2,pp=2,zero=3", "dp=2,tp=2,zero=3,recom
 
 
 def _launch(nproc: int, cases: list[str], out: Path) -> dict[str, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(WORKER), "--out", str(out), *cases]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    if not out.exists():
-        pytest.fail(f"factory parity launch with {nproc} ranks failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return {r["case"]: r for r in json.loads(out.read_text())}
+    return launch_workers(WORKER, nproc, cases, out, ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +70,7 @@ def test_factory_module_sharded_over_4_ranks_matches_one_process(results4, case)
 
 
 def _check(results: dict, case: str, world: int) -> None:
-    r = results.get(case)
-    if r is None:
-        pytest.fail(f"{case} did not run (an earlier layout of the same launch failed)")
-    assert "error" not in r, f"{case}: {r['error']}\n{r.get('traceback', '')}"
-    assert not r["missing"] and not r["extra"], f"{case}: parameters missing {r['missing']} extra {r['extra']}"
-    assert r["max_loss_rel_err"] <= 1e-5, f"{case}: losses {r['losses']} vs one process {r['ref_losses']}"
-    assert r["max_grad_rel_err"] <= 1e-5, f"{case}: gradient {r['worst_grad']} off by {r['max_grad_rel_err']:.2e}"
-    assert r["replica_rel_err"] <= 1e-5
+    r = assert_parity(results, case)
     assert r["parameters_trained"] == r["parameters_captured"]
     # the layout was applied, not run unsharded
     layout = case.rpartition("@")[2]

@@ -7,13 +7,12 @@ equal to transformers' full-batch run within rtol 1e-5 (fp32). See tests/models/
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.dist.worker_loop import assert_parity, launch_workers
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist
@@ -34,23 +33,10 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hfparity") / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(WORKER), "--out", str(out), *CASES]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    if not out.exists():
-        pytest.fail(f"HF parity launch failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return {r["case"]: r for r in json.loads(out.read_text())}
+    return launch_workers(WORKER, 2, CASES, tmp_path_factory.mktemp("hfparity") / "results.json", ROOT)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_sharded_hf_family_matches_transformers(results, case):
-    r = results.get(case)
-    if r is None:
-        pytest.fail(f"{case} did not run (an earlier layout of the same launch failed)")
-    assert "error" not in r, f"{case}: {r['error']}\n{r.get('traceback', '')}"
-    assert not r["missing"] and not r["extra"], f"{case}: parameters missing {r['missing']} extra {r['extra']}"
-    assert r["max_loss_rel_err"] <= 1e-5, f"{case}: losses {r['losses']} vs transformers {r['ref_losses']}"
-    assert r["max_grad_rel_err"] <= 1e-5, f"{case}: gradient {r['worst_grad']} off by {r['max_grad_rel_err']:.2e}"
-    assert r["replica_rel_err"] <= 1e-5
+    r = assert_parity(results, case, against="transformers")
     assert r["ok"]
