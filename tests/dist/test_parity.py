@@ -22,7 +22,6 @@ pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("parity_worker.py")
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 DENSE_2 = [
     "dp=2", "tp=2", "tp=2,sp=1", "cp=2", "pp=2", "pp=2,vp=2", "pp=2,schedule=gpipe",

@@ -10,7 +10,6 @@ count the run log reports equals the capture's. See tests/models/factory_parity_
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("factory_parity_worker.py")
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 MIXED = "tests/capture/_models.py:mixed_core_lm"
 SOFTCAP = "tests/capture/_models.py:softcap_lm"
 TIED = "tests/capture/_models.py:tied_lm"

@@ -7,7 +7,6 @@ equal to transformers' full-batch run within rtol 1e-5 (fp32). See tests/models/
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("hf_parity_worker.py")
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 CASES = [
     "llama:tp=2", "phi3:tp=2", "mistral:tp=2",  # tp (Phi-3's fused qkv/gate_up read as column slices)
