@@ -22,6 +22,7 @@ from autoplan.plan import Plan
 from autoplan.zoo.model import cross_entropy_loss
 
 from .data import local_batch
+from .faults import StopFlag
 from .parallel_dims import ParallelDims
 from .parallelize import ParallelModel, is_expert_param, load_balanced_positions, parallelize
 
@@ -70,7 +71,7 @@ def make_adamw(groups: list[dict], device: torch.device, **kwargs) -> torch.opti
 class Trainer:
     def __init__(self, plan: Plan, dims: ParallelDims, *, device: torch.device, seed: int = 0, lr: float = 3e-4,
                  weight_decay: float = 0.1, betas=(0.9, 0.95), max_grad_norm: float = 1.0,
-                 init_from: str | None = None) -> None:
+                 init_from: str | None = None, stop_flag: StopFlag | None = None) -> None:
         self.plan, self.dims, self.device = plan, dims, device
         cfg = plan.parallel
         self.gbs = plan.training.global_batch_size
@@ -105,9 +106,9 @@ class Trainer:
         self._norm_params = [(p, is_expert_param(n)) for n, p in self._params
                              if not (tied_later and n == "output.weight")]
         self.last_grads_hook = None  # tests: called with the ParallelModel after clipping, before the update
-        # runtime.faults.StopFlag of the run: its signal travels in the loss's all-reduce, so every rank learns of
-        # a stop request without a collective of its own each step
-        self.stop_flag = None
+        # the run's stop flag: its signal travels in the loss's all-reduce, so every rank learns of a stop request
+        # without a collective of its own each step
+        self.stop_flag = stop_flag
 
     # ------------------------------------------------------------------ one step
 
@@ -246,8 +247,6 @@ class Trainer:
     def _reduce_loss(self, local_loss: torch.Tensor) -> tuple[float, int | None]:
         """(mean loss over the global batch, the stop signal any rank received) on every rank, from one world
         all-reduce: the stop request rides along with the loss (one flag per signal, summed)."""
-        from .faults import StopFlag
-
         dims, pm = self.dims, self.pm
         mine = self.stop_flag.signum if self.stop_flag is not None else None
         if dims.world_size == 1:

@@ -291,8 +291,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         rng_seed = args.seed + 1_000_003 * (dims.rank("dp") * dims.cp + dims.rank("cp")) + 7_919 * dims.rank("pp")
         trainer = Trainer(plan, dims, device=device, seed=args.seed, lr=args.lr,
                           weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-                          init_from=None if getattr(args, "resume_path", args.resume) else args.init_from)
-        trainer.stop_flag = stop
+                          init_from=None if getattr(args, "resume_path", args.resume) else args.init_from,
+                          stop_flag=stop)
         data, data_desc = _open_data(args, plan)
         start = 0
         resume_path = getattr(args, "resume_path", args.resume)

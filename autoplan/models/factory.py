@@ -9,8 +9,8 @@ FSDP's param_init_fn does); a meta-device module holding parameters or buffers i
 largest ModuleList/ModuleDict) that FSDP wraps one by one.
 
 What is sharded comes from the capture of the same module (`factory_structure`, autoplan.capture):
-  * tensor parallelism (the stage program's table, `codegen.program.factory_tp_layout`; `apply_factory_tp` for
-    direct use): the block GEMMs the capture marks column-parallel (reading the replicated residual stream)
+  * tensor parallelism (the stage program's table, `codegen.program.factory_tp_layout`, which the
+    emitted stage program applies): the block GEMMs the capture marks column-parallel (reading the replicated residual stream)
     become ColwiseParallel, the ones reading their output RowwiseParallel; the token embedding RowwiseParallel
     (vocabulary rows) and the LM head ColwiseParallel (vocabulary columns) where that is safe. Head counts held
     in int attributes are divided by tp: `tp_head_counts` captures one rank's shard (linears narrowed, on meta)
@@ -632,25 +632,6 @@ def divide_head_counts(module: nn.Module, tp: int, attributes: list[tuple[str, s
     for path, name in attributes:
         owner = module.get_submodule(path)
         setattr(owner, name, getattr(owner, name) // tp)
-
-
-def apply_factory_tp(model: FactoryModel, tp_mesh, stage, st: FactoryStructure | None = None) -> list[str]:
-    """Tensor parallelism on the captured column/row pairs: the layout table `codegen.program.factory_tp_layout`
-    (the one the emitted stage program prints), the head-count attributes divided, a tied head re-tied. Returns
-    what was done."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from autoplan.codegen.program import factory_tp_layout
-    from autoplan.runtime.parallelize import _make_style
-
-    st = st or factory_structure(model.ref)
-    layout = factory_tp_layout(st, stage)
-    parallelize_module(model.module, tp_mesh, {k: _make_style(v.code()) for k, v in layout.items()})
-    attrs = head_count_attributes(st, stage.layers, tp_mesh.size())
-    divide_head_counts(model.module, tp_mesh.size(), attrs)
-    if st.tied and stage.has_embedding and stage.has_head:  # both Shard(0) over the vocabulary: one tensor again
-        model.module.get_submodule(st.head).weight = model.module.get_submodule(st.embedding).weight
-    return [f"{k}: {v.code()}" for k, v in layout.items()] + [f"{p}.{k} / {tp_mesh.size()}" for p, k in attrs]
 
 
 class _RecomputeAttention(torch.overrides.TorchFunctionMode):

@@ -144,3 +144,22 @@ def assert_parity(results: dict, case: str, against: str = "one process") -> dic
     assert r["max_grad_rel_err"] <= RTOL, f"{case}: gradient {r['worst_grad']} off by {r['max_grad_rel_err']:.2e}"
     assert r["replica_rel_err"] <= RTOL, f"{case}: replicas disagree by {r['replica_rel_err']:.2e}"
     return r
+
+
+def capture_first_grads(trainer, rename: Callable[[str], str] = lambda n: n) -> dict:
+    """Install a hook on `trainer` that keeps the first step's clipped gradients, whole (DTensors gathered), by
+    parameter name (`rename` maps the runtime's name to the reference's); returns the dict it fills."""
+    from torch.distributed.tensor import DTensor
+
+    captured: dict = {}
+
+    def hook(pm):
+        if captured:
+            return
+        for n, p in pm.named_parameters():
+            if p.grad is not None:
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                captured[rename(n)] = g.clone()
+
+    trainer.last_grads_hook = hook
+    return captured

@@ -37,7 +37,7 @@ from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
 from autoplan.runtime.train import trainer_parameter_count  # noqa: E402
 from autoplan.specs import TrainingSpec, load_cluster  # noqa: E402
 from autoplan.workload import resolve_model  # noqa: E402
-from tests.dist.worker_loop import compare_with_reference, reference_run, worker_main  # noqa: E402
+from tests.dist.worker_loop import capture_first_grads, compare_with_reference, reference_run, worker_main  # noqa: E402
 
 REF = "tests/capture/_models.py:split_lm"
 STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 3, 4, 16, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
@@ -81,16 +81,7 @@ def run_case(case: str, world: int, refs: dict) -> dict:
             "checkpointed": sum(isinstance(m, CheckpointWrapper) or hasattr(m, "_autoplan_recompute") for m in mods),
             "stages": [s.plan.index for s in trainer.pm.stages],
             "blocks": sum(len(s.module.layers) for s in trainer.pm.stages)}
-    captured: dict = {}
-
-    def hook(pm):
-        if captured:
-            return
-        for n, p in pm.named_parameters():
-            if p.grad is not None:
-                captured[n] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-
-    trainer.last_grads_hook = hook
+    captured = capture_first_grads(trainer)
     data = SyntheticDataset(spec.vocab_size, SEQ, GBS, seed=SEED)
     # step 2 runs under the memory tracker, as `autoplan run` measures it on the CPU (runtime.measure)
     losses = [(memory_step(trainer, data.batch(s))[0] if s == 1 else trainer.step(data.batch(s))).loss

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from torch.distributed.tensor import DTensor  # noqa: E402
 
 from autoplan.api import make_plan  # noqa: E402
 from autoplan.models import arch_from_hf, hf_weights  # noqa: E402
@@ -33,7 +32,7 @@ from autoplan.runtime.engine import Trainer  # noqa: E402
 from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
 from autoplan.specs import TrainingSpec, load_cluster  # noqa: E402
 from autoplan.zoo import cross_entropy_loss  # noqa: E402
-from tests.dist.worker_loop import compare_with_reference, worker_main  # noqa: E402
+from tests.dist.worker_loop import capture_first_grads, compare_with_reference, worker_main  # noqa: E402
 from tests.models.hf_configs import CONFIGS, hf_model  # noqa: E402
 
 STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 3, 4, 16, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
@@ -85,17 +84,9 @@ def run_case(case: str, world: int, tmp: Path) -> dict:
     dims = ParallelDims.from_plan(plan, world).build_mesh()
     trainer = Trainer(plan, dims, device=torch.device("cpu"), seed=SEED, lr=LR, weight_decay=WD, betas=BETAS,
                       max_grad_norm=CLIP, init_from=str(ckpt))
-    captured: dict = {}
-
-    def hook(pm):
-        if captured:
-            return
-        for n, p in pm.named_parameters():
-            if p.grad is not None:
-                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                captured["tok_embeddings.weight" if arch.tie_embeddings and n == "output.weight" else n] = g.clone()
-
-    trainer.last_grads_hook = hook
+    # a tied head's gradient is the embedding's (transformers names the shared weight after the embedding)
+    captured = capture_first_grads(
+        trainer, lambda n: "tok_embeddings.weight" if arch.tie_embeddings and n == "output.weight" else n)
     data = SyntheticDataset(arch.vocab_size, SEQ, GBS, seed=SEED)
     losses = [trainer.step(data.batch(s)).loss for s in range(STEPS)]
     gathered: list = [None] * world
