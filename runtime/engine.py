@@ -188,7 +188,7 @@ class Trainer:
                 for mod in (m.tok_embeddings, m.output):
                     if mod is not None and mod.weight.grad is not None:
                         g = mod.weight.grad
-                        dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=self.tied_group)
+                        dist.all_reduce(_local(g), group=self.tied_group)
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradient: DTensor grads reduce over their mesh; experts sum over ep; stages
@@ -218,7 +218,7 @@ class Trainer:
                 # which is not a Shard subclass)
                 dims_ = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
                 key = (id(g.device_mesh), dims_, expert_param)
-                groups.setdefault(key, (g.device_mesh, dims_, []))[2].append(g.to_local())
+                groups.setdefault(key, (g.device_mesh, dims_, []))[2].append(_local(g))
             else:
                 groups.setdefault((None, (), expert_param), (None, (), []))[2].append(g)
         for (_, _, expert_param), (mesh, dims_, tensors) in sorted(groups.items(), key=lambda kv: kv[0][1:]):
@@ -270,7 +270,11 @@ def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _local(x):
-    return x.to_local() if isinstance(x, DTensor) else x
+    """This rank's shard of a DTensor as a plain tensor, for gradients and detached values only. Not `to_local()`:
+    that is an autograd Function (about 5 us a call) and the step calls this once per parameter for the norm and
+    again for clipping (136 calls on tiny-gpt under FSDP, 3% of the step's Python calls). `_local_tensor` is the
+    same storage (what `to_local` returns a view of), with no autograd node."""
+    return x._local_tensor if isinstance(x, DTensor) else x
 
 
 def _set_sync(model, zero: int, last: bool) -> None:

@@ -102,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--init-from", default=None, metavar="DIR",
                     help="start from a Hugging Face checkpoint (safetensors + config.json); the plan must be for "
                          "that config. Each rank reads only its slices. --resume takes precedence")
+    ap.add_argument("--gc-every", type=int, default=50, metavar="K",
+                    help="Python's cyclic garbage collector runs between steps, every K steps (generations 0-1), "
+                         "instead of inside whichever step it lands in; 0 leaves it automatic")
     ap.add_argument("--quiet", action="store_true")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # torchrun ... -m autoplan.runtime.train -- --plan p.json --log f
@@ -280,7 +283,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
     from .measure import StepMemory, memory_step, profile_record
 
     rank = dist.get_rank()
-    log = tb = saver = None
+    log = tb = saver = collector = None
     stop = faults.StopFlag()
     try:
         dims.build_mesh()
@@ -333,7 +336,9 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         reseed = plan.model.dropout > 0
         lr = args.lr
         _set_lr(trainer.optimizer, lr)
+        collector = GarbageCollection(getattr(args, "gc_every", 0))
         for step in range(start, args.steps):
+            collector.between_steps(step - start)
             if reseed:
                 torch.manual_seed((rng_seed * 1_000_033 + step) % (2**63))
             if args.warmup and step < args.warmup:
@@ -391,6 +396,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                 return 0
         return 0
     finally:
+        if collector is not None:
+            collector.close()
         stop.restore()
         if saver is not None:
             saver.close()
@@ -400,6 +407,41 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
             log.close()
         if tb:
             tb.close()
+
+
+class GarbageCollection:
+    """Python's cyclic garbage collector between steps instead of inside them.
+
+    Left automatic, it runs whenever container allocations outnumber deallocations by 700 (generation 0; FSDP2's
+    hooks allocate thousands per step), and a full collection walks every object the process holds -- about 325k
+    after importing torch and building a tiny model, 0.6 s measured on this machine, landing inside one step. With
+    many ranks a pause on one rank stalls every collective it takes part in. So during training the collector is
+    off and generations 0 and 1 are collected every `every` steps, between steps (torchtitan's `gc_freq` does the
+    same). Garbage piles up between collections only where torch makes cycles: measured per step on tiny models,
+    none under DDP/FSDP/cp/ep, ~150 small objects under pipelining and 1.8k (tp) to 5.5k (tp+sp) under DTensor
+    TP (closures and tuples of its dispatch, no tensors): at K=50 a few tens of MB of host memory at most. The
+    collector's state is restored at the end (tests run several trainings in one process)."""
+
+    def __init__(self, every: int) -> None:
+        import gc
+
+        self.every = every
+        self.was_enabled = gc.isenabled()
+        if every > 0:
+            gc.collect(1)
+            gc.disable()
+
+    def between_steps(self, steps_done: int) -> None:
+        if self.every > 0 and steps_done > 0 and steps_done % self.every == 0:
+            import gc
+
+            gc.collect(1)
+
+    def close(self) -> None:
+        import gc
+
+        if self.every > 0 and self.was_enabled:
+            gc.enable()
 
 
 def _my_peak(profile: dict, rank: int) -> float:

@@ -264,3 +264,34 @@ def test_print_command_prints_one_line_per_node(tmp_path, capsys):
     assert run(path, nnodes=2, rdzv_endpoint="node0:29500", train_args=["--steps", "3"], print_command=True) == 0
     out = capsys.readouterr().out.strip()
     assert out.count("\n") == 0 and "--nnodes 2" in out and "--nproc-per-node 4" in out and str(path) in out
+
+
+def test_garbage_collection_runs_between_steps_and_restores_the_collector():
+    import gc
+
+    from autoplan.runtime.train import GarbageCollection
+
+    seen: list[int] = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+
+    assert gc.isenabled()
+    gc.callbacks.append(on_gc)
+    try:
+        collector = GarbageCollection(every=3)
+        assert not gc.isenabled()  # nothing automatic inside the steps
+        seen.clear()
+        for done in range(7):
+            collector.between_steps(done)
+        assert seen == [1, 1]  # after steps 3 and 6, generations 0-1
+        collector.close()
+        assert gc.isenabled()
+        off = GarbageCollection(every=0)  # 0: the collector is left as it was
+        assert gc.isenabled()
+        off.close()
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.enable()
