@@ -115,7 +115,7 @@ def plain_eager(spec, plan, steps: int, on_step) -> None:
 
 
 def _dp_loop(model, params, data, mbs, steps, on_step, *, no_sync, world, rank, extra_grad_fix=None,
-             cp_idx=None) -> None:
+             cp_idx=None, clip=None) -> None:
     """The usual data-parallel loop: rows of this rank, micro-batches, sync on the last, clip, step."""
     import torch
 
@@ -138,7 +138,10 @@ def _dp_loop(model, params, data, mbs, steps, on_step, *, no_sync, world, rank, 
             total += loss.detach() / n_micro
         if extra_grad_fix is not None:
             extra_grad_fix()
-        torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+        if clip is not None:
+            clip()
+        else:
+            torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
         opt.step()
         on_step(_global_mean(total, world))
 
@@ -384,8 +387,22 @@ def plain_ep(spec, plan, steps: int, on_step) -> None:
         if grads:
             torch._foreach_div_(grads, world)
 
+    dense = [p for n, p in model.named_parameters() if ".experts." not in n]
+
+    def clip_global():  # the norm of the whole model's gradient: the dense one (the same on every rank) and every
+        # rank's own experts summed over ranks; clip_grad_norm_ alone would clip each rank by its own experts'
+        # norm and the replicas of the dense weights would drift apart
+        import torch
+        from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+        dense_sq = get_total_norm([p.grad for p in dense if p.grad is not None]).double() ** 2
+        expert_sq = get_total_norm([p.grad for p in experts if p.grad is not None]).double() ** 2
+        dist.all_reduce(expert_sq)
+        clip_grads_with_norm_(list(model.parameters()), CLIP, torch.sqrt(dense_sq + expert_sq).float(), foreach=True)
+
     _dp_loop(ddp, list(model.parameters()), data, mbs, steps, on_step, world=world, rank=rank,
-             no_sync=lambda last: contextlib.nullcontext() if last else ddp.no_sync(), extra_grad_fix=average_experts)
+             no_sync=lambda last: contextlib.nullcontext() if last else ddp.no_sync(), extra_grad_fix=average_experts,
+             clip=clip_global)
 
 
 def plain_for(plan):
