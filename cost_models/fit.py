@@ -1,9 +1,9 @@
 """Refit a cluster's constants to measurements: the half of `autoplan tune` that learns from what it ran.
 
 The cost model's constants (GEMM and attention efficiency, memory efficiency, host time per operator and its
-extra under tensor parallelism, latency and bandwidth of each network level, and the wait for descheduled peers
-on an oversubscribed node) are fitted once per GPU type on published runs. On a cluster the model has not seen they can be far off; this module
-fits them to that cluster's own measurements by nonlinear least squares *through the cost model itself*, so a
+extra under tensor parallelism, FSDP's host time per collective, latency and bandwidth of each network level,
+and the wait for descheduled peers on an oversubscribed node) are fitted once per GPU type on published runs.
+On a cluster the model has not seen they can be far off; this module fits them to that cluster's own measurements by nonlinear least squares *through the cost model itself*, so a
 refit cluster predicts with exactly the code the search uses.
 
 The residuals are on components, not on total step time alone:
@@ -66,6 +66,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "host time per operator (Python, dispatch, launch), us"),
     Knob("tp_op_overhead_us", ("gpu", "calibration", "tp_op_overhead_us"), 1e-2, 1e6,
          "extra host time per operator of a tensor-parallel (DTensor) layer, us"),
+    Knob("fsdp_collective_overhead_us", ("gpu", "calibration", "fsdp_collective_overhead_us"), 1e-2, 1e6,
+         "host time FSDP2 spends around each per-unit all-gather / reduce-scatter (ZeRO-1/2/3), us"),
     Knob("intra_latency_us", ("intra_node", "latency_us"), 1e-2, 1e6, "intra-node hop latency (alpha), us"),
     Knob("intra_bandwidth_gbps", ("intra_node", "bandwidth_gbps"), 1e-4, 1e5,
          "intra-node bandwidth (1/beta), GB/s"),
@@ -128,6 +130,8 @@ class GemmSample(_Obs):
     k: int = Field(gt=0, description="Contraction size.")
     dtype: str = Field(default="fp32", description="Compute dtype.")
     seconds: float = Field(gt=0, description="Measured time of one GEMM.")
+    call_s: float = Field(default=0.0, ge=0, description="Measured time of a 1x1x1 GEMM in the same loop: what "
+                          "the benchmark's own call costs (0 in files written before it was recorded).")
 
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
@@ -176,10 +180,12 @@ class RunSample(BaseModel):
 
 
 def predict_gemm(cluster: ClusterSpec, g: GemmSample) -> float:
-    """Time of one GEMM by the cost model's roofline (host time per op as the floor, as for a layer)."""
+    """Time of one GEMM by the cost model's roofline, plus the benchmark loop's own cost per call (measured,
+    `call_s`). Not kernel_launch_us: that is a training step's host time per operator (autograd, module calls,
+    hooks on top of the dispatch), and pinning it to a bare call made the fit explain host-bound steps by
+    absurdly slow attention instead (session 5: attention_efficiency 0.008)."""
     peak = cluster.gpu.peak_flops(g.dtype)
-    t = 2.0 * g.m * g.n * g.k / (peak * gemm_efficiency(cluster, g.m, g.n, g.k))
-    return max(t, cluster.gpu.calibration.kernel_launch_us * 1e-6)
+    return 2.0 * g.m * g.n * g.k / (peak * gemm_efficiency(cluster, g.m, g.n, g.k)) + g.call_s
 
 
 def predict_collective(cluster: ClusterSpec, c: CollectiveSample) -> float:
@@ -265,6 +271,8 @@ def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
             "kernel_launch_us", "intra_latency_us", "intra_bandwidth_gbps"]
     if any(r.parallel.tp > 1 for r in runs):
         free.append("tp_op_overhead_us")
+    if any(r.parallel.zero >= 1 and r.parallel.dp * r.parallel.cp > 1 for r in runs):
+        free.append("fsdp_collective_overhead_us")
     if any(r.world > cluster.gpus_per_node for r in runs) or any(c.level == "inter" for c in collectives):
         free += ["inter_latency_us", "inter_bandwidth_gbps"]
     cores = cluster.cores_per_node
@@ -368,7 +376,7 @@ class _Problem:
 
         start = knob_values(self.cluster)
         # Knobs stuck at 0 (e.g. the oversubscription wait of a preset) start from a small physical value.
-        starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0}
+        starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0, "fsdp_collective_overhead_us": 1000.0}
         x0_vals = {k: start[k] if start[k] > 0 else starts.get(k, 1.0) for k in free}
         lo = np.array([math.log(KNOBS[k].lower) for k in free])
         hi = np.array([math.log(KNOBS[k].upper) for k in free])
