@@ -334,7 +334,7 @@ def fsdp_unit_time(stages: list[StageCost], dense: float, cfg: ParallelConfig, m
     unless the sync is deferred, so without a pipeline ZeRO-2 reduce-scatters and re-gathers every micro-batch
     (the collective counts are cost_models.counts.dp_comm's, measured by runtime.measure); and around each
     collective FSDP2 does host work (copy-in, copy-out, DTensor views: `fsdp_collective_overhead_us`).
-    ZeRO-3's per-micro-batch bytes and latency are zero3_block_exposed's; only its host work is added here."""
+    The extra latency and repeats are charged where the host runs the collectives (gloo). ZeRO-3's per-micro-batch bytes and latency are zero3_block_exposed's; only its host work is added here."""
     n = cfg.dp * cfg.cp
     if cfg.zero == 0 or n <= 1 or dense <= 0:
         return 0.0
@@ -342,7 +342,9 @@ def fsdp_unit_time(stages: list[StageCost], dense: float, cfg: ParallelConfig, m
     syncs = m if cfg.zero >= 2 and cfg.pp == 1 else 1
     gathers = 1 if cfg.zero == 1 or cfg.pp > 1 else (m if cfg.zero == 2 else 2 * m)
     host = units * (syncs + gathers) * cluster.gpu.calibration.fsdp_collective_overhead_us * 1e-6
-    if cfg.zero >= 3:
+    if cfg.zero >= 3 or comm.native_reduce_scatter(cluster):
+        # NCCL runs the per-unit collectives on the device, prefetched and overlapped with compute (dp_sync's
+        # overlap accounting stands for them); gloo runs them on the host that computes, one after another.
         return host
     grp = comm.group_of(cluster, n, cfg.tp)
     g_bytes, w_bytes = dense * training.grad_bytes, dense * training.weight_bytes
