@@ -58,14 +58,16 @@ def model_gemm_shapes(model_ref: str, seq: int, mbs: int, max_tp: int) -> list[t
 
 
 def bench_gemms(shapes, device: str, dtype_name: str) -> list[dict]:
+    """Each shape's median time over a few calls, with `call_s`: the median time of a 1x1x1 GEMM in the same
+    loop, i.e. what the loop itself costs per call (Python, dispatcher, launch, synchronisation). The fit adds it
+    to the roofline of each shape rather than reading it as the host time per operator of a training step,
+    which also pays autograd, module calls and hooks (GPUCalibration.kernel_launch_us)."""
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    out = []
-    for m, n, k in shapes:
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
+
+    def median_call(a, b) -> float:
         torch.mm(a, b)
         sync()
         times = []
@@ -74,7 +76,15 @@ def bench_gemms(shapes, device: str, dtype_name: str) -> list[dict]:
             torch.mm(a, b)
             sync()
             times.append(time.perf_counter() - t0)
-        out.append({"m": m, "n": n, "k": k, "dtype": dtype_name, "seconds": statistics.median(times)})
+        return statistics.median(times)
+
+    one = torch.ones(1, 1, device=device, dtype=dtype)
+    call_s = median_call(one, one)
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        out.append({"m": m, "n": n, "k": k, "dtype": dtype_name, "seconds": median_call(a, b), "call_s": call_s})
     return out
 
 

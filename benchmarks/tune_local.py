@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the tune step")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=3)
-    ap.add_argument("--diverse", type=int, default=4)
+    ap.add_argument("--diverse", type=int, default=7)
     ap.add_argument("--min-held-out", type=int, default=12)
     ap.add_argument("--no-bench", action="store_true",
                     help="skip the micro-benchmarks (calibrate's GEMMs and collectives at 4 and 2 processes)")

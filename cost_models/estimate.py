@@ -300,18 +300,57 @@ def _stages_by_rank(stages: list[StageCost], pp: int) -> list[list[StageCost]]:
 
 
 def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: ClusterSpec,
-                training: TrainingSpec) -> list[tuple[float, float, float, float]]:
+                training: TrainingSpec, m: int = 1) -> list[tuple[float, float, float, float]]:
     """Per pipeline rank, what follows its last backward: (gradient reduction, its last-bucket tail, optimizer,
-    exposed parameter gather)."""
+    exposed parameter gather and FSDP's per-unit extra, `fsdp_unit_time`)."""
     out = []
     for stages in by_rank:
         dense = sum(s.params - s.expert_params for s in stages)
         expert = sum(s.expert_params for s in stages)
         red, gather, tail = dp_sync(dense, expert, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero,
                                     cluster=cluster, training=training, units=runtime_dp_units(stages, cfg))
-        opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster)
-        out.append((red, tail, opt, param_gather_exposed(gather, cluster, training)))
+        opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster) \
+            + step_scalars_time(cfg, cluster)
+        fsdp = fsdp_unit_time(stages, dense, cfg, m, cluster, training)
+        out.append((red, tail, opt, param_gather_exposed(gather, cluster, training) + fsdp))
     return out
+
+
+def step_scalars_time(cfg: ParallelConfig, cluster: ClusterSpec) -> float:
+    """The two scalar all-reduces over every rank that each step of the runtime makes on the optimizer's path
+    (runtime.engine.Trainer: the global gradient norm before clipping, the loss for the log): a few bytes each,
+    so latency only -- nothing on NVLink, but on an oversubscribed CPU node each waits for descheduled peers."""
+    world = cfg.tp * cfg.cp * cfg.dp * cfg.pp
+    if world <= 1:
+        return 0.0
+    return 2 * comm.all_reduce(cluster, comm.group_of(cluster, world, 1), 8.0)
+
+
+def fsdp_unit_time(stages: list[StageCost], dense: float, cfg: ParallelConfig, m: int, cluster: ClusterSpec,
+                   training: TrainingSpec) -> float:
+    """What dp_sync's one-bucket pricing leaves out of ZeRO-1/2/3 as autoplan's runtime runs it: FSDP2
+    `fully_shard` per block and per stage root (runtime.parallelize.apply_fsdp), so each unit reduce-scatters and
+    all-gathers on its own and every collective pays its own latency hops; FSDP2 reshards after every backward
+    unless the sync is deferred, so without a pipeline ZeRO-2 reduce-scatters and re-gathers every micro-batch
+    (the collective counts are cost_models.counts.dp_comm's, measured by runtime.measure); and around each
+    collective FSDP2 does host work (copy-in, copy-out, DTensor views: `fsdp_collective_overhead_us`).
+    The extra latency and repeats are charged where the host runs the collectives (gloo). ZeRO-3's per-micro-batch bytes and latency are zero3_block_exposed's; only its host work is added here."""
+    n = cfg.dp * cfg.cp
+    if cfg.zero == 0 or n <= 1 or dense <= 0:
+        return 0.0
+    units = sum(s.layout.layers[1] - s.layout.layers[0] + 1 for s in stages)
+    syncs = m if cfg.zero >= 2 and cfg.pp == 1 else 1
+    gathers = 1 if cfg.zero == 1 or cfg.pp > 1 else (m if cfg.zero == 2 else 2 * m)
+    host = units * (syncs + gathers) * cluster.gpu.calibration.fsdp_collective_overhead_us * 1e-6
+    if cfg.zero >= 3 or comm.native_reduce_scatter(cluster):
+        # NCCL runs the per-unit collectives on the device, prefetched and overlapped with compute (dp_sync's
+        # overlap accounting stands for them); gloo runs them on the host that computes, one after another.
+        return host
+    grp = comm.group_of(cluster, n, cfg.tp)
+    g_bytes, w_bytes = dense * training.grad_bytes, dense * training.weight_bytes
+    per_unit = units * (syncs * comm.reduce_scatter(cluster, grp, g_bytes / units)
+                        + gathers * comm.all_gather(cluster, grp, w_bytes / units))
+    return host + max(0.0, per_unit - comm.reduce_scatter(cluster, grp, g_bytes) - comm.all_gather(cluster, grp, w_bytes))
 
 
 def step_time_lower_bound(est: Estimate, cluster: ClusterSpec, training: TrainingSpec, p2p_s: float) -> float:
@@ -325,7 +364,7 @@ def step_time_lower_bound(est: Estimate, cluster: ClusterSpec, training: Trainin
     ends = rank_end_lower_bounds([s.fwd_s for s in est.stages], [s.bwd_s for s in est.stages], cfg.pp, m, cfg.vp,
                                  p2p_s if cfg.pp > 1 else 0.0)
     return max(end + dp_exposed(red, tail, math.inf, cluster, training) + opt + g_exp
-               for end, (red, tail, opt, g_exp) in zip(ends, _rank_tails(by_rank, cfg, cluster, training),
+               for end, (red, tail, opt, g_exp) in zip(ends, _rank_tails(by_rank, cfg, cluster, training, m),
                                                         strict=True))
 
 
@@ -487,7 +526,7 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
     # Data-parallel gradient sync and the optimizer, per pipeline rank.
     by_rank = _stages_by_rank(stages, cfg.pp)
     finish, dp_times, opt_time, gather_times = [], [], [], []
-    for r, (red, tail, opt, g_exp) in enumerate(_rank_tails(by_rank, cfg, cluster, training)):
+    for r, (red, tail, opt, g_exp) in enumerate(_rank_tails(by_rank, cfg, cluster, training, m)):
         dp_t = dp_exposed(red, tail, rank_end[r] - last_b[r], cluster, training)
         finish.append(rank_end[r] + dp_t + opt + g_exp)
         dp_times.append(dp_t)

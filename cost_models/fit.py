@@ -1,9 +1,9 @@
 """Refit a cluster's constants to measurements: the half of `autoplan tune` that learns from what it ran.
 
 The cost model's constants (GEMM and attention efficiency, memory efficiency, host time per operator and its
-extra under tensor parallelism, latency and bandwidth of each network level, and the wait for descheduled peers
-on an oversubscribed node) are fitted once per GPU type on published runs. On a cluster the model has not seen they can be far off; this module
-fits them to that cluster's own measurements by nonlinear least squares *through the cost model itself*, so a
+extra under tensor parallelism, FSDP's host time per collective, latency and bandwidth of each network level,
+and the wait for descheduled peers on an oversubscribed node) are fitted once per GPU type on published runs.
+On a cluster the model has not seen they can be far off; this module fits them to that cluster's own measurements by nonlinear least squares *through the cost model itself*, so a
 refit cluster predicts with exactly the code the search uses.
 
 The residuals are on components, not on total step time alone:
@@ -66,6 +66,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "host time per operator (Python, dispatch, launch), us"),
     Knob("tp_op_overhead_us", ("gpu", "calibration", "tp_op_overhead_us"), 1e-2, 1e6,
          "extra host time per operator of a tensor-parallel (DTensor) layer, us"),
+    Knob("fsdp_collective_overhead_us", ("gpu", "calibration", "fsdp_collective_overhead_us"), 1e-2, 1e6,
+         "host time FSDP2 spends around each per-unit all-gather / reduce-scatter (ZeRO-1/2/3), us"),
     Knob("intra_latency_us", ("intra_node", "latency_us"), 1e-2, 1e6, "intra-node hop latency (alpha), us"),
     Knob("intra_bandwidth_gbps", ("intra_node", "bandwidth_gbps"), 1e-4, 1e5,
          "intra-node bandwidth (1/beta), GB/s"),
@@ -128,6 +130,8 @@ class GemmSample(_Obs):
     k: int = Field(gt=0, description="Contraction size.")
     dtype: str = Field(default="fp32", description="Compute dtype.")
     seconds: float = Field(gt=0, description="Measured time of one GEMM.")
+    call_s: float = Field(default=0.0, ge=0, description="Measured time of a 1x1x1 GEMM in the same loop: what "
+                          "the benchmark's own call costs (0 in files written before it was recorded).")
 
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
@@ -176,10 +180,12 @@ class RunSample(BaseModel):
 
 
 def predict_gemm(cluster: ClusterSpec, g: GemmSample) -> float:
-    """Time of one GEMM by the cost model's roofline (host time per op as the floor, as for a layer)."""
+    """Time of one GEMM by the cost model's roofline, plus the benchmark loop's own cost per call (measured,
+    `call_s`). Not kernel_launch_us: that is a training step's host time per operator (autograd, module calls,
+    hooks on top of the dispatch), and pinning it to a bare call made the fit explain host-bound steps by
+    absurdly slow attention instead (session 5: attention_efficiency 0.008)."""
     peak = cluster.gpu.peak_flops(g.dtype)
-    t = 2.0 * g.m * g.n * g.k / (peak * gemm_efficiency(cluster, g.m, g.n, g.k))
-    return max(t, cluster.gpu.calibration.kernel_launch_us * 1e-6)
+    return 2.0 * g.m * g.n * g.k / (peak * gemm_efficiency(cluster, g.m, g.n, g.k)) + g.call_s
 
 
 def predict_collective(cluster: ClusterSpec, c: CollectiveSample) -> float:
@@ -216,8 +222,9 @@ class FitResult:
     before: dict[str, float]
     after: dict[str, float]
     free: list[str]
-    undetermined: list[str]  # knobs the data hardly sees (kept near their starting value)
+    undetermined: list[str]  # knobs the data hardly see (held at their starting value)
     collinear: list[list[str]] = field(default_factory=list)  # knobs only whose combination the data determines
+    held: list[str] = field(default_factory=list)  # held at their start: undetermined, or collinear with a better-seen one
     rows: list[dict] = field(default_factory=list)  # one per residual: kind, label, measured, before, after
     count_mismatches: list[str] = field(default_factory=list)
     cost: float = 0.0
@@ -248,7 +255,7 @@ class FitResult:
                 lines.append(f"  {r['label']}: measured {r['measured'] * 1e3:.2f} ms, predicted "
                              f"{r['before'] * 1e3:.2f} -> {r['after'] * 1e3:.2f} ms")
         for name in self.free:
-            tag = " (undetermined by the data: kept near its start)" if name in self.undetermined else ""
+            tag = " (held: the data do not determine it)" if name in self.held else ""
             lines.append(f"{name}: {self.before[name]:.6g} -> {self.after[name]:.6g}{tag}")
         lines.extend("only the combination of " + " and ".join(g) + " is determined (they trade off)"
                      for g in self.collinear)
@@ -264,6 +271,8 @@ def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
             "kernel_launch_us", "intra_latency_us", "intra_bandwidth_gbps"]
     if any(r.parallel.tp > 1 for r in runs):
         free.append("tp_op_overhead_us")
+    if any(r.parallel.zero >= 1 and r.parallel.dp * r.parallel.cp > 1 for r in runs):
+        free.append("fsdp_collective_overhead_us")
     if any(r.world > cluster.gpus_per_node for r in runs) or any(c.level == "inter" for c in collectives):
         free += ["inter_latency_us", "inter_bandwidth_gbps"]
     cores = cluster.cores_per_node
@@ -276,90 +285,150 @@ def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
 def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Sequence[GemmSample] = (),
                 collectives: Sequence[CollectiveSample] = (), *, free: Sequence[str] | None = None,
                 prior_weight: float = 1e-3, profiles: dict[str, list[LayerProfile]] | None = None,
-                max_evaluations: int = 400) -> FitResult:
+                max_evaluations: int = 400, hold_undetermined: bool = True) -> FitResult:
     """Least-squares refit of `free` knobs of `cluster` to the measurements (see the module docstring).
 
     `profiles` maps a model name to its captured LayerProfiles (models that are not analytic specs); others are
-    profiled from their spec. Raises SpecError when there is nothing to fit.
+    profiled from their spec. With `hold_undetermined` (the default) a knob the data hardly see, and all but the
+    best-seen member of a group the data see only in combination, are held at their starting values and the
+    rest refit: a knob no measurement constrains would otherwise wander to wherever the optimiser stopped
+    (session 5 saw memory_efficiency 961 and attention_efficiency 0.008 from 7 runs for 9 knobs), and the held-out
+    layouts that do use it would pay. Raises SpecError when there is nothing to fit.
     """
-    import numpy as np
-    from scipy.optimize import least_squares
-
     if not (runs or gemms or collectives):
         raise SpecError("nothing to fit", "no runs and no micro-benchmarks", "measure some runs first")
     free = list(free if free is not None else default_free_knobs(cluster, runs, collectives))
-    # Knobs stuck at 0 (e.g. the oversubscription wait of a preset) start from a small physical value.
+    problem = _Problem(cluster, runs, gemms, collectives, prior_weight, profiles, max_evaluations)
+    first = problem.solve(free)
+    undetermined, collinear = first.undetermined, first.collinear
+    fitted, held = first, []
+    while hold_undetermined:
+        hold = set(fitted.undetermined) | {k for g in fitted.collinear for k in _all_but_best(g, fitted.sens)}
+        if not hold:
+            break
+        held += sorted(hold)
+        keep = [k for k in fitted.free if k not in hold]
+        if not keep:
+            break
+        fitted = problem.solve(keep)
     start = knob_values(cluster)
-    starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0}
-    x0_vals = {k: start[k] if start[k] > 0 else starts.get(k, 1.0) for k in free}
-    lo = np.array([math.log(KNOBS[k].lower) for k in free])
-    hi = np.array([math.log(KNOBS[k].upper) for k in free])
-    x0 = np.clip(np.array([math.log(x0_vals[k]) for k in free]), lo + 1e-9, hi - 1e-9)
-    profs = {r.model.name: (profiles or {}).get(r.model.name) or profile_from_spec(r.model) for r in runs}
-    n_data = len(gemms) + len(collectives) + sum(1 + len(_components(r)) for r in runs)
+    after = {k: fitted.after.get(k, start[k]) for k in free}
+    refit = with_knobs(cluster, {k: fitted.after[k] for k in fitted.free})
+    rows = problem.rows(fitted)
+    return FitResult(cluster=refit, before={k: start[k] for k in free}, after=after, free=free,
+                     undetermined=undetermined, collinear=collinear, held=held, rows=rows, cost=fitted.cost,
+                     evaluations=first.evaluations + (fitted.evaluations if fitted is not first else 0))
 
-    def predictions(x, with_runs: bool = True) -> list[float]:
-        cl = with_knobs(cluster, {k: math.exp(v) for k, v in zip(free, x, strict=True)})
-        out = [predict_gemm(cl, g) for g in gemms]
-        out += [predict_collective(cl, c) for c in collectives]
-        for r in runs if with_runs else ():
-            est = predict_run(cl, r, profs[r.model.name])
+
+def _all_but_best(group: list[str], sens: dict[str, float]) -> list[str]:
+    """The members of a collinear group to hold: all but the one the data move most (it carries the
+    combination the data determine)."""
+    best = max(group, key=lambda k: sens.get(k, 0.0))
+    return [k for k in group if k != best]
+
+
+@dataclass
+class _Solved:
+    free: list[str]
+    x0: object  # numpy array: the start, log space
+    x: object  # the solution, log space
+    after: dict[str, float]
+    sens: dict[str, float]
+    undetermined: list[str]
+    collinear: list[list[str]]
+    cost: float
+    evaluations: int
+
+
+class _Problem:
+    """The measurements and the cost model's predictions of them, for any set of free knobs (the others keep
+    `cluster`'s values)."""
+
+    def __init__(self, cluster, runs, gemms, collectives, prior_weight, profiles, max_evaluations):
+        import numpy as np
+
+        self.cluster, self.runs, self.gemms, self.collectives = cluster, list(runs), list(gemms), list(collectives)
+        self.prior_weight, self.max_evaluations = prior_weight, max_evaluations
+        self.profs = {r.model.name: (profiles or {}).get(r.model.name) or profile_from_spec(r.model) for r in runs}
+        measured = [g.seconds for g in gemms] + [c.seconds for c in collectives]
+        self.n_micro = len(measured)
+        for r in runs:
+            measured.append(r.measured_step_s)
+            measured.extend(v for _, v in sorted(_components(r).items()))
+        self.measured = measured
+        self.meas = np.array(measured)
+        self.n_data = len(measured)
+
+    def predictions(self, values: dict[str, float], with_runs: bool = True) -> list[float]:
+        cl = with_knobs(self.cluster, values)
+        out = [predict_gemm(cl, g) for g in self.gemms]
+        out += [predict_collective(cl, c) for c in self.collectives]
+        for r in self.runs if with_runs else ():
+            est = predict_run(cl, r, self.profs[r.model.name])
             out.append(est.step_time_s)
             out.extend(max(est.breakdown.get(k, 0.0), 1e-12) for k in _components(r))
         return out
 
-    measured = [g.seconds for g in gemms] + [c.seconds for c in collectives]
-    n_micro = len(measured)
-    for r in runs:
-        measured.append(r.measured_step_s)
-        measured.extend(v for _, v in sorted(_components(r).items()))
-    meas = np.array(measured)
+    def solve(self, free: list[str]) -> _Solved:
+        """Fit `free` (stage 1 on the micro-benchmarks, stage 2 on everything from a few starts)."""
+        import numpy as np
+        from scipy.optimize import least_squares
 
-    def solve(x_start, with_runs: bool):
-        m = meas if with_runs else meas[:n_micro]
+        start = knob_values(self.cluster)
+        # Knobs stuck at 0 (e.g. the oversubscription wait of a preset) start from a small physical value.
+        starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0, "fsdp_collective_overhead_us": 1000.0}
+        x0_vals = {k: start[k] if start[k] > 0 else starts.get(k, 1.0) for k in free}
+        lo = np.array([math.log(KNOBS[k].lower) for k in free])
+        hi = np.array([math.log(KNOBS[k].upper) for k in free])
+        x0 = np.clip(np.array([math.log(x0_vals[k]) for k in free]), lo + 1e-9, hi - 1e-9)
+        w = self.prior_weight
 
-        def residuals(x):
-            pred = np.array(predictions(x, with_runs))
-            return np.concatenate([np.log(np.maximum(pred, 1e-15) / m), prior_weight * (x - x0)])
+        def values(x):
+            return {k: math.exp(v) for k, v in zip(free, x, strict=True)}
 
-        return least_squares(residuals, x_start, bounds=(lo, hi), method="trf", x_scale="jac", diff_step=1e-6,
-                             ftol=1e-12, xtol=1e-10, gtol=1e-12, max_nfev=max_evaluations)
+        def run(x_start, with_runs: bool):
+            m = self.meas if with_runs else self.meas[: self.n_micro]
 
-    # Stage 1: the primitives alone (GEMM curve, alpha/beta per level) from the micro-benchmarks.
-    x1, nfev = x0, 0
-    if n_micro:
-        s1 = solve(x0, with_runs=False)
-        x1, nfev = s1.x, s1.nfev
-    # Stage 2: everything, from a few starts. The model takes the longer of host and device time per layer and
-    # simulates the pipeline, so the objective has kinks where a trust region can stall; restarting with the
-    # host-side and device-side knobs scaled apart finds the basin the data points to.
-    sol = None
-    if runs:
-        for start_scale in _STARTS:
-            xs = np.array(x1, dtype=float)
-            for i, k in enumerate(free):
-                if k in start_scale:
-                    xs[i] = min(max(xs[i] + math.log(start_scale[k]), lo[i] + 1e-9), hi[i] - 1e-9)
-            cand = solve(xs, with_runs=True)
-            nfev += cand.nfev
-            if sol is None or cand.cost < sol.cost - 1e-15:
-                sol = cand
-            if sol.cost < 1e-10 + 0.5 * (prior_weight**2) * float(((sol.x - x0) ** 2).sum()) * 1.01:
-                break  # the data are explained exactly: no other start can do better
-    else:
-        sol = s1
-    after_vals = {k: math.exp(v) for k, v in zip(free, sol.x, strict=True)}
-    refit = with_knobs(cluster, after_vals)
-    # Identifiability: how much the data rows (not the prior) move with each knob, in log units.
-    jac = np.asarray(sol.jac)[:n_data]
-    sens = np.sqrt((jac**2).sum(axis=0)) if n_data else np.zeros(len(free))
-    undetermined = [k for k, s in zip(free, sens, strict=True) if s < _MIN_SENSITIVITY]
-    collinear = _collinear_groups(jac, sens, free, undetermined)
-    before_pred, after_pred = predictions(x0), predictions(sol.x)
-    rows = _rows(gemms, collectives, runs, measured, before_pred, after_pred)
-    before = {k: start[k] for k in free}
-    return FitResult(cluster=refit, before=before, after=after_vals, free=free, undetermined=undetermined,
-                     collinear=collinear, rows=rows, cost=float(sol.cost), evaluations=int(nfev))
+            def residuals(x):
+                pred = np.array(self.predictions(values(x), with_runs))
+                return np.concatenate([np.log(np.maximum(pred, 1e-15) / m), w * (x - x0)])
+
+            return least_squares(residuals, x_start, bounds=(lo, hi), method="trf", x_scale="jac", diff_step=1e-6,
+                                 ftol=1e-12, xtol=1e-10, gtol=1e-12, max_nfev=self.max_evaluations)
+
+        # Stage 1: the primitives alone (GEMM curve, alpha/beta per level) from the micro-benchmarks.
+        x1, nfev, sol = x0, 0, None
+        if self.n_micro:
+            sol = run(x0, with_runs=False)
+            x1, nfev = sol.x, sol.nfev
+        # Stage 2: everything, from a few starts. The model takes the longer of host and device time per layer
+        # and simulates the pipeline, so the objective has kinks where a trust region can stall; restarting with
+        # the host-side and device-side knobs scaled apart finds the basin the data point to.
+        if self.runs:
+            sol = None
+            for start_scale in _STARTS:
+                xs = np.array(x1, dtype=float)
+                for i, k in enumerate(free):
+                    if k in start_scale:
+                        xs[i] = min(max(xs[i] + math.log(start_scale[k]), lo[i] + 1e-9), hi[i] - 1e-9)
+                cand = run(xs, with_runs=True)
+                nfev += cand.nfev
+                if sol is None or cand.cost < sol.cost - 1e-15:
+                    sol = cand
+                if sol.cost < 1e-10 + 0.5 * (w**2) * float(((sol.x - x0) ** 2).sum()) * 1.01:
+                    break  # the data are explained exactly: no other start can do better
+        # Identifiability: how much the data rows (not the prior) move with each knob, in log units.
+        jac = np.asarray(sol.jac)[: self.n_data]
+        sens = np.sqrt((jac**2).sum(axis=0)) if self.n_data else np.zeros(len(free))
+        undetermined = [k for k, s in zip(free, sens, strict=True) if s < _MIN_SENSITIVITY]
+        collinear = _collinear_groups(jac, sens, free, undetermined)
+        return _Solved(free=free, x0=x0, x=sol.x, after=values(sol.x), sens=dict(zip(free, sens, strict=True)),
+                       undetermined=undetermined, collinear=collinear, cost=float(sol.cost), evaluations=int(nfev))
+
+    def rows(self, s: _Solved) -> list[dict]:
+        before = self.predictions({})  # the cluster as given
+        after = self.predictions(s.after)
+        return _rows(self.gemms, self.collectives, self.runs, self.measured, before, after)
 
 
 # A knob whose data rows move by less than this (root-sum-square of d log(predicted) / d log(knob)) is reported

@@ -156,6 +156,12 @@ class GPUCalibration(_Frozen):
         "propagation and redistribution run in Python for every op (autoplan's runtime); 0 where tensor "
         "parallelism is hand-written (Megatron-LM). Fitted by `autoplan tune`.",
     )
+    fsdp_collective_overhead_us: float = Field(
+        default=0.0, ge=0,
+        description="Host time FSDP2 spends around each per-unit all-gather or reduce-scatter of ZeRO-1/2/3 "
+        "(copy-in to the flat buffer, copy-out and views, DTensor wrapping), microseconds; it is on the critical "
+        "path of a host-bound run (CPU, gloo). 0 where the GPU hides it. Fitted by `autoplan tune`.",
+    )
     framework_overhead_gib: float = Field(
         default=2.0, ge=0, description="Memory the CUDA context, allocator fragmentation and workspaces take."
     )

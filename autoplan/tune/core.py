@@ -3,8 +3,9 @@ cluster's constants to the measurements, and choose the plan by measurement.
 
 The procedure:
 1. **Candidates.** The search's `top` best plans, then `diverse` more, each the best plan the search finds with
-   one knob pinned away from the leaders (tensor parallel, pipeline parallel, ZeRO-3, full recomputation, one
-   sequence per micro-batch, pure data parallel), so that every term of the cost model is exercised by a run.
+   one knob pinned away from the leaders (`DIVERSE_PINS`: tensor parallel at two micro-batch sizes,
+   data-parallel-only ZeRO-2, pipeline parallel, full recomputation, ZeRO-3, sequence parallel, one sequence per
+   micro-batch, pure data parallel), so that every term of the cost model is exercised by a run.
 2. **Measure.** Each candidate runs for real (`torchrun -m autoplan.runtime.train`, `--steps N`, `--log`), with
    `--profile-step` when the runtime supports it (detected from its source, without importing torch); the
    median step time after the first step is the measurement. Candidates are run until `--budget` seconds would
@@ -42,15 +43,37 @@ from autoplan.cost_models.specs import ClusterSpec, ModelSpec, TrainingSpec
 
 from .records import RunLog, read_run_log
 
-# Knob pins that make a candidate deliberately different from the leaders, in the order they are tried.
-DIVERSE_PINS: tuple[tuple[str, Callable[[int], dict[str, str]]], ...] = (
-    ("tp", lambda w: {"tp": "2"}),
-    ("pp", lambda w: {"pp": "2"}),
-    ("zero", lambda w: {"zero": "3"}),
-    ("recompute", lambda w: {"recompute": "full"}),
-    ("mbs", lambda w: {"mbs": "1"}),
-    ("dp", lambda w: {"dp": str(w)}),
-    ("tp+pp", lambda w: {"tp": "2", "pp": "2"}),
+# Knob pins that make a candidate deliberately different from the leaders, in the order they are tried. Each
+# is a function of the world size and the plans chosen so far (their ParallelConfigs), returning the pins or None
+# (nothing to add). The order covers first what the cost model has separate terms for and the leaders seldom
+# exercise: tensor parallelism at two micro-batch counts (its host overhead is paid per micro-batch and per
+# step, and one run cannot tell the two apart), data-parallel-only ZeRO (FSDP's per-unit gathers and scatters),
+# pipeline parallelism, full recomputation, ZeRO-3, then the rest.
+PinFn = Callable[[int, list], "dict[str, str] | None"]
+
+
+def _tp_other_mbs(world: int, chosen: list) -> dict[str, str] | None:
+    """Tensor parallel at a micro-batch size no tensor-parallel plan chosen so far has."""
+    seen = {c.mbs for c in chosen if c.tp > 1}
+    if not seen:
+        return {"tp": "2", "mbs": "1"}
+    for mbs in (1, 2, 4, 8):
+        if mbs not in seen:
+            return {"tp": "2", "mbs": str(mbs)}
+    return None
+
+
+DIVERSE_PINS: tuple[tuple[str, PinFn], ...] = (
+    ("tp", lambda w, chosen: {"tp": "2"}),
+    ("tp, other mbs", _tp_other_mbs),
+    ("zero-2, dp only", lambda w, chosen: {"tp": "1", "pp": "1", "cp": "1", "zero": "2"}),
+    ("pp", lambda w, chosen: {"pp": "2"}),
+    ("recompute", lambda w, chosen: {"recompute": "full"}),
+    ("zero-3, dp only", lambda w, chosen: {"tp": "1", "pp": "1", "cp": "1", "zero": "3"}),
+    ("sp", lambda w, chosen: {"tp": "2", "sp": "1"}),
+    ("mbs", lambda w, chosen: {"mbs": "1"}),
+    ("dp", lambda w, chosen: {"dp": str(w)}),
+    ("tp+pp", lambda w, chosen: {"tp": "2", "pp": "2"}),
 )
 
 
@@ -105,7 +128,7 @@ class TuneResult:
             "refit_choice_measured_s": self.refit_choice_measured_s,
             "fit": None if self.fit is None else {
                 "before": self.fit.before, "after": self.fit.after, "undetermined": self.fit.undetermined,
-                "collinear": self.fit.collinear,
+                "collinear": self.fit.collinear, "held": self.fit.held,
                 "mean_abs_error_before": self.fit.mean_abs_error("run", "before"),
                 "mean_abs_error_after": self.fit.mean_abs_error("run"),
                 "count_mismatches": self.fit.count_mismatches},
@@ -141,10 +164,13 @@ def select_candidates(model: ModelSpec, cluster: ClusterSpec, training: Training
     for i, f in enumerate(res.finalists[:top]):
         add(plan_from_estimate(model, cluster, training, f.estimate, kernels=kernels), f"search #{i + 1}")
     want = len(out) + diverse
-    for name, pin in DIVERSE_PINS:
+    for name, pin_fn in DIVERSE_PINS:
         if len(out) >= want:
             break
-        pins = {**(fix or {}), **pin(cluster.num_gpus)}
+        pin = pin_fn(cluster.num_gpus, [c.plan.parallel for c in out])
+        if pin is None:
+            continue
+        pins = {**(fix or {}), **pin}
         try:
             r = search(model, cluster, training, profiles=profiles, fix=pins, top=3, kernels=kernels)
         except (ConfigError, DoesNotFitError, SpecError):

@@ -28,7 +28,8 @@ from autoplan.specs import load_cluster
 
 TRUTH = {"matmul_max_efficiency": 0.6, "matmul_half_dim": 40.0, "attention_efficiency": 0.25,
          "memory_efficiency": 0.5, "kernel_launch_us": 25.0, "intra_latency_us": 300.0,
-         "intra_bandwidth_gbps": 0.8, "oversubscription_wait_us": 900.0, "tp_op_overhead_us": 80.0}
+         "intra_bandwidth_gbps": 0.8, "oversubscription_wait_us": 900.0, "tp_op_overhead_us": 80.0,
+         "fsdp_collective_overhead_us": 2000.0}
 SMALL = ModelSpec(name="small-gpt", num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
                   vocab_size=512, max_seq_length=256)
 
@@ -92,6 +93,26 @@ def test_runs_alone_leave_primitives_collinear_knobs_reported():
     assert total == pytest.approx(TRUTH["intra_latency_us"] + 0.5 * TRUTH["oversubscription_wait_us"], rel=0.01)
     assert res.mean_abs_error("run") < 1e-3
     assert ["intra_latency_us", "oversubscription_wait_us"] in res.collinear, res.collinear
+    # one of the pair is held at its start (here the truth) and the other carries the combination
+    held = [k for k in ("intra_latency_us", "oversubscription_wait_us") if k in res.held]
+    assert len(held) == 1, res.held
+    assert res.after[held[0]] == res.before[held[0]]
+
+
+def test_a_knob_no_run_sees_is_held_at_its_start():
+    """dp-only runs without ZeRO never use the tensor-parallel or FSDP overheads, and a model with no attention
+    difference between them cannot see attention efficiency apart from the rest: whatever the fit cannot see it
+    must leave where it started instead of letting it wander."""
+    truth = with_knobs(_base(), TRUTH)
+    runs, _, _ = _synthetic(truth)
+    runs = [r for r in runs if r.parallel.tp == 1 and r.parallel.zero == 0][:3]
+    free = ["kernel_launch_us", "tp_op_overhead_us", "fsdp_collective_overhead_us"]
+    start = with_knobs(truth, {"kernel_launch_us": 40.0})
+    res = fit_cluster(start, runs, free=free)
+    assert set(res.held) >= {"tp_op_overhead_us", "fsdp_collective_overhead_us"}, res.held
+    for k in ("tp_op_overhead_us", "fsdp_collective_overhead_us"):
+        assert res.after[k] == res.before[k] == TRUTH[k]
+    assert res.after["kernel_launch_us"] == pytest.approx(TRUTH["kernel_launch_us"], rel=0.01)
 
 
 def test_efficiency_above_one_raises_the_peak_and_predicts_the_same():

@@ -16,13 +16,15 @@ def _workload():
 
 def test_candidates_are_the_search_best_then_deliberately_different():
     model, cluster, training = _workload()
-    cands = select_candidates(model, cluster, training, top=2, diverse=3, kernels="torch")
+    cands = select_candidates(model, cluster, training, top=2, diverse=5, kernels="torch")
     assert [c.why for c in cands[:2]] == ["search #1", "search #2"]
-    assert len(cands) == 5 and len({c.config for c in cands}) == 5
+    assert len(cands) == 7 and len({c.config for c in cands}) == 7
     extra = cands[2:]
-    pins = {"tp": lambda c: c.tp == 2, "pp": lambda c: c.pp == 2, "dp": lambda c: c.dp == 4,
-            "zero": lambda c: c.zero == 3, "recompute": lambda c: c.recompute == "full"}
-    assert [c.why for c in extra] == ["different: tp", "different: pp", "different: zero"]
+    pins = {"tp": lambda c: c.tp == 2, "pp": lambda c: c.pp == 2, "recompute": lambda c: c.recompute == "full",
+            "tp, other mbs": lambda c: c.tp == 2 and c.mbs != extra[0].plan.parallel.mbs,
+            "zero-2, dp only": lambda c: c.zero == 2 and c.tp == c.pp == 1}
+    assert [c.why for c in extra] == ["different: tp", "different: tp, other mbs", "different: zero-2, dp only",
+                                      "different: pp", "different: recompute"]
     for c in extra:  # each honours its pin
         assert pins[c.why.split(": ")[1]](c.plan.parallel), (c.why, c.config)
     assert all(c.plan.kernels == "torch" for c in cands)
