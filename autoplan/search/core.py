@@ -52,7 +52,9 @@ from autoplan.cost_models.estimate import (
     dp_sync,
     estimate,
     optimizer_time,
+    p2p_occupancy,
     param_gather_exposed,
+    pipeline_p2p_parts,
     pipeline_p2p_time,
     step_time_lower_bound,
     zero3_block_exposed,
@@ -232,6 +234,7 @@ class _Searcher:
         self._tail: dict[tuple, float] = {}
         self._dp: dict[tuple, list] = {}
         self._agg: dict[tuple, _Agg] = {}
+        self._occ: dict[tuple, tuple[float, float, float]] = {}
         self.closest: tuple[float, Mesh, dict] | None = None  # (memory deficit bytes, mesh, parts)
         self.finalists: list[Finalist] = []
         self.misses: list[tuple[Mesh, Knobs, StageProblem]] = []
@@ -265,6 +268,21 @@ class _Searcher:
         the receiver's tp all-gather that only non-sp configurations pay, so bounds built on it stay bounds."""
         return pipeline_p2p_time(self.cluster, self.training, hidden=self.profiles[0].hidden, pp=mesh.pp,
                                  tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, mbs=mesh.mbs, sp=sp)
+
+    def occupancy(self, mesh: Mesh, vp: int) -> tuple[float, ...]:
+        """Per (virtual) stage, the compute time its pipeline messages take from it per micro-batch, forward
+        and backward (`estimate.p2p_occupancy`, as the estimate adds it to the stage): depends on the stage's
+        position, not on its blocks. Empty without a pipeline."""
+        if mesh.pp <= 1:
+            return ()
+        key = (mesh.tp, mesh.cp, mesh.pp, mesh.dp, mesh.mbs, mesh.sp)
+        ends = self._occ.get(key)
+        if ends is None:  # a first, a middle and a last stage: every stage is one of the three
+            t, busy = pipeline_p2p_parts(self.cluster, self.training, hidden=self.profiles[0].hidden, pp=mesh.pp,
+                                         tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, mbs=mesh.mbs, sp=mesh.sp)
+            ends = tuple(sum(p2p_occupancy(s, 3, t, self.cluster, self.training, busy)) for s in range(3))
+            self._occ[key] = ends
+        return (ends[0],) + (ends[1],) * (mesh.pp * vp - 2) + (ends[2],)
 
     def p2p_proxy(self, mesh: Mesh, kn: Knobs) -> float:
         """Exposed point-to-point time: the closed form's 2 (pp - 1) messages; the interleaved schedule's
@@ -356,7 +374,7 @@ class _Searcher:
             blocks = tuple(by_uid[u] for u in self.costs.block_uids)
         return StageProblem(blocks=blocks, first=emb, last=head,
                             pp=mesh.pp, vp=kn.vp, m=m, inflight=infl, capacity=tuple(caps), pin=pin,
-                            uniform=len(self.costs.block_counts) == 1)
+                            uniform=len(self.costs.block_counts) == 1, stage_extra=self.occupancy(mesh, kn.vp))
 
     def memory_floor(self, mesh: Mesh) -> tuple[float, dict]:
         """A lower bound on the busiest rank's bytes over every knob and layout of `mesh`: the largest ZeRO
