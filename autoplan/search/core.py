@@ -4,15 +4,18 @@ The procedure (every number is the cost model's; nothing is measured):
 
 1. **Enumerate** legal meshes (tp, cp, ep, pp, dp) with micro-batch sizes and sequence parallelism
    (`space.meshes`), and for each mesh the ZeRO stages, schedules and virtual stages (`space.knob_options`).
-   The three benchmark cases have 0.2-0.3 million such candidates; they are never all built.
+   The three benchmark cases have 0.2-0.3 million such candidates; they are never all built. ZeRO-2 is left
+   out where it prices exactly as ZeRO-1 (under pipeline parallelism: whole gradients, `distinct_zeros`).
 2. **Bound**: best-first branch and bound over one heap. A candidate's key is first a lower bound: its
    perfectly balanced step without recomputation, (m - 1/v) W/pp + W/v + the closed form's point-to-point
-   time + the data-parallel tail (W = every layer's work for one micro-batch). A mesh enters the heap with
+   time + the data-parallel tail (W = every layer's work for one micro-batch plus the compute time the
+   pipeline messages take from every stage, `estimate.p2p_occupancy`). A mesh enters the heap with
    the least bound of its candidates. Meshes whose memory floor (every block fully recomputed, the largest
    ZeRO stage, one micro-batch in flight, averaged over ranks) exceeds the GPU are *pruned by memory*.
 3. **Rank**: a popped candidate gets a feasible layout from `problem.greedy_bound` (rank-level block counts,
-   least recomputation that fits; optimal in the max term for identical blocks) and is pushed back with that
-   proxy step time. Dominated candidates (GPipe by 1F1B, sp=0 by sp=1: same or worse under this model) are
+   least recomputation that fits; optimal in the max term for identical blocks; each stage's message
+   occupancy is a constant of the stage problem, as in the estimate) and is pushed back with that proxy step
+   time. Dominated candidates (GPipe by 1F1B, sp=0 by sp=1: same or worse under this model) are
    re-keyed by their twin's proxy and usually never ranked.
 4. **Solve**: a popped ranked candidate gets its stage ILP (`ilp.py`, pulp/CBC; identical sub-problems are
    solved once) and is estimated with the cost model's closed-form pipeline (`estimate(...,
@@ -20,8 +23,10 @@ The procedure (every number is the cost model's; nothing is measured):
    simulation cannot beat (`estimate.step_time_lower_bound`: the closed form overstates uneven pipelines).
 5. **Simulate**: a popped closed-form finalist is re-estimated with `autoplan.cost_models.estimate.estimate` and its
    pipeline simulation. The search stops when the smallest key left is no better than the best simulated
-   step and `top` finalists are in hand; everything left is *pruned by bound*. The best plan is always a
-   simulated one; runners-up that were not simulated say so (`"pipeline": "closed-form"`).
+   step and `top` finalists are in hand; everything left is *pruned by bound*. The finalists are then ordered
+   by their simulated step (or, not simulated, their bound) and the first `top` simulated (`_settle`): the
+   plan and its runners-up are the simulation's; finalists further down may stay closed-form and say so
+   (`"pipeline": "closed-form"`).
 
 Shortcuts (named so they can be revisited): the mesh and ranked-candidate keys are lower bounds only up to the
 cost model's own closed-form vs simulation gap (`benchmarks/search_exactness.py` counts the misses) (the simulated pipeline is usually slower than the closed form, which keeps
@@ -109,6 +114,14 @@ class Finalist:
     proxy_s: float
     layout: list[StageLayout] = field(default_factory=list)
     simulated: bool = False
+    bound_s: float = 0.0  # what its simulation cannot beat (`estimate.step_time_lower_bound`)
+
+    @property
+    def rank_key(self) -> float:
+        """Its simulated step, or until simulated the most its simulation is known not to beat: the closed form
+        can be below the simulation (and below the best simulated step) while the bound is not."""
+        t = self.estimate.step_time_s
+        return t if self.simulated else max(t, self.bound_s)
 
 
 @dataclass
@@ -182,12 +195,15 @@ class CostTable:
         return got
 
     def static_per_param(self, mesh: Mesh, zero: int) -> tuple[float, float]:
-        """Bytes per dense and per expert parameter (weights + gradients + optimizer) after ZeRO sharding."""
+        """Bytes per dense and per expert parameter (weights + gradients + optimizer) after ZeRO sharding, as
+        `estimate.memory_of_rank` prices them: under pipeline parallelism ZeRO-2/3 keep whole gradients (the
+        schedule defers the reduce-scatter to the last micro-batch)."""
         sd = mesh.dp * mesh.cp
         se = max(1, sd // mesh.ep)
+        grads_sharded = zero >= 2 and mesh.pp == 1
         out = []
         for shard in (sd, se):
-            out.append(self.w_bytes * (1 / shard if zero >= 3 else 1) + self.g_bytes * (1 / shard if zero >= 2 else 1)
+            out.append(self.w_bytes * (1 / shard if zero >= 3 else 1) + self.g_bytes * (1 / shard if grads_sharded else 1)
                        + self.opt_bytes * (1 / shard if zero >= 1 else 1))
         return out[0], out[1]
 
@@ -336,12 +352,22 @@ class _Searcher:
         return zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp,
                                    cluster=self.cluster, training=self.training)
 
-    def lower_bound(self, mesh: Mesh, zero: int, vp: int, tail_vp: int | None = None) -> float:
-        """Perfect balance, no recomputation, the closed form's point-to-point time, the ZeRO tail."""
+    def distinct_zeros(self, mesh: Mesh, zeros: list[int]) -> list[int]:
+        """ZeRO stages that price differently on `mesh`: ZeRO-2 is ZeRO-1 wherever it keeps whole gradients
+        (under pipeline parallelism, `static_per_param`) -- the same traffic, optimizer and memory -- so it is
+        left out when ZeRO-1 is searched (the tie would go to zero=1 anyway, by name)."""
+        if 1 in zeros and 2 in zeros and self.costs.static_per_param(mesh, 2) == self.costs.static_per_param(mesh, 1):
+            return [z for z in zeros if z != 2]
+        return zeros
+
+    def pipe_bound(self, mesh: Mesh, vp: int, occ_vp: int) -> float:
+        """The closed form at perfect balance without recomputation, (m - 1/v) W'/pp + W'/v + 2 (pp - 1) p2p,
+        with W' = every layer's work plus the messages' occupancy of `occ_vp` virtual stages per rank. The
+        coefficient of W' falls with v and the occupancy grows with it, so vp = the largest and occ_vp = 1
+        bound every vp at once."""
         m = self.micro_batches(mesh)
-        work = self.agg(mesh).work
-        p2p = 2 * (mesh.pp - 1) * self.p2p_time(mesh)
-        return (m - 1 / vp) * work / mesh.pp + work / vp + p2p + self.tail(mesh, zero, tail_vp or vp)
+        work = self.agg(mesh).work + sum(self.occupancy(mesh, occ_vp))
+        return (m - 1 / vp) * work / mesh.pp + work / vp + 2 * (mesh.pp - 1) * self.p2p_time(mesh)
 
     def problem(self, mesh: Mesh, kn: Knobs) -> StageProblem:
         lc = self.costs.layers(mesh)
@@ -413,8 +439,11 @@ class _Searcher:
                 if self.closest is None or floor - self.capacity < self.closest[0]:
                     self.closest = (floor - self.capacity, mesh, parts)
                 continue
+            zeros = self.distinct_zeros(mesh, zeros)
+            self.stats.pruned_dominated += n - len(zeros) * len(scheds)
             vmax = max(v for _, v in scheds)
-            lb = min(self.lower_bound(mesh, z, vmax, 1) for z in zeros)
+            pipe = self.pipe_bound(mesh, vmax, 1)
+            lb = min(pipe + self.tail(mesh, z, 1) for z in zeros)
             heap.append((lb, 0, counter, mesh, (zeros, scheds)))
             counter += 1
             if self.progress and i % 512 == 0:
@@ -431,14 +460,11 @@ class _Searcher:
             kind = item[1]
             if kind == 0:  # a mesh: expand into its candidates
                 _, _, _, mesh, (zeros, scheds) = item
-                m = self.micro_batches(mesh)
-                work = self.agg(mesh).work
-                base = 2 * (mesh.pp - 1) * self.p2p_time(mesh)
+                pipe = {v: self.pipe_bound(mesh, v, v) for _, v in scheds}
                 for z in zeros:
-                    tz = self.tail(mesh, z, 1) + base
+                    tz = self.tail(mesh, z, 1)
                     for sched, v in scheds:
-                        lb = (m - 1 / v) * work / mesh.pp + work / v + tz
-                        heapq.heappush(heap, (lb, 1, counter, mesh, Knobs(z, sched, v)))
+                        heapq.heappush(heap, (pipe[v] + tz, 1, counter, mesh, Knobs(z, sched, v)))
                         counter += 1
             elif kind == 1:  # a candidate: rank it with the greedy layout
                 mesh, kn = item[3], item[4]
@@ -475,6 +501,7 @@ class _Searcher:
                     # keyed by what its simulation cannot beat: the closed form overstates uneven pipelines
                     key = fin.estimate.step_time_s if fin.simulated else step_time_lower_bound(
                         fin.estimate, self.cluster, self.training, self.p2p_time(mesh, fin.estimate.config.sp))
+                    fin.bound_s = key
                     heapq.heappush(heap, (key, 3, counter, fin))
                     counter += 1
                     screened += 1
@@ -618,14 +645,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *,
     finalists = s.finalists
     if not finalists:
         raise _does_not_fit(s, model, cluster, training, fixd)
-    order = lambda f: (round(f.estimate.step_time_s, 12), f.config.to_string())  # noqa: E731
-    finalists.sort(key=order)
-    while not finalists[0].simulated:  # only when the simulation cap stopped the search early
-        f = finalists[0]
-        f.estimate = estimate(profiles, cluster, training, f.config, f.layout)
-        f.simulated = True
-        s.stats.estimated += 1
-        finalists.sort(key=order)
+    _settle(s, finalists, top)
     best, others = finalists[0], finalists[1:top]
     runners = [RunnerUp(parallel=f.config.as_dict(), step_time_s=f.estimate.step_time_s, mfu=f.estimate.mfu,
                         peak_memory_gib=f.estimate.peak_memory_gib,
@@ -639,6 +659,23 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *,
     s.stats.search_time_s = time.perf_counter() - t0
     return SearchResult(plan=plan, best=best.estimate, runners_up=[f.estimate for f in others], stats=s.stats,
                         finalists=finalists)
+
+
+def _settle(s: _Searcher, finalists: list[Finalist], top: int) -> None:
+    """Order the finalists by `Finalist.rank_key` and simulate those among the first `top` that are not yet
+    (the best one only when the simulation cap stopped the search early; runners-up pruned by their bound),
+    until the first `top` are all simulated: the plan and its runners-up are the simulation's."""
+    order = lambda f: (round(f.rank_key, 12), f.config.to_string())  # noqa: E731
+    finalists.sort(key=order)
+    while True:
+        pending = [f for f in finalists[:top] if not f.simulated]
+        if not pending:
+            return
+        f = pending[0]
+        f.estimate = estimate(s.profiles, s.cluster, s.training, f.config, f.layout)
+        f.simulated = True
+        s.stats.estimated += 1
+        finalists.sort(key=order)
 
 
 def _why_slower(est: Estimate, best: Estimate) -> str:
