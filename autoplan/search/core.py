@@ -99,7 +99,8 @@ class SearchStats:
     ilp_cached: int = 0  # stage ILPs answered from the cache (identical sub-problems)
     screened: int = 0  # ILP layouts estimated with the closed-form pipeline
     estimated: int = 0  # finalists re-estimated with the pipeline simulation
-    pruned_dominated: int = 0  # dominated by a twin that cannot fit (GPipe by 1F1B, sp=0 by sp=1)
+    pruned_dominated: int = 0  # dominated by a twin that cannot fit (GPipe by 1F1B, sp=0 by sp=1), or priced
+    # exactly as a twin that is searched (ZeRO-2 under pp, `distinct_zeros`)
     search_time_s: float = 0.0
 
     def as_dict(self) -> dict:
