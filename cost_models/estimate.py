@@ -15,7 +15,14 @@ from functools import lru_cache
 from . import comm
 from .compute import Context, LayerCost, layer_cost
 from .errors import ConfigError
-from .pipeline import Timeline, closed_form_makespan, in_flight, rank_end_lower_bounds, simulate
+from .pipeline import (
+    Timeline,
+    closed_form_makespan,
+    in_flight,
+    last_backward_stage,
+    rank_end_lower_bounds,
+    simulate,
+)
 from .profile import LayerProfile
 from .specs import ClusterSpec, ParallelConfig, TrainingSpec
 
@@ -356,16 +363,20 @@ def fsdp_unit_time(stages: list[StageCost], dense: float, cfg: ParallelConfig, m
 def step_time_lower_bound(est: Estimate, cluster: ClusterSpec, training: TrainingSpec, p2p_s: float) -> float:
     """A time the simulated estimate of `est`'s configuration and layout cannot beat, from its stage costs
     (which the closed form and the simulation share): each rank's `rank_end_lower_bounds`, then its gradient
-    sync with the most overlap any timeline allows, optimizer and parameter gather. The search keys closed-form
-    finalists by this, so an uneven pipeline the closed form overstates is still simulated before it is ruled out."""
+    sync, optimizer and parameter gather. The gradient sync overlaps the rank's last action, a backward of a
+    stage the schedule fixes (`last_backward_stage`), exactly as in the simulation (`estimate`'s window is
+    rank_end - last_backward_start, that action's duration). The search keys closed-form finalists by this, so
+    an uneven pipeline the closed form overstates is still simulated before it is ruled out."""
     cfg = est.config
     m = num_microbatches(cfg, training)
     by_rank = _stages_by_rank(est.stages, cfg.pp)
-    ends = rank_end_lower_bounds([s.fwd_s for s in est.stages], [s.bwd_s for s in est.stages], cfg.pp, m, cfg.vp,
+    bwd = [s.bwd_s for s in est.stages]
+    ends = rank_end_lower_bounds([s.fwd_s for s in est.stages], bwd, cfg.pp, m, cfg.vp,
                                  p2p_s if cfg.pp > 1 else 0.0)
-    return max(end + dp_exposed(red, tail, math.inf, cluster, training) + opt + g_exp
-               for end, (red, tail, opt, g_exp) in zip(ends, _rank_tails(by_rank, cfg, cluster, training, m),
-                                                        strict=True))
+    windows = [bwd[last_backward_stage(cfg.schedule, cfg.pp, m, cfg.vp, r)] for r in range(cfg.pp)]
+    return max(end + dp_exposed(red, tail, window, cluster, training) + opt + g_exp
+               for end, window, (red, tail, opt, g_exp) in zip(ends, windows, _rank_tails(by_rank, cfg, cluster,
+                                                                                         training, m), strict=True))
 
 
 def dp_exposed(red: float, tail: float, window: float, cluster: ClusterSpec, training: TrainingSpec) -> float:

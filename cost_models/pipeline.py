@@ -11,6 +11,7 @@ timeline rather than a formula. `bubble_fraction` is the closed form (p-1)/m, or
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,13 @@ def schedule_actions(schedule: str, pp: int, m: int, vp: int = 1) -> list[list[A
     return _interleaved(pp, m, vp)
 
 
+@lru_cache(maxsize=64)
+def _actions(schedule: str, pp: int, m: int, vp: int) -> tuple[tuple[Action, ...], ...]:
+    """`schedule_actions`, frozen and cached: the simulator runs the same schedule with and without messages,
+    and the search simulates many layouts of one shape."""
+    return tuple(tuple(a) for a in schedule_actions(schedule, pp, m, vp))
+
+
 def _interleaved(pp: int, m: int, vp: int) -> list[list[Action]]:
     """Megatron's interleaved 1F1B: micro-batches in groups of pp run through each model chunk in turn."""
     total = m * vp
@@ -59,9 +67,7 @@ def _interleaved(pp: int, m: int, vp: int) -> list[list[Action]]:
         return Action(chunk * pp + r, "F", mb)
 
     def bwd_of(r: int, k: int) -> Action:
-        chunk = vp - 1 - (k // pp) % vp
-        mb = (k // (pp * vp)) * pp + k % pp
-        return Action(chunk * pp + r, "B", mb)
+        return _interleaved_backward(r, k, pp, vp)
 
     out = []
     for r in range(pp):
@@ -76,6 +82,21 @@ def _interleaved(pp: int, m: int, vp: int) -> list[list[Action]]:
         acts += [bwd_of(r, k) for k in range(b, total)]
         out.append(acts)
     return out
+
+
+def _interleaved_backward(r: int, k: int, pp: int, vp: int) -> Action:
+    """Rank r's k-th backward in Megatron's interleaved order: chunks in reverse, micro-batches in groups of pp."""
+    chunk = vp - 1 - (k // pp) % vp
+    mb = (k // (pp * vp)) * pp + k % pp
+    return Action(chunk * pp + r, "B", mb)
+
+
+def last_backward_stage(schedule: str, pp: int, m: int, vp: int, r: int) -> int:
+    """The stage of rank r's last action (every schedule ends each rank with a backward): stage r for GPipe
+    and 1F1B, the chunk of its last backward for the interleaved schedule."""
+    if schedule == "gpipe" or schedule == "1f1b" or vp == 1:
+        return r
+    return _interleaved_backward(r, m * vp - 1, pp, vp).stage
 
 
 def in_flight(schedule: str, pp: int, m: int, vp: int = 1) -> list[float]:
@@ -123,7 +144,7 @@ def simulate(
     """Run the schedule with per-stage forward/backward times (lists of pp*vp entries, backward including
     recomputation). `p2p_s` is the time a stage's output takes to reach the next rank."""
     n_stages = pp * vp
-    acts = schedule_actions(schedule, pp, m, vp)
+    acts = _actions(schedule, pp, m, vp)
     # done times, indexed [kind][stage * m + mb]; -1 = not yet run (flat lists: this is the search's hot path)
     done_f = [-1.0] * (n_stages * m)
     done_b = [-1.0] * (n_stages * m)

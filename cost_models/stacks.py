@@ -78,11 +78,16 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     ),
     _stack(
         name="megatron-2022", title="Megatron-LM with selective recomputation and SP (Korthikanti et al. 2022)",
+        # grad_reduce_dtype fp32: Megatron-LM's arguments.py (2021-22) forces it for bf16 ("bfloat16 requires
+        # gradient accumulation and all-reduce to be done in fp32": accumulate_allreduce_grads_in_fp32 = True).
+        # Not overlapped: Korthikanti et al. 2022 sec. 6.3, "we do not use any overlapping of gradient all-reduces
+        # with back-propagation".
         knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "tp_bwd_comm_overlap": True,
-               "kernels": "megatron", "grad_reduce_dtype": None, "p2p_overlap": False},
+               "kernels": "megatron", "grad_reduce_dtype": "fp32", "p2p_overlap": False},
         assumes="bf16; unfused softmax attention (selective recomputation recomputes it); Megatron's fused kernels; "
-                "gradient all-reduce after the backward, not overlapped; forward TP collectives exposed, in the "
+                "gradients accumulated and all-reduced in fp32 after the backward, not overlapped; forward TP "
+                "collectives exposed, in the "
                 "backward one collective per linear pair beside the weight-gradient GEMM (async TP all-reduce)",
         typical="sp=1, recompute=selective, zero=0",
         source="Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models', sec. 4-6",

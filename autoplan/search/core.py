@@ -4,15 +4,18 @@ The procedure (every number is the cost model's; nothing is measured):
 
 1. **Enumerate** legal meshes (tp, cp, ep, pp, dp) with micro-batch sizes and sequence parallelism
    (`space.meshes`), and for each mesh the ZeRO stages, schedules and virtual stages (`space.knob_options`).
-   The three benchmark cases have 0.2-0.3 million such candidates; they are never all built.
+   The three benchmark cases have 0.2-0.3 million such candidates; they are never all built. ZeRO-2 is left
+   out where it prices exactly as ZeRO-1 (under pipeline parallelism: whole gradients, `distinct_zeros`).
 2. **Bound**: best-first branch and bound over one heap. A candidate's key is first a lower bound: its
    perfectly balanced step without recomputation, (m - 1/v) W/pp + W/v + the closed form's point-to-point
-   time + the data-parallel tail (W = every layer's work for one micro-batch). A mesh enters the heap with
+   time + the data-parallel tail (W = every layer's work for one micro-batch plus the compute time the
+   pipeline messages take from every stage, `estimate.p2p_occupancy`). A mesh enters the heap with
    the least bound of its candidates. Meshes whose memory floor (every block fully recomputed, the largest
    ZeRO stage, one micro-batch in flight, averaged over ranks) exceeds the GPU are *pruned by memory*.
 3. **Rank**: a popped candidate gets a feasible layout from `problem.greedy_bound` (rank-level block counts,
-   least recomputation that fits; optimal in the max term for identical blocks) and is pushed back with that
-   proxy step time. Dominated candidates (GPipe by 1F1B, sp=0 by sp=1: same or worse under this model) are
+   least recomputation that fits; optimal in the max term for identical blocks; each stage's message
+   occupancy is a constant of the stage problem, as in the estimate) and is pushed back with that proxy step
+   time. Dominated candidates (GPipe by 1F1B, sp=0 by sp=1: same or worse under this model) are
    re-keyed by their twin's proxy and usually never ranked.
 4. **Solve**: a popped ranked candidate gets its stage ILP (`ilp.py`, pulp/CBC; identical sub-problems are
    solved once) and is estimated with the cost model's closed-form pipeline (`estimate(...,
@@ -20,8 +23,10 @@ The procedure (every number is the cost model's; nothing is measured):
    simulation cannot beat (`estimate.step_time_lower_bound`: the closed form overstates uneven pipelines).
 5. **Simulate**: a popped closed-form finalist is re-estimated with `autoplan.cost_models.estimate.estimate` and its
    pipeline simulation. The search stops when the smallest key left is no better than the best simulated
-   step and `top` finalists are in hand; everything left is *pruned by bound*. The best plan is always a
-   simulated one; runners-up that were not simulated say so (`"pipeline": "closed-form"`).
+   step and `top` finalists are in hand; everything left is *pruned by bound*. The finalists are then ordered
+   by their simulated step (or, not simulated, their bound) and the first `top` simulated (`_settle`): the
+   plan and its runners-up are the simulation's; finalists further down may stay closed-form and say so
+   (`"pipeline": "closed-form"`).
 
 Shortcuts (named so they can be revisited): the mesh and ranked-candidate keys are lower bounds only up to the
 cost model's own closed-form vs simulation gap (`benchmarks/search_exactness.py` counts the misses) (the simulated pipeline is usually slower than the closed form, which keeps
@@ -52,7 +57,9 @@ from autoplan.cost_models.estimate import (
     dp_sync,
     estimate,
     optimizer_time,
+    p2p_occupancy,
     param_gather_exposed,
+    pipeline_p2p_parts,
     pipeline_p2p_time,
     step_time_lower_bound,
     zero3_block_exposed,
@@ -92,7 +99,8 @@ class SearchStats:
     ilp_cached: int = 0  # stage ILPs answered from the cache (identical sub-problems)
     screened: int = 0  # ILP layouts estimated with the closed-form pipeline
     estimated: int = 0  # finalists re-estimated with the pipeline simulation
-    pruned_dominated: int = 0  # dominated by a twin that cannot fit (GPipe by 1F1B, sp=0 by sp=1)
+    pruned_dominated: int = 0  # dominated by a twin that cannot fit (GPipe by 1F1B, sp=0 by sp=1), or priced
+    # exactly as a twin that is searched (ZeRO-2 under pp, `distinct_zeros`)
     search_time_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -107,6 +115,14 @@ class Finalist:
     proxy_s: float
     layout: list[StageLayout] = field(default_factory=list)
     simulated: bool = False
+    bound_s: float = 0.0  # what its simulation cannot beat (`estimate.step_time_lower_bound`)
+
+    @property
+    def rank_key(self) -> float:
+        """Its simulated step, or until simulated the most its simulation is known not to beat: the closed form
+        can be below the simulation (and below the best simulated step) while the bound is not."""
+        t = self.estimate.step_time_s
+        return t if self.simulated else max(t, self.bound_s)
 
 
 @dataclass
@@ -180,12 +196,15 @@ class CostTable:
         return got
 
     def static_per_param(self, mesh: Mesh, zero: int) -> tuple[float, float]:
-        """Bytes per dense and per expert parameter (weights + gradients + optimizer) after ZeRO sharding."""
+        """Bytes per dense and per expert parameter (weights + gradients + optimizer) after ZeRO sharding, as
+        `estimate.memory_of_rank` prices them: under pipeline parallelism ZeRO-2/3 keep whole gradients (the
+        schedule defers the reduce-scatter to the last micro-batch)."""
         sd = mesh.dp * mesh.cp
         se = max(1, sd // mesh.ep)
+        grads_sharded = zero >= 2 and mesh.pp == 1
         out = []
         for shard in (sd, se):
-            out.append(self.w_bytes * (1 / shard if zero >= 3 else 1) + self.g_bytes * (1 / shard if zero >= 2 else 1)
+            out.append(self.w_bytes * (1 / shard if zero >= 3 else 1) + self.g_bytes * (1 / shard if grads_sharded else 1)
                        + self.opt_bytes * (1 / shard if zero >= 1 else 1))
         return out[0], out[1]
 
@@ -232,6 +251,7 @@ class _Searcher:
         self._tail: dict[tuple, float] = {}
         self._dp: dict[tuple, list] = {}
         self._agg: dict[tuple, _Agg] = {}
+        self._occ: dict[tuple, tuple[float, float, float]] = {}
         self.closest: tuple[float, Mesh, dict] | None = None  # (memory deficit bytes, mesh, parts)
         self.finalists: list[Finalist] = []
         self.misses: list[tuple[Mesh, Knobs, StageProblem]] = []
@@ -265,6 +285,21 @@ class _Searcher:
         the receiver's tp all-gather that only non-sp configurations pay, so bounds built on it stay bounds."""
         return pipeline_p2p_time(self.cluster, self.training, hidden=self.profiles[0].hidden, pp=mesh.pp,
                                  tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, mbs=mesh.mbs, sp=sp)
+
+    def occupancy(self, mesh: Mesh, vp: int) -> tuple[float, ...]:
+        """Per (virtual) stage, the compute time its pipeline messages take from it per micro-batch, forward
+        and backward (`estimate.p2p_occupancy`, as the estimate adds it to the stage): depends on the stage's
+        position, not on its blocks. Empty without a pipeline."""
+        if mesh.pp <= 1:
+            return ()
+        key = (mesh.tp, mesh.cp, mesh.pp, mesh.dp, mesh.mbs, mesh.sp)
+        ends = self._occ.get(key)
+        if ends is None:  # a first, a middle and a last stage: every stage is one of the three
+            t, busy = pipeline_p2p_parts(self.cluster, self.training, hidden=self.profiles[0].hidden, pp=mesh.pp,
+                                         tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, mbs=mesh.mbs, sp=mesh.sp)
+            ends = tuple(sum(p2p_occupancy(s, 3, t, self.cluster, self.training, busy)) for s in range(3))
+            self._occ[key] = ends
+        return (ends[0],) + (ends[1],) * (mesh.pp * vp - 2) + (ends[2],)
 
     def p2p_proxy(self, mesh: Mesh, kn: Knobs) -> float:
         """Exposed point-to-point time: the closed form's 2 (pp - 1) messages; the interleaved schedule's
@@ -318,12 +353,22 @@ class _Searcher:
         return zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp,
                                    cluster=self.cluster, training=self.training)
 
-    def lower_bound(self, mesh: Mesh, zero: int, vp: int, tail_vp: int | None = None) -> float:
-        """Perfect balance, no recomputation, the closed form's point-to-point time, the ZeRO tail."""
+    def distinct_zeros(self, mesh: Mesh, zeros: list[int]) -> list[int]:
+        """ZeRO stages that price differently on `mesh`: ZeRO-2 is ZeRO-1 wherever it keeps whole gradients
+        (under pipeline parallelism, `static_per_param`) -- the same traffic, optimizer and memory -- so it is
+        left out when ZeRO-1 is searched (the tie would go to zero=1 anyway, by name)."""
+        if 1 in zeros and 2 in zeros and self.costs.static_per_param(mesh, 2) == self.costs.static_per_param(mesh, 1):
+            return [z for z in zeros if z != 2]
+        return zeros
+
+    def pipe_bound(self, mesh: Mesh, vp: int, occ_vp: int) -> float:
+        """The closed form at perfect balance without recomputation, (m - 1/v) W'/pp + W'/v + 2 (pp - 1) p2p,
+        with W' = every layer's work plus the messages' occupancy of `occ_vp` virtual stages per rank. The
+        coefficient of W' falls with v and the occupancy grows with it, so vp = the largest and occ_vp = 1
+        bound every vp at once."""
         m = self.micro_batches(mesh)
-        work = self.agg(mesh).work
-        p2p = 2 * (mesh.pp - 1) * self.p2p_time(mesh)
-        return (m - 1 / vp) * work / mesh.pp + work / vp + p2p + self.tail(mesh, zero, tail_vp or vp)
+        work = self.agg(mesh).work + sum(self.occupancy(mesh, occ_vp))
+        return (m - 1 / vp) * work / mesh.pp + work / vp + 2 * (mesh.pp - 1) * self.p2p_time(mesh)
 
     def problem(self, mesh: Mesh, kn: Knobs) -> StageProblem:
         lc = self.costs.layers(mesh)
@@ -356,7 +401,7 @@ class _Searcher:
             blocks = tuple(by_uid[u] for u in self.costs.block_uids)
         return StageProblem(blocks=blocks, first=emb, last=head,
                             pp=mesh.pp, vp=kn.vp, m=m, inflight=infl, capacity=tuple(caps), pin=pin,
-                            uniform=len(self.costs.block_counts) == 1)
+                            uniform=len(self.costs.block_counts) == 1, stage_extra=self.occupancy(mesh, kn.vp))
 
     def memory_floor(self, mesh: Mesh) -> tuple[float, dict]:
         """A lower bound on the busiest rank's bytes over every knob and layout of `mesh`: the largest ZeRO
@@ -395,8 +440,11 @@ class _Searcher:
                 if self.closest is None or floor - self.capacity < self.closest[0]:
                     self.closest = (floor - self.capacity, mesh, parts)
                 continue
+            zeros = self.distinct_zeros(mesh, zeros)
+            self.stats.pruned_dominated += n - len(zeros) * len(scheds)
             vmax = max(v for _, v in scheds)
-            lb = min(self.lower_bound(mesh, z, vmax, 1) for z in zeros)
+            pipe = self.pipe_bound(mesh, vmax, 1)
+            lb = min(pipe + self.tail(mesh, z, 1) for z in zeros)
             heap.append((lb, 0, counter, mesh, (zeros, scheds)))
             counter += 1
             if self.progress and i % 512 == 0:
@@ -413,14 +461,11 @@ class _Searcher:
             kind = item[1]
             if kind == 0:  # a mesh: expand into its candidates
                 _, _, _, mesh, (zeros, scheds) = item
-                m = self.micro_batches(mesh)
-                work = self.agg(mesh).work
-                base = 2 * (mesh.pp - 1) * self.p2p_time(mesh)
+                pipe = {v: self.pipe_bound(mesh, v, v) for _, v in scheds}
                 for z in zeros:
-                    tz = self.tail(mesh, z, 1) + base
+                    tz = self.tail(mesh, z, 1)
                     for sched, v in scheds:
-                        lb = (m - 1 / v) * work / mesh.pp + work / v + tz
-                        heapq.heappush(heap, (lb, 1, counter, mesh, Knobs(z, sched, v)))
+                        heapq.heappush(heap, (pipe[v] + tz, 1, counter, mesh, Knobs(z, sched, v)))
                         counter += 1
             elif kind == 1:  # a candidate: rank it with the greedy layout
                 mesh, kn = item[3], item[4]
@@ -457,6 +502,7 @@ class _Searcher:
                     # keyed by what its simulation cannot beat: the closed form overstates uneven pipelines
                     key = fin.estimate.step_time_s if fin.simulated else step_time_lower_bound(
                         fin.estimate, self.cluster, self.training, self.p2p_time(mesh, fin.estimate.config.sp))
+                    fin.bound_s = key
                     heapq.heappush(heap, (key, 3, counter, fin))
                     counter += 1
                     screened += 1
@@ -600,14 +646,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *,
     finalists = s.finalists
     if not finalists:
         raise _does_not_fit(s, model, cluster, training, fixd)
-    order = lambda f: (round(f.estimate.step_time_s, 12), f.config.to_string())  # noqa: E731
-    finalists.sort(key=order)
-    while not finalists[0].simulated:  # only when the simulation cap stopped the search early
-        f = finalists[0]
-        f.estimate = estimate(profiles, cluster, training, f.config, f.layout)
-        f.simulated = True
-        s.stats.estimated += 1
-        finalists.sort(key=order)
+    _settle(s, finalists, top)
     best, others = finalists[0], finalists[1:top]
     runners = [RunnerUp(parallel=f.config.as_dict(), step_time_s=f.estimate.step_time_s, mfu=f.estimate.mfu,
                         peak_memory_gib=f.estimate.peak_memory_gib,
@@ -621,6 +660,23 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *,
     s.stats.search_time_s = time.perf_counter() - t0
     return SearchResult(plan=plan, best=best.estimate, runners_up=[f.estimate for f in others], stats=s.stats,
                         finalists=finalists)
+
+
+def _settle(s: _Searcher, finalists: list[Finalist], top: int) -> None:
+    """Order the finalists by `Finalist.rank_key` and simulate those among the first `top` that are not yet
+    (the best one only when the simulation cap stopped the search early; runners-up pruned by their bound),
+    until the first `top` are all simulated: the plan and its runners-up are the simulation's."""
+    order = lambda f: (round(f.rank_key, 12), f.config.to_string())  # noqa: E731
+    finalists.sort(key=order)
+    while True:
+        pending = [f for f in finalists[:top] if not f.simulated]
+        if not pending:
+            return
+        f = pending[0]
+        f.estimate = estimate(s.profiles, s.cluster, s.training, f.config, f.layout)
+        f.simulated = True
+        s.stats.estimated += 1
+        finalists.sort(key=order)
 
 
 def _why_slower(est: Estimate, best: Estimate) -> str:

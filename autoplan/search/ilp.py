@@ -6,7 +6,8 @@ where the stage boundaries go and how much each stage recomputes. Notation (`pro
     S = pp * vp stages, stage s on rank r(s) = s mod pp; L blocks; m micro-batches; v = vp.
     per block i: w_i (fwd+bwd), rs_i / rf_i (extra time selective / full), an_i, as_i, af_i (activation
     bytes none / selective / full, af_i <= as_i <= an_i), st_i (static bytes), e_i = an_i (transient of a
-    fully recomputed block); the embedding (stage 0) and head (stage S-1) add constants c^w_s, c^a_s, c^st_s.
+    fully recomputed block); the embedding (stage 0) and head (stage S-1) add constants c^w_s, c^a_s, c^st_s,
+    and every stage's pipeline messages add work c^w_s (`StageProblem.stage_extra`).
     inflight_r micro-batches held by rank r (the schedule's warm-up), capacity Cap_r bytes.
 
 Minimise  (m - 1/v) * T + (1/v) * sum_s W_s                  (closed-form makespan of the schedule)
@@ -190,7 +191,7 @@ class StageILP:
         return pulp.lpSum(j * v for j, v in self.z[s].items())
 
     def _const(self, s: int, field: str) -> float:
-        c = 0.0
+        c = self.p.extra_work(s) if field == "work" else 0.0
         if s == 0:
             c += getattr(self.p.first, field)
         if s == self.S - 1:

@@ -10,7 +10,9 @@ best of them exactly. The model mirrors `autoplan.cost_models.estimate.stage_cos
   pipeline rank s % pp; S = pp * vp;
 - a stage recomputes nothing, or selectively (every block: attention core), or fully its first k blocks and
   selectively the rest (`StageLayout(recompute="full", recompute_layers=k)`);
-- stage work W_s (forward + backward + recomputation of one micro-batch), rank work R_r = sum of its stages;
+- stage work W_s (forward + backward + recomputation of one micro-batch, plus `stage_extra[s]`: the compute
+  time its pipeline messages take from it, `estimate.p2p_occupancy`, which depends on the stage's position
+  only), rank work R_r = sum of its stages;
 - objective: the closed-form makespan (m - 1/v) * max_r R_r + (sum_s W_s) / v  (`closed_form_makespan`,
   constants such as point-to-point time and the data-parallel tail are the candidate's, not the layout's);
 - rank memory: sum over its stages of (static bytes + inflight_r * activation bytes) + the largest transient
@@ -55,6 +57,9 @@ class StageProblem:
     capacity: tuple[float, ...]  # bytes per rank left for static + activations (overheads already taken)
     pin: str | None = None  # None, or "none" | "selective" | "full" (every block of every stage)
     uniform: bool | None = None  # all blocks identical (None: find out)
+    # per stage, work that does not depend on its blocks (seconds per micro-batch): the compute time its
+    # pipeline messages take (cost_models.estimate.p2p_occupancy); empty = none
+    stage_extra: tuple[float, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -70,6 +75,15 @@ class StageProblem:
             return self.uniform
         b0 = self.blocks[0]
         return all(b == b0 for b in self.blocks)
+
+    def extra_work(self, s: int) -> float:
+        return self.stage_extra[s] if self.stage_extra else 0.0
+
+    @cached_property
+    def rank_extra(self) -> tuple[float, ...]:
+        """`stage_extra` summed over each rank's stages."""
+        return tuple(sum(self.stage_extra[r::self.pp]) for r in range(self.pp)) if self.stage_extra \
+            else (0.0,) * self.pp
 
     def allowed_modes(self) -> tuple[str, ...]:
         return (self.pin,) if self.pin else (NONE, SELECTIVE, FULL)
@@ -96,7 +110,7 @@ class StageSolution:
 
 def stage_work_act(p: StageProblem, s: int, ch: StageChoice) -> tuple[float, float, float, float]:
     """(work, activation bytes, static bytes, transient bytes) of stage s under choice ch."""
-    work = act = static = extra = 0.0
+    work, act, static, extra = p.extra_work(s), 0.0, 0.0, 0.0
     if s == 0:
         work += p.first.work
         act += p.first.act_none
@@ -253,7 +267,7 @@ def rank_work_fn(p: StageProblem, b: BlockCost):
     modes = p.allowed_modes()
     consts = []
     for r in range(pp):
-        bw = (p.first.work if r == 0 else 0.0) + (p.last.work if r == last else 0.0)
+        bw = (p.first.work if r == 0 else 0.0) + (p.last.work if r == last else 0.0) + p.rank_extra[r]
         ba = (p.first.act_none if r == 0 else 0.0) + (p.last.act_none if r == last else 0.0)
         bs = (p.first.static if r == 0 else 0.0) + (p.last.static if r == last else 0.0)
         infl = p.inflight[r]

@@ -35,7 +35,11 @@ def problems(draw):
     first = BlockCost(work=0.3, act_none=0.5 * GIB, static=2 * GIB)
     last = BlockCost(work=0.6, act_none=1.5 * GIB, static=2 * GIB)
     pin = draw(st.sampled_from([None, None, None, "none", "selective", "full"]))
-    return StageProblem(bl, first, last, pp, vp, m, infl, cap, pin)
+    # pipeline messages' occupancy: a stage with two neighbours pays twice an end stage's (p2p_occupancy)
+    msg = draw(st.sampled_from([0.0, 0.05, 0.4])) if pp * vp > 1 else 0.0
+    S = pp * vp
+    extra = tuple(msg * ((s > 0) + (s < S - 1)) for s in range(S)) if msg else ()
+    return StageProblem(bl, first, last, pp, vp, m, infl, cap, pin, stage_extra=extra)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
