@@ -13,9 +13,9 @@ describe autoplan's own runtime (DTensor TP, FSDP2, torch.distributed.pipelining
 - Bytes per collective follow cost_models.comm: all-reduce the buffer, all-gather the gathered buffer,
   reduce-scatter the full buffer, all-to-all what a rank sends, send/recv the message.
 - Memory: the categories of `estimate.memory_of_rank` without the framework overhead (a process constant that
-  tensor tracking does not see); ZeRO-3's gathered layers are temporaries (FSDP2 all-gathers them into
-  buffers that MemTracker books as temporaries, never as parameters: benchmarks/counts.py, zero=3), with the
-  backward transients; the peak is their sum.
+  tensor tracking does not see), plus what the runtime holds beyond them, at the moment of the peak; ZeRO-3's
+  gathered units as FSDP2 keeps them (unsharded parameters are the modules' parameters, all-gather outputs are
+  temporaries in backward and activations in forward, as MemTracker books them); the peak is their sum.
 
 Pure functions over data; nothing here imports torch.
 """
@@ -26,7 +26,6 @@ from collections import defaultdict
 
 from .compute import Context, _attention
 from .estimate import (
-    GIB,
     StageCost,
     StageLayout,
     _stages_by_rank,
@@ -410,20 +409,20 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     - eager modules save more than the profile's (Megatron's) activation counts (`_eager_extra_act`: SwiGLU,
       MoE combine, GQA/CP K and V, composite RMSNorm, SP's gathered GEMM inputs);
     - the step's token ids;
-    - the categories at the moment of the peak: a block's backward at its widest, the head's backward or a MoE
-      dispatch in a forward, whichever holds most (tensors released by then are not counted).
+    - under ZeRO-3 the root unit stays gathered, and a block's unit is gathered or prefetched (`_moments`);
+    - the categories at the moment of the peak (`_moments`): a block's backward at its widest, the head's
+      backward, the end of the model's forward (with FSDP2's last all-gather output) or a MoE dispatch in a
+      forward, whichever holds most (tensors released by then are not counted).
     Without the framework overhead (a process constant that tensor tracking does not see). Each term's source
     in torch or the runtime: docs/notes/session-5/issue-12-activations.md."""
-    overhead = cluster.gpu.calibration.framework_overhead_gib * GIB
     w, g = training.weight_bytes, training.grad_bytes
     master = 0 if training.dtype in ("fp32", "tf32") else 4
     n = cfg.dp * cfg.cp
-    # ZeRO-3's all-gathered layers (estimate.memory_of_rank's `other` beyond the overhead) are temporaries:
-    # FSDP2 gathers them into buffers that exist only while a unit runs (measured: the parameters category
-    # never exceeds the shards under zero=3)
-    gathered = max(0.0, mem.other - overhead)
+    # ZeRO-3's gathered units (estimate.memory_of_rank's `other` beyond the overhead: two of the largest layer)
+    # are priced as FSDP2 holds them: the root unit and the running block's unsharded parameters, the prefetched
+    # or kept all-gather output (the root unit below, the rest in `_moments`)
     out = {"parameters": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,
-           "activations": mem.activations, "temporaries": gathered}
+           "activations": mem.activations, "temporaries": 0.0}
     dense = sum(s.params - s.expert_params for s in stages)
     expert = sum(s.expert_params for s in stages)
     head = profiles[-1]
@@ -461,35 +460,109 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
            if r == "full"]
     if rec:
         out["activations"] -= max(c.act_none for c in rec) - max(c.act_none - c.act_full for c in rec)
-    # The peak is in a backward: the head's (cross-entropy's), or, once the head's saved tensors are freed, a
-    # block's at its widest (_block_backward); whichever holds more. estimate counts the head's activations for
-    # every in-flight micro-batch; at most one micro-batch has them (the head's stage runs each backward right
-    # after its forward). The head's backward makes its two fp32 logit-sized gradients.
-    head_est, head_act, head_tmp = _head_parts(stages, profiles, ctx)
-    out["activations"] -= in_flight * head_est
-    block_tmp, released = max((_block_backward(p, ctx, training) for s in stages
-                               for p, r in _stage_layers(s, profiles) if p.kind == "block"),
+    # estimate counts the head's activations for every in-flight micro-batch; at most one micro-batch has them at
+    # the peak (the head's stage runs each backward right after its forward): each moment adds what it holds
+    out["activations"] -= in_flight * _head_parts(stages, profiles, ctx)[0]
+    # ZeRO-3: FSDP2 leaves the root unit (what no block holds: embeddings, final norm, head) unsharded between
+    # forward and backward (FSDPState._lazy_init: the root does not reshard after forward), and the unsharded
+    # parameters are the modules' own parameter tensors, booked as parameters
+    if cfg.zero >= 3 and n > 1:
+        out["parameters"] += _root_unit(stages, profiles, ctx, cfg) * w
+    # The peak's moment: the categories each candidate adds (a tie goes to the first, the block: tiny-gpt
+    # tp=2,pp=2's last stage measures the block at 80 KiB either way)
+    moment = max(_moments(stages, profiles, ctx, cfg, training).values(), key=lambda d: sum(d.values()))
+    for k, v in moment.items():
+        out[k] += v
+    out["peak"] = sum(out.values())
+    return out
+
+
+def _stage_blocks(stages: list[StageCost], profiles: list[LayerProfile]) -> list[LayerProfile]:
+    return [p for s in stages for p, _ in _stage_layers(s, profiles) if p.kind == "block"]
+
+
+def _fsdp_unit(p: LayerProfile, ctx: Context) -> float:
+    """Parameters of a block's FSDP2 unit on this rank (fully_shard per block, runtime.parallelize.apply_dp):
+    its local parameters without the experts, which FSDP2 ignores. Its all-gather output (one flat buffer) and
+    its unsharded parameters are each this many elements."""
+    c = cached_layer_cost(p, ctx)
+    return c.params_local - c.expert_params_local
+
+
+def _root_unit(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig) -> float:
+    """Parameters of a rank's root FSDP2 unit: its embedding and head layers (a tied head counts once, on the
+    embedding, as in the profile; its own copy on a later pipeline stage is `_tied_copy`)."""
+    out = 0.0
+    for s in stages:
+        for p, _ in _stage_layers(s, profiles):
+            if p.kind != "block":
+                c = cached_layer_cost(p, ctx)
+                out += c.params_local - c.expert_params_local
+    return out + _tied_copy(stages, profiles, cfg, ctx)
+
+
+def _forward_gather(cfg: ParallelConfig) -> bool:
+    """Whether FSDP2 all-gathers a block's parameters again in the forward of the micro-batch that holds most:
+    zero 3 gathers for every forward; zero 2 without pipeline parallelism reshards after every micro-batch's
+    backward (its reduce-scatter) and gathers again; zero 1 and zero 2 under the pipeline schedule gather once
+    per step, in the first micro-batch's forward (when no gradient exists yet)."""
+    return cfg.zero >= 3 or (cfg.zero == 2 and cfg.pp == 1)
+
+
+def _moments(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
+             training: TrainingSpec) -> dict[str, dict[str, float]]:
+    """The moments at which a rank can peak, each as the bytes it adds per category to what every moment holds
+    (parameters, gradients and optimizer state, the in-flight micro-batches' saved tensors without the head's):
+    - block: a block's backward at its widest (`_block_backward`), less what it has released by then; under
+      ZeRO-3 the block's unit is gathered (its unsharded parameters) and FSDP2 has already prefetched the next
+      unit's all-gather output (FSDPState._backward_prefetch; a temporary, made in backward) if the rank has
+      another block;
+    - head: the cross-entropy's backward (its saved tensors and two fp32 logit gradients); under ZeRO-3 the last
+      block's all-gather is prefetched;
+    - forward: the end of the root module's forward (FSDPState._post_forward, which frees the last all-gather
+      output): the head's saved tensors up to the LM head and the logits, and, where FSDP2 gathered the blocks
+      again in this forward (`_forward_gather`), the last block's all-gather output, which FSDP2 keeps for the
+      next copy-in until then (FSDPParamGroup.wait_for_unshard, AllGatherState; booked as an activation);
+    - dispatch: a MoE block's forward dispatch (`_moe_dispatch_transients`); under ZeRO-3 with the block's unit
+      gathered and its all-gather output kept.
+    Each term names the torch or runtime code that makes the tensor."""
+    blocks = _stage_blocks(stages, profiles)
+    zero3 = cfg.zero >= 3 and cfg.dp * cfg.cp > 1
+    w = training.weight_bytes
+    unit = max((_fsdp_unit(p, ctx) for p in blocks), default=0.0) * w
+    head = profiles[-1]
+    has_head = any(s.has_head for s in stages)
+    block_tmp, released = max((_block_backward(p, ctx, training) for p in blocks),
                               key=lambda tr: tr[0] - tr[1], default=(0.0, 0.0))
-    if head_act and profiles[0] in [p for s in stages for p, _ in _stage_layers(s, profiles)] and \
+    if has_head and profiles[0] in [p for s in stages for p, _ in _stage_layers(s, profiles)] and \
             head.gemms and head.gemms[0].count == 0:
         # a tied LM head's weight gradient waits in the autograd engine for the embedding's to be added to it
         block_tmp += head.gemms[0].n * head.gemms[0].k / ctx.tp * training.grad_bytes
-    # a MoE block's forward can be higher still: its dispatch's transients on top of everything saved before
-    # the head runs
-    dispatch = max((_moe_dispatch_transients(p, ctx) for s in stages for p, _ in _stage_layers(s, profiles)),
-                   default=0.0)
-    moment = max(("block", block_tmp - released), ("head", head_act + head_tmp), ("dispatch", dispatch),
-                 key=lambda kv: kv[1])[0]  # a tie goes to the block (tiny-gpt tp=2,pp=2: 80 KiB either way)
-    if moment == "head":
-        out["activations"] += head_act
-        out["temporaries"] += head_tmp
-    elif moment == "block":
-        out["activations"] -= released
-        out["temporaries"] += block_tmp
-    else:
-        out["activations"] += dispatch
-    out["peak"] = sum(out.values())
+    _, head_act, head_tmp = _head_parts(stages, profiles, ctx)
+    out = {
+        "block": {"activations": -released, "temporaries": block_tmp},
+        "head": {"activations": head_act, "temporaries": head_tmp},
+        "forward": {"activations": _head_forward(head, ctx) if has_head else 0.0},
+        "dispatch": {"activations": max((_moe_dispatch_transients(p, ctx) for p in blocks), default=0.0)},
+    }
+    if zero3:
+        out["block"]["parameters"] = unit
+        out["block"]["temporaries"] += unit if len(blocks) > 1 else 0.0
+        out["head"]["temporaries"] += unit if blocks else 0.0
+        if out["dispatch"]["activations"]:
+            out["dispatch"]["parameters"] = unit
+            out["dispatch"]["activations"] += unit
+    if _forward_gather(cfg) and cfg.dp * cfg.cp > 1:
+        out["forward"]["activations"] += unit
     return out
+
+
+def _head_forward(head: LayerProfile, ctx: Context) -> float:
+    """What the head holds when the root module's forward returns: its saved tensors up to the LM head (the final
+    norm's and the LM head's inputs, the profile's act_seq) and the logits (the LM head's output, in the model's
+    dtype: the engine upcasts them for the loss after the forward, zoo.model.cross_entropy_loss)."""
+    saved = ctx.tokens * head.act_seq / (ctx.tp if ctx.sp else 1) * ctx.act_bytes / 2.0
+    return saved + ctx.tokens * head.logits_per_token / ctx.tp * ctx.act_bytes
 
 
 def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec,
