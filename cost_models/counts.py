@@ -100,10 +100,6 @@ def _early_stop_skipped(p: LayerProfile, ctx: Context) -> float:
     return _gemm_flops(last, ctx)
 
 
-def _layer_costs(stage: StageCost, profiles: list[LayerProfile], ctx: Context):
-    return [cached_layer_cost(p, ctx) for p, _ in _stage_layers(stage, profiles)]
-
-
 def layer_flops(p: LayerProfile, ctx: Context, recompute: str) -> dict[str, float]:
     """FLOPs of one layer for one micro-batch on one GPU, by phase."""
     gemm = sum(_gemm_flops(g, ctx) for g in p.gemms)
@@ -370,21 +366,15 @@ def token_ids_bytes(cfg: ParallelConfig, training: TrainingSpec) -> float:
     return 8.0 * (training.global_batch_size * (training.seq_length + 1) + 2 * local)
 
 
-def _head_parts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context) -> tuple[float, float, float]:
-    """(the head's saved activations as estimate counts them per in-flight micro-batch, as they are, the
-    temporaries of its backward) on a rank holding the head, else zeros. The profile counts the cross-entropy's
-    fp32 softmax in 2-byte units that layer_cost scales by the activation width: with fp32 activations that
-    doubles a tensor that is fp32 anyway. Its backward makes the gradient of the log-softmax and then of the
+def _head_parts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context) -> tuple[float, float]:
+    """(the head's saved activations per micro-batch, as estimate counts them, the temporaries of its backward)
+    on a rank holding the head, else zeros. Its backward makes the gradient of the log-softmax and then of the
     logits (nll_loss_backward, _log_softmax_backward_data): two fp32 tensors of the local logits."""
     if not any(s.has_head for s in stages):
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0
     head = profiles[-1]
-    est = cached_layer_cost(head, ctx).act_none
-    fused = ctx.training.fused_kernels
-    softmax = 0.0 if fused else ctx.tokens * head.act_tp / ctx.tp
-    real = est - softmax * (ctx.act_bytes / 2.0) + softmax
-    tmp = 0.0 if fused else 2 * ctx.tokens * head.logits_per_token / ctx.tp * 4
-    return est, real, tmp
+    tmp = 0.0 if ctx.training.fused_kernels else 2 * ctx.tokens * head.logits_per_token / ctx.tp * 4
+    return cached_layer_cost(head, ctx).act_none, tmp
 
 
 def uses_replicate(cfg: ParallelConfig) -> bool:
@@ -454,12 +444,6 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
         out["temporaries"] += sum(1 for s in stages if s.index < n_stages - 1) * m * \
             boundary_bytes(profiles, ctx, cfg, training)
     out["activations"] += token_ids_bytes(cfg, training)
-    # Full recomputation: estimate adds the largest recomputed layer's activations while it runs backward, but
-    # that layer's input is its checkpoint, already counted among the kept inputs (act_full)
-    rec = [c for s in stages for (p, r), c in zip(_stage_layers(s, profiles), _layer_costs(s, profiles, ctx))
-           if r == "full"]
-    if rec:
-        out["activations"] -= max(c.act_none for c in rec) - max(c.act_none - c.act_full for c in rec)
     # estimate counts the head's activations for every in-flight micro-batch; at most one micro-batch has them at
     # the peak (the head's stage runs each backward right after its forward): each moment adds what it holds
     out["activations"] -= in_flight * _head_parts(stages, profiles, ctx)[0]
@@ -538,7 +522,7 @@ def _moments(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context
             head.gemms and head.gemms[0].count == 0:
         # a tied LM head's weight gradient waits in the autograd engine for the embedding's to be added to it
         block_tmp += head.gemms[0].n * head.gemms[0].k / ctx.tp * training.grad_bytes
-    _, head_act, head_tmp = _head_parts(stages, profiles, ctx)
+    head_act, head_tmp = _head_parts(stages, profiles, ctx)
     out = {
         "block": {"activations": -released, "temporaries": block_tmp},
         "head": {"activations": head_act, "temporaries": head_tmp},
