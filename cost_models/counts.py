@@ -42,6 +42,8 @@ PHASES = ("forward", "backward", "recompute")
 # The SDPA backward's matmuls relative to its forward's (torch.utils.flop_counter.sdpa_backward_flop_count:
 # recompute QK^T, then dV, dP, dQ, dK = 5 bmm against the forward's QK^T and PV = 2).
 ATTN_BWD_FACTOR = 2.5
+# The phase each moment of the peak (`_moments`) falls in, as runtime.measure names its per-phase peaks.
+MOMENT_PHASE = {"block": "backward", "head": "backward", "forward": "forward", "dispatch": "forward"}
 # Bytes of one expert-count entry in the EP split-size exchange (an int64 tensor of num_experts entries).
 _COUNT_BYTES = 8
 
@@ -293,11 +295,15 @@ def _eager_norm_act(p: LayerProfile, ctx: Context) -> float:
     return 2 * ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * ctx.act_bytes
 
 
-def _block_backward(p: LayerProfile, ctx: Context, training: TrainingSpec) -> tuple[float, float]:
+def _block_backward(p: LayerProfile, ctx: Context, training: TrainingSpec,
+                    residual: bool = True) -> tuple[float, float]:
     """(temporaries, activations already released) at the widest point of a block's backward.
 
     Dense block: its last GEMM's backward, holding the gradient of the residual stream, the gradient of w2's
     input and w2's weight gradient (made before it is added to .grad); nothing of the block is released yet.
+    `residual=False`: the residual stream's gradient is a pipeline stage's gradient receive buffer (the stage
+    does not hold the head, and its last block's output gradient arrives from the next stage; the residual add
+    passes it through), already counted among the temporaries.
     MoE block: an expert's SwiGLU backward, on its rows (its share of the routed tokens of every ep rank):
     by then the combine's backward has released the k expert outputs it saved and the expert's w2 and product
     backward have released w2's input, silu(w1 x) and w3 x; alive are the residual gradient, the gradient of the
@@ -306,7 +312,7 @@ def _block_backward(p: LayerProfile, ctx: Context, training: TrainingSpec) -> tu
     counts them (benchmarks/counts.py --sites, tiny-moe)."""
     w2 = p.gemms[-1] if p.gemms else None
     e = ctx.act_bytes
-    tmp = ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * e
+    tmp = ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * e if residual else 0.0
     if w2 is None:
         return tmp, 0.0
     if p.moe_top_k:
@@ -369,11 +375,15 @@ def token_ids_bytes(cfg: ParallelConfig, training: TrainingSpec) -> float:
 def _head_parts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context) -> tuple[float, float]:
     """(the head's saved activations per micro-batch, as estimate counts them, the temporaries of its backward)
     on a rank holding the head, else zeros. Its backward makes the gradient of the log-softmax and then of the
-    logits (nll_loss_backward, _log_softmax_backward_data): two fp32 tensors of the local logits."""
+    logits (nll_loss_backward, _log_softmax_backward_data): two fp32 tensors of the local logits. Under tensor
+    parallelism the engine runs the loss in `loss_parallel`, whose fused backward
+    (torch.distributed.tensor.parallel.loss._nll_loss_and_log_softmax_backward) holds three at its widest:
+    grad_input (zeros_like), exp(x) and their sum."""
     if not any(s.has_head for s in stages):
         return 0.0, 0.0
     head = profiles[-1]
-    tmp = 0.0 if ctx.training.fused_kernels else 2 * ctx.tokens * head.logits_per_token / ctx.tp * 4
+    n = 3 if ctx.tp > 1 else 2
+    tmp = 0.0 if ctx.training.fused_kernels else n * ctx.tokens * head.logits_per_token / ctx.tp * 4
     return cached_layer_cost(head, ctx).act_none, tmp
 
 
@@ -384,8 +394,9 @@ def uses_replicate(cfg: ParallelConfig) -> bool:
 
 
 def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
-                 cluster: ClusterSpec, training: TrainingSpec, m: int, in_flight: float) -> dict[str, float]:
-    """The memory categories of `estimate.memory_of_rank`, plus what autoplan's runtime holds on top of them:
+                 cluster: ClusterSpec, training: TrainingSpec, m: int, in_flight: float) -> tuple[dict[str, float], str]:
+    """(the memory categories at the peak, the moment of the peak: a `_moments` key). The categories of
+    `estimate.memory_of_rank`, plus what autoplan's runtime holds on top of them:
     - FSDP2 keeps each sharded parameter beside its unsharded copy: a full second copy under `replicate`
       (zero 0 with dp x cp > 1 where DDP cannot be used: tensor-parallel DTensors or pipeline stages, see
       runtime.parallelize.apply_dp), a 1/(dp x cp) shard under zero 1/2; DDP keeps one copy of parameters and
@@ -444,6 +455,8 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
         out["temporaries"] += sum(1 for s in stages if s.index < n_stages - 1) * m * \
             boundary_bytes(profiles, ctx, cfg, training)
     out["activations"] += token_ids_bytes(cfg, training)
+    # the recomputed layer's transient (estimate's act_peak_extra) exists only at a block's backward (`_moments`)
+    out["activations"] -= max((s.act_peak_extra for s in stages), default=0.0)
     # estimate counts the head's activations for every in-flight micro-batch; at most one micro-batch has them at
     # the peak (the head's stage runs each backward right after its forward): each moment adds what it holds
     out["activations"] -= in_flight * _head_parts(stages, profiles, ctx)[0]
@@ -454,11 +467,12 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
         out["parameters"] += _root_unit(stages, profiles, ctx, cfg) * w
     # The peak's moment: the categories each candidate adds (a tie goes to the first, the block: tiny-gpt
     # tp=2,pp=2's last stage measures the block at 80 KiB either way)
-    moment = max(_moments(stages, profiles, ctx, cfg, training).values(), key=lambda d: sum(d.values()))
-    for k, v in moment.items():
+    moments = _moments(stages, profiles, ctx, cfg, training)
+    moment = max(moments, key=lambda k: sum(moments[k].values()))
+    for k, v in moments[moment].items():
         out[k] += v
     out["peak"] = sum(out.values())
-    return out
+    return out, moment
 
 
 def _stage_blocks(stages: list[StageCost], profiles: list[LayerProfile]) -> list[LayerProfile]:
@@ -516,16 +530,21 @@ def _moments(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context
     unit = max((_fsdp_unit(p, ctx) for p in blocks), default=0.0) * w
     head = profiles[-1]
     has_head = any(s.has_head for s in stages)
-    block_tmp, released = max((_block_backward(p, ctx, training) for p in blocks),
+    residual = has_head or cfg.pp == 1
+    block_tmp, released = max((_block_backward(p, ctx, training, residual) for p in blocks),
                               key=lambda tr: tr[0] - tr[1], default=(0.0, 0.0))
     if has_head and profiles[0] in [p for s in stages for p, _ in _stage_layers(s, profiles)] and \
             head.gemms and head.gemms[0].count == 0:
         # a tied LM head's weight gradient waits in the autograd engine for the embedding's to be added to it
         block_tmp += head.gemms[0].n * head.gemms[0].k / ctx.tp * training.grad_bytes
     head_act, head_tmp = _head_parts(stages, profiles, ctx)
+    # full recomputation: the recomputed layer's activations (without its input, the checkpoint) are alive only
+    # while that layer's backward runs (estimate's act_peak_extra)
+    recomputed = max((s.act_peak_extra for s in stages), default=0.0)
+    held = _held_grad_send(stages, profiles, ctx, cfg, training)
     out = {
-        "block": {"activations": -released, "temporaries": block_tmp},
-        "head": {"activations": head_act, "temporaries": head_tmp},
+        "block": {"activations": recomputed - released, "temporaries": block_tmp + held},
+        "head": {"activations": head_act, "temporaries": head_tmp + held},
         "forward": {"activations": _head_forward(head, ctx) if has_head else 0.0},
         "dispatch": {"activations": max((_moe_dispatch_transients(p, ctx) for p in blocks), default=0.0)},
     }
@@ -541,6 +560,18 @@ def _moments(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context
     return out
 
 
+def _held_grad_send(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
+                    training: TrainingSpec) -> float:
+    """The input gradient of the previous micro-batch that a 1F1B stage after the first is still sending while
+    its backward runs: Schedule1F1B's cool-down fires each backward's gradient send and waits on it only after
+    the next backward (`send_work`; the gloo Work holds the tensor). The last stage (one micro-batch in flight)
+    peaks there, a middle stage too (measured: pp=4); the first stage sends no gradients. The interleaved
+    schedule holds every send until the step ends (not priced: how many depends on the peak's place in it)."""
+    if cfg.pp == 1 or cfg.vp > 1 or cfg.schedule != "1f1b" or num_microbatches(cfg, training) < 2:
+        return 0.0
+    return boundary_bytes(profiles, ctx, cfg, training) if any(s.index > 0 for s in stages) else 0.0
+
+
 def _head_forward(head: LayerProfile, ctx: Context) -> float:
     """What the head holds when the root module's forward returns: its saved tensors up to the LM head (the final
     norm's and the LM head's inputs, the profile's act_seq) and the logits (the LM head's output, in the model's
@@ -552,7 +583,8 @@ def _head_forward(head: LayerProfile, ctx: Context) -> float:
 def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec,
                    cfg: ParallelConfig, layout: list[StageLayout] | None = None) -> list[dict]:
     """Per pipeline rank: {"flops": {phase: n}, "comm": [{collective, mesh_dim, count, bytes}],
-    "memory_bytes": {category: bytes, "peak": bytes}} for one optimizer step of `cfg` (dp resolved)."""
+    "memory_bytes": {category: bytes, "peak": bytes}, "memory_moment": the peak's moment, "memory_phase": its
+    phase} for one optimizer step of `cfg` (dp resolved)."""
     est = estimate(profiles, cluster, training, cfg, layout, simulate_pipeline=False)
     ctx = context(cluster, training, cfg)
     m = num_microbatches(cfg, training)
@@ -565,9 +597,10 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
         expert = sum(s.expert_params for s in stages)
         dp_comm(dense, expert, cfg, training, m, comm)
         step_comm(stages, profiles, ctx, cfg, training, comm)
-        mem = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m, fl[r])
+        mem, moment = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m, fl[r])
         out.append({"flops": {k: int(round(v)) for k, v in flops.items()}, "comm": comm.as_list(),
-                    "memory_bytes": {k: int(round(v)) for k, v in mem.items()}, "in_flight": fl[r]})
+                    "memory_bytes": {k: int(round(v)) for k, v in mem.items()}, "in_flight": fl[r],
+                    "memory_moment": moment, "memory_phase": MOMENT_PHASE[moment]})
     return out
 
 
