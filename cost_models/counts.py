@@ -319,6 +319,10 @@ def _block_backward(p: LayerProfile, ctx: Context, training: TrainingSpec,
         rows = ctx.tokens * p.moe_top_k * ctx.ep / p.moe_experts
         routed = ctx.tokens * p.moe_top_k * p.hidden * e
         return tmp + routed + 8 * rows * w2.k * e, routed + 3 * rows * w2.k * e
+    if ctx.sp and ctx.tp > 1:
+        # sequence parallelism: w2 (RowwiseParallel, its output reduce-scattered over the sequence) needs its
+        # output's gradient whole again: DTensor all-gathers it (all_gather_into_tensor), alive through w2's backward
+        tmp += ctx.tokens * p.hidden * e
     return tmp + ctx.tokens * w2.k / ctx.tp * e + w2.n * w2.k / ctx.tp * training.grad_bytes, 0.0
 
 
@@ -363,6 +367,16 @@ def pipeline_act(stages: list[StageCost], profiles: list[LayerProfile], ctx: Con
         held = 1 if cfg.schedule == "1f1b" and w >= 2 and m >= 2 * w - 1 else 0
         out += (in_flight + held) * x
     return out
+
+
+def _cp_mask_buffers(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context) -> float:
+    """With context parallelism every attention core keeps its causal mask by true positions as a module buffer
+    (runtime.parallelize.ContextParallelAttentionCore: a bool (seq/cp, seq) `mask`), booked as a buffer, which
+    runtime.measure counts among the temporaries."""
+    if ctx.cp == 1:
+        return 0.0
+    cores = sum(1 for p in _stage_blocks(stages, profiles) if p.attention is not None)
+    return cores * ctx.seq / ctx.cp * ctx.seq
 
 
 def token_ids_bytes(cfg: ParallelConfig, training: TrainingSpec) -> float:
@@ -455,6 +469,7 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
         out["temporaries"] += sum(1 for s in stages if s.index < n_stages - 1) * m * \
             boundary_bytes(profiles, ctx, cfg, training)
     out["activations"] += token_ids_bytes(cfg, training)
+    out["temporaries"] += _cp_mask_buffers(stages, profiles, ctx)
     # the recomputed layer's transient (estimate's act_peak_extra) exists only at a block's backward (`_moments`)
     out["activations"] -= max((s.act_peak_extra for s in stages), default=0.0)
     # estimate counts the head's activations for every in-flight micro-batch; at most one micro-batch has them at
