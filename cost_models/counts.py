@@ -560,8 +560,9 @@ def _moments(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context
     out = {
         "block": {"activations": recomputed - released, "temporaries": block_tmp + held},
         "head": {"activations": head_act, "temporaries": head_tmp + held},
-        "forward": {"activations": _head_forward(head, ctx) if has_head else 0.0},
-        "dispatch": {"activations": max((_moe_dispatch_transients(p, ctx) for p in blocks), default=0.0)},
+        "forward": {"activations": _head_forward(head, ctx) if has_head else 0.0, "temporaries": held},
+        "dispatch": {"activations": max((_moe_dispatch_transients(p, ctx) for p in blocks), default=0.0),
+                     "temporaries": held},
     }
     if zero3:
         out["block"]["parameters"] = unit
@@ -577,11 +578,11 @@ def _moments(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context
 
 def _held_grad_send(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
                     training: TrainingSpec) -> float:
-    """The input gradient of the previous micro-batch that a 1F1B stage after the first is still sending while
-    its backward runs: Schedule1F1B's cool-down fires each backward's gradient send and waits on it only after
-    the next backward (`send_work`; the gloo Work holds the tensor). The last stage (one micro-batch in flight)
-    peaks there, a middle stage too (measured: pp=4); the first stage sends no gradients. The interleaved
-    schedule holds every send until the step ends (not priced: how many depends on the peak's place in it)."""
+    """The input gradient of the previous micro-batch that a 1F1B stage after the first still holds while it
+    runs the next forward or backward: Schedule1F1B keeps each backward's gradient send ops in `bwd_sends` (a
+    P2POp holds its tensor) until the next backward replaces them, and in the cool-down waits on the fired send
+    (`send_work`) only after the next backward. The first stage sends no gradients. The interleaved schedule
+    holds every send until the step ends (not priced: how many depends on the peak's place in it)."""
     if cfg.pp == 1 or cfg.vp > 1 or cfg.schedule != "1f1b" or num_microbatches(cfg, training) < 2:
         return 0.0
     return boundary_bytes(profiles, ctx, cfg, training) if any(s.index > 0 for s in stages) else 0.0
