@@ -18,7 +18,10 @@ side of that comparison, taken from the program autoplan actually runs (`Trainer
   all-to-all: what this rank sends; send/recv: the message.
 - Memory: `torch.distributed._tools.mem_tracker.MemTracker` (per storage, categorised as parameter, gradient,
   optimizer state, activation, temporary), with the maximum of each category over the step kept beside the
-  peak and its breakdown. On a GPU the allocator's peak (`torch.cuda.max_memory_allocated`) is reported too.
+  peak and its breakdown, and the largest moment of each phase (forward, backward, optimizer step) with its
+  categories. What exists before the step is registered first: the modules' parameters and buffers, the
+  optimizer state, and the pipeline's receive buffers (in the categories the cost model prices them in,
+  `track_pipeline_buffers`). On a GPU the allocator's peak (`torch.cuda.max_memory_allocated`) is reported too.
   `SiteMemTracker` (a diagnostic: benchmarks/counts.py --sites) also says which storages make up each category
   at the peak, by the module, phase, op and micro-batch that made them.
 """
