@@ -44,6 +44,11 @@ PHASES = ("forward", "backward", "recompute")
 ATTN_BWD_FACTOR = 2.5
 # The phase each moment of the peak (`_moments`) falls in, as runtime.measure names its per-phase peaks.
 MOMENT_PHASE = {"block": "backward", "head": "backward", "forward": "forward", "dispatch": "forward"}
+# Bytes per token of the index tensors loss_parallel's backward makes beside its three logit-sized ones
+# (torch.distributed.tensor.parallel.loss._nll_loss_and_log_softmax_backward): the safe target (where, int64),
+# the masked target (int64), arange (int64), grad_update (fp32), the masked output gradient (where, fp32) and the
+# mask (bool): 8 + 8 + 8 + 4 + 4 + 1.
+_LOSS_PARALLEL_INDEX_BYTES = 33
 # Bytes of one expert-count entry in the EP split-size exchange (an int64 tensor of num_experts entries).
 _COUNT_BYTES = 8
 
@@ -392,12 +397,17 @@ def _head_parts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Cont
     logits (nll_loss_backward, _log_softmax_backward_data): two fp32 tensors of the local logits. Under tensor
     parallelism the engine runs the loss in `loss_parallel`, whose fused backward
     (torch.distributed.tensor.parallel.loss._nll_loss_and_log_softmax_backward) holds three at its widest:
-    grad_input (zeros_like), exp(x) and their sum."""
+    grad_input (zeros_like), exp(x) and their sum, and per token the int64 safe and masked targets and arange,
+    the fp32 update and masked output gradient, and the bool mask (`_LOSS_PARALLEL_INDEX_BYTES`)."""
     if not any(s.has_head for s in stages):
         return 0.0, 0.0
     head = profiles[-1]
+    if ctx.training.fused_kernels:
+        return cached_layer_cost(head, ctx).act_none, 0.0
     n = 3 if ctx.tp > 1 else 2
-    tmp = 0.0 if ctx.training.fused_kernels else n * ctx.tokens * head.logits_per_token / ctx.tp * 4
+    tmp = n * ctx.tokens * head.logits_per_token / ctx.tp * 4
+    if ctx.tp > 1:
+        tmp += ctx.tokens * _LOSS_PARALLEL_INDEX_BYTES
     return cached_layer_cost(head, ctx).act_none, tmp
 
 
