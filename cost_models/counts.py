@@ -34,7 +34,7 @@ from .estimate import (
     estimate,
     num_microbatches,
 )
-from .pipeline import in_flight
+from .pipeline import in_flight, schedule_actions
 from .profile import LayerProfile
 from .specs import ClusterSpec, ParallelConfig, TrainingSpec
 
@@ -588,14 +588,38 @@ def _moments(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context
 
 def _held_grad_send(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
                     training: TrainingSpec) -> float:
-    """The input gradient of the previous micro-batch that a 1F1B stage after the first still holds while it
-    runs the next forward or backward: Schedule1F1B keeps each backward's gradient send ops in `bwd_sends` (a
-    P2POp holds its tensor) until the next backward replaces them, and in the cool-down waits on the fired send
-    (`send_work`) only after the next backward. The first stage sends no gradients. The interleaved schedule
-    holds every send until the step ends (not priced: how many depends on the peak's place in it)."""
-    if cfg.pp == 1 or cfg.vp > 1 or cfg.schedule != "1f1b" or num_microbatches(cfg, training) < 2:
+    """Input gradients a pipeline rank is still sending at its peak. 1F1B: a stage after the first holds the
+    previous micro-batch's while it runs the next forward or backward (Schedule1F1B keeps each backward's send
+    ops in `bwd_sends`, a P2POp holds its tensor, until the next backward replaces them; in the cool-down it waits
+    on the fired `send_work` only after the next backward); the first stage sends none. Interleaved:
+    _PipelineScheduleRuntime waits on its sends only at the end of the step, so every gradient a stage after the
+    first has sent is alive; `_interleaved_held_sends` counts them at the peak."""
+    if cfg.pp == 1 or num_microbatches(cfg, training) < 2 or not stages:
         return 0.0
-    return boundary_bytes(profiles, ctx, cfg, training) if any(s.index > 0 for s in stages) else 0.0
+    x = boundary_bytes(profiles, ctx, cfg, training)
+    if cfg.vp > 1 and cfg.schedule == "interleaved":
+        return _interleaved_held_sends(stages[0].index % cfg.pp, cfg, num_microbatches(cfg, training)) * x
+    if cfg.vp > 1 or cfg.schedule != "1f1b":
+        return 0.0
+    return x if any(s.index > 0 for s in stages) else 0.0
+
+
+def _interleaved_held_sends(rank: int, cfg: ParallelConfig, m: int) -> int:
+    """Gradient sends a rank has made before its peak under the interleaved schedule (pipeline.schedule_actions'
+    order): the peak is the last backward at which the most model chunks are in flight (a chunk's saved
+    activations outweigh a residual-stream-wide gradient many times over, and later backwards of that plateau
+    hold more sends); the sends are the backwards before it on stages after the first."""
+    acts = schedule_actions("interleaved", cfg.pp, m, cfg.vp)[rank]
+    in_flight, best, held, best_held = 0, -1, 0, 0
+    for a in acts:
+        if a.kind == "F":
+            in_flight += 1
+            continue
+        if in_flight >= best:
+            best, best_held = in_flight, held
+        in_flight -= 1
+        held += a.stage > 0
+    return best_held
 
 
 def _head_forward(head: LayerProfile, ctx: Context) -> float:
