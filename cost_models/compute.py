@@ -220,6 +220,18 @@ def _eager_extra_bytes(p: LayerProfile, ctx: Context, seq_div: int) -> tuple[flo
     return f, b
 
 
+def _head_softmax_units(p: LayerProfile) -> float:
+    """The cross-entropy's fp32 log-softmax in a head's act_tp, per token in the profile's units (bytes at 2-byte
+    activations: 4 per logit). It is fp32 whatever the activation width -- the loss upcasts the logits
+    (zoo.model.cross_entropy_loss: `logits.float()`; profile_from_spec's head counts it so) and in fp32 training
+    they already are -- so it keeps its 4 bytes per logit where the rest of a profile scales with the width.
+    0 where the head's act_tp holds less (a loss reading the logits at the model's width)."""
+    if p.kind != "head" or not p.logits_per_token:
+        return 0.0
+    fp32 = 4.0 * p.logits_per_token
+    return fp32 if p.act_tp >= fp32 else 0.0
+
+
 def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     """Time, memory and FLOPs of layer `p` for one micro-batch on one GPU."""
     cal = ctx.cluster.gpu.calibration
@@ -251,14 +263,16 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # Activations (bytes) of one micro-batch: Korthikanti et al. 2022 Table 2 generalised.
     tok = ctx.tokens
     scale = e / 2.0  # profiles count 2-byte activations
-    base = tok * (p.act_tp / t + p.act_seq / seq_div) * scale
+    # the head's fp32 log-softmax is fp32 at any activation width: only the rest of act_tp scales with it
+    softmax = _head_softmax_units(p)
+    base = tok * ((p.act_tp - softmax) / t * scale + softmax / t + p.act_seq / seq_div * scale)
     scores = 0.0
     if p.attention is not None and not ctx.training.flash_attention:
         scores = tok * p.act_scores_per_seq * (ctx.seq) / t * scale
     elif p.attention is not None:
         scores = tok * p.attention.heads / t * 4.0  # flash keeps the fp32 log-sum-exp per row and head
     if p.kind == "head" and ctx.training.fused_kernels:
-        base -= tok * p.act_tp / t * scale  # chunked cross-entropy never materialises the fp32 softmax
+        base -= tok * softmax / t  # chunked cross-entropy never materialises the fp32 softmax
     act_none = base + scores
     act_sel = base + (scores if ctx.training.flash_attention else 0.0)
     act_full = tok * p.act_input / seq_div * scale if p.kind == "block" else act_none

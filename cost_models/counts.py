@@ -13,9 +13,9 @@ describe autoplan's own runtime (DTensor TP, FSDP2, torch.distributed.pipelining
 - Bytes per collective follow cost_models.comm: all-reduce the buffer, all-gather the gathered buffer,
   reduce-scatter the full buffer, all-to-all what a rank sends, send/recv the message.
 - Memory: the categories of `estimate.memory_of_rank` without the framework overhead (a process constant that
-  tensor tracking does not see); ZeRO-3's gathered layers are temporaries (FSDP2 all-gathers them into
-  buffers that MemTracker books as temporaries, never as parameters: benchmarks/counts.py, zero=3), with the
-  backward transients; the peak is their sum.
+  tensor tracking does not see), plus what the runtime holds beyond them, at the moment of the peak; ZeRO-3's
+  gathered units as FSDP2 keeps them (unsharded parameters are the modules' parameters, all-gather outputs are
+  temporaries in backward and activations in forward, as MemTracker books them); the peak is their sum.
 
 Pure functions over data; nothing here imports torch.
 """
@@ -26,7 +26,6 @@ from collections import defaultdict
 
 from .compute import Context, _attention
 from .estimate import (
-    GIB,
     StageCost,
     StageLayout,
     _stages_by_rank,
@@ -35,7 +34,7 @@ from .estimate import (
     estimate,
     num_microbatches,
 )
-from .pipeline import in_flight
+from .pipeline import in_flight, schedule_actions
 from .profile import LayerProfile
 from .specs import ClusterSpec, ParallelConfig, TrainingSpec
 
@@ -43,6 +42,13 @@ PHASES = ("forward", "backward", "recompute")
 # The SDPA backward's matmuls relative to its forward's (torch.utils.flop_counter.sdpa_backward_flop_count:
 # recompute QK^T, then dV, dP, dQ, dK = 5 bmm against the forward's QK^T and PV = 2).
 ATTN_BWD_FACTOR = 2.5
+# The phase each moment of the peak (`_moments`) falls in, as runtime.measure names its per-phase peaks.
+MOMENT_PHASE = {"block": "backward", "head": "backward", "forward": "forward", "dispatch": "forward"}
+# Bytes per token of the index tensors loss_parallel's backward makes beside its three logit-sized ones
+# (torch.distributed.tensor.parallel.loss._nll_loss_and_log_softmax_backward): the safe target (where, int64),
+# the masked target (int64), arange (int64), grad_update (fp32), the masked output gradient (where, fp32) and the
+# mask (bool): 8 + 8 + 8 + 4 + 4 + 1.
+_LOSS_PARALLEL_INDEX_BYTES = 33
 # Bytes of one expert-count entry in the EP split-size exchange (an int64 tensor of num_experts entries).
 _COUNT_BYTES = 8
 
@@ -99,10 +105,6 @@ def _early_stop_skipped(p: LayerProfile, ctx: Context) -> float:
     if p.kind != "block" or last is None or last.expert or p.moe_top_k:
         return 0.0
     return _gemm_flops(last, ctx)
-
-
-def _layer_costs(stage: StageCost, profiles: list[LayerProfile], ctx: Context):
-    return [cached_layer_cost(p, ctx) for p, _ in _stage_layers(stage, profiles)]
 
 
 def layer_flops(p: LayerProfile, ctx: Context, recompute: str) -> dict[str, float]:
@@ -298,11 +300,15 @@ def _eager_norm_act(p: LayerProfile, ctx: Context) -> float:
     return 2 * ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * ctx.act_bytes
 
 
-def _block_backward(p: LayerProfile, ctx: Context, training: TrainingSpec) -> tuple[float, float]:
+def _block_backward(p: LayerProfile, ctx: Context, training: TrainingSpec,
+                    residual: bool = True) -> tuple[float, float]:
     """(temporaries, activations already released) at the widest point of a block's backward.
 
     Dense block: its last GEMM's backward, holding the gradient of the residual stream, the gradient of w2's
     input and w2's weight gradient (made before it is added to .grad); nothing of the block is released yet.
+    `residual=False`: the residual stream's gradient is a pipeline stage's gradient receive buffer (the stage
+    does not hold the head, and its last block's output gradient arrives from the next stage; the residual add
+    passes it through), already counted among the temporaries.
     MoE block: an expert's SwiGLU backward, on its rows (its share of the routed tokens of every ep rank):
     by then the combine's backward has released the k expert outputs it saved and the expert's w2 and product
     backward have released w2's input, silu(w1 x) and w3 x; alive are the residual gradient, the gradient of the
@@ -311,13 +317,17 @@ def _block_backward(p: LayerProfile, ctx: Context, training: TrainingSpec) -> tu
     counts them (benchmarks/counts.py --sites, tiny-moe)."""
     w2 = p.gemms[-1] if p.gemms else None
     e = ctx.act_bytes
-    tmp = ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * e
+    tmp = ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * e if residual else 0.0
     if w2 is None:
         return tmp, 0.0
     if p.moe_top_k:
         rows = ctx.tokens * p.moe_top_k * ctx.ep / p.moe_experts
         routed = ctx.tokens * p.moe_top_k * p.hidden * e
         return tmp + routed + 8 * rows * w2.k * e, routed + 3 * rows * w2.k * e
+    if ctx.sp and ctx.tp > 1:
+        # sequence parallelism: w2 (RowwiseParallel, its output reduce-scattered over the sequence) needs its
+        # output's gradient whole again: DTensor all-gathers it (all_gather_into_tensor), alive through w2's backward
+        tmp += ctx.tokens * p.hidden * e
     return tmp + ctx.tokens * w2.k / ctx.tp * e + w2.n * w2.k / ctx.tp * training.grad_bytes, 0.0
 
 
@@ -364,6 +374,16 @@ def pipeline_act(stages: list[StageCost], profiles: list[LayerProfile], ctx: Con
     return out
 
 
+def _cp_mask_buffers(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context) -> float:
+    """With context parallelism every attention core keeps its causal mask by true positions as a module buffer
+    (runtime.parallelize.ContextParallelAttentionCore: a bool (seq/cp, seq) `mask`), booked as a buffer, which
+    runtime.measure counts among the temporaries."""
+    if ctx.cp == 1:
+        return 0.0
+    cores = sum(1 for p in _stage_blocks(stages, profiles) if p.attention is not None)
+    return cores * ctx.seq / ctx.cp * ctx.seq
+
+
 def token_ids_bytes(cfg: ParallelConfig, training: TrainingSpec) -> float:
     """The step's token ids on every rank (int64): the global batch of gbs x (seq + 1) that every rank reads
     (runtime.data: each rank slices its part out of it) and this rank's inputs and labels."""
@@ -371,21 +391,24 @@ def token_ids_bytes(cfg: ParallelConfig, training: TrainingSpec) -> float:
     return 8.0 * (training.global_batch_size * (training.seq_length + 1) + 2 * local)
 
 
-def _head_parts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context) -> tuple[float, float, float]:
-    """(the head's saved activations as estimate counts them per in-flight micro-batch, as they are, the
-    temporaries of its backward) on a rank holding the head, else zeros. The profile counts the cross-entropy's
-    fp32 softmax in 2-byte units that layer_cost scales by the activation width: with fp32 activations that
-    doubles a tensor that is fp32 anyway. Its backward makes the gradient of the log-softmax and then of the
-    logits (nll_loss_backward, _log_softmax_backward_data): two fp32 tensors of the local logits."""
+def _head_parts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context) -> tuple[float, float]:
+    """(the head's saved activations per micro-batch, as estimate counts them, the temporaries of its backward)
+    on a rank holding the head, else zeros. Its backward makes the gradient of the log-softmax and then of the
+    logits (nll_loss_backward, _log_softmax_backward_data): two fp32 tensors of the local logits. Under tensor
+    parallelism the engine runs the loss in `loss_parallel`, whose fused backward
+    (torch.distributed.tensor.parallel.loss._nll_loss_and_log_softmax_backward) holds three at its widest:
+    grad_input (zeros_like), exp(x) and their sum, and per token the int64 safe and masked targets and arange,
+    the fp32 update and masked output gradient, and the bool mask (`_LOSS_PARALLEL_INDEX_BYTES`)."""
     if not any(s.has_head for s in stages):
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0
     head = profiles[-1]
-    est = cached_layer_cost(head, ctx).act_none
-    fused = ctx.training.fused_kernels
-    softmax = 0.0 if fused else ctx.tokens * head.act_tp / ctx.tp
-    real = est - softmax * (ctx.act_bytes / 2.0) + softmax
-    tmp = 0.0 if fused else 2 * ctx.tokens * head.logits_per_token / ctx.tp * 4
-    return est, real, tmp
+    if ctx.training.fused_kernels:
+        return cached_layer_cost(head, ctx).act_none, 0.0
+    n = 3 if ctx.tp > 1 else 2
+    tmp = n * ctx.tokens * head.logits_per_token / ctx.tp * 4
+    if ctx.tp > 1:
+        tmp += ctx.tokens * _LOSS_PARALLEL_INDEX_BYTES
+    return cached_layer_cost(head, ctx).act_none, tmp
 
 
 def uses_replicate(cfg: ParallelConfig) -> bool:
@@ -395,8 +418,9 @@ def uses_replicate(cfg: ParallelConfig) -> bool:
 
 
 def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
-                 cluster: ClusterSpec, training: TrainingSpec, m: int, in_flight: float) -> dict[str, float]:
-    """The memory categories of `estimate.memory_of_rank`, plus what autoplan's runtime holds on top of them:
+                 cluster: ClusterSpec, training: TrainingSpec, m: int, in_flight: float) -> tuple[dict[str, float], str]:
+    """(the memory categories at the peak, the moment of the peak: a `_moments` key). The categories of
+    `estimate.memory_of_rank`, plus what autoplan's runtime holds on top of them:
     - FSDP2 keeps each sharded parameter beside its unsharded copy: a full second copy under `replicate`
       (zero 0 with dp x cp > 1 where DDP cannot be used: tensor-parallel DTensors or pipeline stages, see
       runtime.parallelize.apply_dp), a 1/(dp x cp) shard under zero 1/2; DDP keeps one copy of parameters and
@@ -410,20 +434,20 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     - eager modules save more than the profile's (Megatron's) activation counts (`_eager_extra_act`: SwiGLU,
       MoE combine, GQA/CP K and V, composite RMSNorm, SP's gathered GEMM inputs);
     - the step's token ids;
-    - the categories at the moment of the peak: a block's backward at its widest, the head's backward or a MoE
-      dispatch in a forward, whichever holds most (tensors released by then are not counted).
+    - under ZeRO-3 the root unit stays gathered, and a block's unit is gathered or prefetched (`_moments`);
+    - the categories at the moment of the peak (`_moments`): a block's backward at its widest, the head's
+      backward, the end of the model's forward (with FSDP2's last all-gather output) or a MoE dispatch in a
+      forward, whichever holds most (tensors released by then are not counted).
     Without the framework overhead (a process constant that tensor tracking does not see). Each term's source
     in torch or the runtime: docs/notes/session-5/issue-12-activations.md."""
-    overhead = cluster.gpu.calibration.framework_overhead_gib * GIB
     w, g = training.weight_bytes, training.grad_bytes
     master = 0 if training.dtype in ("fp32", "tf32") else 4
     n = cfg.dp * cfg.cp
-    # ZeRO-3's all-gathered layers (estimate.memory_of_rank's `other` beyond the overhead) are temporaries:
-    # FSDP2 gathers them into buffers that exist only while a unit runs (measured: the parameters category
-    # never exceeds the shards under zero=3)
-    gathered = max(0.0, mem.other - overhead)
+    # ZeRO-3's gathered units (estimate.memory_of_rank's `other` beyond the overhead: two of the largest layer)
+    # are priced as FSDP2 holds them: the root unit and the running block's unsharded parameters, the prefetched
+    # or kept all-gather output (the root unit below, the rest in `_moments`)
     out = {"parameters": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,
-           "activations": mem.activations, "temporaries": gathered}
+           "activations": mem.activations, "temporaries": 0.0}
     dense = sum(s.params - s.expert_params for s in stages)
     expert = sum(s.expert_params for s in stages)
     head = profiles[-1]
@@ -455,47 +479,162 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
         out["temporaries"] += sum(1 for s in stages if s.index < n_stages - 1) * m * \
             boundary_bytes(profiles, ctx, cfg, training)
     out["activations"] += token_ids_bytes(cfg, training)
-    # Full recomputation: estimate adds the largest recomputed layer's activations while it runs backward, but
-    # that layer's input is its checkpoint, already counted among the kept inputs (act_full)
-    rec = [c for s in stages for (p, r), c in zip(_stage_layers(s, profiles), _layer_costs(s, profiles, ctx))
-           if r == "full"]
-    if rec:
-        out["activations"] -= max(c.act_none for c in rec) - max(c.act_none - c.act_full for c in rec)
-    # The peak is in a backward: the head's (cross-entropy's), or, once the head's saved tensors are freed, a
-    # block's at its widest (_block_backward); whichever holds more. estimate counts the head's activations for
-    # every in-flight micro-batch; at most one micro-batch has them (the head's stage runs each backward right
-    # after its forward). The head's backward makes its two fp32 logit-sized gradients.
-    head_est, head_act, head_tmp = _head_parts(stages, profiles, ctx)
-    out["activations"] -= in_flight * head_est
-    block_tmp, released = max((_block_backward(p, ctx, training) for s in stages
-                               for p, r in _stage_layers(s, profiles) if p.kind == "block"),
+    out["temporaries"] += _cp_mask_buffers(stages, profiles, ctx)
+    # the recomputed layer's transient (estimate's act_peak_extra) exists only at a block's backward (`_moments`)
+    out["activations"] -= max((s.act_peak_extra for s in stages), default=0.0)
+    # estimate counts the head's activations for every in-flight micro-batch; at most one micro-batch has them at
+    # the peak (the head's stage runs each backward right after its forward): each moment adds what it holds
+    out["activations"] -= in_flight * _head_parts(stages, profiles, ctx)[0]
+    # ZeRO-3: FSDP2 leaves the root unit (what no block holds: embeddings, final norm, head) unsharded between
+    # forward and backward (FSDPState._lazy_init: the root does not reshard after forward), and the unsharded
+    # parameters are the modules' own parameter tensors, booked as parameters
+    if cfg.zero >= 3 and n > 1:
+        out["parameters"] += _root_unit(stages, profiles, ctx, cfg) * w
+    # The peak's moment: the categories each candidate adds (a tie goes to the first, the block: tiny-gpt
+    # tp=2,pp=2's last stage measures the block at 80 KiB either way)
+    moments = _moments(stages, profiles, ctx, cfg, training)
+    moment = max(moments, key=lambda k: sum(moments[k].values()))
+    for k, v in moments[moment].items():
+        out[k] += v
+    out["peak"] = sum(out.values())
+    return out, moment
+
+
+def _stage_blocks(stages: list[StageCost], profiles: list[LayerProfile]) -> list[LayerProfile]:
+    return [p for s in stages for p, _ in _stage_layers(s, profiles) if p.kind == "block"]
+
+
+def _fsdp_unit(p: LayerProfile, ctx: Context) -> float:
+    """Parameters of a block's FSDP2 unit on this rank (fully_shard per block, runtime.parallelize.apply_dp):
+    its local parameters without the experts, which FSDP2 ignores. Its all-gather output (one flat buffer) and
+    its unsharded parameters are each this many elements."""
+    c = cached_layer_cost(p, ctx)
+    return c.params_local - c.expert_params_local
+
+
+def _root_unit(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig) -> float:
+    """Parameters of a rank's root FSDP2 unit: its embedding and head layers (a tied head counts once, on the
+    embedding, as in the profile; its own copy on a later pipeline stage is `_tied_copy`)."""
+    out = 0.0
+    for s in stages:
+        for p, _ in _stage_layers(s, profiles):
+            if p.kind != "block":
+                c = cached_layer_cost(p, ctx)
+                out += c.params_local - c.expert_params_local
+    return out + _tied_copy(stages, profiles, cfg, ctx)
+
+
+def _forward_gather(cfg: ParallelConfig) -> bool:
+    """Whether FSDP2 all-gathers a block's parameters again in the forward of the micro-batch that holds most:
+    zero 3 gathers for every forward; zero 2 without pipeline parallelism reshards after every micro-batch's
+    backward (its reduce-scatter) and gathers again; zero 1 and zero 2 under the pipeline schedule gather once
+    per step, in the first micro-batch's forward (when no gradient exists yet)."""
+    return cfg.zero >= 3 or (cfg.zero == 2 and cfg.pp == 1)
+
+
+def _moments(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
+             training: TrainingSpec) -> dict[str, dict[str, float]]:
+    """The moments at which a rank can peak, each as the bytes it adds per category to what every moment holds
+    (parameters, gradients and optimizer state, the in-flight micro-batches' saved tensors without the head's):
+    - block: a block's backward at its widest (`_block_backward`), less what it has released by then; under
+      ZeRO-3 the block's unit is gathered (its unsharded parameters) and FSDP2 has already prefetched the next
+      unit's all-gather output (FSDPState._backward_prefetch; a temporary, made in backward) if the rank has
+      another block;
+    - head: the cross-entropy's backward (its saved tensors and two fp32 logit gradients); under ZeRO-3 the last
+      block's all-gather is prefetched;
+    - forward: the end of the root module's forward (FSDPState._post_forward, which frees the last all-gather
+      output): the head's saved tensors up to the LM head and the logits, and, where FSDP2 gathered the blocks
+      again in this forward (`_forward_gather`), the last block's all-gather output, which FSDP2 keeps for the
+      next copy-in until then (FSDPParamGroup.wait_for_unshard, AllGatherState; booked as an activation);
+    - dispatch: a MoE block's forward dispatch (`_moe_dispatch_transients`); under ZeRO-3 with the block's unit
+      gathered and its all-gather output kept.
+    Each term names the torch or runtime code that makes the tensor."""
+    blocks = _stage_blocks(stages, profiles)
+    zero3 = cfg.zero >= 3 and cfg.dp * cfg.cp > 1
+    w = training.weight_bytes
+    unit = max((_fsdp_unit(p, ctx) for p in blocks), default=0.0) * w
+    head = profiles[-1]
+    has_head = any(s.has_head for s in stages)
+    residual = has_head or cfg.pp == 1
+    block_tmp, released = max((_block_backward(p, ctx, training, residual) for p in blocks),
                               key=lambda tr: tr[0] - tr[1], default=(0.0, 0.0))
-    if head_act and profiles[0] in [p for s in stages for p, _ in _stage_layers(s, profiles)] and \
+    if has_head and profiles[0] in [p for s in stages for p, _ in _stage_layers(s, profiles)] and \
             head.gemms and head.gemms[0].count == 0:
         # a tied LM head's weight gradient waits in the autograd engine for the embedding's to be added to it
         block_tmp += head.gemms[0].n * head.gemms[0].k / ctx.tp * training.grad_bytes
-    # a MoE block's forward can be higher still: its dispatch's transients on top of everything saved before
-    # the head runs
-    dispatch = max((_moe_dispatch_transients(p, ctx) for s in stages for p, _ in _stage_layers(s, profiles)),
-                   default=0.0)
-    moment = max(("block", block_tmp - released), ("head", head_act + head_tmp), ("dispatch", dispatch),
-                 key=lambda kv: kv[1])[0]  # a tie goes to the block (tiny-gpt tp=2,pp=2: 80 KiB either way)
-    if moment == "head":
-        out["activations"] += head_act
-        out["temporaries"] += head_tmp
-    elif moment == "block":
-        out["activations"] -= released
-        out["temporaries"] += block_tmp
-    else:
-        out["activations"] += dispatch
-    out["peak"] = sum(out.values())
+    head_act, head_tmp = _head_parts(stages, profiles, ctx)
+    # full recomputation: the recomputed layer's activations (without its input, the checkpoint) are alive only
+    # while that layer's backward runs (estimate's act_peak_extra)
+    recomputed = max((s.act_peak_extra for s in stages), default=0.0)
+    held = _held_grad_send(stages, profiles, ctx, cfg, training)
+    out = {
+        "block": {"activations": recomputed - released, "temporaries": block_tmp + held},
+        "head": {"activations": head_act, "temporaries": head_tmp + held},
+        "forward": {"activations": _head_forward(head, ctx) if has_head else 0.0, "temporaries": held},
+        "dispatch": {"activations": max((_moe_dispatch_transients(p, ctx) for p in blocks), default=0.0),
+                     "temporaries": held},
+    }
+    if zero3:
+        out["block"]["parameters"] = unit
+        out["block"]["temporaries"] += unit if len(blocks) > 1 else 0.0
+        out["head"]["temporaries"] += unit if blocks else 0.0
+        if out["dispatch"]["activations"]:
+            out["dispatch"]["parameters"] = unit
+            out["dispatch"]["activations"] += unit
+    if _forward_gather(cfg) and cfg.dp * cfg.cp > 1:
+        out["forward"]["activations"] += unit
     return out
+
+
+def _held_grad_send(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
+                    training: TrainingSpec) -> float:
+    """Input gradients a pipeline rank is still sending at its peak. 1F1B: a stage after the first holds the
+    previous micro-batch's while it runs the next forward or backward (Schedule1F1B keeps each backward's send
+    ops in `bwd_sends`, a P2POp holds its tensor, until the next backward replaces them; in the cool-down it waits
+    on the fired `send_work` only after the next backward); the first stage sends none. Interleaved:
+    _PipelineScheduleRuntime waits on its sends only at the end of the step, so every gradient a stage after the
+    first has sent is alive; `_interleaved_held_sends` counts them at the peak."""
+    if cfg.pp == 1 or num_microbatches(cfg, training) < 2 or not stages:
+        return 0.0
+    x = boundary_bytes(profiles, ctx, cfg, training)
+    if cfg.vp > 1 and cfg.schedule == "interleaved":
+        return _interleaved_held_sends(stages[0].index % cfg.pp, cfg, num_microbatches(cfg, training)) * x
+    if cfg.vp > 1 or cfg.schedule != "1f1b":
+        return 0.0
+    return x if any(s.index > 0 for s in stages) else 0.0
+
+
+def _interleaved_held_sends(rank: int, cfg: ParallelConfig, m: int) -> int:
+    """Gradient sends a rank has made before its peak under the interleaved schedule (pipeline.schedule_actions'
+    order): the peak is the last backward at which the most model chunks are in flight (a chunk's saved
+    activations outweigh a residual-stream-wide gradient many times over, and later backwards of that plateau
+    hold more sends); the sends are the backwards before it on stages after the first."""
+    acts = schedule_actions("interleaved", cfg.pp, m, cfg.vp)[rank]
+    in_flight, best, held, best_held = 0, -1, 0, 0
+    for a in acts:
+        if a.kind == "F":
+            in_flight += 1
+            continue
+        if in_flight >= best:
+            best, best_held = in_flight, held
+        in_flight -= 1
+        held += a.stage > 0
+    return best_held
+
+
+def _head_forward(head: LayerProfile, ctx: Context) -> float:
+    """What the head holds when the root module's forward returns: its saved tensors up to the LM head (the final
+    norm's and the LM head's inputs, the profile's act_seq) and the logits (the LM head's output, in the model's
+    dtype: the engine upcasts them for the loss after the forward, zoo.model.cross_entropy_loss)."""
+    saved = ctx.tokens * head.act_seq / (ctx.tp if ctx.sp else 1) * ctx.act_bytes / 2.0
+    return saved + ctx.tokens * head.logits_per_token / ctx.tp * ctx.act_bytes
 
 
 def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec,
                    cfg: ParallelConfig, layout: list[StageLayout] | None = None) -> list[dict]:
     """Per pipeline rank: {"flops": {phase: n}, "comm": [{collective, mesh_dim, count, bytes}],
-    "memory_bytes": {category: bytes, "peak": bytes}} for one optimizer step of `cfg` (dp resolved)."""
+    "memory_bytes": {category: bytes, "peak": bytes}, "memory_moment": the peak's moment, "memory_phase": its
+    phase} for one optimizer step of `cfg` (dp resolved)."""
     est = estimate(profiles, cluster, training, cfg, layout, simulate_pipeline=False)
     ctx = context(cluster, training, cfg)
     m = num_microbatches(cfg, training)
@@ -508,9 +647,10 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
         expert = sum(s.expert_params for s in stages)
         dp_comm(dense, expert, cfg, training, m, comm)
         step_comm(stages, profiles, ctx, cfg, training, comm)
-        mem = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m, fl[r])
+        mem, moment = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m, fl[r])
         out.append({"flops": {k: int(round(v)) for k, v in flops.items()}, "comm": comm.as_list(),
-                    "memory_bytes": {k: int(round(v)) for k, v in mem.items()}, "in_flight": fl[r]})
+                    "memory_bytes": {k: int(round(v)) for k, v in mem.items()}, "in_flight": fl[r],
+                    "memory_moment": moment, "memory_phase": MOMENT_PHASE[moment]})
     return out
 
 

@@ -74,7 +74,7 @@ class StageCost:
     recompute_s: float
     comm_s: float  # exposed TP/CP/EP communication in fwd+bwd
     act_per_mb: float  # activation bytes of one micro-batch
-    act_peak_extra: float  # transient bytes during one backward (a recomputed layer's activations)
+    act_peak_extra: float  # transient bytes during one backward (a recomputed layer's, less its input)
     params: float
     expert_params: float
     model_flops: float  # per micro-batch forward
@@ -207,7 +207,9 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
             rec += c.recompute_full_s
             rec_flops += c.recompute_flops_full
             act += c.act_full
-            extra = max(extra, c.act_none)
+            # while its backward runs, the layer's recomputed activations are alive beside the kept ones; its
+            # input is the checkpoint itself (torch.utils.checkpoint), already counted in act_full
+            extra = max(extra, c.act_none - c.act_full)
             k += 1
         elif is_block and layout.recompute in ("selective", "full"):
             rec += c.recompute_selective_s

@@ -18,7 +18,10 @@ side of that comparison, taken from the program autoplan actually runs (`Trainer
   all-to-all: what this rank sends; send/recv: the message.
 - Memory: `torch.distributed._tools.mem_tracker.MemTracker` (per storage, categorised as parameter, gradient,
   optimizer state, activation, temporary), with the maximum of each category over the step kept beside the
-  peak and its breakdown. On a GPU the allocator's peak (`torch.cuda.max_memory_allocated`) is reported too.
+  peak and its breakdown, and the largest moment of each phase (forward, backward, optimizer step) with its
+  categories. What exists before the step is registered first: the modules' parameters and buffers, the
+  optimizer state, and the pipeline's receive buffers (in the categories the cost model prices them in,
+  `track_pipeline_buffers`). On a GPU the allocator's peak (`torch.cuda.max_memory_allocated`) is reported too.
   `SiteMemTracker` (a diagnostic: benchmarks/counts.py --sites) also says which storages make up each category
   at the peak, by the module, phase, op and micro-batch that made them.
 """
@@ -238,6 +241,8 @@ class StepMemTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self.category_max: dict[str, int] = defaultdict(int)
+        # the largest total of each phase (forward, backward, optimizer) and the categories then
+        self.phase_peak: dict[str, dict] = {}
         self._mod_tracker._get_pop_fn = _tolerant_pop(self._mod_tracker._get_pop_fn)
 
 
@@ -256,6 +261,10 @@ class StepMemTracker(MemTracker):
             if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                 self._peak_mem_snap[dev] = dict(dev_snap)
+        phase = "optimizer" if self._in_opt else ("backward" if self._mod_tracker.is_bw else "forward")
+        total = sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())
+        if total > self.phase_peak.get(phase, {}).get("peak", -1):
+            self.phase_peak[phase] = {"peak": total, **_categories(self._curr_mem_snap.values())}
 
     def summary(self) -> dict:
         """{category: max bytes over the step, ..., "peak": bytes, "at_peak": {category: bytes at the peak}}."""
@@ -264,17 +273,21 @@ class StepMemTracker(MemTracker):
             cat = _CATEGORIES.get(_ref_name(k))
             if cat is not None:
                 out[cat] = max(out[cat], v)
-        at_peak = {k: 0 for k in out}
-        peak = 0
-        for snap in self._peak_mem_snap.values():
-            peak = max(peak, snap.get(_TOTAL_KEY, 0))
-            for k, v in snap.items():
-                cat = _CATEGORIES.get(_ref_name(k))
-                if cat is not None:
-                    at_peak[cat] += v
-        out["peak"] = peak
-        out["at_peak"] = at_peak
+        out["peak"] = max((snap.get(_TOTAL_KEY, 0) for snap in self._peak_mem_snap.values()), default=0)
+        out["at_peak"] = _categories(self._peak_mem_snap.values())
+        out["by_phase"] = self.phase_peak
         return out
+
+
+def _categories(snaps) -> dict[str, int]:
+    """The five categories of MemTracker snapshots (one per device), summed over devices."""
+    out = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "temporaries"), 0)
+    for snap in snaps:
+        for k, v in snap.items():
+            cat = _CATEGORIES.get(_ref_name(k))
+            if cat is not None:
+                out[cat] += v
+    return out
 
 
 class SiteMemTracker(StepMemTracker):
@@ -347,6 +360,35 @@ class SiteMemTracker(StepMemTracker):
         return sorted(rows, key=lambda r: -r["bytes"])
 
 
+def _track_trainer(mem: MemTracker, trainer) -> None:
+    """Register what exists before the step: the stages' parameters and buffers, the optimizer state, and the
+    pipeline's receive buffers (`track_pipeline_buffers`)."""
+    for s in trainer.pm.stages:
+        mem.track_external(s.module)
+    mem.track_external(trainer.optimizer)
+    track_pipeline_buffers(mem, trainer.pm.schedule)
+
+
+def track_pipeline_buffers(mem: MemTracker, schedule) -> None:
+    """Register the pipeline's receive buffers before the step, in the categories the cost model prices them in
+    (cost_models.counts: `pipeline_act`, the gradient receive buffers): one activation buffer per micro-batch
+    for every stage after the first (PipelineStage._prepare_forward_infra, `args_recv_info`) as activations, one
+    gradient buffer per micro-batch for every stage before the last (`_create_grad_recv_info`,
+    `grad_recv_info`) as temporaries. They are made in step 1 and reused by every step, so they exist
+    throughout the measured one; MemTracker would otherwise register each only when an op of the step first
+    touches it, in that op's category, and a stage's peak would see only the buffers touched so far."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    if schedule is None:
+        return
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    for st in (s for s in stages if s is not None):
+        for infos, reftype in ((st.args_recv_info, _MemRefType.ACT), (st.grad_recv_info, _MemRefType.TEMP)):
+            for recv in (r for tup in infos.values() for r in tup):
+                if not getattr(recv, "is_root_arg", False) and isinstance(recv.buffer, torch.Tensor):
+                    mem._update_and_maybe_create_winfos(recv.buffer, reftype)
+
+
 def _ref_name(k) -> str:
     return str(getattr(k, "value", k))
 
@@ -362,9 +404,7 @@ def measure_step(trainer, batch: torch.Tensor, sites: bool = False) -> tuple[Any
     flops = PhaseFlopCounter()
     comm = CommCounter(group_names(dims))
     mem = SiteMemTracker() if sites else StepMemTracker()
-    for s in trainer.pm.stages:
-        mem.track_external(s.module)
-    mem.track_external(trainer.optimizer)
+    _track_trainer(mem, trainer)
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(trainer.device)
     t0 = time.perf_counter()
@@ -380,10 +420,13 @@ def measure_step(trainer, batch: torch.Tensor, sites: bool = False) -> tuple[Any
         "memory_bytes": {**m["at_peak"], "peak": m["peak"]},
         "memory_max_bytes": {k: m[k] for k in ("parameters", "gradients", "optimizer", "activations",
                                                "temporaries")},
+        # the largest total inside each phase (forward, backward, optimizer step) and its categories: a model
+        # that prices a moment in one phase is compared with the measurement's largest moment in that phase
+        "memory_by_phase": m["by_phase"],
         "time_s": {"step": wall},
     }
     if sites:
-        out["memory_sites"] = mem.sites(("Activation", "Temp", "Other", "Buffer"))
+        out["memory_sites"] = mem.sites(("Activation", "Temp", "Other", "Buffer", "Parameter"))
     if trainer.device.type == "cuda":
         out["memory_bytes"]["allocator_peak"] = int(torch.cuda.max_memory_allocated(trainer.device))
     return res, out
@@ -410,9 +453,7 @@ def profile_record(trainer, step: int, batch: torch.Tensor, sites: bool = False)
 def memory_step(trainer, batch: torch.Tensor) -> tuple[Any, dict]:
     """Run one step under MemTracker alone (cheaper than the full profile): (StepResult, memory categories)."""
     mem = StepMemTracker()
-    for s in trainer.pm.stages:
-        mem.track_external(s.module)
-    mem.track_external(trainer.optimizer)
+    _track_trainer(mem, trainer)
     with mem:
         res = trainer.step(batch)
     m = mem.summary()

@@ -298,8 +298,32 @@ def _block_of(path: str, stacks: set[str] | None = None) -> str | None:
 
 def analyze(raw: RawCapture, *, name: str, batch: int, seq_captured: int, seq: int) -> ModelGraph:
     """Turn a RawCapture into a ModelGraph (see the module docstring for the rules)."""
+    g, dtype = _context(raw, batch * seq_captured, batch)
+    _mark_dependence(raw, g)
+    for o in raw.nodes:
+        _op_costs(o, g)
+    _find_vocabulary(raw, g)
+    blocks, layer_ops, stacks = _assign_layers(raw, g)
+    _assign_owners(raw, g, layer_ops, blocks, stacks)
+    infos = {lname: _layer_info(lname, names, blocks, g) for lname, names in layer_ops.items()}
+    block_groups = _group_blocks(blocks, infos)
+    profiles = _profiles(blocks, infos, g)
+    total = sum(m.numel for m in raw.params.values())
+    prof_total = sum(p.params for p in profiles)
+    notes = list(raw.notes)
+    if prof_total != total:
+        notes.append(f"profiles hold {prof_total:,} parameters, the model {total:,}")
+    return ModelGraph(
+        name=name, layers=_layer_graph(layer_ops, infos, g), ops=g.ops, profiles=profiles, block_groups=block_groups,
+        pre=["embedding"], blocks=blocks, post=["head"], num_parameters=total, capture_batch=batch,
+        capture_seq=seq_captured, seq=seq, method=raw.method, dtype=dtype, notes=notes,
+    )
+
+
+def _context(raw: RawCapture, tokens: int, batch: int) -> tuple[_Ctx, str]:
+    """The analysis context (ops classified, consumers) and the model's dtype: the itemsize holding most
+    floating-point parameter elements is the reference activation width."""
     ops = {o.name: o for o in raw.nodes}
-    order = [o.name for o in raw.nodes]
     consumers: dict[str, list[str]] = defaultdict(list)
     for o in raw.nodes:
         o.kind = _classify(o)
@@ -309,9 +333,13 @@ def analyze(raw: RawCapture, *, name: str, batch: int, seq_captured: int, seq: i
     ref = max(set(m.itemsize for m in float_params), key=lambda s: sum(m.numel for m in float_params
                                                                            if m.itemsize == s), default=2)
     dtype = next((m.dtype for m in float_params if m.itemsize == ref), "bfloat16")
-    g = _Ctx(ops, order, consumers, set(raw.outputs), batch * seq_captured, batch, ref, raw.params)
+    g = _Ctx(ops, [o.name for o in raw.nodes], consumers, set(raw.outputs), tokens, batch, ref, raw.params)
+    return g, dtype
 
-    # Grad and data dependence, in execution order.
+
+def _mark_dependence(raw: RawCapture, g: _Ctx) -> None:
+    """Data dependence and requires-grad of every op, in execution order; a matmul with a parameter operand
+    becomes a GEMM."""
     for o in raw.nodes:
         if o.kind == "input":
             o.token_dependent, o.requires_grad = True, False
@@ -319,7 +347,7 @@ def analyze(raw: RawCapture, *, name: str, batch: int, seq_captured: int, seq: i
         if o.kind in ("param", "buffer", "constant"):
             o.token_dependent, o.requires_grad = False, o.kind == "param"
             continue
-        ins = [ops[i] for i in o.inputs]
+        ins = [g.ops[i] for i in o.inputs]
         o.token_dependent = any(i.token_dependent for i in ins) and o.kind != "creation"
         flt = o.out is not None and o.out.is_float
         o.requires_grad = flt and any(i.requires_grad for i in ins) and o.opname != "detach"
@@ -329,19 +357,23 @@ def analyze(raw: RawCapture, *, name: str, batch: int, seq_captured: int, seq: i
             o.requires_grad = flt and ins[0].requires_grad
         if o.kind == "matmul" and _gemm_operands(o, g)[2] is not None:
             o.kind = "gemm"
-    for o in raw.nodes:
-        _op_costs(o, g)
 
-    # Token embedding -> vocabulary size (the LM head's n, and vocab-parallel lookups).
+
+def _find_vocabulary(raw: RawCapture, g: _Ctx) -> None:
+    """The token embedding gives the vocabulary size (the LM head's n, vocab-parallel lookups) and the width."""
     for o in raw.nodes:
         if o.kind == "embedding" and o.token_dependent and len(o.inputs) >= 2:
             p = g.param_of(o.inputs[0])
             if p is not None and raw.params[p].shape:
                 g.vocab = raw.params[p].shape[0]
                 g.hidden = raw.params[p].shape[-1]
-                break
+                return
 
-    # Layers: the block stacks are containers with numbered children holding GEMMs or attention.
+
+def _assign_layers(raw: RawCapture, g: _Ctx) -> tuple[list[str], dict[str, list[str]], set[str]]:
+    """(blocks in execution order, layer -> its ops, block stacks): the block stacks are containers with numbered children
+    holding GEMMs or attention; ops before the first block form the embedding, after the last the head, and
+    an op outside any block between two blocks joins the block before it. Sets each op's `layer`."""
     stack_ops: dict[str, set[str]] = defaultdict(set)
     for o in raw.nodes:
         if o.kind in ("gemm", "attention", "matmul"):
@@ -378,46 +410,52 @@ def analyze(raw: RawCapture, *, name: str, batch: int, seq_captured: int, seq: i
             b = current
         o.layer = b
         layer_ops[b].append(o.name)
+    return blocks, layer_ops, stacks
 
-    # Parameter ownership: the first layer whose ops read it (tied weights stay with their first user).
+
+def _assign_owners(raw: RawCapture, g: _Ctx, layer_ops: dict[str, list[str]], blocks: list[str],
+                   stacks: set[str]) -> None:
+    """Parameter ownership: the first layer whose ops read it (tied weights stay with their first user); an
+    unused parameter by its name, else the embedding. Also the width when no embedding gave it."""
     for lname in layer_ops:
         for n in layer_ops[lname]:
-            for i in ops[n].inputs:
+            for i in g.ops[n].inputs:
                 p = g.param_of(i)
                 if p is not None:
                     g.owner.setdefault(p, lname)
-    for p in raw.params:  # unused parameters: by name, else the embedding layer
+    for p in raw.params:
         if p not in g.owner:
             b = _block_of(p, stacks)
             g.owner[p] = b if b in layer_ops else "embedding"
     if g.hidden is None:
-        ext = [i for n in layer_ops[blocks[0]] for i in ops[n].inputs
-               if ops[i].layer != blocks[0] and g.live(i)]
-        g.hidden = ops[ext[0]].out.shape[-1] if ext else 0
+        ext = [i for n in layer_ops[blocks[0]] for i in g.ops[n].inputs if g.ops[i].layer != blocks[0] and g.live(i)]
+        g.hidden = g.ops[ext[0]].out.shape[-1] if ext else 0
 
-    # Layer infos with op subgraphs, signatures and groups.
-    infos: dict[str, LayerInfo] = {}
-    for lname in layer_ops:
-        kind = "embedding" if lname == "embedding" else "head" if lname == "head" else "block"
-        names = layer_ops[lname]
-        sub = nx.DiGraph()
-        members = set(names)
-        for n in names:
-            sub.add_node(n, op=ops[n])
-            for i in ops[n].inputs:
-                if i in members:
-                    sub.add_edge(i, n)
-        owned = sorted(p for p, lay in g.owner.items() if lay == lname)
-        info = LayerInfo(
-            name=lname, kind=kind, index=blocks.index(lname) if kind == "block" else -1, ops=sub, order=names,
-            params=sum(raw.params[p].numel for p in owned), param_names=owned,
-            flops=sum(ops[n].flops for n in names),
-            model_flops=sum(ops[n].flops for n in names if ops[n].kind in ("gemm", "attention", "matmul")),
-        )
-        info.signature = _signature(info, g) if kind == "block" else lname
-        info.parts = _parts(info, g)
-        infos[lname] = info
 
+def _layer_info(lname: str, names: list[str], blocks: list[str], g: _Ctx) -> LayerInfo:
+    """A layer's op subgraph, owned parameters, FLOPs, structural signature and parts."""
+    kind = "embedding" if lname == "embedding" else "head" if lname == "head" else "block"
+    sub = nx.DiGraph()
+    members = set(names)
+    for n in names:
+        sub.add_node(n, op=g.ops[n])
+        for i in g.ops[n].inputs:
+            if i in members:
+                sub.add_edge(i, n)
+    owned = sorted(p for p, lay in g.owner.items() if lay == lname)
+    info = LayerInfo(
+        name=lname, kind=kind, index=blocks.index(lname) if kind == "block" else -1, ops=sub, order=names,
+        params=sum(g.params[p].numel for p in owned), param_names=owned,
+        flops=sum(g.ops[n].flops for n in names),
+        model_flops=sum(g.ops[n].flops for n in names if g.ops[n].kind in ("gemm", "attention", "matmul")),
+    )
+    info.signature = _signature(info, g) if kind == "block" else lname
+    info.parts = _parts(info, g)
+    return info
+
+
+def _group_blocks(blocks: list[str], infos: dict[str, LayerInfo]) -> list[BlockGroup]:
+    """Blocks with the same structural signature form a group; each info learns its group's index."""
     groups: dict[str, BlockGroup] = {}
     for b in blocks:
         sig = infos[b].signature
@@ -426,8 +464,11 @@ def analyze(raw: RawCapture, *, name: str, batch: int, seq_captured: int, seq: i
     for gi, grp in enumerate(block_groups):
         for m in grp.members:
             infos[m].group = gi
+    return block_groups
 
-    # Profiles: derived once per group of identical blocks.
+
+def _profiles(blocks: list[str], infos: dict[str, LayerInfo], g: _Ctx) -> list[LayerProfile]:
+    """Profiles of the embedding, every block (derived once per group of identical blocks) and the head."""
     profiles: list[LayerProfile] = [_profile(infos["embedding"], g)]
     derived: dict[int, LayerProfile] = {}
     for b in blocks:
@@ -438,33 +479,27 @@ def analyze(raw: RawCapture, *, name: str, batch: int, seq_captured: int, seq: i
         else:
             profiles.append(derived[gi].model_copy(update={"name": b}))
     profiles.append(_profile(infos["head"], g))
+    return profiles
 
+
+def _layer_graph(layer_ops: dict[str, list[str]], infos: dict[str, LayerInfo], g: _Ctx) -> nx.DiGraph:
+    """Layers as nodes; an edge per (producer, consumer) layer pair with the bytes of the tensors crossing it."""
     layer_graph = nx.DiGraph()
     for lname in layer_ops:
         layer_graph.add_node(lname, info=infos[lname])
     for lname, names in layer_ops.items():
         for n in names:
-            for i in ops[n].inputs:
-                src = ops[i].layer
-                if src and src != lname and ops[i].out is not None:
+            for i in g.ops[n].inputs:
+                src = g.ops[i].layer
+                if src and src != lname and g.ops[i].out is not None:
                     ed = layer_graph.get_edge_data(src, lname)
                     if ed is None:
                         layer_graph.add_edge(src, lname, bytes=0.0, tensors=set())
                         ed = layer_graph.get_edge_data(src, lname)
                     if i not in ed["tensors"]:
                         ed["tensors"].add(i)
-                        ed["bytes"] += ops[i].out.nbytes
-
-    total = sum(m.numel for m in raw.params.values())
-    prof_total = sum(p.params for p in profiles)
-    notes = list(raw.notes)
-    if prof_total != total:
-        notes.append(f"profiles hold {prof_total:,} parameters, the model {total:,}")
-    return ModelGraph(
-        name=name, layers=layer_graph, ops=ops, profiles=profiles, block_groups=block_groups, pre=["embedding"],
-        blocks=blocks, post=["head"], num_parameters=total, capture_batch=batch, capture_seq=seq_captured,
-        seq=seq, method=raw.method, dtype=dtype, notes=notes,
-    )
+                        ed["bytes"] += g.ops[i].out.nbytes
+    return layer_graph
 
 
 def _rel(path: str, prefix: str) -> str:
@@ -593,251 +628,291 @@ def _attention_cores(names: list[str], g: _Ctx) -> list[tuple[set[str], OpNode, 
     return cores
 
 
-def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
-    ops = [g.ops[n] for n in info.order]
-    members = set(info.order)
-    T = g.tokens
-    layer_kind = info.kind
+@dataclass
+class _Layer:
+    """One layer's ops and the structure every concern of its profile reads: the expert count, the explicit
+    attention cores, the norm and loss groups, and the tensor-parallel shard ("R"/"S") of every op."""
+    info: LayerInfo
+    g: _Ctx
+    ops: list[OpNode]
+    members: set[str]
+    n_experts: int = 0
+    cores: list[tuple[set[str], OpNode, OpNode]] = field(default_factory=list)
+    core_members: set[str] = field(default_factory=set)
+    norm_of: dict[str, str] = field(default_factory=dict)  # op -> its norm group (module path or the op)
+    loss_ops: list[OpNode] = field(default_factory=list)
+    loss_members: set[str] = field(default_factory=set)
+    shard: dict[str, str] = field(default_factory=dict)  # op -> "R" (replicated) or "S" (split)
+    roles: dict[str, str] = field(default_factory=dict)  # GEMM op -> col / row / vocab / replicated
 
-    # Expert structure first (the router is recognised by n == number of experts).
-    def expert_key(o: OpNode) -> tuple[str, int | None]:
+    @property
+    def kind(self) -> str:
+        return self.info.kind
+
+    @property
+    def T(self) -> int:
+        return self.g.tokens
+
+    def sh(self, n: str) -> str:
+        """The shard of tensor `n` (through views); tensors outside the layer are replicated."""
+        return self.shard.get(self.g.base(n), "R") if n in self.g.ops else "R"
+
+    def rel(self, path: str) -> str:
+        return _rel(path, self.info.name) if self.kind == "block" else path
+
+    def expert_key(self, o: OpNode) -> tuple[str, int | None]:
         """(module path with expert indices starred, expert index) of a GEMM."""
-        rel = _rel(o.module, info.name) if layer_kind == "block" else o.module
+        rel = self.rel(o.module)
         parts = rel.split(".") if rel else [o.opname]
         idx = next((int(p) for p in parts if p.isdigit()), None)
         return ".".join("*" if p.isdigit() else p for p in parts), idx
 
-    def weight_key(param: str | None) -> str:
-        rel = _rel(param or "", info.name) if layer_kind == "block" else (param or "")
-        rel = rel.removesuffix(".weight")
+    def weight_key(self, param: str | None) -> str:
+        rel = self.rel(param or "").removesuffix(".weight")
         return ".".join("*" if p.isdigit() else p for p in rel.split("."))
 
+
+def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
+    """The LayerProfile of one layer: its structure, then each concern in its own function."""
+    L = _layer(info, g)
+    counted, params_rep, params_shard = _parameters(L)
+    gemms = _gemms(L, counted)
+    attention, n_cores = _attention(L)
+    regions = _fused_regions(L)
+    ew, kernels = _traffic(L, regions)
+    act_tp, act_seq, scores_per_seq = _saved_activations(L, regions)
+    act_input, hidden = _layer_input(L)
+    top_k = round(max((gm.tokens_per_token for gm in gemms if gm.expert), default=0))
+    row_groups = sum(1 for gm in gemms if gm.tp == "row")
+    vocab_lookup = any(o.kind == "embedding" and o.token_dependent for o in L.ops)
+    head_gemm = next((gm for gm in gemms if gm.tp == "vocab"), None)
+    fus = _fusable_ops(L.ops, L.norm_of, L.T, attention, L.kind, g)
+    return LayerProfile(
+        **fus,
+        name=info.name, kind=L.kind, gemms=gemms, attention=attention, hidden=hidden,
+        params_replicated=params_rep, params_sharded=params_shard,
+        elementwise_tp=ew["S"], elementwise_seq=ew["R"], kernels_fwd=kernels + len(gemms) + n_cores,
+        act_tp=act_tp, act_seq=act_seq, act_scores_per_seq=scores_per_seq, act_input=act_input,
+        tp_allreduces=row_groups if L.kind == "block" else (1 if L.kind == "embedding" and vocab_lookup else 0),
+        moe_top_k=top_k if L.n_experts else 0, moe_experts=L.n_experts,
+        logits_per_token=head_gemm.n if head_gemm is not None and L.kind == "head" else 0,
+    )
+
+
+# --------------------------------------------------------------------------- a layer's structure
+
+
+def _layer(info: LayerInfo, g: _Ctx) -> _Layer:
+    """Experts, attention cores, norm and loss groups, then the shards (which read all of them)."""
+    L = _Layer(info, g, [g.ops[n] for n in info.order], set(info.order))
+    L.n_experts = _expert_count(L)  # first: the router is recognised by n == number of experts
+    if L.kind == "block":
+        L.cores = _attention_cores(info.order, g)
+        L.core_members = set().union(*(c[0] for c in L.cores)) if L.cores else set()
+    L.core_members |= _gqa_repeats(L)
+    L.norm_of = _norm_groups(L)
+    L.loss_ops, L.loss_members = _loss_groups(L)
+    _propagate_shards(L)
+    return L
+
+
+def _expert_count(L: _Layer) -> int:
+    """Experts of a MoE layer: numbered sub-modules holding GEMMs, or the leading dimension of 3-D weights."""
     experts_seen: dict[str, set[int]] = defaultdict(set)
-    batched_experts = 0
-    for o in ops:
-        if o.kind == "gemm":
-            key, idx = expert_key(o)
-            if idx is not None:
-                experts_seen[key].add(idx)
-            xi, wi, _ = _gemm_operands(o, g)
-            wm = o.in_meta[wi]
-            if o.opname != "linear" and wm is not None and len(wm.shape) == 3:
-                batched_experts = max(batched_experts, wm.shape[0])
-    n_experts = max([len(v) for v in experts_seen.values()] + [batched_experts, 0])
+    batched = 0
+    for o in L.ops:
+        if o.kind != "gemm":
+            continue
+        key, idx = L.expert_key(o)
+        if idx is not None:
+            experts_seen[key].add(idx)
+        wm = o.in_meta[_gemm_operands(o, L.g)[1]]
+        if o.opname != "linear" and wm is not None and len(wm.shape) == 3:
+            batched = max(batched, wm.shape[0])
+    return max([len(v) for v in experts_seen.values()] + [batched, 0])
 
-    cores = _attention_cores(info.order, g) if layer_kind == "block" else []
-    core_members = set().union(*(c[0] for c in cores)) if cores else set()
-    # GQA head repetition feeding an attention core belongs to the attention (a GQA kernel reads KV directly).
-    for o in ops:
-        if o.kind == "attention" or o.name in core_members and o.kind == "matmul":
+
+def _gqa_repeats(L: _Layer) -> set[str]:
+    """GQA head repetition feeding an attention core: it belongs to the attention (a GQA kernel reads the KV
+    heads directly)."""
+    out: set[str] = set()
+    for o in L.ops:
+        if o.kind == "attention" or o.name in L.core_members and o.kind == "matmul":
             for i in o.inputs[1:3]:
-                cur = g.ops[i]
-                while cur.opname in REPEAT_OPS and cur.inputs and cur.name in members:
+                cur = L.g.ops[i]
+                while cur.opname in REPEAT_OPS and cur.inputs and cur.name in L.members:
                     if cur.kind != "view":
-                        core_members.add(cur.name)
-                    cur = g.ops[cur.inputs[0]]
+                        out.add(cur.name)
+                    cur = L.g.ops[cur.inputs[0]]
+    return out
 
-    # Norm groups: a norm module's ops, or a lone norm op.
+
+def _norm_groups(L: _Layer) -> dict[str, str]:
+    """op -> norm group: the ops of a norm module, or a lone norm op."""
     norm_of: dict[str, str] = {}
-    for o in ops:
+    for o in L.ops:
         if not o.token_dependent or o.kind in ("view", "skip"):
             continue
         if o.module_type and NORM_MODULE.search(o.module_type):
             norm_of[o.name] = o.module
         elif o.kind == "norm":
             norm_of[o.name] = o.name
+    return norm_of
 
-    # Loss groups: a loss op, absorbing the log-softmax that feeds an nll_loss.
-    loss_ops = [o for o in ops if o.kind == "loss" and o.token_dependent]
-    loss_members = {o.name for o in loss_ops}
+
+def _loss_groups(L: _Layer) -> tuple[list[OpNode], set[str]]:
+    """The loss ops and their members: a loss op absorbs the log-softmax that feeds an nll_loss."""
+    loss_ops = [o for o in L.ops if o.kind == "loss" and o.token_dependent]
+    members = {o.name for o in loss_ops}
     for o in loss_ops:
-        if o.opname.startswith("nll_loss") and o.inputs and g.ops[g.base(o.inputs[0])].opname in SOFTMAX_OPS:
-            loss_members.add(g.base(o.inputs[0]))
+        if o.opname.startswith("nll_loss") and o.inputs and L.g.ops[L.g.base(o.inputs[0])].opname in SOFTMAX_OPS:
+            members.add(L.g.base(o.inputs[0]))
+    return loss_ops, members
 
-    # Sharding propagation and GEMMs.
-    shard: dict[str, str] = {}
 
-    def sh(n: str) -> str:
-        return shard.get(g.base(n), "R") if n in g.ops else "R"
+def _gemm_shape(o: OpNode, g: _Ctx) -> tuple[int, int, int]:
+    """(n, k, weights applied) of a GEMM with a parameter operand."""
+    xi, wi, _ = _gemm_operands(o, g)
+    wm = o.in_meta[wi]
+    if o.opname == "linear":
+        return wm.shape[0], wm.shape[-1], 1
+    if o.opname == "einsum":
+        return _einsum_dims(o, xi, wi)
+    return wm.shape[-1], wm.shape[-2], wm.shape[0] if len(wm.shape) == 3 else 1
 
-    gemm_groups: dict[str, dict] = {}
-    params_rep = params_shard = 0
-    seen_params: set[str] = set()
+
+def _gemm_role(L: _Layer, o: OpNode) -> str:
+    """Tensor-parallel role of a GEMM: a block's router (n == experts, reading R) is replicated, else a GEMM
+    reading R is column-parallel and one reading S row-parallel; the head's logits GEMM is vocab-parallel."""
+    n, _, count = _gemm_shape(o, L.g)
+    expert = L.expert_key(o)[1] is not None or count > 1
+    x_sh = L.sh(o.inputs[_gemm_operands(o, L.g)[0]])
+    if L.kind == "block":
+        if not expert and L.n_experts and n == L.n_experts and x_sh == "R":
+            return "replicated"
+        return "row" if x_sh == "S" else "col"
+    if L.kind == "head" and (n == L.g.vocab or _feeds_loss(o.name, L.g)):
+        return "vocab"
+    return "replicated"
+
+
+def _propagate_shards(L: _Layer) -> None:
+    """R/S through the layer in execution order (module docstring): GEMMs by role, attention S, norms and loss
+    R, every other op S if any live input is."""
+    for o in L.ops:
+        if o.kind == "gemm":
+            L.roles[o.name] = _gemm_role(L, o)
+            L.shard[o.name] = "S" if L.roles[o.name] in ("col", "vocab") else "R"
+        elif o.kind == "attention" or o.name in L.core_members:
+            L.shard[o.name] = "S"
+        elif o.name in L.norm_of or o.name in L.loss_members:
+            L.shard[o.name] = "R"
+        else:
+            L.shard[o.name] = "S" if any(L.sh(i) == "S" for i in o.inputs if L.g.live(i)) else "R"
+
+
+# ------------------------------------------------------------------------------- parameters
+
+
+def _parameters(L: _Layer) -> tuple[set[str], int, int]:
+    """(GEMMs whose weight this layer owns and counts first, replicated elements, tensor-parallel-sharded
+    elements). A parameter counts once, at its first reader in the layer that owns it: a column-parallel or
+    vocab-parallel GEMM's bias and a token embedding table are sharded, everything else replicated."""
+    g = L.g
+    seen: set[str] = set()
+    counted: set[str] = set()
+    rep = shard = 0
 
     def own(p: str | None) -> bool:
-        if p is None or p in seen_params or g.owner.get(p) != info.name:
+        if p is None or p in seen or g.owner.get(p) != L.info.name:
             return False
-        seen_params.add(p)
+        seen.add(p)
         return True
 
-    for o in ops:
+    for o in L.ops:
         if o.kind == "gemm":
-            xi, wi, wparam = _gemm_operands(o, g)
-            wm = o.in_meta[wi]
-            key, idx = expert_key(o)
-            count = 1
-            if o.opname == "linear":
-                n, k = wm.shape[0], wm.shape[-1]
-            elif o.opname == "einsum":
-                n, k, count = _einsum_dims(o, xi, wi)
-            else:
-                k, n = wm.shape[-2], wm.shape[-1]
-                if len(wm.shape) == 3:
-                    count = wm.shape[0]
-            expert = idx is not None or count > 1
-            x_sh = sh(o.inputs[xi])
-            if layer_kind == "block":
-                if not expert and n_experts and n == n_experts and x_sh == "R":
-                    role = "replicated"
-                else:
-                    role = "row" if x_sh == "S" else "col"
-            elif layer_kind == "head" and (n == g.vocab or _feeds_loss(o.name, g)):
-                role = "vocab"
-            else:
-                role = "replicated"
-            shard[o.name] = "S" if role in ("col", "vocab") else "R"
-            # one group per (module, weight): the experts of one projection share it
-            grp = gemm_groups.setdefault((key, weight_key(wparam)), {
-                "n": n, "k": k, "tp": role, "expert": expert, "rows": 0.0, "idx": set(), "count": 0})
-            grp["rows"] += o.flops / (2.0 * n * k)
-            if idx is not None:
-                grp["idx"].add(idx)
-            if own(wparam):
-                grp["count"] += count if idx is None else 1
+            if own(_gemm_operands(o, g)[2]):
+                counted.add(o.name)
             bias = o.inputs[0] if o.opname in ("addmm", "baddbmm") else (o.inputs[2] if len(o.inputs) > 2 else None)
             bp = g.param_of(bias) if bias is not None and o.opname in ("linear", "addmm", "baddbmm") else None
             if own(bp):
-                if role in ("col", "vocab"):
-                    params_shard += g.params[bp].numel
+                if L.roles[o.name] in ("col", "vocab"):
+                    shard += g.params[bp].numel
                 else:
-                    params_rep += g.params[bp].numel
-        elif o.kind == "attention" or o.name in core_members:
-            shard[o.name] = "S"
-        elif o.name in norm_of or o.name in loss_members:
-            shard[o.name] = "R"
-        else:
-            shard[o.name] = "S" if any(sh(i) == "S" for i in o.inputs if g.live(i)) else "R"
-        # every other parameter the layer owns
+                    rep += g.params[bp].numel
         for i in o.inputs:
             p = g.param_of(i)
             if own(p):
                 if o.kind == "embedding" and o.token_dependent:
-                    params_shard += g.params[p].numel
+                    shard += g.params[p].numel
                 else:
-                    params_rep += g.params[p].numel
-    for p in info.param_names:  # owned but never read by an op
-        if p not in seen_params:
-            params_rep += g.params[p].numel
+                    rep += g.params[p].numel
+    rep += sum(g.params[p].numel for p in L.info.param_names if p not in seen)  # owned, never read
+    return counted, rep, shard
 
-    gemms = []
-    by_module = defaultdict(int)
-    for mkey, _ in gemm_groups:
+
+# ------------------------------------------------------------------------------------ FLOPs
+
+
+def _gemms(L: _Layer, counted: set[str]) -> list[Gemm]:
+    """One Gemm per (module, weight): the experts of one projection share it; rows per token from the ops'
+    FLOPs; count = the weights the layer owns (an expert GEMM's experts)."""
+    groups: dict[tuple[str, str], dict] = {}
+    for o in L.ops:
+        if o.kind != "gemm":
+            continue
+        n, k, count = _gemm_shape(o, L.g)
+        key, idx = L.expert_key(o)
+        grp = groups.setdefault((key, L.weight_key(_gemm_operands(o, L.g)[2])), {
+            "n": n, "k": k, "tp": L.roles[o.name], "expert": idx is not None or count > 1, "rows": 0.0,
+            "count": 0})
+        grp["rows"] += o.flops / (2.0 * n * k)
+        if o.name in counted:
+            grp["count"] += count if idx is None else 1
+    by_module: dict[str, int] = defaultdict(int)
+    for mkey, _ in groups:
         by_module[mkey] += 1
-    for (mkey, wkey), d in gemm_groups.items():
-        # named by module path, or by weight where one module applies several weights (F.linear calls)
-        name = mkey if by_module[mkey] == 1 else wkey
-        gemms.append(Gemm(name=name, n=d["n"], k=d["k"], tp=d["tp"], expert=d["expert"],
-                          tokens_per_token=d["rows"] / T, count=d["count"]))
-    top_k = round(max((gm.tokens_per_token for gm in gemms if gm.expert), default=0))
+    # named by module path, or by weight where one module applies several weights (F.linear calls)
+    return [Gemm(name=mkey if by_module[mkey] == 1 else wkey, n=d["n"], k=d["k"], tp=d["tp"], expert=d["expert"],
+                 tokens_per_token=d["rows"] / L.T, count=d["count"]) for (mkey, wkey), d in groups.items()]
 
-    # Attention.
+
+def _attention(L: _Layer) -> tuple[Attention | None, int]:
+    """(the layer's Attention, number of attention cores): fused SDPA ops, then explicit matmul-softmax cores.
+    K/V heads are counted before any GQA repetition."""
+    g = L.g
     atts = []
-    scores_per_seq = 0.0
-    saved: dict[str, tuple[float, str]] = {}  # base tensor -> (bytes per token, shard)
-    masks = {"R": 0.0, "S": 0.0}
-
-    def save(n: str | None) -> None:
-        if n is None or not g.live(n):
-            return
-        b = g.base(n)
-        if b not in saved and b in g.ops and g.ops[b].out is not None:
-            saved[b] = (g.act_bytes(g.ops[b].out), sh(b))
-
-    for o in ops:
+    for o in L.ops:
         if o.kind == "attention" and o.token_dependent:
             q = o.in_meta[0]
-            k_src, kv_numel = _gqa_source(o.inputs[1], g)
             heads, d = q.shape[-3], q.shape[-1]
-            kv = max(1, round(kv_numel / d))
-            drop = o.attrs.get("dropout_p", 0.0) > 0
-            atts.append((heads, kv, d, bool(o.attrs.get("is_causal") or o.attrs.get("has_mask")), drop))
-            scores_per_seq += heads * (2 + (3 if drop else 0))
-            save(o.inputs[0])
-            save(k_src)
-            save(_gqa_source(o.inputs[2], g)[0])
-            save(o.name)
-    for mem, qk, pv in cores:
+            atts.append((heads, max(1, round(_gqa_source(o.inputs[1], g)[1] / d)), d,
+                         bool(o.attrs.get("is_causal") or o.attrs.get("has_mask")), o.attrs.get("dropout_p", 0.0) > 0))
+    for mem, qk, _pv in L.cores:
         sm = qk.out
         heads = sm.shape[-3] if len(sm.shape) >= 4 else max(1, sm.shape[0] // g.batch)
         d = qk.in_meta[0].shape[-1]
-        k_src, kv_numel = _gqa_source(qk.inputs[1], g)
-        kv = max(1, round(kv_numel / d))
         drop = any(g.ops[m].kind == "dropout" and g.ops[m].attrs.get("p", 0) > 0 for m in mem)
-        atts.append((heads, kv, d, True, drop))
-        save(qk.inputs[0])
-        save(k_src)
-        save(_gqa_source(pv.inputs[1], g)[0])
-        sk = sm.shape[-1]
-        score_saved: set[str] = set()
-        for m in mem:
-            mo = g.ops[m]
-            if mo.opname in SOFTMAX_OPS:
-                score_saved.add(m)
-            if mo.kind == "dropout" and mo.attrs.get("p", 0) > 0:
-                scores_per_seq += mo.out.numel / (T * sk)  # 1-byte mask per score
-        score_saved.add(g.base(pv.inputs[0]))
-        for m in score_saved:
-            scores_per_seq += g.act_bytes(g.ops[m].out) / sk
-    attention = None
-    if atts:
-        dims = {a[2] for a in atts}
-        if len(dims) > 1:
-            raise CaptureError("attention cores of one layer differ in head_dim", f"{info.name}: {sorted(dims)}",
-                               "give the layers the same head size")
-        attention = Attention(heads=sum(a[0] for a in atts), kv_heads=sum(a[1] for a in atts), head_dim=dims.pop(),
-                              causal=all(a[3] for a in atts), dropout=any(a[4] for a in atts))
+        atts.append((heads, max(1, round(_gqa_source(qk.inputs[1], g)[1] / d)), d, True, drop))
+    if not atts:
+        return None, 0
+    dims = {a[2] for a in atts}
+    if len(dims) > 1:
+        raise CaptureError("attention cores of one layer differ in head_dim", f"{L.info.name}: {sorted(dims)}",
+                           "give the layers the same head size")
+    return Attention(heads=sum(a[0] for a in atts), kv_heads=sum(a[1] for a in atts), head_dim=dims.pop(),
+                     causal=all(a[3] for a in atts), dropout=any(a[4] for a in atts)), len(atts)
 
-    # Norm groups: traffic 2 x width, save their input.
-    ew = {"R": 0.0, "S": 0.0}
-    kernels = len(gemm_groups) + len(atts)
-    by_norm: dict[str, list[str]] = defaultdict(list)
-    for n, key in norm_of.items():
-        by_norm[key].append(n)
-    for grp_ops in by_norm.values():
-        gs = set(grp_ops)
-        ext_in = {i for n in grp_ops for i in g.ops[n].inputs if g.live(i) and g.base(i) not in gs}
-        outs = [n for n in grp_ops if g.live(n) and any(u not in gs for u in g.users(n))]
-        ew["R"] += sum(g.per_token(g.ops[i].out) for i in ext_in) + sum(g.per_token(g.ops[n].out) for n in outs)
-        if _DEBUG:
-            print(f"[capture] {info.name} norm {sorted(ext_in)} -> {outs}")
-        kernels += 1
-        for i in ext_in:
-            if g.ops[i].requires_grad or g.ops[g.base(i)].requires_grad:
-                save(i)
 
-    # Loss: LOSS_PASSES input-sized passes in KERNELS_LOSS launches; saves its input (the fp32 log-softmax).
-    for o in loss_ops:
-        src = o.inputs[0]
-        if g.ops[g.base(src)].opname in SOFTMAX_OPS and g.base(src) in loss_members:
-            src = g.ops[g.base(src)].inputs[0]
-        ew[sh(src)] += LOSS_PASSES * g.per_token(g.ops[src].out)
-        kernels += KERNELS_LOSS
-        if g.live(src):
-            b = g.base(src)
-            saved.setdefault(b, (g.act_bytes(g.ops[b].out), sh(src)))
+# ------------------------------------------------------------------------------ bytes moved
 
-    # GEMM and matmul inputs.
-    for o in ops:
-        if o.kind == "gemm" and o.token_dependent:
-            save(o.inputs[_gemm_operands(o, g)[0]])
-        elif o.kind == "matmul" and o.token_dependent and o.name not in core_members:
-            for i in o.inputs:
-                save(i)
 
-    # Fused element-wise regions.
-    cand = {o.name for o in ops if o.token_dependent and o.kind in ("elementwise", "dropout", "embedding")
-            and o.out is not None and o.out.is_float and o.name not in core_members and o.name not in norm_of
-            and o.name not in loss_members}
+def _fused_regions(L: _Layer) -> list[list[str]]:
+    """Maximal regions of element-wise ops that no other kernel separates (module docstring), in order."""
+    g = L.g
+    cand = {o.name for o in L.ops if o.token_dependent and o.kind in ("elementwise", "dropout", "embedding")
+            and o.out is not None and o.out.is_float and o.name not in L.core_members and o.name not in L.norm_of
+            and o.name not in L.loss_members}
     parent = {n: n for n in cand}
 
     def find(n: str) -> str:
@@ -850,13 +925,13 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
     # (GEMMs, attention, norms, loss) on the longest path to it; only ops of equal stage are merged.
     def anchor(n: str) -> bool:
         o = g.ops[n]
-        return n in members and (o.kind in ("gemm", "matmul", "attention", "norm", "loss") or n in norm_of
-                                 or n in core_members or n in loss_members)
+        return n in L.members and (o.kind in ("gemm", "matmul", "attention", "norm", "loss") or n in L.norm_of
+                                   or n in L.core_members or n in L.loss_members)
 
     stage: dict[str, int] = {}
-    for o in ops:
+    for o in L.ops:
         stage[o.name] = max((stage.get(i, 0) + anchor(i) for i in o.inputs), default=0)
-    for n in info.order:
+    for n in L.info.order:
         if n not in cand:
             continue
         for i in g.ops[n].inputs:
@@ -864,38 +939,40 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
             if b in cand and stage[b] == stage[n]:
                 parent[find(b)] = find(n)
     regions: dict[str, list[str]] = defaultdict(list)
-    for n in info.order:
+    for n in L.info.order:
         if n in cand:
             regions[find(n)].append(n)
+    return list(regions.values())
+
+
+def _traffic(L: _Layer, regions: list[list[str]]) -> tuple[dict[str, float], int]:
+    """({"R": ..., "S": ...} element-wise traffic per token, in activation elements, by shard; kernel launches
+    besides GEMMs and attention cores): norm groups, the loss, the fused regions."""
+    g = L.g
+    ew = {"R": 0.0, "S": 0.0}
+    kernels = 0
+    for grp_ops in _by_norm(L).values():  # a norm group reads its input and writes its output: 2 x width
+        gs = set(grp_ops)
+        ext_in = {i for n in grp_ops for i in g.ops[n].inputs if g.live(i) and g.base(i) not in gs}
+        outs = [n for n in grp_ops if g.live(n) and any(u not in gs for u in g.users(n))]
+        ew["R"] += sum(g.per_token(g.ops[i].out) for i in ext_in) + sum(g.per_token(g.ops[n].out) for n in outs)
+        if _DEBUG:
+            print(f"[capture] {L.info.name} norm {sorted(ext_in)} -> {outs}")
+        kernels += 1
+    for o in L.loss_ops:  # LOSS_PASSES input-sized passes in KERNELS_LOSS launches
+        src = _loss_input(L, o)
+        ew[L.sh(src)] += LOSS_PASSES * g.per_token(g.ops[src].out)
+        kernels += KERNELS_LOSS
     expert_regions: set[tuple[str, ...]] = set()
-    for reg in regions.values():
-        rs = set(reg)
-        traffic = 0.0
-        read: dict[str, float] = defaultdict(float)  # per base tensor: bytes read through its views
-        region_shard = "S" if any(shard.get(n) == "S" for n in reg) else "R"
-        for n in reg:
-            o = g.ops[n]
-            for i, meta in zip(o.inputs, o.in_meta):
-                if g.base(i) in rs or not g.live(i) or meta is None:
-                    continue
-                read[g.base(i)] += g.per_token(meta)
-        # several views of one tensor read it at most once
-        traffic += sum(min(v, g.per_token(g.ops[b].out)) for b, v in read.items())
-        for n in reg:
-            o = g.ops[n]
-            if o.opname in GATHER_OPS and o.inputs and g.param_of(o.inputs[0]) is not None:
-                traffic += g.per_token(o.out)  # rows read from the table
-            if any(u not in rs for u in g.users(n)) or n in g.outputs:
-                traffic += g.per_token(o.out)
-            if o.kind == "dropout" and o.attrs.get("p", 0) > 0 and o.attrs.get("train", True):
-                traffic += o.out.numel / g.ref_itemsize / T  # the 1-byte mask
-                masks[sh(n)] += o.out.numel / T  # 1 byte per element
+    for reg in regions:
+        region_shard = "S" if any(L.shard.get(n) == "S" for n in reg) else "R"
+        traffic = _region_traffic(L, reg)
         ew[region_shard] += traffic
         if _DEBUG:
-            print(f"[capture] {info.name} region {region_shard} {traffic:.1f} {reg}")
-        rels = [_rel(g.ops[n].module, info.name) for n in reg]
+            print(f"[capture] {L.info.name} region {region_shard} {traffic:.1f} {reg}")
+        rels = [_rel(g.ops[n].module, L.info.name) for n in reg]
         repeated = False
-        if layer_kind == "block" and all(any(p.isdigit() for p in r.split(".")) for r in rels):
+        if L.kind == "block" and all(any(p.isdigit() for p in r.split(".")) for r in rels):
             key = tuple(sorted({".".join("*" if p.isdigit() else p for p in r.split(".")) for r in rels}))
             repeated = key in expert_regions  # the same kernel of another expert: one grouped launch
             expert_regions.add(key)
@@ -904,48 +981,163 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
                            for n in reg)
         if not repeated:
             kernels += KERNELS_VOCAB_LOOKUP if vocab_lookup else 1
-        # saved: what the non-linear ops need, taken from outside the region (recomputed inside)
-        for n in reg:
-            for t in _needs(g.ops[n], g):
-                if not g.live(t):
-                    continue
-                if g.base(t) not in rs:
-                    save(t)
-                    continue
-                stack, seen = [g.base(t)], set()
-                while stack:
-                    c = stack.pop()
-                    if c in seen:
-                        continue
-                    seen.add(c)
-                    for i in g.ops[c].inputs:
-                        if not g.live(i) or not g.ops[i].requires_grad:
-                            continue
-                        if g.base(i) in rs:
-                            stack.append(g.base(i))
-                        else:
-                            save(i)
+    return ew, kernels
 
+
+def _by_norm(L: _Layer) -> dict[str, list[str]]:
+    by_norm: dict[str, list[str]] = defaultdict(list)
+    for n, key in L.norm_of.items():
+        by_norm[key].append(n)
+    return by_norm
+
+
+def _loss_input(L: _Layer, o: OpNode) -> str:
+    """The logits a loss op reads (before the log-softmax it absorbs)."""
+    src = o.inputs[0]
+    if L.g.ops[L.g.base(src)].opname in SOFTMAX_OPS and L.g.base(src) in L.loss_members:
+        src = L.g.ops[L.g.base(src)].inputs[0]
+    return src
+
+
+def _region_traffic(L: _Layer, reg: list[str]) -> float:
+    """Per token: the region's inputs from outside it (each tensor once), the rows it gathers from a table, the
+    outputs used outside it, and a 1-byte mask per dropout."""
+    g = L.g
+    rs = set(reg)
+    read: dict[str, float] = defaultdict(float)  # per base tensor: bytes read through its views
+    for n in reg:
+        o = g.ops[n]
+        for i, meta in zip(o.inputs, o.in_meta):
+            if g.base(i) in rs or not g.live(i) or meta is None:
+                continue
+            read[g.base(i)] += g.per_token(meta)
+    # several views of one tensor read it at most once
+    traffic = sum(min(v, g.per_token(g.ops[b].out)) for b, v in read.items())
+    for n in reg:
+        o = g.ops[n]
+        if o.opname in GATHER_OPS and o.inputs and g.param_of(o.inputs[0]) is not None:
+            traffic += g.per_token(o.out)  # rows read from the table
+        if any(u not in rs for u in g.users(n)) or n in g.outputs:
+            traffic += g.per_token(o.out)
+        if _is_dropout(o):
+            traffic += o.out.numel / g.ref_itemsize / L.T  # the 1-byte mask
+    return traffic
+
+
+def _is_dropout(o: OpNode) -> bool:
+    return o.kind == "dropout" and o.attrs.get("p", 0) > 0 and o.attrs.get("train", True)
+
+
+# ------------------------------------------------------------------------- activations kept
+
+
+def _saved_activations(L: _Layer, regions: list[list[str]]) -> tuple[float, float, float]:
+    """(act_tp, act_seq, act_scores_per_seq): bytes per token of what the backward keeps (module docstring),
+    split by shard, and the unfused attention scores per token per sequence position."""
+    g = L.g
+    saved: dict[str, tuple[float, str]] = {}  # base tensor -> (bytes per token, shard)
+
+    def save(n: str | None) -> None:
+        if n is None or not g.live(n):
+            return
+        b = g.base(n)
+        if b not in saved and b in g.ops and g.ops[b].out is not None:
+            saved[b] = (g.act_bytes(g.ops[b].out), L.sh(b))
+
+    scores_per_seq = _attention_saved(L, save)
+    for grp_ops in _by_norm(L).values():  # a norm saves its input
+        gs = set(grp_ops)
+        for i in {i for n in grp_ops for i in g.ops[n].inputs if g.live(i) and g.base(i) not in gs}:
+            if g.ops[i].requires_grad or g.ops[g.base(i)].requires_grad:
+                save(i)
+    for o in L.loss_ops:  # the loss saves a tensor the size of its input (the log-softmax)
+        src = _loss_input(L, o)
+        if g.live(src):
+            b = g.base(src)
+            saved.setdefault(b, (g.act_bytes(g.ops[b].out), L.sh(src)))
+    for o in L.ops:  # GEMMs save their activation input; explicit matmuls both
+        if o.kind == "gemm" and o.token_dependent:
+            save(o.inputs[_gemm_operands(o, g)[0]])
+        elif o.kind == "matmul" and o.token_dependent and o.name not in L.core_members:
+            for i in o.inputs:
+                save(i)
+    masks = {"R": 0.0, "S": 0.0}
+    for reg in regions:
+        for n in reg:
+            if _is_dropout(g.ops[n]):
+                masks[L.sh(n)] += g.ops[n].out.numel / L.T  # 1 byte per element
+    for reg in regions:
+        _region_saved(L, reg, save)
     act_tp = sum(b for b, s in saved.values() if s == "S") + masks["S"]
     act_seq = sum(b for b, s in saved.values() if s == "R") + masks["R"]
-    ext_inputs = [i for n in info.order for i in g.ops[n].inputs if g.live(i) and g.ops[i].layer != info.name]
-    act_input = g.act_bytes(g.ops[ext_inputs[0]].out) if ext_inputs and layer_kind == "block" else 0.0
-    hidden = g.ops[ext_inputs[0]].out.shape[-1] if ext_inputs and layer_kind == "block" else (g.hidden or 0)
-    row_groups = sum(1 for gm in gemms if gm.tp == "row")
-    vocab_lookup = any(o.kind == "embedding" and o.token_dependent for o in ops)
-    head_gemm = next((gm for gm in gemms if gm.tp == "vocab"), None)
-    fus = _fusable_ops(ops, norm_of, T, attention, layer_kind, g)
-    return LayerProfile(
-        **fus,
-        name=info.name, kind=layer_kind, gemms=gemms, attention=attention, hidden=hidden,
-        params_replicated=params_rep, params_sharded=params_shard,
-        elementwise_tp=ew["S"], elementwise_seq=ew["R"], kernels_fwd=kernels,
-        act_tp=act_tp, act_seq=act_seq, act_scores_per_seq=scores_per_seq, act_input=act_input,
-        tp_allreduces=row_groups if layer_kind == "block" else (1 if layer_kind == "embedding" and vocab_lookup
-                                                                else 0),
-        moe_top_k=top_k if n_experts else 0, moe_experts=n_experts,
-        logits_per_token=head_gemm.n if head_gemm is not None and layer_kind == "head" else 0,
-    )
+    return act_tp, act_seq, scores_per_seq
+
+
+def _attention_saved(L: _Layer, save) -> float:
+    """Saves q, k, v (before GQA repetition) and the output of every attention core; returns the scores an
+    unfused core keeps per token per sequence position (2 bytes per score, +3 with dropout, for a fused SDPA;
+    what softmax and dropout keep for an explicit core)."""
+    g = L.g
+    scores_per_seq = 0.0
+    for o in L.ops:
+        if o.kind == "attention" and o.token_dependent:
+            heads = o.in_meta[0].shape[-3]
+            scores_per_seq += heads * (2 + (3 if o.attrs.get("dropout_p", 0.0) > 0 else 0))
+            save(o.inputs[0])
+            save(_gqa_source(o.inputs[1], g)[0])
+            save(_gqa_source(o.inputs[2], g)[0])
+            save(o.name)
+    for mem, qk, pv in L.cores:
+        save(qk.inputs[0])
+        save(_gqa_source(qk.inputs[1], g)[0])
+        save(_gqa_source(pv.inputs[1], g)[0])
+        sk = qk.out.shape[-1]
+        score_saved: set[str] = set()
+        for m in mem:
+            mo = g.ops[m]
+            if mo.opname in SOFTMAX_OPS:
+                score_saved.add(m)
+            if mo.kind == "dropout" and mo.attrs.get("p", 0) > 0:
+                scores_per_seq += mo.out.numel / (L.T * sk)  # 1-byte mask per score
+        score_saved.add(g.base(pv.inputs[0]))
+        for m in score_saved:
+            scores_per_seq += g.act_bytes(g.ops[m].out) / sk
+    return scores_per_seq
+
+
+def _region_saved(L: _Layer, reg: list[str], save) -> None:
+    """What a fused region's non-linear ops need, taken from outside the region (inside it is recomputed)."""
+    g = L.g
+    rs = set(reg)
+    for n in reg:
+        for t in _needs(g.ops[n], g):
+            if not g.live(t):
+                continue
+            if g.base(t) not in rs:
+                save(t)
+                continue
+            stack, seen = [g.base(t)], set()
+            while stack:
+                c = stack.pop()
+                if c in seen:
+                    continue
+                seen.add(c)
+                for i in g.ops[c].inputs:
+                    if not g.live(i) or not g.ops[i].requires_grad:
+                        continue
+                    if g.base(i) in rs:
+                        stack.append(g.base(i))
+                    else:
+                        save(i)
+
+
+def _layer_input(L: _Layer) -> tuple[float, int]:
+    """(bytes per token of a block's input, kept by full recompute; the residual-stream width)."""
+    g = L.g
+    ext = [i for n in L.info.order for i in g.ops[n].inputs if g.live(i) and g.ops[i].layer != L.info.name]
+    if ext and L.kind == "block":
+        return g.act_bytes(g.ops[ext[0]].out), g.ops[ext[0]].out.shape[-1]
+    return 0.0, g.hidden or 0
 
 
 def _fusable_ops(ops: list[OpNode], norm_of: dict[str, str], T: float, attention, layer_kind: str,

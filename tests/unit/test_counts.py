@@ -110,3 +110,56 @@ def test_pipeline_keeps_receive_buffers_and_stage_outputs():
     assert extras("pp=4") == [5, 9, 9, 7]
     assert extras("pp=2,vp=2,dp=2,schedule=interleaved")[0] == pytest.approx(2 * 4 + (4 - 2.5))
     assert extras("dp=4") == [0]
+
+
+def test_zero3_parameters_are_the_shards_the_root_unit_and_one_block():
+    """FSDP2 under ZeRO-3 at a block's backward: every shard, the root unit (embeddings, final norm, the tied head)
+    left unsharded, and the running block's unsharded parameters; its prefetch of the next block is a temporary."""
+    from autoplan.cost_models.profile import profile_from_spec
+
+    profiles = profile_from_spec(load_model("tiny-gpt"))
+    root, block = profiles[0].params + profiles[-1].params, profiles[1].params
+    total = sum(p.params for p in profiles)
+    (r,) = counts_of_plan(_plan("dp=4,zero=3"))[:1]
+    assert r["memory_moment"] == "block"
+    assert r["memory_bytes"]["parameters"] == pytest.approx(4 * (total / 4 + root + block), abs=8)  # fp32
+    z1 = counts_of_plan(_plan("dp=4,zero=1"))[0]["memory_bytes"]
+    assert r["memory_bytes"]["temporaries"] - z1["temporaries"] == pytest.approx(4 * block, abs=8)
+
+
+def test_zero2_peaks_when_the_forward_returns_with_the_last_block_gathered():
+    """Without pp, zero 2 gathers the blocks again for every micro-batch's forward; the last all-gather output
+    (one block's parameters) lives until the root module's forward returns: that moment beats the backward's."""
+    from autoplan.cost_models.profile import profile_from_spec
+
+    block = profile_from_spec(load_model("tiny-gpt"))[1].params
+    z2, z1 = counts_of_plan(_plan("dp=4,zero=2"))[0], counts_of_plan(_plan("dp=4,zero=1"))[0]
+    assert (z2["memory_moment"], z2["memory_phase"]) == ("forward", "forward")
+    assert (z1["memory_moment"], z1["memory_phase"]) == ("block", "backward")  # gathered once, before any gradient
+    assert z2["memory_bytes"]["temporaries"] == 0  # no backward runs at that moment
+    # the same saved tensors at both moments; the forward adds the gathered block, the head's inputs and logits
+    # and loses the head's softmax (not made yet) -- at least the block's all-gather output
+    assert z2["memory_bytes"]["activations"] - z1["memory_bytes"]["activations"] > 4 * block * 0.9
+
+
+def test_memory_of_rank_counts_a_checkpoint_input_and_the_fp32_softmax_once():
+    """The step-time model's OOM check: a recomputed layer's transient excludes its input (the checkpoint, kept
+    anyway), and the head's fp32 log-softmax is 4 bytes a logit whatever the activation width."""
+    from autoplan.cost_models.compute import layer_cost
+    from autoplan.cost_models.estimate import context, estimate
+    from autoplan.cost_models.profile import profile_from_spec
+
+    plan = _plan("dp=4,recompute=full")
+    profiles = profile_from_spec(plan.model)
+    ctx = context(plan.cluster, plan.training, plan.parallel)
+    blk = layer_cost(profiles[1], ctx)
+    est = estimate(profiles, plan.cluster, plan.training, plan.parallel)
+    assert est.memory[0].activations == pytest.approx(
+        sum(layer_cost(p, ctx).act_none for p in (profiles[0], profiles[-1]))
+        + sum(layer_cost(p, ctx).act_full for p in profiles[1:-1]) + blk.act_none - blk.act_full, rel=1e-9)
+    head = profiles[-1]
+    bf16 = context(plan.cluster, plan.training.model_copy(update={"dtype": "bf16"}), plan.parallel)
+    softmax = ctx.tokens * 4 * head.logits_per_token  # fp32 at both widths
+    rest = ctx.tokens * head.act_seq / 2  # elements of the rest (2-byte units)
+    assert layer_cost(head, ctx).act_none == pytest.approx(softmax + 4 * rest)
+    assert layer_cost(head, bf16).act_none == pytest.approx(softmax + 2 * rest)
