@@ -5,7 +5,7 @@ where the stage boundaries go and how much each stage recomputes. Notation (`pro
 
     S = pp * vp stages, stage s on rank r(s) = s mod pp; L blocks; m micro-batches; v = vp.
     per block i: w_i (fwd+bwd), rs_i / rf_i (extra time selective / full), an_i, as_i, af_i (activation
-    bytes none / selective / full, af_i <= as_i <= an_i), st_i (static bytes), e_i = an_i (transient of a
+    bytes none / selective / full, af_i <= as_i <= an_i), st_i (static bytes), e_i = an_i - af_i (transient of a
     fully recomputed block); the embedding (stage 0) and head (stage S-1) add constants c^w_s, c^a_s, c^st_s,
     and every stage's pipeline messages add work c^w_s (`StageProblem.stage_extra`).
     inflight_r micro-batches held by rank r (the schedule's warm-up), capacity Cap_r bytes.
@@ -290,7 +290,7 @@ class StageILP:
     def add_transient_constraint(self) -> None:
         """X_r: the largest block a rank recomputes fully is materialised again during its backward."""
         if self.compact:
-            e = self.p.blocks[0].act_none * self._GB
+            e = self.p.blocks[0].transient * self._GB
             for r in range(self.p.pp):
                 self._add(self.X[r] - e * self.phi[r] >= 0, f"transient_r{r}")
             return
@@ -301,7 +301,7 @@ class StageILP:
                 b = self.p.blocks[i]
                 started = (1 if s == 0 else pulp.lpSum(v for j, v in ys.items() if j <= i))
                 full_ended = pulp.lpSum(v for j, v in zs.items() if j <= i)
-                self._add(self.X[r] - b.act_none * self._GB * (started - full_ended) >= 0, f"transient_s{s}_i{i}")
+                self._add(self.X[r] - b.transient * self._GB * (started - full_ended) >= 0, f"transient_s{s}_i{i}")
 
     def add_memory_constraint(self) -> None:
         """Static bytes + in-flight activations + transient of each rank within its capacity."""

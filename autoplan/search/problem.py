@@ -42,6 +42,12 @@ class BlockCost:
     act_full: float = 0.0
     static: float = 0.0  # weights + gradients + optimizer state bytes (after sharding)
 
+    @property
+    def transient(self) -> float:
+        """Bytes a fully recomputed layer materialises again during its backward, beyond its checkpointed input
+        (already in act_full): `estimate.stage_cost`'s act_peak_extra, which the OOM check prices."""
+        return max(0.0, self.act_none - self.act_full)
+
 
 @dataclass(frozen=True)
 class StageProblem:
@@ -127,7 +133,7 @@ def stage_work_act(p: StageProblem, s: int, ch: StageChoice) -> tuple[float, flo
         if j < k_full:
             work += b.rec_full
             act += b.act_full
-            extra = max(extra, b.act_none)
+            extra = max(extra, b.transient)
         elif ch.recompute in (SELECTIVE, FULL):
             work += b.rec_sel
             act += b.act_sel
@@ -275,7 +281,7 @@ def rank_work_fn(p: StageProblem, b: BlockCost):
     none_ok, sel_ok, full_ok = NONE in modes, SELECTIVE in modes, FULL in modes
     pin_full = p.pin == FULL
     w, rs, rf = b.work, b.rec_sel, b.rec_full
-    an, asel, af, e, st = b.act_none, b.act_sel, b.act_full, b.act_none, b.static
+    an, asel, af, e, st = b.act_none, b.act_sel, b.act_full, b.transient, b.static
 
     def f(r: int, n: int) -> float:
         bw, room0, infl = consts[r]
