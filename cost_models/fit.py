@@ -10,8 +10,11 @@ The residuals are on components, not on total step time alone:
 - micro-benchmarks (`autoplan calibrate --bench`): one row per GEMM shape and per collective, level and size,
   predicted by `compute.gemm_efficiency` and the `comm` functions alone — they pin the efficiency curve and each
   level's alpha and beta directly;
-- measured runs: one row per run (step time), plus one row per time component the profiled step measured
-  (`time_s` of the runtime's profile record, keyed like the estimate's breakdown);
+- measured runs: one row per run (step time), plus one row per time component the runtime's timed steps
+  measured (`autoplan run --time-from N`, autoplan.runtime.timing: compute, recompute, tensor/context/expert
+  collective waits, FSDP's work and waits, pipeline waits, the optimizer tail), each against the estimate's
+  breakdown entry that predicts it (`COMPONENTS`), so that compute knobs are pinned by compute time and
+  collective knobs by collective time, not all of them by one total;
 - a weak prior pulls each constant towards its starting value (the calibrated or preset one), so that a
   constant the data cannot see stays where the primitives put it instead of drifting; `FitResult.undetermined`
   names those.
@@ -352,9 +355,14 @@ class _Problem:
         self.profs = {r.model.name: (profiles or {}).get(r.model.name) or profile_from_spec(r.model) for r in runs}
         measured = [g.seconds for g in gemms] + [c.seconds for c in collectives]
         self.n_micro = len(measured)
-        for r in runs:
+        # A component the cost model has no term for in this run (predicted 0: e.g. a flash attention core
+        # recomputed under selective recomputation) is left out: no knob can move it.
+        self.comp_keys: list[list[str]] = []
+        for r in self.runs:
+            start = predict_run(cluster, r, self.profs[r.model.name]).breakdown
+            self.comp_keys.append([k for k in _components(r) if predicted_component(start, k) > 0])
             measured.append(r.measured_step_s)
-            measured.extend(v for _, v in sorted(_components(r).items()))
+            measured.extend(_components(r)[k] for k in self.comp_keys[-1])
         self.measured = measured
         self.meas = np.array(measured)
         self.n_data = len(measured)
@@ -363,10 +371,10 @@ class _Problem:
         cl = with_knobs(self.cluster, values)
         out = [predict_gemm(cl, g) for g in self.gemms]
         out += [predict_collective(cl, c) for c in self.collectives]
-        for r in self.runs if with_runs else ():
+        for i, r in enumerate(self.runs if with_runs else ()):
             est = predict_run(cl, r, self.profs[r.model.name])
             out.append(est.step_time_s)
-            out.extend(max(est.breakdown.get(k, 0.0), 1e-12) for k in _components(r))
+            out.extend(max(predicted_component(est.breakdown, k), 1e-12) for k in self.comp_keys[i])
         return out
 
     def solve(self, free: list[str]) -> _Solved:
@@ -428,7 +436,7 @@ class _Problem:
     def rows(self, s: _Solved) -> list[dict]:
         before = self.predictions({})  # the cluster as given
         after = self.predictions(s.after)
-        return _rows(self.gemms, self.collectives, self.runs, self.measured, before, after)
+        return _rows(self.gemms, self.collectives, self.runs, self.comp_keys, self.measured, before, after)
 
 
 # A knob whose data rows move by less than this (root-sum-square of d log(predicted) / d log(knob)) is reported
@@ -469,20 +477,36 @@ _STARTS: tuple[dict[str, float], ...] = (
 )
 
 
+# The components a run's measured time is split into (autoplan.tune.records.component_seconds), each the sum of
+# the estimate's breakdown entries that predict it: a pipeline rank's waits for its neighbours are its pp_comm
+# and its bubble at once.
+COMPONENTS: dict[str, tuple[str, ...]] = {
+    "compute": ("compute",), "recompute": ("recompute",), "tp_cp_ep_comm": ("tp_cp_ep_comm",),
+    "dp_comm": ("dp_comm",), "pp_wait": ("pp_comm", "bubble"), "optimizer": ("optimizer",),
+}
+# A component below this share of its run's measured step is not a row: a few milliseconds of a wait or a tail
+# are mostly scheduling noise on a shared host, and a log-ratio would weigh them like the step itself.
+_MIN_COMPONENT_SHARE = 0.03
+
+
+def predicted_component(breakdown: dict[str, float], name: str) -> float:
+    return sum(breakdown.get(k, 0.0) for k in COMPONENTS[name])
+
+
 def _components(r: RunSample) -> dict[str, float]:
-    """The measured time components of a run that the estimate's breakdown also has (positive ones)."""
+    """The measured time components of a run that the cost model predicts, above _MIN_COMPONENT_SHARE."""
     if r.components is None:
         return {}
-    known = ("compute", "recompute", "tp_cp_ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
-    return {k: v for k, v in sorted(r.components.seconds.items()) if k in known and v > 0}
+    floor = _MIN_COMPONENT_SHARE * r.measured_step_s
+    return {k: v for k, v in sorted(r.components.seconds.items()) if k in COMPONENTS and v > floor}
 
 
-def _rows(gemms, collectives, runs, measured, before, after) -> list[dict]:
+def _rows(gemms, collectives, runs, comp_keys, measured, before, after) -> list[dict]:
     labels = [("gemm", f"gemm {g.m}x{g.n}x{g.k}") for g in gemms]
     labels += [("collective", f"{c.collective} {c.level} x{c.ranks} {c.nbytes / 1024:.0f} KiB") for c in collectives]
-    for r in runs:
+    for r, keys in zip(runs, comp_keys, strict=True):
         labels.append(("run", r.label or r.parallel.to_string()))
-        labels.extend(("component", f"{r.label or r.parallel.to_string()} {k}") for k in sorted(_components(r)))
+        labels.extend(("component", f"{r.label or r.parallel.to_string()} {k}") for k in keys)
     return [{"kind": kind, "label": label, "measured": m, "before": b, "after": a}
             for (kind, label), m, b, a in zip(labels, measured, before, after, strict=True)]
 
