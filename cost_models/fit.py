@@ -79,6 +79,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "inter-node bandwidth (1/beta), GB/s"),
     Knob("oversubscription_wait_us", ("oversubscription_wait_us",), 1e-2, 1e6,
          "wait per hop for a descheduled peer when processes outnumber cores, us"),
+    Knob("step_wait_us", ("step_wait_us",), 1e-2, 1e6,
+         "further wait per hop inside a training step, where the descheduled peer is computing, us"),
+    Knob("fsdp_hook_us", ("gpu", "calibration", "fsdp_hook_us"), 1e-2, 1e6,
+         "host time of FSDP2's hooks per unit and micro-batch (replicate and fully_shard), us"),
 )}
 
 
@@ -156,6 +160,9 @@ class TimedComponents(_Obs):
     """Measured time of some components of a step, keyed like `Estimate.breakdown` (others are ignored)."""
 
     seconds: dict[str, float] = Field(default_factory=dict)
+    by_stage: dict[int, dict[str, float]] = Field(
+        default_factory=dict, description="The same per pipeline stage; the fit compares the stage the "
+        "estimate's breakdown describes (its critical rank), else `seconds`.")
 
 
 class RunSample(BaseModel):
@@ -193,6 +200,8 @@ def predict_gemm(cluster: ClusterSpec, g: GemmSample) -> float:
 
 def predict_collective(cluster: ClusterSpec, c: CollectiveSample) -> float:
     """Time of one collective by the cost model's alpha-beta formulas, on the group the sample describes."""
+    # a micro-benchmark is not a training step: its peers idle in the same loop (no step_wait_us)
+    cluster = cluster.model_copy(update={"step_wait_us": 0.0})
     if c.level == "intra":
         node = cluster.model_copy(update={"gpus_per_node": c.processes_per_node, "num_nodes": 1})
         grp = comm.Group(c.ranks, c.ranks)
@@ -276,13 +285,23 @@ def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
         free.append("tp_op_overhead_us")
     if any(r.parallel.zero >= 1 and r.parallel.dp * r.parallel.cp > 1 for r in runs):
         free.append("fsdp_collective_overhead_us")
+    if any(_fsdp_hooked(r.parallel) for r in runs):
+        free.append("fsdp_hook_us")
     if any(r.world > cluster.gpus_per_node for r in runs) or any(c.level == "inter" for c in collectives):
         free += ["inter_latency_us", "inter_bandwidth_gbps"]
     cores = cluster.cores_per_node
     if cores is not None and (any(min(r.world, cluster.gpus_per_node) > cores for r in runs)
                               or any(c.processes_per_node > cores for c in collectives)):
         free.append("oversubscription_wait_us")
+        if runs:
+            free.append("step_wait_us")
     return free
+
+
+def _fsdp_hooked(cfg: ParallelConfig) -> bool:
+    """Whether the runtime puts FSDP2 hooks on the model: fully_shard at ZeRO>=1, replicate at ZeRO-0 under
+    tensor or pipeline parallelism (runtime.parallelize.apply_dp), over more than one data-parallel rank."""
+    return cfg.dp * cfg.cp > 1 and (cfg.zero >= 1 or cfg.tp > 1 or cfg.pp > 1)
 
 
 def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Sequence[GemmSample] = (),
@@ -358,11 +377,13 @@ class _Problem:
         # A component the cost model has no term for in this run (predicted 0: e.g. a flash attention core
         # recomputed under selective recomputation) is left out: no knob can move it.
         self.comp_keys: list[list[str]] = []
+        # The pipeline stage compared is the one the starting cluster's estimate describes (its critical rank).
         for r in self.runs:
-            start = predict_run(cluster, r, self.profs[r.model.name]).breakdown
-            self.comp_keys.append([k for k in _components(r) if predicted_component(start, k) > 0])
+            start = predict_run(cluster, r, self.profs[r.model.name])
+            comps = _components(r, start.critical_rank)
+            self.comp_keys.append([k for k in comps if predicted_component(start.breakdown, k) > 0])
             measured.append(r.measured_step_s)
-            measured.extend(_components(r)[k] for k in self.comp_keys[-1])
+            measured.extend(comps[k] for k in self.comp_keys[-1])
         self.measured = measured
         self.meas = np.array(measured)
         self.n_data = len(measured)
@@ -384,7 +405,8 @@ class _Problem:
 
         start = knob_values(self.cluster)
         # Knobs stuck at 0 (e.g. the oversubscription wait of a preset) start from a small physical value.
-        starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0, "fsdp_collective_overhead_us": 1000.0}
+        starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0, "fsdp_collective_overhead_us": 1000.0,
+                  "step_wait_us": 500.0, "fsdp_hook_us": 100.0}
         x0_vals = {k: start[k] if start[k] > 0 else starts.get(k, 1.0) for k in free}
         lo = np.array([math.log(KNOBS[k].lower) for k in free])
         hi = np.array([math.log(KNOBS[k].upper) for k in free])
@@ -493,12 +515,14 @@ def predicted_component(breakdown: dict[str, float], name: str) -> float:
     return sum(breakdown.get(k, 0.0) for k in COMPONENTS[name])
 
 
-def _components(r: RunSample) -> dict[str, float]:
-    """The measured time components of a run that the cost model predicts, above _MIN_COMPONENT_SHARE."""
+def _components(r: RunSample, stage: int = 0) -> dict[str, float]:
+    """The measured time components of a run that the cost model predicts, above _MIN_COMPONENT_SHARE: those of
+    pipeline stage `stage` when they were recorded per stage."""
     if r.components is None:
         return {}
     floor = _MIN_COMPONENT_SHARE * r.measured_step_s
-    return {k: v for k, v in sorted(r.components.seconds.items()) if k in COMPONENTS and v > floor}
+    seconds = r.components.by_stage.get(stage, r.components.seconds)
+    return {k: v for k, v in sorted(seconds.items()) if k in COMPONENTS and v > floor}
 
 
 def _rows(gemms, collectives, runs, comp_keys, measured, before, after) -> list[dict]:

@@ -267,7 +267,7 @@ def run_sample(c: Candidate) -> RunSample:
     comps = None
     if c.log is not None:
         t = c.log.time_components()
-        comps = TimedComponents(seconds=t) if t else None
+        comps = TimedComponents(seconds=t, by_stage=c.log.stage_components()) if t else None
     layout = [((s.layers[0], s.layers[1]), s.recompute, s.recompute_layers) for s in plan.stages]
     training = plan.training.model_copy(update={"kernels": "torch" if plan.kernels == "torch" else "fused"})
     return RunSample(model=plan.model, training=training, parallel=plan.parallel, world=plan.world_size,

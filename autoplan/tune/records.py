@@ -115,14 +115,17 @@ class TimingRecord(_Rec):
     step: int = Field(ge=0)
     ranks: list[TimingRank]
 
-    def components(self) -> dict[str, float]:
-        """The components of the busiest pipeline stage (the one with the most compute, recompute and optimizer
-        time: the rank the estimate's breakdown describes), each the median over that stage's ranks."""
-        by_stage: dict[int, list[dict[str, float]]] = {}
+    def by_stage(self) -> dict[int, dict[str, float]]:
+        """Components per pipeline stage, each the median over that stage's ranks."""
+        groups: dict[int, list[dict[str, float]]] = {}
         for r in self.ranks:
-            by_stage.setdefault(r.pp_stage, []).append(component_seconds(r.time_s))
-        stages = [{k: statistics.median(c[k] for c in comps) for k in comps[0]} for comps in by_stage.values()]
-        return max(stages, key=lambda c: c["compute"] + c["recompute"] + c["optimizer"], default={})
+            groups.setdefault(r.pp_stage, []).append(component_seconds(r.time_s))
+        return {s: {k: statistics.median(c[k] for c in comps) for k in comps[0]} for s, comps in groups.items()}
+
+    def components(self) -> dict[str, float]:
+        """The components of the busiest pipeline stage (the most compute, recompute and optimizer time)."""
+        return max(self.by_stage().values(), key=lambda c: c["compute"] + c["recompute"] + c["optimizer"],
+                   default={})
 
 
 def _comm_totals(items: list[CommCount]) -> dict[tuple[str, str], float]:
@@ -170,6 +173,14 @@ class RunLog(BaseModel):
             return self.profile.time_components() if self.profile is not None else {}
         comps = [t.components() for t in recs]
         return {k: statistics.median(c.get(k, 0.0) for c in comps) for k in comps[0]}
+
+    def stage_components(self) -> dict[int, dict[str, float]]:
+        """`time_components` per pipeline stage (median over the timed steps after the first)."""
+        recs = [t for t in self.timings if t.step > 1] or self.timings
+        per = [t.by_stage() for t in recs]
+        stages = sorted({s for p in per for s in p})
+        return {s: {k: statistics.median(p[s].get(k, 0.0) for p in per if s in p)
+                    for k in next(p[s] for p in per if s in p)} for s in stages}
 
     def measured_step_s(self, warmup: int = 1) -> float:
         """Median step time after `warmup` steps (shape inference, DTensor caches, the allocator's first use),

@@ -31,7 +31,7 @@ from autoplan.specs import load_cluster
 TRUTH = {"matmul_max_efficiency": 0.6, "matmul_half_dim": 40.0, "attention_efficiency": 0.25,
          "memory_efficiency": 0.5, "kernel_launch_us": 25.0, "intra_latency_us": 300.0,
          "intra_bandwidth_gbps": 0.8, "oversubscription_wait_us": 900.0, "tp_op_overhead_us": 80.0,
-         "fsdp_collective_overhead_us": 2000.0}
+         "fsdp_collective_overhead_us": 2000.0, "step_wait_us": 1500.0, "fsdp_hook_us": 300.0}
 SMALL = ModelSpec(name="small-gpt", num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
                   vocab_size=512, max_seq_length=256)
 
@@ -148,12 +148,12 @@ def test_runs_alone_leave_primitives_collinear_knobs_reported():
 
 
 def test_a_knob_no_run_sees_is_held_at_its_start():
-    """dp-only runs without ZeRO never use the tensor-parallel or FSDP overheads, and a model with no attention
+    """dp-only runs without ZeRO (torch DDP) never use the tensor-parallel or FSDP overheads, and a model with no attention
     difference between them cannot see attention efficiency apart from the rest: whatever the fit cannot see it
     must leave where it started instead of letting it wander."""
     truth = with_knobs(_base(), TRUTH)
     runs, _, _ = _synthetic(truth)
-    runs = [r for r in runs if r.parallel.tp == 1 and r.parallel.zero == 0][:3]
+    runs = [r for r in runs if r.parallel.tp == 1 and r.parallel.pp == 1 and r.parallel.zero == 0][:3]
     free = ["kernel_launch_us", "tp_op_overhead_us", "fsdp_collective_overhead_us"]
     start = with_knobs(truth, {"kernel_launch_us": 40.0})
     res = fit_cluster(start, runs, free=free)
