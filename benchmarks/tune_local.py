@@ -111,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             c = Candidate(plan=before, why="held out")
             print(f"[held-out {len(rows) + 1}] {before.parallel.to_string()}", file=sys.stderr, flush=True)
-            run_candidate(c, Path(tmp), steps=args.steps, profile_step=None)
+            # timed by component too (for the saved file: the fit never sees held-out runs)
+            run_candidate(c, Path(tmp), steps=args.steps, profile_step=None, time_from=2)
             rows.append({"parallel": before.parallel.to_string(), "measured_s": c.measured_s,
                          "before_s": before.prediction.step_time_s, "after_s": after.prediction.step_time_s,
-                         "error": c.error})
+                         "error": c.error, "components": c.log.time_components() if c.log else None,
+                         "after_breakdown": after.prediction.breakdown})
         # the search's choice with the refit cluster, measured if nobody ran it
         from autoplan.search.core import search
 
@@ -138,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ratio = chosen_s / fastest if chosen_s else float("nan")
     if args.save:
         Path(args.save).write_text(json.dumps({
-            "tuned": [{"parallel": c.config, "measured_s": c.measured_s, "plan": json.loads(c.plan.to_json())}
-                      for c in res.measured],
+            "tuned": [{"parallel": c.config, "measured_s": c.measured_s, "plan": json.loads(c.plan.to_json()),
+                       "components": c.log.time_components() if c.log else None} for c in res.measured],
+            "fit_rows": res.fit.rows, "fit_after": res.fit.after, "fit_held": res.fit.held,
             "held_out": rows, "bench": json.loads(bench_file.read_text()) if bench_file else None}, default=float))
     summary = {"tune_s": t_tune, "bench_s": t_bench, "tuned": sorted(tuned), "fit_after": res.fit.after,
                "undetermined": res.fit.undetermined, "held_out": rows, "spearman_after": s_after,

@@ -45,8 +45,10 @@ def _bw(link: LinkSpec) -> float:
 
 
 def _alpha(cluster: ClusterSpec, link: LinkSpec) -> float:
-    """Latency of one message hop, plus the wait for a descheduled peer on an oversubscribed node."""
-    return (link.latency_us + cluster.oversubscription_wait_us * cluster.descheduled_fraction) * 1e-6
+    """Latency of one message hop, plus the wait for a descheduled peer on an oversubscribed node (inside a step
+    the peer is computing, not idling in the collective: `step_wait_us` more; see ClusterSpec)."""
+    wait = cluster.oversubscription_wait_us + cluster.step_wait_us
+    return (link.latency_us + wait * cluster.descheduled_fraction) * 1e-6
 
 
 def transfer_time(link: LinkSpec, nbytes: float) -> float:

@@ -98,6 +98,7 @@ class Estimate:
     capacity_bytes: float
     timeline: Timeline | None = None
     notes: list[str] = field(default_factory=list)
+    critical_rank: int = 0  # the pipeline rank that finishes last: the one `breakdown` describes
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -291,7 +292,7 @@ def runtime_dp_units(stages: list[StageCost], cfg: ParallelConfig) -> int:
     (`replicate` per block, which works with DTensor TP and under the pipeline schedule)."""
     if cfg.zero != 0 or (cfg.tp == 1 and cfg.pp == 1):
         return 0
-    return sum(s.layout.layers[1] - s.layout.layers[0] + 1 for s in stages)
+    return fsdp_units(stages)
 
 
 def interference(cluster: ClusterSpec, hidden_s: float) -> float:
@@ -319,43 +320,61 @@ def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: Cl
         red, gather, tail = dp_sync(dense, expert, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero,
                                     cluster=cluster, training=training, units=runtime_dp_units(stages, cfg))
         opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster) \
-            + step_scalars_time(cfg, cluster)
-        fsdp = fsdp_unit_time(stages, dense, cfg, m, cluster, training)
+            + step_scalars_time(cfg.tp * cfg.cp * cfg.dp * cfg.pp, cluster)
+        fsdp = fsdp_unit_time(fsdp_units(stages), dense, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp,
+                              zero=cfg.zero, m=m, cluster=cluster, training=training)
         out.append((red, tail, opt, param_gather_exposed(gather, cluster, training) + fsdp))
     return out
 
 
-def step_scalars_time(cfg: ParallelConfig, cluster: ClusterSpec) -> float:
-    """The two scalar all-reduces over every rank that each step of the runtime makes on the optimizer's path
-    (runtime.engine.Trainer: the global gradient norm before clipping, the loss for the log): a few bytes each,
-    so latency only -- nothing on NVLink, but on an oversubscribed CPU node each waits for descheduled peers."""
-    world = cfg.tp * cfg.cp * cfg.dp * cfg.pp
+def step_scalars_time(world: int, cluster: ClusterSpec) -> float:
+    """The two scalar all-reduces over every rank (`world` of them) that each step of the runtime makes on the
+    optimizer's path (runtime.engine.Trainer: the global gradient norm before clipping, the loss for the log): a
+    few bytes each, so latency only -- nothing on NVLink, but on an oversubscribed CPU node each waits for
+    descheduled peers."""
     if world <= 1:
         return 0.0
-    return 2 * comm.all_reduce(cluster, comm.group_of(cluster, world, 1), 8.0)
+    # they follow the gradient reduction, which has already brought the ranks together: no peer is in the middle
+    # of its compute (no step_wait_us)
+    idle = cluster.model_copy(update={"step_wait_us": 0.0})
+    return 2 * comm.all_reduce(idle, comm.group_of(idle, world, 1), 8.0)
 
 
-def fsdp_unit_time(stages: list[StageCost], dense: float, cfg: ParallelConfig, m: int, cluster: ClusterSpec,
-                   training: TrainingSpec) -> float:
+def fsdp_units(stages: list[StageCost]) -> int:
+    """FSDP units of a pipeline rank holding `stages`: one per block and one per stage root
+    (runtime.parallelize.apply_fsdp)."""
+    return sum(s.layout.layers[1] - s.layout.layers[0] + 1 for s in stages)
+
+
+def fsdp_unit_time(units: float, dense: float, *, dp: int, cp: int, tp: int, pp: int, zero: int, m: int,
+                   cluster: ClusterSpec, training: TrainingSpec) -> float:
     """What dp_sync's one-bucket pricing leaves out of ZeRO-1/2/3 as autoplan's runtime runs it: FSDP2
     `fully_shard` per block and per stage root (runtime.parallelize.apply_fsdp), so each unit reduce-scatters and
     all-gathers on its own and every collective pays its own latency hops; FSDP2 reshards after every backward
     unless the sync is deferred, so without a pipeline ZeRO-2 reduce-scatters and re-gathers every micro-batch
     (the collective counts are cost_models.counts.dp_comm's, measured by runtime.measure); and around each
-    collective FSDP2 does host work (copy-in, copy-out, DTensor views: `fsdp_collective_overhead_us`).
-    The extra latency and repeats are charged where the host runs the collectives (gloo). ZeRO-3's per-micro-batch bytes and latency are zero3_block_exposed's; only its host work is added here."""
-    n = cfg.dp * cfg.cp
-    if cfg.zero == 0 or n <= 1 or dense <= 0:
+    collective FSDP2 does host work (copy-in, copy-out, DTensor views: `fsdp_collective_overhead_us`); and its
+    hooks run on every unit in every micro-batch (`fsdp_hook_us`), also under `replicate`, which the runtime uses
+    at ZeRO-0 with tensor or pipeline parallelism (one all-reduce per unit, its latency priced by dp_sync).
+    The extra latency and repeats are charged where the host runs the collectives (gloo). ZeRO-3's
+    per-micro-batch bytes and latency are zero3_block_exposed's; only its host work is added here. `units`: the
+    rank's FSDP units (`fsdp_units`)."""
+    n = dp * cp
+    replicate = zero == 0 and (tp > 1 or pp > 1)  # runtime.parallelize: replicate, else torch's DDP (no hooks)
+    if (zero == 0 and not replicate) or n <= 1 or dense <= 0 or units <= 0:
         return 0.0
-    units = sum(s.layout.layers[1] - s.layout.layers[0] + 1 for s in stages)
-    syncs = m if cfg.zero >= 2 and cfg.pp == 1 else 1
-    gathers = 1 if cfg.zero == 1 or cfg.pp > 1 else (m if cfg.zero == 2 else 2 * m)
-    host = units * (syncs + gathers) * cluster.gpu.calibration.fsdp_collective_overhead_us * 1e-6
-    if cfg.zero >= 3 or comm.native_reduce_scatter(cluster):
+    cal = cluster.gpu.calibration
+    hooks = units * m * cal.fsdp_hook_us * 1e-6  # FSDP2's hooks on every unit in every micro-batch
+    if replicate:  # one all-reduce per unit, its latency priced by dp_sync (`units`); its host work here
+        return hooks + units * cal.fsdp_collective_overhead_us * 1e-6
+    syncs = m if zero >= 2 and pp == 1 else 1
+    gathers = 1 if zero == 1 or pp > 1 else (m if zero == 2 else 2 * m)
+    host = units * (syncs + gathers) * cal.fsdp_collective_overhead_us * 1e-6 + hooks
+    if zero >= 3 or comm.native_reduce_scatter(cluster):
         # NCCL runs the per-unit collectives on the device, prefetched and overlapped with compute (dp_sync's
         # overlap accounting stands for them); gloo runs them on the host that computes, one after another.
         return host
-    grp = comm.group_of(cluster, n, cfg.tp)
+    grp = comm.group_of(cluster, n, tp)
     g_bytes, w_bytes = dense * training.grad_bytes, dense * training.weight_bytes
     per_unit = units * (syncs * comm.reduce_scatter(cluster, grp, g_bytes / units)
                         + gathers * comm.all_gather(cluster, grp, w_bytes / units))
@@ -579,5 +598,5 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
         model_flops=model_flops, hardware_flops=hw_flops, num_gpus=cluster.num_gpus,
         peak_flops=cluster.gpu.peak_flops(training.dtype),
         tokens=training.global_batch_size * training.seq_length,
-        capacity_bytes=cluster.gpu.hbm_gib * GIB, timeline=timeline,
+        capacity_bytes=cluster.gpu.hbm_gib * GIB, timeline=timeline, critical_rank=crit,
     )

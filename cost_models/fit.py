@@ -10,8 +10,11 @@ The residuals are on components, not on total step time alone:
 - micro-benchmarks (`autoplan calibrate --bench`): one row per GEMM shape and per collective, level and size,
   predicted by `compute.gemm_efficiency` and the `comm` functions alone — they pin the efficiency curve and each
   level's alpha and beta directly;
-- measured runs: one row per run (step time), plus one row per time component the profiled step measured
-  (`time_s` of the runtime's profile record, keyed like the estimate's breakdown);
+- measured runs: one row per run (step time), plus one row per time component the runtime's timed steps
+  measured (`autoplan run --time-from N`, autoplan.runtime.timing: compute, recompute, tensor/context/expert
+  collective waits, FSDP's work and waits, pipeline waits, the optimizer tail), each against the estimate's
+  breakdown entry that predicts it (`COMPONENTS`), so that compute knobs are pinned by compute time and
+  collective knobs by collective time, not all of them by one total;
 - a weak prior pulls each constant towards its starting value (the calibrated or preset one), so that a
   constant the data cannot see stays where the primitives put it instead of drifting; `FitResult.undetermined`
   names those.
@@ -76,6 +79,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "inter-node bandwidth (1/beta), GB/s"),
     Knob("oversubscription_wait_us", ("oversubscription_wait_us",), 1e-2, 1e6,
          "wait per hop for a descheduled peer when processes outnumber cores, us"),
+    Knob("step_wait_us", ("step_wait_us",), 1e-2, 1e6,
+         "further wait per hop inside a training step, where the descheduled peer is computing, us"),
+    Knob("fsdp_hook_us", ("gpu", "calibration", "fsdp_hook_us"), 1e-2, 1e6,
+         "host time of FSDP2's hooks per unit and micro-batch (replicate and fully_shard), us"),
 )}
 
 
@@ -153,6 +160,9 @@ class TimedComponents(_Obs):
     """Measured time of some components of a step, keyed like `Estimate.breakdown` (others are ignored)."""
 
     seconds: dict[str, float] = Field(default_factory=dict)
+    by_stage: dict[int, dict[str, float]] = Field(
+        default_factory=dict, description="The same per pipeline stage; the fit compares the stage the "
+        "estimate's breakdown describes (its critical rank), else `seconds`.")
 
 
 class RunSample(BaseModel):
@@ -190,6 +200,8 @@ def predict_gemm(cluster: ClusterSpec, g: GemmSample) -> float:
 
 def predict_collective(cluster: ClusterSpec, c: CollectiveSample) -> float:
     """Time of one collective by the cost model's alpha-beta formulas, on the group the sample describes."""
+    # a micro-benchmark is not a training step: its peers idle in the same loop (no step_wait_us)
+    cluster = cluster.model_copy(update={"step_wait_us": 0.0})
     if c.level == "intra":
         node = cluster.model_copy(update={"gpus_per_node": c.processes_per_node, "num_nodes": 1})
         grp = comm.Group(c.ranks, c.ranks)
@@ -273,13 +285,23 @@ def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
         free.append("tp_op_overhead_us")
     if any(r.parallel.zero >= 1 and r.parallel.dp * r.parallel.cp > 1 for r in runs):
         free.append("fsdp_collective_overhead_us")
+    if any(_fsdp_hooked(r.parallel) for r in runs):
+        free.append("fsdp_hook_us")
     if any(r.world > cluster.gpus_per_node for r in runs) or any(c.level == "inter" for c in collectives):
         free += ["inter_latency_us", "inter_bandwidth_gbps"]
     cores = cluster.cores_per_node
     if cores is not None and (any(min(r.world, cluster.gpus_per_node) > cores for r in runs)
                               or any(c.processes_per_node > cores for c in collectives)):
         free.append("oversubscription_wait_us")
+        if runs:
+            free.append("step_wait_us")
     return free
+
+
+def _fsdp_hooked(cfg: ParallelConfig) -> bool:
+    """Whether the runtime puts FSDP2 hooks on the model: fully_shard at ZeRO>=1, replicate at ZeRO-0 under
+    tensor or pipeline parallelism (runtime.parallelize.apply_dp), over more than one data-parallel rank."""
+    return cfg.dp * cfg.cp > 1 and (cfg.zero >= 1 or cfg.tp > 1 or cfg.pp > 1)
 
 
 def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Sequence[GemmSample] = (),
@@ -352,9 +374,16 @@ class _Problem:
         self.profs = {r.model.name: (profiles or {}).get(r.model.name) or profile_from_spec(r.model) for r in runs}
         measured = [g.seconds for g in gemms] + [c.seconds for c in collectives]
         self.n_micro = len(measured)
-        for r in runs:
+        # A component the cost model has no term for in this run (predicted 0: e.g. a flash attention core
+        # recomputed under selective recomputation) is left out: no knob can move it.
+        self.comp_keys: list[list[str]] = []
+        # The pipeline stage compared is the one the starting cluster's estimate describes (its critical rank).
+        for r in self.runs:
+            start = predict_run(cluster, r, self.profs[r.model.name])
+            comps = _components(r, start.critical_rank)
+            self.comp_keys.append([k for k in comps if predicted_component(start.breakdown, k) > 0])
             measured.append(r.measured_step_s)
-            measured.extend(v for _, v in sorted(_components(r).items()))
+            measured.extend(comps[k] for k in self.comp_keys[-1])
         self.measured = measured
         self.meas = np.array(measured)
         self.n_data = len(measured)
@@ -363,10 +392,10 @@ class _Problem:
         cl = with_knobs(self.cluster, values)
         out = [predict_gemm(cl, g) for g in self.gemms]
         out += [predict_collective(cl, c) for c in self.collectives]
-        for r in self.runs if with_runs else ():
+        for i, r in enumerate(self.runs if with_runs else ()):
             est = predict_run(cl, r, self.profs[r.model.name])
             out.append(est.step_time_s)
-            out.extend(max(est.breakdown.get(k, 0.0), 1e-12) for k in _components(r))
+            out.extend(max(predicted_component(est.breakdown, k), 1e-12) for k in self.comp_keys[i])
         return out
 
     def solve(self, free: list[str]) -> _Solved:
@@ -376,7 +405,8 @@ class _Problem:
 
         start = knob_values(self.cluster)
         # Knobs stuck at 0 (e.g. the oversubscription wait of a preset) start from a small physical value.
-        starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0, "fsdp_collective_overhead_us": 1000.0}
+        starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0, "fsdp_collective_overhead_us": 1000.0,
+                  "step_wait_us": 500.0, "fsdp_hook_us": 100.0}
         x0_vals = {k: start[k] if start[k] > 0 else starts.get(k, 1.0) for k in free}
         lo = np.array([math.log(KNOBS[k].lower) for k in free])
         hi = np.array([math.log(KNOBS[k].upper) for k in free])
@@ -428,7 +458,7 @@ class _Problem:
     def rows(self, s: _Solved) -> list[dict]:
         before = self.predictions({})  # the cluster as given
         after = self.predictions(s.after)
-        return _rows(self.gemms, self.collectives, self.runs, self.measured, before, after)
+        return _rows(self.gemms, self.collectives, self.runs, self.comp_keys, self.measured, before, after)
 
 
 # A knob whose data rows move by less than this (root-sum-square of d log(predicted) / d log(knob)) is reported
@@ -469,20 +499,38 @@ _STARTS: tuple[dict[str, float], ...] = (
 )
 
 
-def _components(r: RunSample) -> dict[str, float]:
-    """The measured time components of a run that the estimate's breakdown also has (positive ones)."""
+# The components a run's measured time is split into (autoplan.tune.records.component_seconds), each the sum of
+# the estimate's breakdown entries that predict it: a pipeline rank's waits for its neighbours are its pp_comm
+# and its bubble at once.
+COMPONENTS: dict[str, tuple[str, ...]] = {
+    "compute": ("compute",), "recompute": ("recompute",), "tp_cp_ep_comm": ("tp_cp_ep_comm",),
+    "dp_comm": ("dp_comm",), "pp_wait": ("pp_comm", "bubble"), "optimizer": ("optimizer",),
+}
+# A component below this share of its run's measured step is not a row: a few milliseconds of a wait or a tail
+# are mostly scheduling noise on a shared host, and a log-ratio would weigh them like the step itself.
+_MIN_COMPONENT_SHARE = 0.03
+
+
+def predicted_component(breakdown: dict[str, float], name: str) -> float:
+    return sum(breakdown.get(k, 0.0) for k in COMPONENTS[name])
+
+
+def _components(r: RunSample, stage: int = 0) -> dict[str, float]:
+    """The measured time components of a run that the cost model predicts, above _MIN_COMPONENT_SHARE: those of
+    pipeline stage `stage` when they were recorded per stage."""
     if r.components is None:
         return {}
-    known = ("compute", "recompute", "tp_cp_ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
-    return {k: v for k, v in sorted(r.components.seconds.items()) if k in known and v > 0}
+    floor = _MIN_COMPONENT_SHARE * r.measured_step_s
+    seconds = r.components.by_stage.get(stage, r.components.seconds)
+    return {k: v for k, v in sorted(seconds.items()) if k in COMPONENTS and v > floor}
 
 
-def _rows(gemms, collectives, runs, measured, before, after) -> list[dict]:
+def _rows(gemms, collectives, runs, comp_keys, measured, before, after) -> list[dict]:
     labels = [("gemm", f"gemm {g.m}x{g.n}x{g.k}") for g in gemms]
     labels += [("collective", f"{c.collective} {c.level} x{c.ranks} {c.nbytes / 1024:.0f} KiB") for c in collectives]
-    for r in runs:
+    for r, keys in zip(runs, comp_keys, strict=True):
         labels.append(("run", r.label or r.parallel.to_string()))
-        labels.extend(("component", f"{r.label or r.parallel.to_string()} {k}") for k in sorted(_components(r)))
+        labels.extend(("component", f"{r.label or r.parallel.to_string()} {k}") for k in keys)
     return [{"kind": kind, "label": label, "measured": m, "before": b, "after": a}
             for (kind, label), m, b, a in zip(labels, measured, before, after, strict=True)]
 

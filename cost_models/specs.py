@@ -162,6 +162,13 @@ class GPUCalibration(_Frozen):
         "(copy-in to the flat buffer, copy-out and views, DTensor wrapping), microseconds; it is on the critical "
         "path of a host-bound run (CPU, gloo). 0 where the GPU hides it. Fitted by `autoplan tune`.",
     )
+    fsdp_hook_us: float = Field(
+        default=0.0, ge=0,
+        description="Host time of FSDP2's hooks on one unit in one micro-batch (pre/post-forward, pre/post-"
+        "backward: state checks, parameter views, registering the backward hooks), microseconds; paid by "
+        "`replicate` (ZeRO-0 under tensor or pipeline parallelism) as by `fully_shard`, whether or not a "
+        "collective is issued. 0 where the GPU hides it. Fitted by `autoplan tune`.",
+    )
     framework_overhead_gib: float = Field(
         default=2.0, ge=0, description="Memory the CUDA context, allocator fragmentation and workspaces take."
     )
@@ -233,6 +240,14 @@ class ClusterSpec(_Frozen):
         description="Extra wait per message hop when a node runs more processes than cores: a peer is "
         "descheduled with probability 1 - cores/processes and the hop waits for the scheduler to run it "
         "(Linux CFS timeslices are milliseconds). Fitted by `autoplan tune`.",
+    )
+    step_wait_us: float = Field(
+        default=0.0, ge=0,
+        description="Further wait per message hop of a collective inside a training step on such a node, "
+        "scaled like oversubscription_wait_us by the descheduled fraction: there the descheduled peer is running "
+        "its own compute (until it blocks in its next collective or its timeslice ends), while in a collective "
+        "micro-benchmark every process idles in the same loop. Fitted by `autoplan tune` from the runs' measured "
+        "collective waits; micro-benchmarks do not see it.",
     )
 
     @property

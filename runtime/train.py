@@ -34,7 +34,11 @@ object per step to --log: step, loss, step_time_s, tokens_per_s, peak_memory_gib
 not the process RSS: the allocator's peak of each step on a GPU; on the CPU, MemTracker's peak of one step
 (--memory-step, default 3) carried on the lines after it (null before). --profile-step N adds one
 {"event": "profile", "step": N, "ranks": [{"rank", "pp_stage", "measured", "predicted"}]} record (measured with
-autoplan.runtime.measure, predicted by autoplan.cost_models.counts) and prints it as a table. The process group is destroyed on exit, error or not.
+autoplan.runtime.measure, predicted by autoplan.cost_models.counts) and prints it as a table. --time-from N adds,
+for every step from N on (the profiled one excepted), one {"event": "timing", "step", "ranks": [{"rank",
+"pp_stage", "step_s", "time_s"}]} record: each rank's step time split by phase, FSDP work, the step tail and the
+waits in collectives (autoplan.runtime.timing; cheap: the step runs at its normal speed). The process group is
+destroyed on exit, error or not.
 """
 
 from __future__ import annotations
@@ -79,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="measure step N on every rank (FLOPs by phase, bytes per collective and mesh dimension, "
                          "memory by category) beside the cost model's prediction: one {\"event\": \"profile\"} "
                          "record in the log and a table on rank 0")
+    ap.add_argument("--time-from", type=int, default=0, metavar="N",
+                    help="split every step from N on (not the profiled one) into time components per rank "
+                         "(compute by phase, waits in collectives by kind, FSDP, optimizer): one "
+                         "{\"event\": \"timing\"} record per step in the log (what `autoplan tune` fits on)")
     ap.add_argument("--memory-step", type=int, default=None, metavar="N",
                     help="CPU: the step whose tensor-memory peak (MemTracker) the log lines carry (default: the "
                          "profiled step, else step 3, the first steady one, or the last of a shorter run); GPUs "
@@ -281,6 +289,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
     from . import checkpoint, faults
     from .engine import Trainer, tokens_per_step
     from .measure import StepMemory, memory_step, profile_record
+    from .timing import timing_record
 
     rank = dist.get_rank()
     log = tb = saver = collector = None
@@ -353,6 +362,8 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
             elif mem.wants(step + 1):
                 res, m = memory_step(trainer, data.batch(step))
                 mem.record(step + 1, m["peak"])
+            elif getattr(args, "time_from", 0) and step + 1 >= args.time_from:
+                res, profile = timing_record(trainer, step + 1, data.batch(step))
             else:
                 res = trainer.step(data.batch(step))
             nonfinite = faults.check_finite(res.loss, res.grad_norm, step + 1, args.on_nonfinite)  # every rank
@@ -482,7 +493,7 @@ def _open_log_and_record_restart(args: argparse.Namespace, start: int, resume_pa
 def _report_step(args: argparse.Namespace, log, rec: dict, predicted: float, spikes, profile: dict | None) -> None:
     if log and profile:
         log.write(json.dumps(profile) + "\n")
-    if profile and not args.quiet:
+    if profile and profile.get("event") == "profile" and not args.quiet:
         from .measure import render_profile
 
         render_profile(profile)

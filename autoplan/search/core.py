@@ -56,11 +56,13 @@ from autoplan.cost_models.estimate import (
     dp_exposed,
     dp_sync,
     estimate,
+    fsdp_unit_time,
     optimizer_time,
     p2p_occupancy,
     param_gather_exposed,
     pipeline_p2p_parts,
     pipeline_p2p_time,
+    step_scalars_time,
     step_time_lower_bound,
     zero3_block_exposed,
 )
@@ -317,17 +319,19 @@ class _Searcher:
             return got
         a = self.agg(mesh)
         worst = 0.0
-        for r, (red, tl, rest) in self._dp_parts(mesh, zero):
+        for r, (red, tl, rest) in self._dp_parts(mesh, zero, vp):
             bwd = a.blk_bwd / (mesh.pp * vp) + (a.head.bwd_s if r == mesh.pp - 1 else 0.0)
             exposed = dp_exposed(red, tl, bwd, self.cluster, self.training)
             worst = max(worst, exposed + rest)
         self._tail[key] = worst
         return worst
 
-    def _dp_parts(self, mesh: Mesh, zero: int) -> list[tuple[int, tuple[float, float, float]]]:
+    def _dp_parts(self, mesh: Mesh, zero: int, vp: int = 1) -> list[tuple[int, tuple[float, float, float]]]:
         """Per representative pipeline rank: (gradient reduction, its last-bucket tail, optimizer + exposed
-        parameter gather). Depends on parameters (tp, ep) and groups (cp, dp, pp) only."""
-        key = (mesh.tp, mesh.cp, mesh.ep, mesh.pp, mesh.dp, zero)
+        parameter gather), with the estimate's functions for an even layout of `vp` stages per rank (`estimate.
+        _rank_tails`: the runtime's per-unit reduction at ZeRO-0, FSDP's per-unit work at ZeRO>=1, the step's
+        scalar all-reduces). Depends on parameters (tp, ep), groups (cp, dp, pp), micro-batches and vp only."""
+        key = (mesh.tp, mesh.cp, mesh.ep, mesh.pp, mesh.dp, mesh.mbs, zero, vp)
         got = self._dp.get(key)
         if got is not None:
             return got
@@ -341,10 +345,15 @@ class _Searcher:
                 dense += a.emb.params_local - a.emb.expert_params_local
             if r == mesh.pp - 1:
                 dense += a.head.params_local - a.head.expert_params_local
+            units = len(self.profiles[1:-1]) / mesh.pp + vp  # blocks and stage roots on the rank
             red, gather, tl = dp_sync(dense, expert, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep, zero=zero,
-                                      cluster=cl, training=tr)
-            opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl)
-            out.append((r, (red, tl, opt + param_gather_exposed(gather, cl, tr))))
+                                      cluster=cl, training=tr,
+                                      units=units if zero == 0 and (mesh.tp > 1 or mesh.pp > 1) else 0)
+            opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl) \
+                + step_scalars_time(mesh.tp * mesh.cp * mesh.dp * mesh.pp, cl)
+            fsdp = fsdp_unit_time(units, dense, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, zero=zero,
+                                  m=self.micro_batches(mesh), cluster=cl, training=tr)
+            out.append((r, (red, tl, opt + param_gather_exposed(gather, cl, tr) + fsdp)))
         self._dp[key] = out
         return out
 

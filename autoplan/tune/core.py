@@ -187,20 +187,25 @@ def select_candidates(model: ModelSpec, cluster: ClusterSpec, training: Training
 # ---------------------------------------------------------------------------------------------- running
 
 
-def runtime_supports_profile_step() -> bool:
-    """Whether this autoplan's runtime accepts --profile-step (read from its source: no torch import)."""
+def runtime_supports(flag: str = "--profile-step") -> bool:
+    """Whether this autoplan's runtime accepts `flag` (read from its source: no torch import)."""
     spec = importlib.util.find_spec("autoplan.runtime.train")
     if spec is None or not spec.origin:
         return False
     try:
-        return "--profile-step" in Path(spec.origin).read_text()
+        return flag in Path(spec.origin).read_text()
     except OSError:
         return False
 
 
+def runtime_supports_profile_step() -> bool:
+    return runtime_supports("--profile-step")
+
+
 def run_candidate(c: Candidate, workdir: Path, *, steps: int, profile_step: int | None,
-                  timeout_s: float | None = None) -> None:
-    """Run `c.plan` under torchrun for `steps` steps; fills `c.measured_s`/`c.log` or `c.error`."""
+                  timeout_s: float | None = None, time_from: int | None = None) -> None:
+    """Run `c.plan` under torchrun for `steps` steps; fills `c.measured_s`/`c.log` or `c.error`. `time_from`:
+    split the steps from that one on into time components (the runtime's --time-from)."""
     from autoplan.runtime.launch import ROOT, torchrun_command
 
     plan_path = c.plan.save(workdir / f"plan-{c.plan.short_hash}.json")
@@ -208,6 +213,8 @@ def run_candidate(c: Candidate, workdir: Path, *, steps: int, profile_step: int 
     args = ["--steps", str(steps), "--log", str(log_path), "--quiet"]
     if profile_step is not None:
         args += ["--profile-step", str(profile_step)]
+    if time_from is not None:
+        args += ["--time-from", str(time_from)]
     cmd = torchrun_command(plan_path, c.plan.world_size, args)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -258,9 +265,9 @@ def run_sample(c: Candidate) -> RunSample:
     """The fit's view of a measured candidate (its time components when the profile recorded some)."""
     plan = c.plan
     comps = None
-    if c.log is not None and c.log.profile is not None:
-        t = c.log.profile.time_components()
-        comps = TimedComponents(seconds=t) if t else None
+    if c.log is not None:
+        t = c.log.time_components()
+        comps = TimedComponents(seconds=t, by_stage=c.log.stage_components()) if t else None
     layout = [((s.layers[0], s.layers[1]), s.recompute, s.recompute_layers) for s in plan.stages]
     training = plan.training.model_copy(update={"kernels": "torch" if plan.kernels == "torch" else "fused"})
     return RunSample(model=plan.model, training=training, parallel=plan.parallel, world=plan.world_size,
@@ -328,9 +335,11 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top:
     cands = select_candidates(model, cluster, training, top=top, diverse=diverse, profiles=profiles, fix=fix,
                               kernels=kernels, seed_plan=seed_plan)
     profile_step = min(2, steps) if runtime_supports_profile_step() else None
+    # the steps after the warm-up and the profiled one are split into time components (cheap: they run at speed)
+    time_from = (profile_step or 1) + 1 if runtime_supports("--time-from") and steps > 2 else None
     result = TuneResult(candidates=cands, fit=None)
-    if profile_step is None:
-        result.notes.append("this runtime has no --profile-step: the fit uses step times and micro-benchmarks")
+    if time_from is None:
+        result.notes.append("no timed steps (--time-from): the fit uses step times and micro-benchmarks only")
     tmp = None
     if workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="autoplan-tune-")
@@ -349,7 +358,8 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top:
                 break
             if progress:
                 progress(f"running {c.config.split(',schedule')[0]}", i, len(cands))
-            run_candidate(c, workdir, steps=steps, profile_step=profile_step, timeout_s=run_timeout_s)
+            run_candidate(c, workdir, steps=steps, profile_step=profile_step, timeout_s=run_timeout_s,
+                          time_from=time_from)
         if progress:
             progress("fitting", len(cands), len(cands))
     except KeyboardInterrupt:

@@ -3,9 +3,13 @@
 The profile record (`autoplan run ... --profile-step N`, one JSON line written by rank 0) has the shape
 `{"event": "profile", "step": N, "ranks": [{"rank": r, "pp_stage": s, "measured": C, "predicted": C}, ...]}`
 with C = `{"flops": {"forward": f, "backward": b, "recompute": r}, "comm": [{"collective", "mesh_dim", "count",
-"bytes"}], "memory_bytes": {...}, "time_s": {...optional...}}`. Tune uses its measured time components (when
-the runtime records them) as extra rows of the fit, and reports counts that disagree with the prediction
-(constants cannot fix a wrong count, so the fit does not try).
+"bytes"}], "memory_bytes": {...}, "time_s": {...optional...}}`. Tune reports counts that disagree with the
+prediction (constants cannot fix a wrong count, so the fit does not try).
+
+The timing records (`--time-from N`, one per step: `{"event": "timing", "step": N, "ranks": [{"rank",
+"pp_stage", "step_s", "time_s": {bucket: seconds}}]}`, autoplan.runtime.timing) split each rank's step into
+buckets; `component_seconds` sums them into the components the cost model's breakdown predicts, and tune fits
+on those as extra rows.
 """
 
 from __future__ import annotations
@@ -72,6 +76,58 @@ class ProfileRecord(_Rec):
         return out
 
 
+# The runtime's timing buckets (autoplan.runtime.timing: "<phase or section>[/<wait>]") that make up each
+# component of the cost model's breakdown (cost_models.estimate: Estimate.breakdown), with "pp_wait" for its
+# pp_comm + bubble (a pipeline rank's waits for its neighbours are both).
+def component_seconds(buckets: dict[str, float]) -> dict[str, float]:
+    """The estimate-keyed components of one rank's timing buckets. Waits outside any known place (c10d waits in
+    forward or backward outside FSDP and the pipeline) are returned as "other_wait" (no term predicts them)."""
+    out = dict.fromkeys(("compute", "recompute", "tp_cp_ep_comm", "dp_comm", "pp_wait", "optimizer",
+                         "other_wait"), 0.0)
+    for key, v in buckets.items():
+        where, _, wait = key.partition("/")
+        if where == "fsdp":
+            out["dp_comm"] += v  # FSDP's host work and its collectives' waits
+        elif where == "step_tail":
+            out["optimizer"] += v  # gradient finalisation, norm, clipping, AdamW, the loss all-reduce
+        elif wait == "p2p":
+            out["pp_wait"] += v
+        elif where == "recompute":
+            out["recompute"] += v  # the re-run forward, its tensor-parallel collectives included (as predicted)
+        elif wait == "funcol":
+            out["tp_cp_ep_comm"] += v
+        elif wait:
+            out["other_wait"] += v
+        else:
+            out["compute"] += v
+    return out
+
+
+class TimingRank(_Rec):
+    rank: int = Field(ge=0)
+    pp_stage: int = Field(default=0, ge=0)
+    step_s: float = Field(default=0.0, ge=0, description="The rank's step time (Trainer.step, timed).")
+    time_s: dict[str, float] = Field(default_factory=dict, description="Seconds by timing bucket.")
+
+
+class TimingRecord(_Rec):
+    event: str
+    step: int = Field(ge=0)
+    ranks: list[TimingRank]
+
+    def by_stage(self) -> dict[int, dict[str, float]]:
+        """Components per pipeline stage, each the median over that stage's ranks."""
+        groups: dict[int, list[dict[str, float]]] = {}
+        for r in self.ranks:
+            groups.setdefault(r.pp_stage, []).append(component_seconds(r.time_s))
+        return {s: {k: statistics.median(c[k] for c in comps) for k in comps[0]} for s, comps in groups.items()}
+
+    def components(self) -> dict[str, float]:
+        """The components of the busiest pipeline stage (the most compute, recompute and optimizer time)."""
+        return max(self.by_stage().values(), key=lambda c: c["compute"] + c["recompute"] + c["optimizer"],
+                   default={})
+
+
 def _comm_totals(items: list[CommCount]) -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
     for c in items:
@@ -106,7 +162,25 @@ class RunLog(BaseModel):
     steps: list[int] = Field(default_factory=list, description="The step number of each time.")
     predicted_step_time_s: float | None = None
     profile: ProfileRecord | None = None
+    timings: list[TimingRecord] = Field(default_factory=list, description="Timing records (--time-from).")
     final_loss: float | None = None
+
+    def time_components(self) -> dict[str, float]:
+        """Measured seconds per component: the median over the timed steps (after the first step) of each
+        component of `TimingRecord.components`; else the profile record's own time_s, if any."""
+        recs = [t for t in self.timings if t.step > 1] or self.timings
+        if not recs:
+            return self.profile.time_components() if self.profile is not None else {}
+        comps = [t.components() for t in recs]
+        return {k: statistics.median(c.get(k, 0.0) for c in comps) for k in comps[0]}
+
+    def stage_components(self) -> dict[int, dict[str, float]]:
+        """`time_components` per pipeline stage (median over the timed steps after the first)."""
+        recs = [t for t in self.timings if t.step > 1] or self.timings
+        per = [t.by_stage() for t in recs]
+        stages = sorted({s for p in per for s in p})
+        return {s: {k: statistics.median(p[s].get(k, 0.0) for p in per if s in p)
+                    for k in next(p[s] for p in per if s in p)} for s in stages}
 
     def measured_step_s(self, warmup: int = 1) -> float:
         """Median step time after `warmup` steps (shape inference, DTensor caches, the allocator's first use),
@@ -129,6 +203,8 @@ def read_run_log(path: str | Path) -> RunLog:
         obj = json.loads(line)
         if obj.get("event") == "profile":
             log.profile = parse_profile_record(obj)
+        elif obj.get("event") == "timing":
+            log.timings.append(TimingRecord.model_validate(obj))
         elif "step_time_s" in obj and obj.get("event") in (None, "step"):
             log.step_times_s.append(float(obj["step_time_s"]))
             log.steps.append(int(obj.get("step", len(log.steps) + 1)))

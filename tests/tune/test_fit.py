@@ -9,6 +9,7 @@ import pytest
 
 from autoplan.cost_models import comm
 from autoplan.cost_models.fit import (
+    COMPONENTS,
     CollectiveSample,
     GemmSample,
     RunSample,
@@ -19,6 +20,7 @@ from autoplan.cost_models.fit import (
     predict_collective,
     predict_gemm,
     predict_run,
+    predicted_component,
     with_knobs,
 )
 from autoplan.cost_models.hardware import cluster_preset
@@ -29,7 +31,7 @@ from autoplan.specs import load_cluster
 TRUTH = {"matmul_max_efficiency": 0.6, "matmul_half_dim": 40.0, "attention_efficiency": 0.25,
          "memory_efficiency": 0.5, "kernel_launch_us": 25.0, "intra_latency_us": 300.0,
          "intra_bandwidth_gbps": 0.8, "oversubscription_wait_us": 900.0, "tp_op_overhead_us": 80.0,
-         "fsdp_collective_overhead_us": 2000.0}
+         "fsdp_collective_overhead_us": 2000.0, "step_wait_us": 1500.0, "fsdp_hook_us": 300.0}
 SMALL = ModelSpec(name="small-gpt", num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
                   vocab_size=512, max_seq_length=256)
 
@@ -50,7 +52,8 @@ def _synthetic(truth, with_components: bool = False):
                 cfg = check_config(ParallelConfig.parse(c), model, truth.with_gpus(world), tr)
                 r = RunSample(model=model, training=tr, parallel=cfg, world=world, measured_step_s=1.0, label=c)
                 est = predict_run(truth, r)
-                comps = TimedComponents(seconds={"compute": est.breakdown["compute"]}) if with_components else None
+                comps = TimedComponents(seconds={k: predicted_component(est.breakdown, k) for k in COMPONENTS}) \
+                    if with_components else None
                 runs.append(r.model_copy(update={"measured_step_s": est.step_time_s, "components": comps}))
     gemms = [GemmSample(m=m, n=n, k=k, seconds=1.0)
              for m, n, k in ((64, 64, 64), (128, 256, 64), (512, 512, 512), (256, 1024, 256), (32, 2048, 128))]
@@ -82,6 +85,51 @@ def test_fit_recovers_known_constants_within_1_percent(with_components):
     assert fitted["kernel_launch_us"] == pytest.approx(TRUTH["kernel_launch_us"], rel=0.01)
 
 
+def test_component_rows_determine_what_the_step_time_cannot():
+    """One tiny ZeRO-3 run: its step time is mostly FSDP's host time per collective (dp_comm); the host time per
+    operator (compute) is a few percent of it, too little of the total for the fit to pin, so from the total
+    alone kernel_launch_us is held at its (wrong) start. The measured components are rows of their own: with them
+    both knobs are recovered."""
+    truth = with_knobs(_base(), TRUTH)
+    runs, _, _ = _synthetic(truth, with_components=True)
+    run = next(r for r in runs if r.label == "dp=4,zero=3" and r.model.name == "tiny-gpt")
+    assert {"compute", "dp_comm"} <= set(run.components.seconds)
+    free = ["kernel_launch_us", "fsdp_collective_overhead_us"]
+    start = with_knobs(truth, {"kernel_launch_us": 40.0, "fsdp_collective_overhead_us": 1200.0})
+    total_only = fit_cluster(start, [run.model_copy(update={"components": None})], free=free)
+    assert total_only.held == ["kernel_launch_us"], total_only.held
+    assert total_only.after["kernel_launch_us"] == 40.0 != pytest.approx(TRUTH["kernel_launch_us"], rel=0.05)
+    with_parts = fit_cluster(start, [run], free=free)
+    assert not with_parts.held and not with_parts.collinear
+    for k in free:
+        assert with_parts.after[k] == pytest.approx(TRUTH[k], rel=0.01), (k, with_parts.after[k])
+    assert {r["label"].split()[-1] for r in with_parts.rows if r["kind"] == "component"} >= {"compute", "dp_comm"}
+
+
+def test_timing_buckets_map_to_the_estimate_components(tmp_path):
+    """The runtime's timing buckets (autoplan.runtime.timing) sum into the breakdown's components; the busiest
+    pipeline stage is the one reported, each component its ranks' median; the log's median over timed steps."""
+    from autoplan.tune.records import TimingRecord, component_seconds, read_run_log
+
+    b = {"forward": 0.02, "backward": 0.04, "forward/funcol": 0.01, "backward/funcol": 0.015, "recompute": 0.005,
+         "recompute/funcol": 0.001, "fsdp": 0.003, "fsdp/work": 0.007, "backward/p2p": 0.02, "step_tail": 0.004,
+         "step_tail/work": 0.002, "forward/work": 0.001}
+    c = component_seconds(b)
+    assert c == pytest.approx({"compute": 0.06, "recompute": 0.006, "tp_cp_ep_comm": 0.025, "dp_comm": 0.01,
+                               "pp_wait": 0.02, "optimizer": 0.006, "other_wait": 0.001})
+    assert sum(c.values()) == pytest.approx(sum(b.values()))
+    rank = lambda r, s, f: {"rank": r, "pp_stage": s, "step_s": 0.1, "time_s": {"forward": f, "step_tail": 0.01}}  # noqa: E731
+    rec = {"event": "timing", "step": 3, "ranks": [rank(0, 0, 0.05), rank(1, 1, 0.07), rank(2, 1, 0.09),
+                                                    rank(3, 1, 0.08)]}
+    assert TimingRecord.model_validate(rec).components()["compute"] == pytest.approx(0.08)  # stage 1's median
+    log = tmp_path / "log.jsonl"
+    lines = [{"step": 1, "step_time_s": 0.2}, {**rec, "step": 2}, {**rec, "step": 3}]
+    lines[2]["ranks"] = [rank(0, 0, 0.05), rank(1, 1, 0.03)]
+    log.write_text("\n".join(json.dumps(o) for o in lines) + "\n")
+    comps = read_run_log(log).time_components()
+    assert comps["compute"] == pytest.approx((0.08 + 0.05) / 2) and comps["optimizer"] == pytest.approx(0.01)
+
+
 def test_runs_alone_leave_primitives_collinear_knobs_reported():
     """Without micro-benchmarks and with one process count, hop latency and the descheduling wait are the same
     term: the fit must say that one of them is not pinned rather than claim to know both."""
@@ -100,12 +148,12 @@ def test_runs_alone_leave_primitives_collinear_knobs_reported():
 
 
 def test_a_knob_no_run_sees_is_held_at_its_start():
-    """dp-only runs without ZeRO never use the tensor-parallel or FSDP overheads, and a model with no attention
+    """dp-only runs without ZeRO (torch DDP) never use the tensor-parallel or FSDP overheads, and a model with no attention
     difference between them cannot see attention efficiency apart from the rest: whatever the fit cannot see it
     must leave where it started instead of letting it wander."""
     truth = with_knobs(_base(), TRUTH)
     runs, _, _ = _synthetic(truth)
-    runs = [r for r in runs if r.parallel.tp == 1 and r.parallel.zero == 0][:3]
+    runs = [r for r in runs if r.parallel.tp == 1 and r.parallel.pp == 1 and r.parallel.zero == 0][:3]
     free = ["kernel_launch_us", "tp_op_overhead_us", "fsdp_collective_overhead_us"]
     start = with_knobs(truth, {"kernel_launch_us": 40.0})
     res = fit_cluster(start, runs, free=free)

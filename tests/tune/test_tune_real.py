@@ -35,6 +35,16 @@ def test_tune_two_processes_end_to_end(tmp_path):
     fastest = min(measured, key=lambda c: c["measured_step_time_s"])
     assert out["fastest"] == fastest["parallel"]
     assert (tmp_path / "runs").is_dir() and list((tmp_path / "runs").glob("log-*.jsonl"))
+    # the steps after the profiled one are timed by component, and the buckets account for the rank's step
+    from autoplan.tune.records import read_run_log
+
+    for path in (tmp_path / "runs").glob("log-*.jsonl"):
+        log = read_run_log(path)
+        assert [t.step for t in log.timings] == [3], path
+        for r in log.timings[0].ranks:
+            assert sum(r.time_s.values()) == pytest.approx(r.step_s, rel=0.05, abs=2e-3), r
+            assert r.time_s.get("backward", 0) > 0 and r.time_s.get("step_tail", 0) > 0, r.time_s
+        assert log.time_components()["compute"] > 0
 
     from autoplan.cost_models.fit import knob_values
     from autoplan.plan import load_plan
