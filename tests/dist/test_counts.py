@@ -54,10 +54,13 @@ def test_counts_agree(records, case):
     assert meas_d > 0 and abs(pred_d - meas_d) <= 0.02 * meas_d, (case, c["comm"])
     for rank, _stage, p, m, at, _moment, _phase in c["memory"]:
         assert m["peak"] > 0 and abs(p["peak"] - m["peak"]) <= 0.10 * m["peak"], f"{case} rank {rank}: {p} vs {m}"
-        # every category, at the predicted moment's phase (benchmarks.counts.at_moment). Not on these cases:
-        # tp without sp, where the head's and the last block's backward tie within a few KiB and the model takes
-        # the block (docs/cost_model.md)
-        for k in ("parameters", "gradients", "optimizer", "activations", "temporaries"):
+        # every category, at the predicted moment's phase (benchmarks.counts.at_moment). Not under ZeRO-3's
+        # activations and temporaries: which FSDP2 buffers are alive at its backward peak depends on when gloo's
+        # asynchronous collectives complete (in 3 runs of 15 here a rank peaked with one block's activations
+        # traded for reduce-scatter buffers, or with one more unit-sized buffer: docs/cost_model.md); the common
+        # moment is priced, and the peak is checked above
+        zero3 = "zero=3" in case
+        for k in ("parameters", "gradients", "optimizer") + (() if zero3 else ("activations", "temporaries")):
             assert abs(p[k] - at[k]) <= 0.10 * at[k], f"{case} rank {rank} {k}: {p[k]} vs {at[k]}"
 
 
