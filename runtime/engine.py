@@ -245,7 +245,11 @@ class Trainer:
         coef = self.max_grad_norm / (norm + 1e-6)
         if self.max_grad_norm > 0 and coef < 1.0:  # 0: clipping off
             grads = [_local(p.grad) for _, p in self._params if p.grad is not None]
-            torch._foreach_mul_(grads, coef)  # in place on each local shard: the same as p.grad.mul_(coef)
+            # in place on each local shard (the same as p.grad.mul_(coef)). On the CPU torch's foreach falls back
+            # to one mul_ per tensor, and with a Python float each wraps the scalar into a tensor first: a 0-dim
+            # tensor factor (as clip_grads_with_norm_ passes) is 3x cheaper there (68 tensors: 0.05 vs 0.15 ms)
+            factor = torch.tensor(coef, dtype=grads[0].dtype) if grads and grads[0].device.type == "cpu" else coef
+            torch._foreach_mul_(grads, factor)
         return norm
 
     def _reduce_loss(self, local_loss: torch.Tensor) -> tuple[float, int | None]:
