@@ -86,9 +86,10 @@ def compare_with_reference(gathered: list[dict], losses: list[float], ref_losses
 
 
 def reference_run(model, vocab: int, *, steps: int, gbs: int, seq: int, lr: float, betas, weight_decay: float,
-                  clip: float, seed: int) -> tuple[list[float], dict]:
+                  clip: float, seed: int, forward: Callable | None = None) -> tuple[list[float], dict]:
     """One process, plain PyTorch: AdamW, clip_grad_norm_, the runtime's synthetic data. (losses per step, the
-    first step's clipped gradients by parameter name)."""
+    first step's clipped gradients by parameter name). `forward(token_ids) -> logits` where calling the model
+    does not return the logits (a Hugging Face model returns an output object)."""
     import torch
 
     from autoplan.runtime.data import SyntheticDataset
@@ -100,7 +101,7 @@ def reference_run(model, vocab: int, *, steps: int, gbs: int, seq: int, lr: floa
     for step in range(steps):
         b = data.batch(step)
         opt.zero_grad()
-        loss = cross_entropy_loss(model(b[:, :-1]), b[:, 1:])
+        loss = cross_entropy_loss((forward or model)(b[:, :-1]), b[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         if step == 0:

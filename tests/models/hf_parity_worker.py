@@ -31,8 +31,12 @@ from autoplan.runtime.data import SyntheticDataset  # noqa: E402
 from autoplan.runtime.engine import Trainer  # noqa: E402
 from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
 from autoplan.specs import TrainingSpec, load_cluster  # noqa: E402
-from autoplan.zoo import cross_entropy_loss  # noqa: E402
-from tests.dist.worker_loop import capture_first_grads, compare_with_reference, worker_main  # noqa: E402
+from tests.dist.worker_loop import (  # noqa: E402
+    capture_first_grads,
+    compare_with_reference,
+    reference_run,
+    worker_main,
+)
 from tests.models.hf_configs import CONFIGS, hf_model  # noqa: E402
 
 STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 3, 4, 16, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
@@ -48,20 +52,8 @@ def config(family: str) -> dict:
 
 def reference(model) -> tuple[list[float], dict[str, torch.Tensor]]:
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
-    data = SyntheticDataset(model.config.vocab_size, SEQ, GBS, seed=SEED)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        b = data.batch(step)
-        opt.zero_grad()
-        loss = cross_entropy_loss(model(input_ids=b[:, :-1]).logits, b[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads
+    return reference_run(model, model.config.vocab_size, steps=STEPS, gbs=GBS, seq=SEQ, lr=LR, betas=BETAS,
+                         weight_decay=WD, clip=CLIP, seed=SEED, forward=lambda ids: model(input_ids=ids).logits)
 
 
 def run_case(case: str, world: int, tmp: Path) -> dict:
