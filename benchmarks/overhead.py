@@ -1,6 +1,6 @@
 """Runtime overhead: autoplan's runtime against the plain PyTorch script a competent user would write, per layout.
 
-    python benchmarks/overhead.py [--reps 3] [--steps 10] [--layouts "dp zero=0" "tp" ...] [--json]
+    python benchmarks/overhead.py [--reps 3] [--steps 10] [--min-run-s S] [--layouts "dp zero=0" "tp" ...] [--json]
                                   [--root DIR]   # import autoplan from DIR (e.g. an export of main: "before")
 
 Why: a planner that picks the fastest layout and then runs it slower than the user's own script loses the
@@ -493,6 +493,25 @@ def run_plain(spec, plan, steps: int) -> dict:
     return clock.summary()
 
 
+def _steps_for(args, spec, plan) -> int:
+    """Steps per run: --steps, or more where a step is short, so that each run lasts about --min-run-s. A run of
+    25 steps of 25 ms is 0.6 s, shorter than the load swings of this shared machine: its per-repetition ratios
+    spread by +-15% (session 6, dp zero=0) though the two sides' steps differ by ~1%. The step time comes from a
+    short untimed run of the plain script (3 steps); rank 0's count is broadcast so every rank runs as many."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    if args.min_run_s <= 0:
+        return args.steps
+    probe = run_plain(spec, plan, 3)["step_s"]
+    n = torch.tensor([max(args.steps, math.ceil(args.min_run_s / max(probe, 1e-4)))])
+    if dist.get_world_size() > 1:
+        dist.broadcast(n, src=0)
+    return int(n)
+
+
 def worker(args) -> int:
     import torch
     import torch.distributed as dist
@@ -524,13 +543,14 @@ def worker(args) -> int:
                     run_autoplan(spec, plan, 2, workdir)
                     run_plain(spec, plan, 2)
                     warm = True
+                steps = _steps_for(args, spec, plan)
                 for r in range(args.reps):
                     order = ("autoplan", "plain") if r % 2 == 0 else ("plain", "autoplan")
                     rep = {}
                     for side in order:
                         dist.barrier()
-                        rep[side] = (run_autoplan(spec, plan, args.steps, workdir) if side == "autoplan"
-                                     else run_plain(spec, plan, args.steps))
+                        rep[side] = (run_autoplan(spec, plan, steps, workdir) if side == "autoplan"
+                                     else run_plain(spec, plan, steps))
                     reps.append(rep)
                 results.append(_summarise(name, plan, reps))
             except Exception as e:  # report and go on with the next layout
@@ -560,7 +580,7 @@ def _summarise(name: str, plan, reps: list[dict]) -> dict:
             "cpu_ratios": cpu_ratios, "loss_rel_diff": loss_err,
             "losses_agree": loss_err <= LOSS_RTOL, "autoplan": med["autoplan"], "plain": med["plain"],
             "first_step_ratio": med["autoplan"]["first_step_s"] / med["plain"]["first_step_s"],
-            "final_loss": reps[-1]["plain"]["losses"][-1], "reps": reps}
+            "final_loss": reps[-1]["plain"]["losses"][-1], "steps": len(reps[0]["plain"]["losses"]), "reps": reps}
 
 
 # ============================================================================================== driver
@@ -572,6 +592,7 @@ def launch(names: list[str], nproc: int, args, root: Path) -> list[dict]:
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), str(Path(__file__).resolve()),
            "--worker", "--out", str(out), "--reps", str(args.reps), "--steps", str(args.steps),
+           "--min-run-s", str(args.min_run_s),
            *([] if args.warmup else ["--no-warmup"]), "--layouts", *names]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
     if not out.exists():
@@ -585,15 +606,15 @@ def print_table(results: list[dict]) -> None:
     from rich.table import Table
 
     t = Table(title="autoplan runtime vs plain PyTorch (median step; ratio = median of per-repetition ratios)")
-    for col in ("layout", "model", "autoplan ms", "plain ms", "ratio", "per rep", "CPU ratio", "startup ms A/B",
+    for col in ("layout", "model", "steps", "autoplan ms", "plain ms", "ratio", "per rep", "CPU ratio", "startup ms A/B",
                 "first step ms A/B", "loss diff"):
         t.add_column(col, justify="left" if col in ("layout", "model") else "right")
     for r in results:
         if "error" in r:
-            t.add_row(r["layout"], "", "", "", "FAILED", r["error"][:60], "", "", "", "")
+            t.add_row(r["layout"], "", "", "", "", "FAILED", r["error"][:60], "", "", "", "")
             continue
         a, b = r["autoplan"], r["plain"]
-        t.add_row(r["layout"], r["model"], f"{a['step_s'] * 1e3:.1f}", f"{b['step_s'] * 1e3:.1f}",
+        t.add_row(r["layout"], r["model"], str(r["steps"]), f"{a['step_s'] * 1e3:.1f}", f"{b['step_s'] * 1e3:.1f}",
                   f"{r['ratio']:.2f}x", " ".join(f"{x:.2f}" for x in r["ratios"]), f"{r['cpu_ratio']:.2f}x",
                   f"{a['startup_s'] * 1e3:.0f}/{b['startup_s'] * 1e3:.0f}",
                   f"{a['first_step_s'] * 1e3:.0f}/{b['first_step_s'] * 1e3:.0f}",
@@ -605,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions per layout (>= 3 for a median)")
     ap.add_argument("--steps", type=int, default=10, help="steps per run (the first is reported apart)")
+    ap.add_argument("--min-run-s", type=float, default=0.0,
+                    help="lengthen short runs to about this many seconds each (more steps; 0: --steps exactly)")
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--root", default=str(ROOT), help="import autoplan from this tree (e.g. an export of main)")
     ap.add_argument("--json", action="store_true")
