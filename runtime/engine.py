@@ -132,7 +132,12 @@ class Trainer:
         dp_rank = dims.rank("dp") if dims.dp > 1 else 0
         inputs, labels = local_batch(global_batch, dp=dims.dp, dp_rank=dp_rank, cp_positions=self.cp_positions)
         inputs, labels = inputs.to(self.device), labels.to(self.device)
-        self.optimizer.zero_grad(set_to_none=self._grads_to_none)
+        if self._grads_to_none:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:  # DDP's bucket views (plain tensors, no graph): one foreach zero, not zero_grad's per-parameter walk
+            grads = [p.grad for _, p in self._params if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
         local_loss = torch.zeros((), device=self.device)
         with self._context():
             if pm.schedule is not None:
