@@ -23,7 +23,8 @@ SCHEMA_VERSION = 1
 _LATER_FIELDS: dict[str, tuple[str, ...]] = {
     "plan": ("stack", "runtime_semantics", "model_source"),
     "parallel": ("layout",),
-    "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused"),
+    "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
+                 "grad_sync_all_reduce"),
 }
 
 

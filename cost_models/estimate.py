@@ -276,6 +276,11 @@ def dp_sync(dense: float, expert: float, *, dp: int, cp: int, tp: int, ep: int, 
         buckets = math.ceil((dense + expert) / _BUCKET_PARAMS)
         red += max(0, units - buckets) * comm.all_reduce(cluster, grp_d, 1.0)
         gather = 0.0
+    elif zero <= 2 and training.grad_sync_all_reduce:
+        # DeepSpeed's BF16_Optimizer: the whole fp32 gradient is all-reduced, then each rank steps its shard and
+        # the 16-bit parameters are all-gathered (TrainingSpec.grad_sync_all_reduce; sources in stacks.py).
+        red = comm.all_reduce(cluster, grp_d, dense * g_bytes) + comm.all_reduce(cluster, grp_e, expert * g_bytes)
+        gather = comm.all_gather(cluster, grp_d, dense * w_bytes) + comm.all_gather(cluster, grp_e, expert * w_bytes)
     else:
         red = comm.reduce_scatter(cluster, grp_d, dense * g_bytes) + comm.reduce_scatter(cluster, grp_e,
                                                                                           expert * g_bytes)

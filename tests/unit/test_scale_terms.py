@@ -120,3 +120,26 @@ def test_deepspeed_train_schedule_replay_matches_1f1b_without_messages():
         assert makespan(m, pp, 1.0, 2.0, 0.0) == pytest.approx(simulate("1f1b", pp, m, 1, [1.0] * pp, [2.0] * pp).makespan)
     slow = makespan(16, 4, 1.0, 3.0, 0.05)
     assert (16 + 3) * 4.0 < slow < (16 + 3) * 4.0 * 1.1
+
+
+def test_bf16_optimizer_all_reduces_whole_gradients_then_gathers():
+    """DeepSpeed's BF16_Optimizer under the pipeline engine all-reduces the whole fp32 gradient (not a
+    reduce-scatter), steps its shard, then all-gathers the 16-bit parameters (session 7)."""
+    from autoplan.cost_models.estimate import dp_sync
+
+    kw = dict(dp=8, cp=1, tp=4, ep=1, cluster=A100)
+    rs = _train(grad_reduce_dtype="fp32")
+    ar = _train(grad_reduce_dtype="fp32", grad_sync_all_reduce=True)
+    red_rs, gather_rs, _ = dp_sync(3e9, 0.0, zero=1, training=rs, **kw)
+    red_ar, gather_ar, _ = dp_sync(3e9, 0.0, zero=1, training=ar, **kw)
+    grp = comm.group_of(A100, 8, 4)
+    assert red_ar == pytest.approx(comm.all_reduce(A100, grp, 3e9 * 4))
+    assert red_ar > 1.8 * red_rs  # an all-reduce moves twice a reduce-scatter's bytes
+    assert gather_ar == gather_rs > 0  # the parameter all-gather after the sharded step is the same
+    # ZeRO-0 is an all-reduce either way, ZeRO-3 is not this path: the knob changes neither
+    assert dp_sync(3e9, 0.0, zero=0, training=ar, **kw) == dp_sync(3e9, 0.0, zero=0, training=rs, **kw)
+    assert dp_sync(3e9, 0.0, zero=3, training=ar, **kw) == dp_sync(3e9, 0.0, zero=3, training=rs, **kw)
+    ds = get_stack("megatron-deepspeed").knobs
+    assert ds["grad_sync_all_reduce"] is True and ds["grad_reduce_dtype"] == "fp32"
+    assert all(get_stack(n).knobs["grad_sync_all_reduce"] is False
+               for n in ("autoplan", "megatron-2021", "megatron-2022", "megatron-core", "torchtitan"))
