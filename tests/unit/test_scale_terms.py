@@ -143,3 +143,27 @@ def test_bf16_optimizer_all_reduces_whole_gradients_then_gathers():
     assert ds["grad_sync_all_reduce"] is True and ds["grad_reduce_dtype"] == "fp32"
     assert all(get_stack(n).knobs["grad_sync_all_reduce"] is False
                for n in ("autoplan", "megatron-2021", "megatron-2022", "megatron-core", "torchtitan"))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_async_tp_backward_hides_the_one_collective_of_a_pair_without_sp(sp):
+    """Megatron 2022's async TP backward (tp_bwd_comm_overlap): without sp a linear pair's only backward
+    collective (the column-parallel input-gradient all-reduce) runs beside the wgrad GEMM, so only its
+    interference is left; with sp the all-gather of the row-parallel output's backward stays exposed, half the
+    pair's traffic (session 7)."""
+    from autoplan.cost_models.compute import Context, layer_cost
+
+    model = load_model("gpt3-13b")
+    block = profile_from_spec(model)[1]
+    k = A100.gpu.calibration.overlap_interference
+
+    def bwd_comm(overlap: bool) -> float:
+        t = _train(batch=4, tp_bwd_comm_overlap=overlap)
+        return layer_cost(block, Context(A100, t, tp=8, cp=1, sp=sp, ep=1, mbs=4)).comm_bwd_s
+
+    full, hidden = bwd_comm(False), bwd_comm(True)
+    assert full > 0
+    if sp:
+        assert hidden == pytest.approx(full / 2 + k * full / 2)
+    else:
+        assert hidden == pytest.approx(k * full)
