@@ -450,7 +450,9 @@ def grad_accum_time(params_local: float, cluster: ClusterSpec, training: Trainin
     if training.grad_accum_fused:
         return 0.0
     gpu = cluster.gpu
-    nbytes = params_local * (training.weight_bytes + 4 + 4)
+    # the buffer is in the gradient-reduction dtype (Megatron's main_grad: fp32 with
+    # accumulate_allreduce_grads_in_fp32, else the parameters' dtype; DeepSpeed's bf16 optimizer: fp32)
+    nbytes = params_local * (training.weight_bytes + 2 * training.grad_bytes)
     return nbytes / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
 
 

@@ -167,3 +167,17 @@ def test_async_tp_backward_hides_the_one_collective_of_a_pair_without_sp(sp):
         assert hidden == pytest.approx(full / 2 + k * full / 2)
     else:
         assert hidden == pytest.approx(k * full)
+
+
+def test_unfused_gradient_accumulation_pass_is_in_the_buffer_dtype():
+    """Without fused wgrad accumulation each micro-batch's 16-bit gradients are added into the accumulation
+    buffer, which is in the reduction dtype: 2 + 2*4 bytes per parameter in fp32 (Megatron with bf16, DeepSpeed's
+    bf16 optimizer), 2 + 2*2 in fp16 (Megatron v2 with fp16, whose buffer is the parameters' dtype)."""
+    from autoplan.cost_models.estimate import grad_accum_time
+
+    bw = A100.gpu.hbm_gbps * 1e9 * A100.gpu.calibration.memory_efficiency
+    fp32 = _train(grad_accum_fused=False, grad_reduce_dtype="fp32")
+    fp16 = _train(grad_accum_fused=False, dtype="fp16")
+    assert grad_accum_time(1e9, A100, fp32) == pytest.approx(1e9 * 10 / bw)
+    assert grad_accum_time(1e9, A100, fp16) == pytest.approx(1e9 * 6 / bw)
+    assert grad_accum_time(1e9, A100, _train(grad_accum_fused=True)) == 0.0
