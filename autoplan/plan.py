@@ -23,7 +23,8 @@ SCHEMA_VERSION = 1
 _LATER_FIELDS: dict[str, tuple[str, ...]] = {
     "plan": ("stack", "runtime_semantics", "model_source"),
     "parallel": ("layout",),
-    "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused"),
+    "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
+                 "grad_sync_all_reduce"),
 }
 
 
@@ -250,5 +251,13 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
             raise bad("predicted stage times are finite", f"stage {i}: {st.forward_s}, {st.backward_s}")
     if start != plan.model.num_layers:
         raise bad("stages cover every layer", f"they end at layer {start} of {plan.model.num_layers}")
+    if c.layout is not None:  # the layout string and the stages are two copies of one fact: they must agree
+        from autoplan.cost_models.layout import counts
+
+        for i, (want, st) in enumerate(zip(counts(c.layout), plan.stages)):
+            if st.layers[1] - st.layers[0] != want:
+                raise bad("the stages follow parallel.layout",
+                          f"stage {i} (pipeline rank {i % c.pp}) has {st.layers[1] - st.layers[0]} block(s), "
+                          f"layout {c.layout} gives it {want}")
     if not (math.isfinite(plan.prediction.step_time_s) and plan.prediction.step_time_s > 0):
         raise bad("the predicted step time is a positive number", f"got {plan.prediction.step_time_s}")

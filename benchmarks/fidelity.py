@@ -307,6 +307,48 @@ def plot_trend(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+# Pairs of published runs that differ in one thing (or as few as the record allows): the published ratio of their
+# step times against the predicted one isolates what the model gets wrong about that one thing, free of whatever
+# both runs share (session 7). (label, run A, run B, what differs).
+PAIRS = (
+    ("data parallelism 1 -> 8, nothing else (Megatron 2022, 530B, selective)",
+     "GPT-530B (Korthikanti 2022)", "GPT-530B dp=8 (Korthikanti 2022)"),
+    ("stack 2021 -> 2022: same 530B config (tp8 pp35 vp3, m=280, full recompute, no sp; dp 9 -> 8)",
+     "GPT-529.6B", "GPT-530B dp=8 full recompute (Korthikanti 2022)"),
+    ("stack 2021 -> 2022: same 1T config (tp8 pp64, m=512, full recompute, no sp; dp 6 -> 1)",
+     "GPT-1008.0B", "GPT-1T full recompute (Korthikanti 2022)"),
+    ("full -> selective recompute + sp (Megatron 2022, 22B)",
+     "GPT-22B full recompute (Korthikanti 2022)", "GPT-22B (Korthikanti 2022)"),
+    ("full -> selective recompute + sp (Megatron 2022, 175B)",
+     "GPT-175B full recompute (Korthikanti 2022)", "GPT-175B (Korthikanti 2022)"),
+    ("full -> selective recompute + sp (Megatron 2022, 530B)",
+     "GPT-530B full recompute (Korthikanti 2022)", "GPT-530B (Korthikanti 2022)"),
+    ("full -> selective recompute + sp (Megatron 2022, 1T)",
+     "GPT-1T full recompute (Korthikanti 2022)", "GPT-1T (Korthikanti 2022)"),
+    ("stack Megatron 2022 -> Megatron-DeepSpeed (MT-NLG): 530B tp8 pp35 dp8, full recompute; m 280 -> 240, "
+     "vp 3 -> 1", "GPT-530B dp=8 full recompute (Korthikanti 2022)", "MT-NLG 530B (2240 GPUs)"),
+    ("MT-NLG dp 8 -> 12 (m 240 -> 160)", "MT-NLG 530B (2240 GPUs)", "MT-NLG 530B (3360 GPUs)"),
+    ("Llama 3 405B dp 64 -> 128 (m 32 -> 16)", "Llama 3 405B (8192 GPUs)", "Llama 3 405B (16384 GPUs)"),
+)
+
+
+def pairs(rows: list[dict]) -> list[dict]:
+    """Published vs predicted step-time ratio B/A for each of PAIRS present in `rows`."""
+    by_name = {r["model"]: r for r in rows}
+    out = []
+    for label, a, b in PAIRS:
+        if a not in by_name or b not in by_name:
+            continue
+        ra, rb = by_name[a], by_name[b]
+        pub = rb["published_step_s"] / ra["published_step_s"]
+        pred = rb["predicted_step_s"] / ra["predicted_step_s"]
+        out.append({"pair": label, "a": a, "b": b, "published_ratio": pub, "predicted_ratio": pred,
+                    "published_delta_s": rb["published_step_s"] - ra["published_step_s"],
+                    "predicted_delta_s": rb["predicted_step_s"] - ra["predicted_step_s"],
+                    "residual": pred / pub - 1})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reference", type=Path, default=DEFAULT_REF)
@@ -315,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commands", action="store_true", help="print the autoplan command of every run")
     ap.add_argument("--decompose", action="store_true",
                     help="take every held-out prediction apart: stage costs, p2p, breakdown, per-micro-batch line")
+    ap.add_argument("--pairs", action="store_true",
+                    help="published runs that differ in one thing: published vs predicted step-time ratio")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.decompose:
@@ -325,6 +369,16 @@ def main(argv: list[str] | None = None) -> int:
             print_decomposition(dec)
         return 0
     rows = evaluate(args.reference) + evaluate_heldout(args.heldout)
+    if args.pairs:
+        prs = pairs(rows)
+        if args.json:
+            print(json.dumps(prs, indent=1))
+            return 0
+        for p in prs:
+            print(f"{p['pair']}\n    B/A published {p['published_ratio']:.3f} ({p['published_delta_s']:+.2f} s), "
+                  f"predicted {p['predicted_ratio']:.3f} ({p['predicted_delta_s']:+.2f} s): "
+                  f"residual {100 * p['residual']:+.1f}%")
+        return 0
     summary = summarize(rows)
     trends = {"by_gpus": trend(rows, "gpus", GPU_BUCKETS), "by_pp": trend(rows, "pp", PP_BUCKETS),
               "heldout_by_gpus": trend([r for r in rows if r["table"] == "held-out"], "gpus", GPU_BUCKETS),

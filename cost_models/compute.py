@@ -163,12 +163,20 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
         # the hidden part still slows the GEMMs it runs under (SMs and HBM taken by the comm kernels)
         fwd, bwd = fwd_exp + k * (fwd - fwd_exp), bwd_exp + k * (bwd - bwd_exp)
     elif ctx.training.tp_bwd_comm_overlap:
-        # Megatron-LM's async TP communication (LinearWithGradAccumulationAndAsyncCommunication): in the
-        # column-parallel backward the input-gradient all-reduce (with sp: the input all-gather) runs beside the
-        # weight-gradient GEMM, one of the two collectives of each linear pair; the other stays exposed.
+        # Megatron-LM's async TP communication (megatron/mpu/layers.py, 2022-03, ColumnParallelLinearWithAsync-
+        # Allreduce.backward): "grad_input = grad_output.matmul(weight) # Asyncronous all-reduce handle =
+        # torch.distributed.all_reduce(grad_input, group=get_tensor_model_parallel_group(), async_op=True)", then
+        # the wgrad GEMM, then `handle.wait()` (with sp: `_reduce_scatter_base(..., async_op=True)` in its place,
+        # commit 02bb1f5c): issued before the weight-gradient GEMM, waited on after it. Without sp that all-reduce
+        # is the only backward collective of a linear pair (the row-parallel linear's backward needs none), so
+        # all of it runs beside the wgrad GEMMs. With sp the row-parallel output's reduce-scatter has
+        # an all-gather as its backward, synchronous before the row-parallel dgrad: half of each pair's traffic
+        # stays exposed. (Session 7: before, the no-sp case also left half exposed, which put Korthikanti et al.
+        # Table 4's 22B backward at 13.3 ms per layer against the paper's 11.9 ms.)
         k = ctx.cluster.gpu.calibration.overlap_interference
-        half = bwd / 2
-        bwd_exp = half + max(0.0, half - gemm_fwd / 2)  # the wgrad GEMMs of the column-parallel linears
+        sync = bwd / 2 if ctx.sp else 0.0  # the all-gathers of sp's backward, not overlapped
+        async_part = bwd - sync
+        bwd_exp = sync + max(0.0, async_part - gemm_fwd / 2)  # the wgrad GEMMs of the column-parallel linears
         bwd = bwd_exp + k * (bwd - bwd_exp)
     return fwd, bwd
 

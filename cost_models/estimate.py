@@ -276,6 +276,11 @@ def dp_sync(dense: float, expert: float, *, dp: int, cp: int, tp: int, ep: int, 
         buckets = math.ceil((dense + expert) / _BUCKET_PARAMS)
         red += max(0, units - buckets) * comm.all_reduce(cluster, grp_d, 1.0)
         gather = 0.0
+    elif zero <= 2 and training.grad_sync_all_reduce:
+        # DeepSpeed's BF16_Optimizer: the whole fp32 gradient is all-reduced, then each rank steps its shard and
+        # the 16-bit parameters are all-gathered (TrainingSpec.grad_sync_all_reduce; sources in stacks.py).
+        red = comm.all_reduce(cluster, grp_d, dense * g_bytes) + comm.all_reduce(cluster, grp_e, expert * g_bytes)
+        gather = comm.all_gather(cluster, grp_d, dense * w_bytes) + comm.all_gather(cluster, grp_e, expert * w_bytes)
     else:
         red = comm.reduce_scatter(cluster, grp_d, dense * g_bytes) + comm.reduce_scatter(cluster, grp_e,
                                                                                           expert * g_bytes)
@@ -445,7 +450,9 @@ def grad_accum_time(params_local: float, cluster: ClusterSpec, training: Trainin
     if training.grad_accum_fused:
         return 0.0
     gpu = cluster.gpu
-    nbytes = params_local * (training.weight_bytes + 4 + 4)
+    # the buffer is in the gradient-reduction dtype (Megatron's main_grad: fp32 with
+    # accumulate_allreduce_grads_in_fp32, else the parameters' dtype; DeepSpeed's bf16 optimizer: fp32)
+    nbytes = params_local * (training.weight_bytes + 2 * training.grad_bytes)
     return nbytes / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
 
 

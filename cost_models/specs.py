@@ -316,6 +316,10 @@ class TrainingSpec(_Frozen):
     grad_accum_fused: bool = Field(
         default=True, description="Weight-gradient GEMMs accumulate straight into the gradient buffer; false = "
         "each micro-batch's gradients are added into an fp32 buffer by a separate memory-bound pass (DeepSpeed).")
+    grad_sync_all_reduce: bool = Field(
+        default=False, description="With ZeRO-1/2 the data-parallel gradients are still all-reduced whole (every "
+        "rank receives the full reduced gradient, then steps only its shard and the parameters are all-gathered), "
+        "instead of reduce-scattered: DeepSpeed's BF16_Optimizer under its pipeline engine.")
     @property
     def fused_kernels(self) -> bool:
         return self.kernels == "fused"

@@ -24,9 +24,10 @@ DEFAULT_STACK = "autoplan"
 # are never part of a stack).
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
-               "kernels")
+               "grad_sync_all_reduce", "kernels")
 # Values every stack has unless it says otherwise (TrainingSpec's defaults for these knobs).
-_COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True}
+_COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
+           "grad_sync_all_reduce": False}
 
 
 class Stack(BaseModel):
@@ -106,7 +107,16 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         name="megatron-deepspeed", title="Megatron-DeepSpeed (2021-22): MT-NLG 530B, BLOOM 176B",
         knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "p2p_overlap": False,
-               "grad_accum_fused": False, "kernels": "megatron", "grad_reduce_dtype": "fp32"},
+               "grad_accum_fused": False, "kernels": "megatron", "grad_reduce_dtype": "fp32",
+               "grad_sync_all_reduce": True},
+        # grad_sync_all_reduce: with bf16 the PipelineEngine reduces gradients in `_exec_reduce_grads` ->
+        # `_bf16_reduce_grads`: "Make our own list of gradients from the optimizer's FP32 grads",
+        # `self.buffered_allreduce_fallback(grads=self.optimizer.get_grads_for_reduction(), ...)`, and
+        # BF16_Optimizer.get_grads_for_reduction returns `self.fp32_groups_gradients_flat`, the whole fp32 gradient:
+        # an all-reduce, not a reduce-scatter. Its step() then updates only this rank's fp32 partition and calls
+        # `all_gather_dp_groups(partitioned_param_groups=self.bf16_partitioned_groups, ...)` (DeepSpeed
+        # runtime/pipe/engine.py and runtime/bf16_optimizer.py, 2022 to today). BLOOM ran exactly this (ZeRO stage 0
+        # + bf16, bigscience-workshop/bigscience train/tr11-176B-ml); for MT-NLG it is the stack's assumption.
         # p2p_scatter_gather stays true: DeepSpeed's PipelineEngine partitions what it sends between stages over
         # the tensor-parallel ("model") axis of its grid, `self.is_pipe_partitioned = self.is_model_parallel` and
         # likewise `is_grad_partitioned` (deepspeed/runtime/pipe/engine.py, 2021-22), and the receiver rebuilds

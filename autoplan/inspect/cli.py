@@ -178,12 +178,16 @@ def cmd_scaling(args: argparse.Namespace) -> int:
     if profiles is not None:
         kw["profiles"] = profiles
     rows = scaling_rows(model, cluster, training, sizes, fix=args.fix or None, **kw)
-    title = f"{model.name} on {cluster.name}, batch {training.global_batch_size} x {training.seq_length}"
+    from ..cli import stack_label_of
+
+    stack = stack_label_of(args)  # None: the default stack
+    title = (f"{model.name} on {cluster.name}, batch {training.global_batch_size} x {training.seq_length}, "
+             f"stack {stack or 'autoplan'}")
     if args.plot:
         plot_scaling(rows, args.plot, title=title)
     if args.json:
         print_json({"model": model.name, "cluster": cluster.name, "global_batch_size": training.global_batch_size,
-                    "seq_length": training.seq_length, "rows": rows, "plot": args.plot})
+                    "seq_length": training.seq_length, "stack": stack, "rows": rows, "plot": args.plot})
     else:
         con = console()
         render_scaling(con, rows, title=title)

@@ -57,6 +57,7 @@ from autoplan.cost_models.estimate import (
     dp_sync,
     estimate,
     fsdp_unit_time,
+    grad_accum_time,
     optimizer_time,
     p2p_occupancy,
     param_gather_exposed,
@@ -268,16 +269,22 @@ class _Searcher:
             lc = self.costs.layers(mesh)
             cnt = self.costs.block_counts.items()
             emb, head = lc[self.costs.uid[0]], lc[self.costs.uid[-1]]
+            acc = self.accum  # the estimate adds it to every stage's backward (estimate.grad_accum_time)
             got = _Agg(
-                work=sum(n * (lc[u].fwd_s + lc[u].bwd_s) for u, n in cnt) + emb.fwd_s + emb.bwd_s + head.fwd_s
-                + head.bwd_s,
+                work=sum(n * (lc[u].fwd_s + lc[u].bwd_s + acc(lc[u])) for u, n in cnt) + emb.fwd_s + emb.bwd_s
+                + acc(emb) + head.fwd_s + head.bwd_s + acc(head),
                 blk_dense=sum(n * (lc[u].params_local - lc[u].expert_params_local) for u, n in cnt),
                 blk_expert=sum(n * lc[u].expert_params_local for u, n in cnt),
-                blk_bwd=sum(n * lc[u].bwd_s for u, n in cnt),
+                blk_bwd=sum(n * (lc[u].bwd_s + acc(lc[u])) for u, n in cnt),
                 blk_act_full=sum(n * lc[u].act_full for u, n in cnt),
                 blk_params_max=max(lc[u].params_local for u, _ in cnt), emb=emb, head=head)
             self._agg[key] = got
         return got
+
+    def accum(self, c: LayerCost) -> float:
+        """The unfused gradient-accumulation pass of one layer per micro-batch (0 for stacks that fuse it): the
+        estimate adds `grad_accum_time` of a stage's parameters to its backward, and it is linear in them."""
+        return grad_accum_time(c.params_local, self.cluster, self.training)
 
     def micro_batches(self, mesh: Mesh) -> int:
         return self.training.global_batch_size // (mesh.dp * mesh.mbs)
@@ -320,7 +327,7 @@ class _Searcher:
         a = self.agg(mesh)
         worst = 0.0
         for r, (red, tl, rest) in self._dp_parts(mesh, zero, vp):
-            bwd = a.blk_bwd / (mesh.pp * vp) + (a.head.bwd_s if r == mesh.pp - 1 else 0.0)
+            bwd = a.blk_bwd / (mesh.pp * vp) + (a.head.bwd_s + self.accum(a.head) if r == mesh.pp - 1 else 0.0)
             exposed = dp_exposed(red, tl, bwd, self.cluster, self.training)
             worst = max(worst, exposed + rest)
         self._tail[key] = worst
@@ -384,10 +391,11 @@ class _Searcher:
         dense_b, expert_b = self.costs.static_per_param(mesh, kn.zero)
         by_uid: dict[int, BlockCost] = {}
         for u in self.costs.block_counts:
-            extra = self.zero3_extra(mesh, lc[u]) if kn.zero >= 3 else 0.0
+            extra = (self.zero3_extra(mesh, lc[u]) if kn.zero >= 3 else 0.0) + self.accum(lc[u])
             by_uid[u] = _block_cost(lc[u], dense_b, expert_b, extra)
-        emb = _block_cost(lc[self.costs.uid[0]], dense_b, expert_b)
-        head = _block_cost(lc[self.costs.uid[-1]], dense_b, expert_b)
+        e, h = lc[self.costs.uid[0]], lc[self.costs.uid[-1]]
+        emb = _block_cost(e, dense_b, expert_b, self.accum(e))
+        head = _block_cost(h, dense_b, expert_b, self.accum(h))
         m = self.micro_batches(mesh)
         infl = tuple(in_flight(kn.schedule, mesh.pp, m, kn.vp))
         caps = []

@@ -44,7 +44,7 @@ def _solved(s: _Searcher, mesh: Mesh, kn: Knobs):
     return prob, sol, cfg, layout
 
 
-@pytest.mark.parametrize("stack", ["autoplan", "megatron-2021"])  # asynchronous and blocking p2p
+@pytest.mark.parametrize("stack", ["autoplan", "megatron-2021", "megatron-deepspeed"])  # async, blocking p2p; unfused grad accumulation
 @pytest.mark.parametrize("pp,vp", [(2, 1), (4, 1), (2, 3), (4, 2)])
 def test_stage_problem_objective_is_the_estimates_closed_form(stack, pp, vp):
     cluster, training, profiles, s = _setup(stack)

@@ -123,6 +123,8 @@ def _stage(i, **kw):
     (lambda d: d["parallel"].update(tensor=2), "Extra inputs are not permitted"),
     (lambda d: d["parallel"].update(layout='Et|tL"""\nimport os'), "is inconsistent"),
     (lambda d: d["model"].update(activation="os.system"), "does not match the schema"),
+    # a layout that disagrees with the stages (both valid alone): stage 0 has 2 blocks, the layout gives it 1
+    (lambda d: d["parallel"].update(layout="Et|t*3L"), "stage 0 (pipeline rank 0) has 2 block(s)"),
 ])
 def test_rehashed_edits_are_refused(small, tmp_path, edit, needle):
     with pytest.raises(PlanError) as e:

@@ -120,3 +120,64 @@ def test_deepspeed_train_schedule_replay_matches_1f1b_without_messages():
         assert makespan(m, pp, 1.0, 2.0, 0.0) == pytest.approx(simulate("1f1b", pp, m, 1, [1.0] * pp, [2.0] * pp).makespan)
     slow = makespan(16, 4, 1.0, 3.0, 0.05)
     assert (16 + 3) * 4.0 < slow < (16 + 3) * 4.0 * 1.1
+
+
+def test_bf16_optimizer_all_reduces_whole_gradients_then_gathers():
+    """DeepSpeed's BF16_Optimizer under the pipeline engine all-reduces the whole fp32 gradient (not a
+    reduce-scatter), steps its shard, then all-gathers the 16-bit parameters (session 7)."""
+    from autoplan.cost_models.estimate import dp_sync
+
+    kw = dict(dp=8, cp=1, tp=4, ep=1, cluster=A100)
+    rs = _train(grad_reduce_dtype="fp32")
+    ar = _train(grad_reduce_dtype="fp32", grad_sync_all_reduce=True)
+    red_rs, gather_rs, _ = dp_sync(3e9, 0.0, zero=1, training=rs, **kw)
+    red_ar, gather_ar, _ = dp_sync(3e9, 0.0, zero=1, training=ar, **kw)
+    grp = comm.group_of(A100, 8, 4)
+    assert red_ar == pytest.approx(comm.all_reduce(A100, grp, 3e9 * 4))
+    assert red_ar > 1.8 * red_rs  # an all-reduce moves twice a reduce-scatter's bytes
+    assert gather_ar == gather_rs > 0  # the parameter all-gather after the sharded step is the same
+    # ZeRO-0 is an all-reduce either way, ZeRO-3 is not this path: the knob changes neither
+    assert dp_sync(3e9, 0.0, zero=0, training=ar, **kw) == dp_sync(3e9, 0.0, zero=0, training=rs, **kw)
+    assert dp_sync(3e9, 0.0, zero=3, training=ar, **kw) == dp_sync(3e9, 0.0, zero=3, training=rs, **kw)
+    ds = get_stack("megatron-deepspeed").knobs
+    assert ds["grad_sync_all_reduce"] is True and ds["grad_reduce_dtype"] == "fp32"
+    assert all(get_stack(n).knobs["grad_sync_all_reduce"] is False
+               for n in ("autoplan", "megatron-2021", "megatron-2022", "megatron-core", "torchtitan"))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_async_tp_backward_hides_the_one_collective_of_a_pair_without_sp(sp):
+    """Megatron 2022's async TP backward (tp_bwd_comm_overlap): without sp a linear pair's only backward
+    collective (the column-parallel input-gradient all-reduce) runs beside the wgrad GEMM, so only its
+    interference is left; with sp the all-gather of the row-parallel output's backward stays exposed, half the
+    pair's traffic (session 7)."""
+    from autoplan.cost_models.compute import Context, layer_cost
+
+    model = load_model("gpt3-13b")
+    block = profile_from_spec(model)[1]
+    k = A100.gpu.calibration.overlap_interference
+
+    def bwd_comm(overlap: bool) -> float:
+        t = _train(batch=4, tp_bwd_comm_overlap=overlap)
+        return layer_cost(block, Context(A100, t, tp=8, cp=1, sp=sp, ep=1, mbs=4)).comm_bwd_s
+
+    full, hidden = bwd_comm(False), bwd_comm(True)
+    assert full > 0
+    if sp:
+        assert hidden == pytest.approx(full / 2 + k * full / 2)
+    else:
+        assert hidden == pytest.approx(k * full)
+
+
+def test_unfused_gradient_accumulation_pass_is_in_the_buffer_dtype():
+    """Without fused wgrad accumulation each micro-batch's 16-bit gradients are added into the accumulation
+    buffer, which is in the reduction dtype: 2 + 2*4 bytes per parameter in fp32 (Megatron with bf16, DeepSpeed's
+    bf16 optimizer), 2 + 2*2 in fp16 (Megatron v2 with fp16, whose buffer is the parameters' dtype)."""
+    from autoplan.cost_models.estimate import grad_accum_time
+
+    bw = A100.gpu.hbm_gbps * 1e9 * A100.gpu.calibration.memory_efficiency
+    fp32 = _train(grad_accum_fused=False, grad_reduce_dtype="fp32")
+    fp16 = _train(grad_accum_fused=False, dtype="fp16")
+    assert grad_accum_time(1e9, A100, fp32) == pytest.approx(1e9 * 10 / bw)
+    assert grad_accum_time(1e9, A100, fp16) == pytest.approx(1e9 * 6 / bw)
+    assert grad_accum_time(1e9, A100, _train(grad_accum_fused=True)) == 0.0

@@ -82,7 +82,10 @@ def test_search_and_scaling_take_a_stack(capsys):
     assert main(["search", "--gpus", "16", "--top", "1", *args]) == 0
     assert json.loads(capsys.readouterr().out)["stack"] == "deepspeed-zero3"
     assert main(["scaling", "--gpus", "8,16", *args]) == 0
-    assert len(json.loads(capsys.readouterr().out)["rows"]) == 2
+    got = json.loads(capsys.readouterr().out)
+    assert len(got["rows"]) == 2 and got["stack"] == "deepspeed-zero3"
+    assert main(["scaling", "--gpus", "8", *args[:-1]]) == 0  # the table says which stack it assumed
+    assert "stack deepspeed-zero3" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("extra,needle", [
