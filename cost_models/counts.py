@@ -44,6 +44,10 @@ PHASES = ("forward", "backward", "recompute")
 ATTN_BWD_FACTOR = 2.5
 # The phase each moment of the peak (`_moments`) falls in, as runtime.measure names its per-phase peaks.
 MOMENT_PHASE = {"block": "backward", "head": "backward", "forward": "forward", "dispatch": "forward"}
+# Where each moment is, as runtime.measure names its per-moment peaks (`memory_by_moment`): "<phase>/block" inside a
+# transformer block's forward or backward, "<phase>/other" outside every block (the head, the loss, the root's hooks).
+MOMENT_AT = {"block": "backward/block", "head": "backward/other", "forward": "forward/other",
+             "dispatch": "forward/block"}
 # Bytes per token of the index tensors loss_parallel's backward makes beside its three logit-sized ones
 # (torch.distributed.tensor.parallel.loss._nll_loss_and_log_softmax_backward): the safe target (where, int64),
 # the masked target (int64), arange (int64), grad_update (fp32), the masked output gradient (where, fp32) and the
@@ -634,7 +638,7 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
                    cfg: ParallelConfig, layout: list[StageLayout] | None = None) -> list[dict]:
     """Per pipeline rank: {"flops": {phase: n}, "comm": [{collective, mesh_dim, count, bytes}],
     "memory_bytes": {category: bytes, "peak": bytes}, "memory_moment": the peak's moment, "memory_phase": its
-    phase} for one optimizer step of `cfg` (dp resolved)."""
+    phase, "memory_at": its phase and place (`MOMENT_AT`)} for one optimizer step of `cfg` (dp resolved)."""
     est = estimate(profiles, cluster, training, cfg, layout, simulate_pipeline=False)
     ctx = context(cluster, training, cfg)
     m = num_microbatches(cfg, training)
@@ -650,7 +654,7 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
         mem, moment = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m, fl[r])
         out.append({"flops": {k: int(round(v)) for k, v in flops.items()}, "comm": comm.as_list(),
                     "memory_bytes": {k: int(round(v)) for k, v in mem.items()}, "in_flight": fl[r],
-                    "memory_moment": moment, "memory_phase": MOMENT_PHASE[moment]})
+                    "memory_moment": moment, "memory_phase": MOMENT_PHASE[moment], "memory_at": MOMENT_AT[moment]})
     return out
 
 
