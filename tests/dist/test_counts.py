@@ -102,3 +102,43 @@ def test_profile_step_and_tensor_memory_in_the_log(tmp_path):
         assert r["peak_memory_gib"] == pytest.approx(rank["measured"]["memory_bytes"]["peak"] / 2**30)
         assert r["peak_memory_gib"] < r["rss_gib"] / 10  # tensor memory, not the process's RSS
         assert "predicted_memory_gib" in r
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
+
+def test_collectives_run_on_private_copies(gloo_world_of_one):
+    """Under the step's memory tracker a collective runs on copies of its tensors (runtime.measure's
+    `_private_collective`): the program gets the values and a finished Work, and the tracked memory is exactly
+    the program's tensors -- neither gloo's whole-input reduce-scatter buffer (made again on every wait of gloo's
+    Work) nor a storage that gloo's worker thread lets go of after the program has."""
+    import torch
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    from autoplan.runtime.measure import StepMemTracker
+
+    dist = gloo_world_of_one
+    mem = StepMemTracker()
+    with mem:
+        x = torch.arange(8, dtype=torch.float32)
+        gathered = torch.empty(8)
+        work = dist.all_gather_single(gathered, x, async_op=True)
+        work.wait()
+        work.wait()
+        scattered = torch.empty(8)
+        dist.reduce_scatter_single(scattered, x * 2)
+        reduced = torch.ops._c10d_functional.all_reduce(x, "sum", dist.group.WORLD.group_name)
+        reduced = torch.ops._c10d_functional.wait_tensor(reduced)
+        total = sum(s[_TOTAL_KEY] for s in mem._curr_mem_snap.values())
+    assert torch.equal(gathered, x) and torch.equal(scattered, 2 * x) and torch.equal(reduced, x)
+    assert work.is_completed()
+    # x, gathered, scattered, reduced (x * 2 is gone): four 32-byte tensors; at the peak x * 2 instead of reduced
+    # (gloo's reduce-scatter buffer, 32 bytes more, is not the program's)
+    assert total == 4 * 32 and mem.summary()["peak"] == 4 * 32, (total, mem.summary()["peak"])
+    assert mem.freed_off_thread == [0, 0]
