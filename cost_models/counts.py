@@ -461,6 +461,7 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     out["parameters"] += extra / (shard_d if cfg.zero >= 3 else 1) * w
     out["gradients"] += extra / (shard_d if cfg.zero >= 2 and cfg.pp == 1 else 1) * g
     out["optimizer"] += extra / shard_d * (master + 8)
+    out["gradients"] += _embedding_grad_whole(stages, profiles, ctx, cfg) * g
     if n > 1 and cfg.zero == 0 and uses_replicate(cfg):
         out["parameters"] += (dense + tied) * w
     elif n > 1 and cfg.zero in (1, 2):
@@ -502,6 +503,24 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
         out[k] += v
     out["peak"] = sum(out.values())
     return out, moment
+
+
+def _embedding_grad_whole(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context,
+                          cfg: ParallelConfig) -> float:
+    """Elements a vocabulary-parallel embedding's gradient holds beyond its shard. DTensor runs the embedding's
+    backward (embedding_dense_backward) for the whole vocabulary and hands AccumulateGrad this rank's rows as a view
+    of it, so the first micro-batch's .grad keeps the whole-vocabulary storage for the rest of the step (later
+    micro-batches add into it). Where the rank also holds a tied LM head the head's gradient (its own shard) arrives
+    first and becomes the .grad, and the embedding's is added to it and freed. Priced without data parallelism
+    only: under FSDP2 (replicate or ZeRO) the unsharded gradient is FSDP2's to keep or free, unmeasured."""
+    emb = profiles[0]
+    if ctx.tp == 1 or cfg.dp * cfg.cp > 1 or emb.kind != "embedding" or \
+            emb not in [p for s in stages for p, _ in _stage_layers(s, profiles)]:
+        return 0.0
+    head = profiles[-1]
+    if any(s.has_head for s in stages) and head.gemms and head.gemms[0].count == 0:
+        return 0.0  # tied head on this rank
+    return head.logits_per_token * emb.hidden * (1 - 1 / ctx.tp)
 
 
 def _stage_blocks(stages: list[StageCost], profiles: list[LayerProfile]) -> list[LayerProfile]:

@@ -551,7 +551,7 @@ def measure_step(trainer, batch: torch.Tensor, sites: bool = False) -> tuple[Any
         "time_s": {"step": wall},
     }
     if sites:
-        out["memory_sites"] = mem.sites(("Activation", "Temp", "Other", "Buffer", "Parameter"))
+        out["memory_sites"] = mem.sites(("Activation", "Temp", "Other", "Buffer", "Parameter", "Gradient"))
     if trainer.device.type == "cuda":
         out["memory_bytes"]["allocator_peak"] = int(torch.cuda.max_memory_allocated(trainer.device))
     return res, out

@@ -185,3 +185,12 @@ def test_categories_are_compared_at_the_moment_of_the_models_kind():
     assert at_moment(rank) == (head, "backward")
     del rank["measured"]["memory_by_moment"]
     assert at_moment(rank) == (block, "backward")
+
+
+def test_a_vocabulary_parallel_embedding_keeps_its_whole_gradient():
+    """tp=2 without data parallelism: the first stage's embedding gradient is a view of DTensor's whole-vocabulary
+    embedding_dense_backward output (tiny-gpt: 128 x 64 fp32, half of it beyond the shard); the last stage's
+    tied head copy has only its shard's."""
+    first, last = counts_of_plan(_plan("tp=2,pp=2,recompute=full"))
+    assert first["memory_bytes"]["gradients"] - first["memory_bytes"]["parameters"] == 128 * 64 // 2 * 4
+    assert last["memory_bytes"]["gradients"] == last["memory_bytes"]["parameters"]
