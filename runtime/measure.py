@@ -259,11 +259,14 @@ def _private_collective(func):
 
     Why: gloo's Work keeps the collective's tensors, and gloo's worker thread keeps the Work until it has finished
     with it, a moment *after* the waiting thread is woken. When the program drops a buffer in that window (FSDP2's
-    all-gather output after its copy-out, a reduce-scatter input, DTensor's all-reduce output), the last reference
-    goes on the worker thread whenever the scheduler lets it run, and the categories at the moments after depend on
-    it (seen: a 195 KiB all-gather output alive beside the next one at a ZeRO-3 block's backward, a 16 KiB
-    all-reduce output at tp=2's head/block tie). NCCL does not hold them this way (its watchdog keeps the Work
-    without its outputs), so the program's references are what a GPU run holds. The copies are made inside the
+    all-gather output after its copy-out, DTensor's all-reduce output), the last reference goes on the worker
+    thread whenever the scheduler lets it run. And gloo's reduce-scatter allreduces a clone of the whole input and
+    copies this rank's chunk out of it when its Work is waited on (a LambdaWork, on the waiting thread, under its
+    dispatch modes): the tracker registered that clone, which the worker thread then freed. So the categories at a
+    moment depended on the scheduler (seen: the 195 KiB clone of a tiny-gpt block's reduce-scatter input beside a
+    ZeRO-3 block's backward, 16 KiB all-reduce outputs at tp=2's head/block near-tie). NCCL does neither (its
+    watchdog keeps the Work without its outputs; its reduce-scatter makes no whole-input copy), so the program's
+    own references are what a GPU run holds. The copies are made inside the
     tracker's dispatch, below every mode, so no instrument sees them; the collectives' bytes are counted above it
     (CommCounter) on the program's tensors. Cost: the step's collectives complete where they are issued (no
     overlap on the CPU, which this step does not time) and one copy of each buffer."""
