@@ -511,10 +511,11 @@ def _embedding_grad_whole(stages: list[StageCost], profiles: list[LayerProfile],
     backward (embedding_dense_backward) for the whole vocabulary and hands AccumulateGrad this rank's rows as a view
     of it, so the first micro-batch's .grad keeps the whole-vocabulary storage for the rest of the step (later
     micro-batches add into it). Where the rank also holds a tied LM head the head's gradient (its own shard) arrives
-    first and becomes the .grad, and the embedding's is added to it and freed. Priced without data parallelism
-    only: under FSDP2 (replicate or ZeRO) the unsharded gradient is FSDP2's to keep or free, unmeasured."""
+    first and becomes the .grad, and the embedding's is added to it and freed. Measured without data parallelism
+    (tiny-gpt tp=2,pp=2) and under FSDP2's `replicate` (zero 0: tiny-moe dp=2,tp=2,ep=2, untied); not priced under
+    ZeRO, where FSDP2 reduce-scatters the unsharded gradient and frees it (unmeasured)."""
     emb = profiles[0]
-    if ctx.tp == 1 or cfg.dp * cfg.cp > 1 or emb.kind != "embedding" or \
+    if ctx.tp == 1 or cfg.zero > 0 or emb.kind != "embedding" or \
             emb not in [p for s in stages for p, _ in _stage_layers(s, profiles)]:
         return 0.0
     head = profiles[-1]

@@ -187,10 +187,21 @@ def test_categories_are_compared_at_the_moment_of_the_models_kind():
     assert at_moment(rank) == (block, "backward")
 
 
-def test_a_vocabulary_parallel_embedding_keeps_its_whole_gradient():
-    """tp=2 without data parallelism: the first stage's embedding gradient is a view of DTensor's whole-vocabulary
-    embedding_dense_backward output (tiny-gpt: 128 x 64 fp32, half of it beyond the shard); the last stage's
-    tied head copy has only its shard's."""
-    first, last = counts_of_plan(_plan("tp=2,pp=2,recompute=full"))
-    assert first["memory_bytes"]["gradients"] - first["memory_bytes"]["parameters"] == 128 * 64 // 2 * 4
-    assert last["memory_bytes"]["gradients"] == last["memory_bytes"]["parameters"]
+def test_a_vocabulary_parallel_embedding_keeps_its_whole_gradient(monkeypatch):
+    """At zero 0 with tp: a rank's embedding gradient is a view of DTensor's whole-vocabulary
+    embedding_dense_backward output (128 x 64 fp32 on both tiny models, half of it beyond the shard) unless a tied
+    head on the same rank takes the gradient first; not priced under ZeRO."""
+    import autoplan.cost_models.counts as cc
+
+    def grads(cfg, model="tiny-gpt"):
+        return [r["memory_bytes"]["gradients"] for r in counts_of_plan(_plan(cfg, model))]
+
+    cases = [("tp=2,pp=2,recompute=full", "tiny-gpt"), ("dp=2,tp=2,ep=2", "tiny-moe"), ("dp=2,tp=2", "tiny-gpt"),
+             ("dp=2,tp=2,ep=2,zero=1", "tiny-moe")]
+    priced = [grads(*c) for c in cases]
+    monkeypatch.setattr(cc, "_embedding_grad_whole", lambda *a: 0.0)
+    extra = [[a - b for a, b in zip(p, grads(*c))] for p, c in zip(priced, cases)]
+    half = 128 * 64 // 2 * 4
+    assert extra[0] == [half, 0]  # the first stage's embedding; the last stage's tied head copy has its shard's
+    assert extra[1] == [half]  # untied, under FSDP2's replicate
+    assert extra[2] == [0] and extra[3] == [0]  # tied head on the rank; ZeRO
