@@ -266,9 +266,9 @@ def _private_collective(func):
     moment depended on the scheduler (seen: the 195 KiB clone of a tiny-gpt block's reduce-scatter input beside a
     ZeRO-3 block's backward, 16 KiB all-reduce outputs at tp=2's head/block near-tie). NCCL does neither (its
     watchdog keeps the Work without its outputs; its reduce-scatter makes no whole-input copy), so the program's
-    own references are what a GPU run holds. The copies are made inside the
-    tracker's dispatch, below every mode, so no instrument sees them; the collectives' bytes are counted above it
-    (CommCounter) on the program's tensors. Cost: the step's collectives complete where they are issued (no
+    own references are what a GPU run holds. The copies are made inside the tracker's dispatch, below every mode,
+    so no instrument sees them; the collectives' bytes are counted above it (CommCounter) on the program's
+    tensors. Cost: the step's collectives complete where they are issued (no
     overlap on the CPU, which this step does not time) and one copy of each buffer."""
     def run(*args, **kwargs):
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -327,15 +327,17 @@ class StepMemTracker(MemTracker):
         self.private_collectives = private_collectives
         self._in_block: dict[str, bool] = {}
         # tracked storages whose last reference went on another thread (a communication backend's): a diagnostic
-        # of the race `_private_collective` removes; [count, bytes]
+        # of the race `_private_collective` removes; [count, bytes], then (SiteMemTracker) [category, bytes, *site]
+        # of each
         self._main_thread = threading.get_ident()
         self.freed_off_thread = [0, 0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if threading.get_ident() != self._main_thread:
-            # an op of the communication backend's own thread, which runs under the modes of the thread that issued
-            # the collective (gloo's reduce-scatter splits its input and copies into its output there): not the
-            # program's, and whether it comes before or after a moment of the program is the scheduler's choice
+            # an op run on another thread under this thread's modes (a Future's callback runs with the thread-local
+            # state of the thread that added it, on whichever thread completes the Future): a communication
+            # backend's continuation, not the program's, and whether it comes before or after a moment of the
+            # program is the scheduler's choice
             return func(*args, **(kwargs or {}))
         if self.private_collectives and _is_private(func) and active_fake_mode() is None and \
                 not any(t is DTensor or issubclass(t, DTensor) for t in types):
@@ -549,7 +551,8 @@ def measure_step(trainer, batch: torch.Tensor, sites: bool = False) -> tuple[Any
         "memory_by_phase": m["by_phase"],
         # the same by moment (StepMemTracker.moment_peak): forward or backward, inside a transformer block or not
         "memory_by_moment": m["by_moment"],
-        # tracked storages freed on a communication backend's thread (count, bytes): 0 with private collectives
+        # tracked storages freed on a communication backend's thread (count, bytes): with private collectives only
+        # what the all-reduces and send/recv leave there (scalars on the benchmark's matrix)
         "memory_freed_off_thread": m["freed_off_thread"],
         "time_s": {"step": wall},
     }
