@@ -142,14 +142,19 @@ def compare(rec: dict) -> dict:
 
 def at_moment(rank: dict) -> tuple[dict, str | None]:
     """(the measured categories to compare with the prediction's, the phase of the measured peak). The model
-    prices one moment of the peak (cost_models.counts._moments) in a phase, forward or backward; the categories
-    are compared with the measurement's largest moment in that phase (runtime.measure's `memory_by_phase`), so
-    that a near-tie between two moments decided by something the plan cannot know (a MoE rank's routing: the
-    busiest expert's load) compares like with like. The peaks themselves are compared as they are, whichever
-    phase holds them. Without per-phase figures (older records): the categories at the peak."""
+    prices one moment of the peak (cost_models.counts._moments): a block's backward, the head's backward, the end of
+    the forward or a MoE dispatch. The categories are compared with the measurement's largest moment of the same
+    kind (runtime.measure's `memory_by_moment`: the phase, and inside a transformer block or not), so that a
+    near-tie between two moments (tp=2's head and block backward, 2 KiB apart in the model) or one decided by
+    something the plan cannot know (a MoE rank's routing: the busiest expert's load) compares like with like. The
+    peaks themselves are compared as they are, wherever they are. Older records: the largest moment of the predicted
+    phase (`memory_by_phase`), or the categories at the peak."""
     m = rank["measured"]
     by = m.get("memory_by_phase") or {}
     measured_phase = max(by, key=lambda k: by[k]["peak"]) if by else None
+    at = rank["predicted"].get("memory_at")
+    if at in (m.get("memory_by_moment") or {}):
+        return m["memory_by_moment"][at], measured_phase
     phase = rank["predicted"].get("memory_phase")
     if phase in by:
         return by[phase], measured_phase
@@ -245,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"layouts": results, "summary": summary, "worst": worst}))
     failed = [r["case"] for r in results if "error" in r]
     cats = {k: max((s["memory_category_errs"][k] for s in summary), default=0.0) for k in CATEGORIES}
-    print("counts by category (at the predicted moment's phase): worst " +
+    print("counts by category (at the predicted moment): worst " +
           " ".join(f"{k} {_pct(v)}" for k, v in cats.items()), file=sys.stderr if args.json else sys.stdout)
     line = (f"counts: worst flops {_pct(worst['flops_err'])} bytes {_pct(worst['bytes_err'])} memory "
             f"{_pct(worst['memory_err'])} over {len(summary)} layouts")

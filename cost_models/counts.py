@@ -44,6 +44,10 @@ PHASES = ("forward", "backward", "recompute")
 ATTN_BWD_FACTOR = 2.5
 # The phase each moment of the peak (`_moments`) falls in, as runtime.measure names its per-phase peaks.
 MOMENT_PHASE = {"block": "backward", "head": "backward", "forward": "forward", "dispatch": "forward"}
+# Where each moment is, as runtime.measure names its per-moment peaks (`memory_by_moment`): "<phase>/block" inside a
+# transformer block's forward or backward, "<phase>/other" outside every block (the head, the loss, the root's hooks).
+MOMENT_AT = {"block": "backward/block", "head": "backward/other", "forward": "forward/other",
+             "dispatch": "forward/block"}
 # Bytes per token of the index tensors loss_parallel's backward makes beside its three logit-sized ones
 # (torch.distributed.tensor.parallel.loss._nll_loss_and_log_softmax_backward): the safe target (where, int64),
 # the masked target (int64), arange (int64), grad_update (fp32), the masked output gradient (where, fp32) and the
@@ -457,6 +461,7 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     out["parameters"] += extra / (shard_d if cfg.zero >= 3 else 1) * w
     out["gradients"] += extra / (shard_d if cfg.zero >= 2 and cfg.pp == 1 else 1) * g
     out["optimizer"] += extra / shard_d * (master + 8)
+    out["gradients"] += _embedding_grad_whole(stages, profiles, ctx, cfg) * g
     if n > 1 and cfg.zero == 0 and uses_replicate(cfg):
         out["parameters"] += (dense + tied) * w
     elif n > 1 and cfg.zero in (1, 2):
@@ -498,6 +503,25 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
         out[k] += v
     out["peak"] = sum(out.values())
     return out, moment
+
+
+def _embedding_grad_whole(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context,
+                          cfg: ParallelConfig) -> float:
+    """Elements a vocabulary-parallel embedding's gradient holds beyond its shard. DTensor runs the embedding's
+    backward (embedding_dense_backward) for the whole vocabulary and hands AccumulateGrad this rank's rows as a view
+    of it, so the first micro-batch's .grad keeps the whole-vocabulary storage for the rest of the step (later
+    micro-batches add into it). Where the rank also holds a tied LM head the head's gradient (its own shard) arrives
+    first and becomes the .grad, and the embedding's is added to it and freed. Measured without data parallelism
+    (tiny-gpt tp=2,pp=2) and under FSDP2's `replicate` (zero 0: tiny-moe dp=2,tp=2,ep=2, untied); not priced under
+    ZeRO, where FSDP2 reduce-scatters the unsharded gradient and frees it (unmeasured)."""
+    emb = profiles[0]
+    if ctx.tp == 1 or cfg.zero > 0 or emb.kind != "embedding" or \
+            emb not in [p for s in stages for p, _ in _stage_layers(s, profiles)]:
+        return 0.0
+    head = profiles[-1]
+    if any(s.has_head for s in stages) and head.gemms and head.gemms[0].count == 0:
+        return 0.0  # tied head on this rank
+    return head.logits_per_token * emb.hidden * (1 - 1 / ctx.tp)
 
 
 def _stage_blocks(stages: list[StageCost], profiles: list[LayerProfile]) -> list[LayerProfile]:
@@ -634,7 +658,7 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
                    cfg: ParallelConfig, layout: list[StageLayout] | None = None) -> list[dict]:
     """Per pipeline rank: {"flops": {phase: n}, "comm": [{collective, mesh_dim, count, bytes}],
     "memory_bytes": {category: bytes, "peak": bytes}, "memory_moment": the peak's moment, "memory_phase": its
-    phase} for one optimizer step of `cfg` (dp resolved)."""
+    phase, "memory_at": its phase and place (`MOMENT_AT`)} for one optimizer step of `cfg` (dp resolved)."""
     est = estimate(profiles, cluster, training, cfg, layout, simulate_pipeline=False)
     ctx = context(cluster, training, cfg)
     m = num_microbatches(cfg, training)
@@ -650,7 +674,7 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
         mem, moment = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m, fl[r])
         out.append({"flops": {k: int(round(v)) for k, v in flops.items()}, "comm": comm.as_list(),
                     "memory_bytes": {k: int(round(v)) for k, v in mem.items()}, "in_flight": fl[r],
-                    "memory_moment": moment, "memory_phase": MOMENT_PHASE[moment]})
+                    "memory_moment": moment, "memory_phase": MOMENT_PHASE[moment], "memory_at": MOMENT_AT[moment]})
     return out
 
 

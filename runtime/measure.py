@@ -28,17 +28,20 @@ side of that comparison, taken from the program autoplan actually runs (`Trainer
 
 from __future__ import annotations
 
+import re
+import threading
 import time
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
+from torch._C._distributed_c10d import ProcessGroup, _create_work_from_future, _resolve_process_group
+from torch._guards import active_fake_mode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
@@ -233,17 +236,133 @@ def _tolerant_pop(get_pop_fn):
     return get
 
 
+# The collectives the measured step runs on private copies of their tensors (`_private_collective`): every c10d
+# collective that writes its first argument, except the all-reduces (DDP's reducer takes its bucket back from the
+# Work's future, which would then be the copy) and the pipeline's send/recv (not collectives: waiting on a send
+# before the peer posts its receive could deadlock); and every functional collective (DTensor's).
+_PRIVATE_C10D = {"allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "reduce_scatter_",
+                 "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "alltoall_", "alltoall_base_",
+                 "broadcast_"}
+
+
+def _is_private(func) -> bool:
+    ns, name = func.namespace, func._overloadpacket.__name__
+    return (ns == "c10d" and name in _PRIVATE_C10D) or (ns == "_c10d_functional" and name in _FUNCTIONAL)
+
+
+def _private_collective(func):
+    """`func`, a collective, run so that the communication backend never holds the program's own tensors: on
+    copies of its tensor arguments, waited for at once, its results copied back into the program's tensors (c10d
+    ops: the first argument, with a finished Work in place of the backend's) or returned as new tensors (functional
+    ops, whose later wait_tensor then finds no work and returns). The values and every tensor the program holds are
+    the same as without it.
+
+    Why: gloo's Work keeps the collective's tensors, and gloo's worker thread keeps the Work until it has finished
+    with it, a moment *after* the waiting thread is woken. When the program drops a buffer in that window (FSDP2's
+    all-gather output after its copy-out, DTensor's all-reduce output), the last reference goes on the worker
+    thread whenever the scheduler lets it run. And gloo's reduce-scatter allreduces a clone of the whole input and
+    copies this rank's chunk out of it when its Work is waited on (a LambdaWork, on the waiting thread, under its
+    dispatch modes): the tracker registered that clone, which the worker thread then freed. So the categories at a
+    moment depended on the scheduler (seen: the 195 KiB clone of a tiny-gpt block's reduce-scatter input beside a
+    ZeRO-3 block's backward, 16 KiB all-reduce outputs at tp=2's head/block near-tie). NCCL does neither (its
+    watchdog keeps the Work without its outputs; its reduce-scatter makes no whole-input copy), so the program's
+    own references are what a GPU run holds. The copies are made inside the tracker's dispatch, below every mode,
+    so no instrument sees them; the collectives' bytes are counted above it (CommCounter) on the program's
+    tensors. Cost: the step's collectives complete where they are issued (no
+    overlap on the CPU, which this step does not time) and one copy of each buffer."""
+    def run(*args, **kwargs):
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def private(t: torch.Tensor) -> torch.Tensor:
+            c = t.clone()
+            pairs.append((t, c))
+            return c
+
+        if func.namespace == "c10d":
+            n_out = sum(isinstance(t, torch.Tensor) for t in tree_flatten(args[0])[0])
+            res = func(*tree_map_only(torch.Tensor, private, args), **kwargs)
+            for w in tree_flatten(res)[0]:
+                if isinstance(w, torch.ScriptObject):
+                    w.wait()
+            for t, c in pairs[:n_out]:  # the outputs, flattened first
+                t.copy_(c)
+            back = {id(c): t for t, c in pairs}
+            res = tree_map_only(torch.Tensor, lambda x: back.get(id(x), x), res)
+            # the program gets a finished Work of its own, not gloo's: waiting on gloo's again would run its
+            # continuation again (its reduce-scatter copies its chunk out of a whole-input buffer on every wait)
+            fut = torch.futures.Future()
+            fut.set_result([t for t, _ in pairs[:n_out]])
+            done = _create_work_from_future(fut)
+            return tree_map_only(torch.ScriptObject, lambda w: done.boxed(), res)
+        res = func(*tree_map_only(torch.Tensor, private, args), **kwargs)
+        for o in tree_flatten(res)[0]:
+            if isinstance(o, torch.Tensor):
+                torch.ops._c10d_functional.wait_tensor(o)
+        return tree_map_only(torch.Tensor, torch.clone, res)
+    return run
+
+
+# a module of a transformer block (runtime.parallelize: `model.layers[k]`, as ModTracker names it, possibly under
+# FSDP's, checkpoint_wrapper's or a pipeline stage's names)
+_BLOCK = re.compile(r"(^|\.)layers\.\d+(\.|$)")
+
+
 class StepMemTracker(MemTracker):
     """MemTracker for a whole training step with several micro-batches: a root module's later forward calls are
     the next micro-batch, not the next iteration (MemTracker's module-wise statistics, which refuse that, are
-    not used here), and the maximum of each category over the step is kept beside the peak."""
+    not used here), and the maximum of each category over the step is kept beside the peak; and the largest
+    moment of each phase and place (`moment_peak`: forward or backward, inside a transformer block or not;
+    optimizer), so that a model's moment (a block's backward, the head's) is compared with the same moment.
+    `private_collectives` (default): collectives run on private copies (`_private_collective`), so that what is
+    alive at a moment does not depend on when gloo's worker thread lets go of a finished collective."""
 
-    def __init__(self) -> None:
+    def __init__(self, private_collectives: bool = True) -> None:
         super().__init__()
         self.category_max: dict[str, int] = defaultdict(int)
         # the largest total of each phase (forward, backward, optimizer) and the categories then
         self.phase_peak: dict[str, dict] = {}
+        # the same by moment: "forward/block", "forward/other", "backward/block", "backward/other", "optimizer"
+        self.moment_peak: dict[str, dict] = {}
         self._mod_tracker._get_pop_fn = _tolerant_pop(self._mod_tracker._get_pop_fn)
+        self.private_collectives = private_collectives
+        self._in_block: dict[str, bool] = {}
+        # tracked storages whose last reference went on another thread (a communication backend's): a diagnostic
+        # of the race `_private_collective` removes; [count, bytes], then (SiteMemTracker) [category, bytes, *site]
+        # of each
+        self._main_thread = threading.get_ident()
+        self.freed_off_thread = [0, 0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if threading.get_ident() != self._main_thread:
+            # an op run on another thread under this thread's modes (a Future's callback runs with the thread-local
+            # state of the thread that added it, on whichever thread completes the Future): a communication
+            # backend's continuation, not the program's, and whether it comes before or after a moment of the
+            # program is the scheduler's choice
+            return func(*args, **(kwargs or {}))
+        if self.private_collectives and _is_private(func) and active_fake_mode() is None and \
+                not any(t is DTensor or issubclass(t, DTensor) for t in types):
+            func = _private_collective(func)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _delete_callback(self, winfo, w_st) -> None:
+        if winfo.mem_consumed > 0 and threading.get_ident() != self._main_thread:
+            self.freed_off_thread[0] += 1
+            self.freed_off_thread[1] += winfo.mem_consumed
+            site = getattr(winfo, "site", None)  # SiteMemTracker's
+            if site is not None:
+                self.freed_off_thread.append([_ref_name(winfo.reftype), winfo.mem_consumed, *site])
+        super()._delete_callback(winfo, w_st)
+
+    def _moment(self, phase: str) -> str:
+        if phase == "optimizer":
+            return phase
+        for name in self._mod_tracker.parents:
+            b = self._in_block.get(name)
+            if b is None:
+                b = self._in_block[name] = bool(_BLOCK.search(name))
+            if b:
+                return phase + "/block"
+        return phase + "/other"
 
 
     def _pre_fw_hook(self, module, inputs) -> None:
@@ -265,6 +384,9 @@ class StepMemTracker(MemTracker):
         total = sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())
         if total > self.phase_peak.get(phase, {}).get("peak", -1):
             self.phase_peak[phase] = {"peak": total, **_categories(self._curr_mem_snap.values())}
+        moment = self._moment(phase)
+        if total > self.moment_peak.get(moment, {}).get("peak", -1):
+            self.moment_peak[moment] = {"peak": total, **_categories(self._curr_mem_snap.values())}
 
     def summary(self) -> dict:
         """{category: max bytes over the step, ..., "peak": bytes, "at_peak": {category: bytes at the peak}}."""
@@ -276,6 +398,8 @@ class StepMemTracker(MemTracker):
         out["peak"] = max((snap.get(_TOTAL_KEY, 0) for snap in self._peak_mem_snap.values()), default=0)
         out["at_peak"] = _categories(self._peak_mem_snap.values())
         out["by_phase"] = self.phase_peak
+        out["by_moment"] = self.moment_peak
+        out["freed_off_thread"] = list(self.freed_off_thread)
         return out
 
 
@@ -312,6 +436,8 @@ class SiteMemTracker(StepMemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t == DTensor for t in types):
             return NotImplemented
+        if threading.get_ident() != self._main_thread:
+            return super().__torch_dispatch__(func, types, args, kwargs)  # a backend thread's op (not tracked)
         parents = [p for p in self._mod_tracker.parents if p != "Global"]
         mod = max(parents, key=lambda n: (n.count("."), n), default="Global")
         self._site = (mod, current_phase(), func._overloadpacket.__name__, self._micro_batch)
@@ -423,10 +549,15 @@ def measure_step(trainer, batch: torch.Tensor, sites: bool = False) -> tuple[Any
         # the largest total inside each phase (forward, backward, optimizer step) and its categories: a model
         # that prices a moment in one phase is compared with the measurement's largest moment in that phase
         "memory_by_phase": m["by_phase"],
+        # the same by moment (StepMemTracker.moment_peak): forward or backward, inside a transformer block or not
+        "memory_by_moment": m["by_moment"],
+        # tracked storages freed on a communication backend's thread (count, bytes): with private collectives only
+        # what the all-reduces and send/recv leave there (scalars on the benchmark's matrix)
+        "memory_freed_off_thread": m["freed_off_thread"],
         "time_s": {"step": wall},
     }
     if sites:
-        out["memory_sites"] = mem.sites(("Activation", "Temp", "Other", "Buffer", "Parameter"))
+        out["memory_sites"] = mem.sites(("Activation", "Temp", "Other", "Buffer", "Parameter", "Gradient"))
     if trainer.device.type == "cuda":
         out["memory_bytes"]["allocator_peak"] = int(torch.cuda.max_memory_allocated(trainer.device))
     return res, out

@@ -163,3 +163,45 @@ def test_memory_of_rank_counts_a_checkpoint_input_and_the_fp32_softmax_once():
     rest = ctx.tokens * head.act_seq / 2  # elements of the rest (2-byte units)
     assert layer_cost(head, ctx).act_none == pytest.approx(softmax + 4 * rest)
     assert layer_cost(head, bf16).act_none == pytest.approx(softmax + 2 * rest)
+
+
+def test_categories_are_compared_at_the_moment_of_the_models_kind():
+    """benchmarks.counts.at_moment: the measured moment of the predicted moment's phase and place (inside a block
+    or not, runtime.measure's `memory_by_moment`), else the predicted phase's largest, else the peak's."""
+    sys.path.insert(0, str(ROOT))
+    from autoplan.cost_models.counts import MOMENT_AT, MOMENT_PHASE
+    from autoplan.runtime.measure import _BLOCK
+    from benchmarks.counts import at_moment
+
+    assert {k: v.split("/")[0] for k, v in MOMENT_AT.items()} == MOMENT_PHASE
+    assert _BLOCK.search("FSDPTransformerLM.layers.3") and _BLOCK.search("TransformerLM.layers.12.mlp")
+    assert _BLOCK.search("layers.0._checkpoint_wrapped_module.attention")
+    assert not _BLOCK.search("FSDPTransformerLM.output") and not _BLOCK.search("TransformerLM.norm")
+    assert not _BLOCK.search("TransformerLM.extra_layers")
+    head, block = {"peak": 10, "temporaries": 3}, {"peak": 11, "temporaries": 1}
+    rank = {"predicted": {"memory_moment": "head", "memory_phase": "backward", "memory_at": "backward/other"},
+            "measured": {"memory_bytes": {"peak": 11}, "memory_by_phase": {"backward": block, "forward": {"peak": 5}},
+                         "memory_by_moment": {"backward/other": head, "backward/block": block}}}
+    assert at_moment(rank) == (head, "backward")
+    del rank["measured"]["memory_by_moment"]
+    assert at_moment(rank) == (block, "backward")
+
+
+def test_a_vocabulary_parallel_embedding_keeps_its_whole_gradient(monkeypatch):
+    """At zero 0 with tp: a rank's embedding gradient is a view of DTensor's whole-vocabulary
+    embedding_dense_backward output (128 x 64 fp32 on both tiny models, half of it beyond the shard) unless a tied
+    head on the same rank takes the gradient first; not priced under ZeRO."""
+    import autoplan.cost_models.counts as cc
+
+    def grads(cfg, model="tiny-gpt"):
+        return [r["memory_bytes"]["gradients"] for r in counts_of_plan(_plan(cfg, model))]
+
+    cases = [("tp=2,pp=2,recompute=full", "tiny-gpt"), ("dp=2,tp=2,ep=2", "tiny-moe"), ("dp=2,tp=2", "tiny-gpt"),
+             ("dp=2,tp=2,ep=2,zero=1", "tiny-moe")]
+    priced = [grads(*c) for c in cases]
+    monkeypatch.setattr(cc, "_embedding_grad_whole", lambda *a: 0.0)
+    extra = [[a - b for a, b in zip(p, grads(*c))] for p, c in zip(priced, cases)]
+    half = 128 * 64 // 2 * 4
+    assert extra[0] == [half, 0]  # the first stage's embedding; the last stage's tied head copy has its shard's
+    assert extra[1] == [half]  # untied, under FSDP2's replicate
+    assert extra[2] == [0] and extra[3] == [0]  # tied head on the rank; ZeRO
