@@ -70,7 +70,12 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         name="megatron-2021", title="Megatron-LM as in Narayanan et al. SC21",
         knobs={"dtype": "fp16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "kernels": "megatron",
-               "grad_reduce_dtype": None, "p2p_overlap": False},
+               "grad_reduce_dtype": None, "p2p_overlap": False, "grad_accum_fused": False},
+        # grad_accum_fused false: Megatron-LM v2 (2021) adds each micro-batch's weight gradients into the DDP
+        # buffer in a backward hook, "param.main_grad.add_(param.grad.data)" (megatron/model/distributed.py at
+        # 50a4b5fa "Release fixes", 2021-04-08), or lets autograd add into param.grad; the wgrad GEMM writing
+        # straight into main_grad came with "gradient accumulation fusion" (83b1e42f, 2022-02-13), after SC21.
+        # With fp16 the buffer is fp16 (accumulate_allreduce_grads_in_fp32 is forced only for bf16).
         assumes="fp16; unfused softmax attention (fused scale-mask-softmax over the s x s scores); Megatron's fused "
                 "bias-GeLU and LayerNorm; fp16 gradients all-reduced after the backward, not overlapped; "
                 "no distributed optimizer",
