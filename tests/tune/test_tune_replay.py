@@ -1,0 +1,70 @@
+"""benchmarks/tune_local.py --replay: the fit and the held-out evaluation on saved measurements, launching
+nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autoplan.tune.core as tune_core
+from autoplan.api import make_plan
+from autoplan.tune.core import select_candidates
+from autoplan.tune.records import RunLog, TimingRank, TimingRecord
+from benchmarks import tune_local
+
+
+def _saved(tmp_path, scale: float = 2.0):
+    """A --save file made up from predictions: every measurement is `scale` x the starting cluster's prediction,
+    so a refit that scales the host and device rates should explain the held-out ones too."""
+    model, cluster, training = tune_local.workload("tiny-gpt", 4, 8, 64)
+    cands = select_candidates(model, cluster, training, top=1, diverse=3, kernels="torch")
+    tuned = []
+    for c in cands:
+        log = RunLog(step_times_s=[1.0, scale * c.predicted_before_s], steps=[1, 2])
+        if c is cands[0]:  # one run with a timing record, as --time-from writes it
+            log.timings.append(TimingRecord(event="timing", step=2, ranks=[
+                TimingRank(rank=r, step_s=scale * c.predicted_before_s,
+                           time_s={"forward": 0.4 * scale * c.predicted_before_s}) for r in range(4)]))
+        tuned.append({"parallel": c.config, "measured_s": scale * c.predicted_before_s,
+                      "plan": json.loads(c.plan.to_json()), "log": log.model_dump(), "why": c.why})
+    held = []
+    for cfg in ("dp=4,mbs=1", "pp=4", "dp=4,zero=1,mbs=1"):
+        p = make_plan(model, cluster, training, cfg, kernels="torch")
+        held.append({"parallel": p.parallel.to_string(), "measured_s": scale * p.prediction.step_time_s,
+                     "error": None, "log": None})
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps({"tuned": tuned, "held_out": held, "cluster": json.loads(cluster.model_dump_json()),
+                                "args": {"model": "tiny-gpt", "nproc": 4, "global_batch": 8, "seq_len": 64},
+                                "known": {}, "bench": None}, default=float))
+    return path
+
+
+def test_replay_refits_saved_measurements_without_launching(tmp_path, monkeypatch, capsys):
+    path = _saved(tmp_path)
+
+    def no_launch(*a, **k):
+        raise AssertionError("replay launched a run")
+
+    monkeypatch.setattr(tune_core, "run_candidate", no_launch)
+    monkeypatch.setattr(tune_local, "run_candidate", no_launch)
+    assert tune_local.main(["--replay", str(path), "--json"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    ev = json.loads(out[0])
+    assert ev["held_out_count"] == 3
+    assert ev["mean_error_before"] == pytest.approx(0.5, abs=0.01)  # the starting cluster: half the time
+    assert ev["mean_error_after"] < 0.25  # the refit learned the slowdown from the tuned runs alone
+    assert out[-1].startswith("tune: held-out spearman ")
+
+
+def test_replay_of_a_file_without_logs_uses_its_saved_components(tmp_path, capsys):
+    """Files saved before the run logs were (session 6) carry each tuned run's components only."""
+    data = json.loads(_saved(tmp_path).read_text())
+    for e in data["tuned"]:
+        e.pop("log")
+        e["components"] = {"compute": 0.5 * e["measured_s"]}
+    data.pop("cluster")
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    assert tune_local.main(["--replay", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("over 3 layouts")
