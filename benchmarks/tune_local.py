@@ -1,6 +1,6 @@
 """Held-out check of `autoplan tune` on this machine: tune, then measure layouts tune never ran.
 
-    python benchmarks/tune_local.py [--model tiny-gpt] [--nproc 4] [--budget 240] [--steps 5] [--json] [--save F]
+    python benchmarks/tune_local.py [--model tiny-gpt] [--nproc 4] [--budget 240] [--steps 8] [--json] [--save F]
     python benchmarks/tune_local.py --replay F [--components] [--json]
 
 
@@ -142,12 +142,24 @@ def held_out_components(after_plan_est, log) -> tuple[dict, dict]:
             {k: predicted_component(after_plan_est.breakdown, k) for k in COMPONENTS})
 
 
+def _saved_log(d: dict | None) -> RunLog | None:
+    """A saved run log. Logs saved before RunLog kept the memory-measured step get the runtime's default back
+    (`--memory-step`: the profiled step, else step 3, or the last of a shorter run), so that a replay measures
+    them as tune now does."""
+    if not d:
+        return None
+    log = RunLog.model_validate(d)
+    if "instrumented_steps" not in d and log.profile is None and log.steps:
+        log.instrumented_steps = [min(3, max(log.steps))]
+    return log
+
+
 def _sample_of_saved(entry: dict, plan) -> RunSample:
     """The fit's view of one saved tuned run: from its run log when saved (as live), else from its saved
     busiest-stage components (files written before the logs were)."""
     if entry.get("log"):
-        c = Candidate(plan=plan, why=entry.get("why", "saved"), measured_s=entry["measured_s"],
-                      log=RunLog.model_validate(entry["log"]))
+        log = _saved_log(entry["log"])
+        c = Candidate(plan=plan, why=entry.get("why", "saved"), measured_s=log.measured_step_s(), log=log)
         return run_sample(c)
     c = Candidate(plan=plan, why="saved", measured_s=entry["measured_s"])
     base = run_sample(c)
@@ -180,22 +192,23 @@ def replay(path: str, components: bool = False, as_json: bool = False) -> int:
         raise SpecError("nothing to replay", f"{path}: no measured tuned runs", "save a run with --save")
     fit = fit_cluster(cluster, samples, gemms, colls)
     refit = fit.cluster
-    tuned_rows = [{"parallel": e["parallel"], "measured_s": e["measured_s"], "error": None,
+    tuned_rows = [{"parallel": e["parallel"], "measured_s": s.measured_step_s, "error": None,
                    "after_s": predict_run(refit, s).step_time_s} for e, s in zip(tuned, samples, strict=True)]
     rows = []
     for saved in data["held_out"]:
         before, after = predict_held_out(model, cluster, refit, training, saved["parallel"], nproc)
-        log = RunLog.model_validate(saved["log"]) if saved.get("log") else None
+        log = _saved_log(saved.get("log"))
         meas_c, pred_c = held_out_components(after.prediction, log)
         if log is None and saved.get("components"):  # an old file: the busiest stage's components
             meas_c = {k: v for k, v in saved["components"].items() if k in COMPONENTS}
             pred_c = {k: predicted_component(after.prediction.breakdown, k) for k in COMPONENTS}
-        rows.append({"parallel": saved["parallel"], "measured_s": saved["measured_s"], "error": saved.get("error"),
+        measured = log.measured_step_s() if log is not None else saved["measured_s"]
+        rows.append({"parallel": saved["parallel"], "measured_s": measured, "error": saved.get("error"),
                      "before_s": before.prediction.step_time_s, "after_s": after.prediction.step_time_s,
                      "components_measured": meas_c, "components_refit": pred_c})
     known = {r["parallel"]: r["measured_s"] for r in rows if r["measured_s"]}
-    known.update({e["parallel"]: e["measured_s"] for e in tuned})
-    known.update({k: v for k, v in (data.get("known") or {}).items() if v})
+    known.update({k: v for k, v in (data.get("known") or {}).items() if v and k not in known})
+    known.update({r["parallel"]: r["measured_s"] for r in tuned_rows})
     choice = search(model, refit.with_gpus(nproc), training, top=1, kernels="torch").plan.parallel.to_string()
     ev = evaluate(rows, known, choice, known.get(choice))
     if as_json:
@@ -214,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the tune step")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8,
+                    help="steps per run; the median is over the steps from 3 on (5 before session 7)")
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--diverse", type=int, default=7)
     ap.add_argument("--min-held-out", type=int, default=12)
@@ -259,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             c = Candidate(plan=before, why="held out")
             print(f"[held-out {len(rows) + 1}] {before.parallel.to_string()}", file=sys.stderr, flush=True)
-            # timed by component too (for the saved file: the fit never sees held-out runs)
-            run_candidate(c, Path(tmp), steps=args.steps, profile_step=None, time_from=2)
+            # measured as tune measures its runs: step 2 instrumented (memory here, profile there) and left out,
+            # the steps from 3 on timed by component too (for the saved file: the fit never sees held-out runs)
+            run_candidate(c, Path(tmp), steps=args.steps, profile_step=None, time_from=3, memory_step=2)
             meas_c, pred_c = held_out_components(after.prediction, c.log)
             rows.append({"parallel": before.parallel.to_string(), "measured_s": c.measured_s,
                          "before_s": before.prediction.step_time_s, "after_s": after.prediction.step_time_s,
@@ -277,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen_s = known.get(choice.parallel.to_string())
         if chosen_s is None:
             c = Candidate(plan=choice, why="refit choice")
-            run_candidate(c, Path(tmp), steps=args.steps, profile_step=None)
+            run_candidate(c, Path(tmp), steps=args.steps, profile_step=None, memory_step=2)
             chosen_s = c.measured_s
             if chosen_s:
                 known[choice.parallel.to_string()] = chosen_s

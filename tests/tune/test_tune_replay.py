@@ -68,3 +68,21 @@ def test_replay_of_a_file_without_logs_uses_its_saved_components(tmp_path, capsy
     path.write_text(json.dumps(data))
     assert tune_local.main(["--replay", str(path)]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("over 3 layouts")
+
+
+def test_the_memory_measured_step_is_not_a_step_time(tmp_path):
+    """On CPU the runtime measures memory (MemTracker) on one step, step 3 when nothing is profiled; that step ran
+    5-10x a plain one here, and it was in the held-out runs' median."""
+    from autoplan.tune.records import read_run_log
+
+    rows = [{"step": n, "step_time_s": t, "memory_measured_step": 3 if n >= 3 else None}
+            for n, t in ((1, 0.2), (2, 0.05), (3, 0.8), (4, 0.04), (5, 0.045))]
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    log = read_run_log(path)
+    assert log.instrumented_steps == [3]
+    assert log.measured_step_s() == pytest.approx(0.045)  # median of steps 2, 4, 5
+    # a saved log from before the field existed gets the runtime's default back in a replay
+    old = log.model_dump()
+    old.pop("instrumented_steps")
+    assert tune_local._saved_log(old).measured_step_s() == pytest.approx(0.045)
