@@ -132,14 +132,17 @@ def summary_line(ev: dict) -> str:
             f"chosen/fastest {ev['chosen_over_fastest']:.2f} over {ev['held_out_count']} layouts")
 
 
-def held_out_components(after_plan_est, log) -> tuple[dict, dict]:
-    """(measured, refit-predicted) components of a held-out run at the refit estimate's critical stage."""
+def held_out_components(refit, plan, log) -> tuple[dict, dict]:
+    """(measured, refit-predicted) components of held-out run `plan` at the refit estimate's critical stage
+    (measured {} without a log)."""
+    from autoplan.cost_models.fit import predict_run
+
+    est = predict_run(refit, run_sample(Candidate(plan=plan, why="held out")))
+    pred = {k: predicted_component(est.breakdown, k) for k in COMPONENTS}
     if log is None:
-        return {}, {}
-    by_stage = log.stage_components()
-    meas = by_stage.get(after_plan_est.critical_rank, log.time_components())
-    return ({k: v for k, v in meas.items() if k in COMPONENTS},
-            {k: predicted_component(after_plan_est.breakdown, k) for k in COMPONENTS})
+        return {}, pred
+    meas = log.stage_components().get(est.critical_rank, log.time_components())
+    return {k: v for k, v in meas.items() if k in COMPONENTS}, pred
 
 
 def _saved_log(d: dict | None) -> RunLog | None:
@@ -198,10 +201,9 @@ def replay(path: str, components: bool = False, as_json: bool = False) -> int:
     for saved in data["held_out"]:
         before, after = predict_held_out(model, cluster, refit, training, saved["parallel"], nproc)
         log = _saved_log(saved.get("log"))
-        meas_c, pred_c = held_out_components(after.prediction, log)
+        meas_c, pred_c = held_out_components(refit, after, log)
         if log is None and saved.get("components"):  # an old file: the busiest stage's components
             meas_c = {k: v for k, v in saved["components"].items() if k in COMPONENTS}
-            pred_c = {k: predicted_component(after.prediction.breakdown, k) for k in COMPONENTS}
         measured = log.measured_step_s() if log is not None else saved["measured_s"]
         rows.append({"parallel": saved["parallel"], "measured_s": measured, "error": saved.get("error"),
                      "before_s": before.prediction.step_time_s, "after_s": after.prediction.step_time_s,
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             # measured as tune measures its runs: step 2 instrumented (memory here, profile there) and left out,
             # the steps from 3 on timed by component too (for the saved file: the fit never sees held-out runs)
             run_candidate(c, Path(tmp), steps=args.steps, profile_step=None, time_from=3, memory_step=2)
-            meas_c, pred_c = held_out_components(after.prediction, c.log)
+            meas_c, pred_c = held_out_components(refit, after, c.log)
             rows.append({"parallel": before.parallel.to_string(), "measured_s": c.measured_s,
                          "before_s": before.prediction.step_time_s, "after_s": after.prediction.step_time_s,
                          "error": c.error, "components": c.log.time_components() if c.log else None,

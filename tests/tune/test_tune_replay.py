@@ -29,10 +29,14 @@ def _saved(tmp_path, scale: float = 2.0):
         tuned.append({"parallel": c.config, "measured_s": scale * c.predicted_before_s,
                       "plan": json.loads(c.plan.to_json()), "log": log.model_dump(), "why": c.why})
     held = []
-    for cfg in ("dp=4,mbs=1", "pp=4", "dp=4,zero=1,mbs=1"):
+    for cfg in ("dp=4,mbs=1", "pp=4", "dp=4,zero=1,mbs=1"):  # the last with a timed log
         p = make_plan(model, cluster, training, cfg, kernels="torch")
-        held.append({"parallel": p.parallel.to_string(), "measured_s": scale * p.prediction.step_time_s,
-                     "error": None, "log": None})
+        t = scale * p.prediction.step_time_s
+        log = RunLog(step_times_s=[1.0, 1.0, t, t], steps=[1, 2, 3, 4], instrumented_steps=[2])
+        log.timings.append(TimingRecord(event="timing", step=3, ranks=[
+            TimingRank(rank=r, step_s=t, time_s={"forward": 0.3 * t, "step_tail": 0.1 * t}) for r in range(4)]))
+        held.append({"parallel": p.parallel.to_string(), "measured_s": t, "error": None,
+                     "log": log.model_dump() if "zero" in cfg else None})
     path = tmp_path / "saved.json"
     path.write_text(json.dumps({"tuned": tuned, "held_out": held, "cluster": json.loads(cluster.model_dump_json()),
                                 "args": {"model": "tiny-gpt", "nproc": 4, "global_batch": 8, "seq_len": 64},
@@ -51,6 +55,8 @@ def test_replay_refits_saved_measurements_without_launching(tmp_path, monkeypatc
     assert tune_local.main(["--replay", str(path), "--json"]) == 0
     out = capsys.readouterr().out.splitlines()
     ev = json.loads(out[0])
+    logged = next(r for r in ev["held_out"] if "zero=1" in r["parallel"])
+    assert logged["components_measured"]["compute"] > 0 and logged["components_refit"]["optimizer"] > 0
     assert ev["held_out_count"] == 3
     assert ev["mean_error_before"] == pytest.approx(0.5, abs=0.01)  # the starting cluster: half the time
     assert ev["mean_error_after"] < 0.25  # the refit learned the slowdown from the tuned runs alone
