@@ -491,7 +491,10 @@ def _collinear_groups(jac, sens, free: list[str], undetermined: list[str]) -> li
     if len(keep) < 2 or jac.shape[0] == 0:
         return []
     jn = jac[:, keep] / sens[keep]
-    _, sv, vt = np.linalg.svd(jn, full_matrices=False)
+    # full_matrices: with fewer rows than knobs the null space is not among the reduced SVD's directions; its
+    # directions move no prediction at all (singular value 0)
+    _, sv, vt = np.linalg.svd(jn, full_matrices=True)
+    sv = np.concatenate([sv, np.zeros(vt.shape[0] - len(sv))])
     groups = []
     for value, vec in zip(sv, vt, strict=True):
         if value < _MIN_SINGULAR:

@@ -222,3 +222,27 @@ def test_profile_record_parser_on_a_hand_written_record(tmp_path):
 
     with pytest.raises(SpecError, match="ranks"):
         parse_profile_record({"event": "profile", "step": 1})
+
+
+def _block_fwd(cluster, kernel_launch_us: float) -> float:
+    from autoplan.cost_models.compute import layer_cost
+    from autoplan.cost_models.estimate import context
+    from autoplan.cost_models.profile import profile_from_spec
+
+    cl = with_knobs(cluster, {"kernel_launch_us": kernel_launch_us})
+    tr = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
+    cfg = check_config(ParallelConfig.parse("dp=4"), MODEL_PRESETS["tiny-gpt"], cl, tr)
+    return layer_cost(profile_from_spec(MODEL_PRESETS["tiny-gpt"])[1], context(cl, tr, cfg)).fwd_s
+
+
+def test_cpu_processes_pay_host_time_and_kernels_one_after_the_other():
+    """On an accelerator the host issues kernels ahead of the device: a layer takes the longer of the two. A CPU
+    process (the cluster's cores are given) runs each operator in the thread that issues it: the sum."""
+    gpu_like = cluster_preset("local-cpu").with_gpus(4)
+    cpu = gpu_like.model_copy(update={"cores_per_node": 2})
+    device = _block_fwd(gpu_like, 1e-2)  # host time negligible: the device's
+    host = _block_fwd(gpu_like, 1e4)  # host-bound: the host's (the max)
+    assert host > 10 * device
+    assert _block_fwd(cpu, 1e4) == pytest.approx(host + device, rel=1e-3)
+    assert _block_fwd(cpu, 1e-2) == pytest.approx(device, rel=1e-2)
+
