@@ -139,6 +139,8 @@ class GemmSample(_Obs):
     seconds: float = Field(gt=0, description="Measured time of one GEMM.")
     call_s: float = Field(default=0.0, ge=0, description="Measured time of a 1x1x1 GEMM in the same loop: what "
                           "the benchmark's own call costs (0 in files written before it was recorded).")
+    processes: int = Field(default=1, ge=1, description="Processes sharing the node's cores while it was measured "
+                           "(calibrate's GEMM benchmark runs in one).")
 
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
@@ -195,7 +197,20 @@ def predict_gemm(cluster: ClusterSpec, g: GemmSample) -> float:
     hooks on top of the dispatch), and pinning it to a bare call made the fit explain host-bound steps by
     absurdly slow attention instead (session 5: attention_efficiency 0.008)."""
     peak = cluster.gpu.peak_flops(g.dtype)
-    return 2.0 * g.m * g.n * g.k / (peak * gemm_efficiency(cluster, g.m, g.n, g.k)) + g.call_s
+    roofline = 2.0 * g.m * g.n * g.k / (peak * gemm_efficiency(cluster, g.m, g.n, g.k))
+    return roofline * _core_share(cluster, cluster.gpus_per_node) / _core_share(cluster, g.processes) + g.call_s
+
+
+def _core_share(cluster: ClusterSpec, processes: int) -> float:
+    """The share of a core each of `processes` compute processes gets on a node of `cluster.cores_per_node`
+    cores (1 on accelerators, where the cores are not given). The cost model's rates are those a process of a
+    run reaches (the cluster's gpus_per_node processes per node); a GEMM benchmarked with fewer processes had
+    more of a core and ran faster by the ratio. (Without this, the fit raised the CPU's GEMM rate to the
+    benchmark's single-process one, matmul_max_efficiency 2.1-2.8, and priced the runs' GEMMs at it.)"""
+    cores = cluster.cores_per_node
+    if cores is None:
+        return 1.0
+    return min(1.0, cores / max(1, processes))
 
 
 def predict_collective(cluster: ClusterSpec, c: CollectiveSample) -> float:

@@ -246,3 +246,15 @@ def test_cpu_processes_pay_host_time_and_kernels_one_after_the_other():
     assert _block_fwd(cpu, 1e4) == pytest.approx(host + device, rel=1e-3)
     assert _block_fwd(cpu, 1e-2) == pytest.approx(device, rel=1e-2)
 
+
+def test_a_gemm_benchmarked_alone_ran_on_a_whole_core():
+    """calibrate's GEMMs run in one process; in a run 4 processes share 2 cores, and the cost model's rates are
+    a run's. So the benchmark took half the time a run's GEMM takes; on accelerators (cores not given) nothing
+    changes."""
+    cpu = cluster_preset("local-cpu").with_gpus(4).model_copy(update={"cores_per_node": 2})
+    g = GemmSample(m=256, n=256, k=256, seconds=1.0)
+    in_run = predict_gemm(cpu, g.model_copy(update={"processes": 4}))
+    assert predict_gemm(cpu, g) == pytest.approx(in_run / 2)
+    gpu = cluster_preset("dgx-h100")
+    assert predict_gemm(gpu, g) == predict_gemm(gpu, g.model_copy(update={"processes": 4}))
+
