@@ -258,3 +258,18 @@ def test_a_gemm_benchmarked_alone_ran_on_a_whole_core():
     gpu = cluster_preset("dgx-h100")
     assert predict_gemm(gpu, g) == predict_gemm(gpu, g.model_copy(update={"processes": 4}))
 
+
+def test_fsdp_hooks_under_the_pipeline_schedule_are_paid_once_per_step():
+    """torch.distributed.pipelining turns reshard-after-backward and gradient sync off for every backward but the
+    last, so FSDP's hooks do their work once per step there; without a pipeline, once per micro-batch."""
+    from autoplan.cost_models.estimate import fsdp_unit_time
+
+    cl = with_knobs(_base(), {"fsdp_hook_us": 1000.0, "fsdp_collective_overhead_us": 1e-2})
+    tr = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
+
+    def hooks(pp: int, tp: int, m: int) -> float:
+        return fsdp_unit_time(3, 1e5, dp=2, cp=1, tp=tp, pp=pp, zero=0, m=m, cluster=cl, training=tr)
+
+    assert hooks(2, 1, 4) == pytest.approx(hooks(2, 1, 1))
+    assert hooks(2, 1, 1) == pytest.approx(3e-3, rel=1e-3)
+    assert hooks(1, 2, 4) == pytest.approx(4 * hooks(1, 2, 1), rel=1e-3)
