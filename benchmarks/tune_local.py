@@ -138,7 +138,7 @@ def held_out_components(refit, plan, log) -> tuple[dict, dict]:
     from autoplan.cost_models.fit import predict_run
 
     est = predict_run(refit, run_sample(Candidate(plan=plan, why="held out")))
-    pred = {k: predicted_component(est.breakdown, k) for k in COMPONENTS}
+    pred = {k: predicted_component(est.breakdown, k, plan.parallel) for k in COMPONENTS}
     if log is None:
         return {}, pred
     meas = log.stage_components().get(est.critical_rank, log.time_components())

@@ -412,7 +412,7 @@ class _Problem:
         for r in self.runs:
             start = predict_run(cluster, r, self.profs[r.model.name])
             comps = _components(r, start.critical_rank)
-            self.comp_keys.append([k for k in comps if predicted_component(start.breakdown, k) > 0])
+            self.comp_keys.append([k for k in comps if predicted_component(start.breakdown, k, r.parallel) > 0])
             measured.append(r.measured_step_s)
             measured.extend(comps[k] for k in self.comp_keys[-1])
         self.measured = measured
@@ -426,7 +426,7 @@ class _Problem:
         for i, r in enumerate(self.runs if with_runs else ()):
             est = predict_run(cl, r, self.profs[r.model.name])
             out.append(est.step_time_s)
-            out.extend(max(predicted_component(est.breakdown, k), 1e-12) for k in self.comp_keys[i])
+            out.extend(max(predicted_component(est.breakdown, k, r.parallel), 1e-12) for k in self.comp_keys[i])
         return out
 
     def solve(self, free: list[str]) -> _Solved:
@@ -545,8 +545,19 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
 _MIN_COMPONENT_SHARE = 0.03
 
 
-def predicted_component(breakdown: dict[str, float], name: str) -> float:
-    return sum(breakdown.get(k, 0.0) for k in COMPONENTS[name])
+def predicted_component(breakdown: dict[str, float], name: str, cfg: ParallelConfig | None = None) -> float:
+    """The estimate's prediction of measured component `name` of a run of `cfg`. Under torch's DDP (the runtime's
+    data parallelism without ZeRO, tensor or pipeline parallelism: runtime.parallelize.apply_ddp) the gradient
+    all-reduces are waited for from C++ inside backward, where the step timer cannot tell them apart: the measured
+    compute holds the exposed gradient reduction too (dp_comm is measured 0 there)."""
+    keys = COMPONENTS[name]
+    if name == "compute" and cfg is not None and _torch_ddp(cfg):
+        keys = keys + ("dp_comm",)
+    return sum(breakdown.get(k, 0.0) for k in keys)
+
+
+def _torch_ddp(cfg: ParallelConfig) -> bool:
+    return cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1 and cfg.dp * cfg.cp > 1
 
 
 def _components(r: RunSample, stage: int = 0) -> dict[str, float]:

@@ -52,7 +52,8 @@ def _synthetic(truth, with_components: bool = False):
                 cfg = check_config(ParallelConfig.parse(c), model, truth.with_gpus(world), tr)
                 r = RunSample(model=model, training=tr, parallel=cfg, world=world, measured_step_s=1.0, label=c)
                 est = predict_run(truth, r)
-                comps = TimedComponents(seconds={k: predicted_component(est.breakdown, k) for k in COMPONENTS}) \
+                comps = TimedComponents(seconds={k: predicted_component(est.breakdown, k, cfg)
+                                                 for k in COMPONENTS}) \
                     if with_components else None
                 runs.append(r.model_copy(update={"measured_step_s": est.step_time_s, "components": comps}))
     gemms = [GemmSample(m=m, n=n, k=k, seconds=1.0)
@@ -273,3 +274,13 @@ def test_fsdp_hooks_under_the_pipeline_schedule_are_paid_once_per_step():
     assert hooks(2, 1, 4) == pytest.approx(hooks(2, 1, 1))
     assert hooks(2, 1, 1) == pytest.approx(3e-3, rel=1e-3)
     assert hooks(1, 2, 4) == pytest.approx(4 * hooks(1, 2, 1), rel=1e-3)
+
+
+def test_torch_ddp_waits_are_in_the_measured_compute():
+    """torch's DDP waits for its gradient all-reduces from C++ inside backward: the step timer books them as
+    compute, so the fit compares that row with compute + dp_comm. FSDP (ZeRO>=1) and replicate (tp or pp) wait
+    in Python, inside FSDP's regions: dp_comm stays its own row."""
+    bd = {"compute": 0.03, "dp_comm": 0.01}
+    assert predicted_component(bd, "compute", ParallelConfig.parse("dp=4")) == pytest.approx(0.04)
+    for other in ("dp=4,zero=1", "tp=2,dp=2", "pp=2,dp=2", "tp=4"):
+        assert predicted_component(bd, "compute", ParallelConfig.parse(other)) == pytest.approx(0.03), other
