@@ -178,7 +178,13 @@ def replay(path: str, components: bool = False, as_json: bool = False) -> int:
     from autoplan.plan import Plan
     from autoplan.search.core import search
 
-    data = json.loads(Path(path).read_text())
+    if str(path).endswith(".gz"):
+        import gzip
+
+        with gzip.open(path, "rt") as f:
+            data = json.loads(f.read())
+    else:
+        data = json.loads(Path(path).read_text())
     a = data.get("args") or {}
     nproc = int(a.get("nproc", 4))
     model, cluster, training = workload(a.get("model", "tiny-gpt"), nproc, int(a.get("global_batch", 8)),

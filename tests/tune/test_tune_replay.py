@@ -64,14 +64,17 @@ def test_replay_refits_saved_measurements_without_launching(tmp_path, monkeypatc
 
 
 def test_replay_of_a_file_without_logs_uses_its_saved_components(tmp_path, capsys):
-    """Files saved before the run logs were (session 6) carry each tuned run's components only."""
+    """Files saved before the run logs were (session 6) carry each tuned run's components only; .gz is read."""
     data = json.loads(_saved(tmp_path).read_text())
     for e in data["tuned"]:
         e.pop("log")
         e["components"] = {"compute": 0.5 * e["measured_s"]}
     data.pop("cluster")
-    path = tmp_path / "old.json"
-    path.write_text(json.dumps(data))
+    import gzip
+
+    path = tmp_path / "old.json.gz"  # committed sets are gzipped
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps(data))
     assert tune_local.main(["--replay", str(path)]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("over 3 layouts")
 
