@@ -1,6 +1,8 @@
 """Held-out check of `autoplan tune` on this machine: tune, then measure layouts tune never ran.
 
-    python benchmarks/tune_local.py [--model tiny-gpt] [--nproc 4] [--budget 240] [--steps 5] [--json]
+    python benchmarks/tune_local.py [--model tiny-gpt] [--nproc 4] [--budget 240] [--steps 8] [--json] [--save F]
+    python benchmarks/tune_local.py --replay F [--components] [--json]
+
 
 1. `autoplan.tune.core.tune` on local-cpu (the model, 4 processes) within --budget seconds: the search's best
    plans and a few deliberately different ones run for real, and the cluster is refit.
@@ -11,6 +13,13 @@
 Prints a table, then Spearman rank correlation and mean absolute error of the refit predictions over the held-out
 layouts, and the chosen plan's measured step over the fastest measured one. Last line:
 `tune: held-out spearman S, mean error E%, chosen/fastest R over N layouts`.
+
+`--replay F` re-runs steps 1's fit, 2's predictions and 3's search on the measurements a `--save F` run wrote,
+with this checkout's cost model and fit, launching nothing: a change to the model or the fit is judged on the
+same measurements (on a shared machine two runs of one layout differ by 30-80%). A choice nobody measured in
+that run is reported as unmeasured (chosen/fastest nan). Files written before the run logs were saved (session
+6) are replayed from their busiest-stage components (no per-stage components: pipelined runs are compared on
+that stage).
 
 Timings on a shared 2-core machine are noisy: read the numbers with the load in mind.
 """
@@ -29,8 +38,10 @@ sys.path.insert(0, str(ROOT))
 
 from autoplan.api import make_plan  # noqa: E402
 from autoplan.cost_models.errors import AutoplanError  # noqa: E402
+from autoplan.cost_models.fit import COMPONENTS, RunSample, TimedComponents, predicted_component  # noqa: E402
 from autoplan.specs import TrainingSpec, load_cluster, load_model  # noqa: E402
-from autoplan.tune.core import Candidate, prepare_cluster, run_candidate, tune  # noqa: E402
+from autoplan.tune.core import Candidate, prepare_cluster, run_candidate, run_sample, tune  # noqa: E402
+from autoplan.tune.records import RunLog  # noqa: E402
 
 # Layouts to hold out: every parallelism the runtime runs on 4 processes, alone and combined.
 HELD_OUT = [
@@ -61,6 +72,162 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return float(spearmanr(xs, ys).statistic)
 
 
+def workload(model_name: str, nproc: int, global_batch: int, seq_len: int):
+    model = load_model(model_name)
+    cluster = prepare_cluster(load_cluster("local-cpu").with_gpus(nproc))
+    training = TrainingSpec(global_batch_size=global_batch, seq_length=seq_len, dtype="fp32", kernels="torch")
+    return model, cluster, training
+
+
+def predict_held_out(model, cluster, refit, training, cfg: str, nproc: int):
+    """(plan with the starting cluster, plan with the refit cluster) of layout `cfg`; AutoplanError if illegal."""
+    before = make_plan(model, cluster, training, cfg, kernels="torch")
+    after = make_plan(model, refit.with_gpus(nproc), training, cfg, kernels="torch")
+    return before, after
+
+
+def evaluate(rows: list[dict], known: dict[str, float], choice: str, chosen_s: float | None) -> dict:
+    """The held-out metrics of `rows` (measured_s, before_s, after_s) and the choice against the fastest known."""
+    ok = [r for r in rows if r["measured_s"]]
+    meas = [r["measured_s"] for r in ok]
+    fastest = min(known.values())
+    return {
+        "spearman_after": spearman([r["after_s"] for r in ok], meas) if len(ok) > 2 else float("nan"),
+        "spearman_before": spearman([r["before_s"] for r in ok], meas) if len(ok) > 2 else float("nan"),
+        "mean_error_after": sum(abs(r["after_s"] / r["measured_s"] - 1) for r in ok) / max(1, len(ok)),
+        "mean_error_before": sum(abs(r["before_s"] / r["measured_s"] - 1) for r in ok) / max(1, len(ok)),
+        "chosen": choice, "chosen_s": chosen_s, "fastest_s": fastest,
+        "chosen_over_fastest": chosen_s / fastest if chosen_s else float("nan"), "layouts": len(known),
+        "held_out_count": len(ok)}
+
+
+def print_report(fit, tuned_rows: list[dict], rows: list[dict], ev: dict, head: str,
+                 components: bool = False) -> None:
+    """The table and the summary line (the same for a live run and a replay)."""
+    print(head + "; fitted " + ", ".join(f"{k}={v:.4g}" for k, v in fit.after.items())
+          + (f" (held: {', '.join(fit.held)})" if fit.held else ""))
+    for c in tuned_rows:
+        m = f"{c['measured_s'] * 1e3:8.1f}" if c["measured_s"] else f"{c['error'] or '-':>8}"
+        print(f"  tuned     {c['parallel']:<80} measured {m} ms  refit {(c['after_s'] or 0) * 1e3:8.1f} ms")
+    for r in rows:
+        m = f"{r['measured_s'] * 1e3:8.1f}" if r["measured_s"] else f"{r['error']}"
+        print(f"  held-out  {r['parallel']:<80} measured {m} ms  before {r['before_s'] * 1e3:8.1f} ms  "
+              f"refit {r['after_s'] * 1e3:8.1f} ms")
+    if components:
+        print("held-out components, measured / refit ms (the estimate's critical stage):")
+        for r in rows:
+            meas, pred = r.get("components_measured") or {}, r.get("components_refit") or {}
+            keys = [k for k in COMPONENTS if meas.get(k, 0.0) > 0 or pred.get(k, 0.0) > 0]
+            print(f"  {r['parallel'].split(',schedule')[0]:<70} "
+                  + "  ".join(f"{k} {meas.get(k, 0) * 1e3:.1f}/{pred.get(k, 0) * 1e3:.1f}" for k in keys))
+    print(f"held-out, cluster before tune: spearman {ev['spearman_before']:.2f}, mean error "
+          f"{100 * ev['mean_error_before']:.0f}%")
+    chosen = "not measured in this run" if ev["chosen_s"] is None else f"{ev['chosen_s'] * 1e3:.1f} ms"
+    print(f"search with the refit cluster chooses {ev['chosen']}: {chosen} vs fastest measured "
+          f"{ev['fastest_s'] * 1e3:.1f} ms")
+
+
+def summary_line(ev: dict) -> str:
+    return (f"tune: held-out spearman {ev['spearman_after']:.2f}, mean error {100 * ev['mean_error_after']:.1f}%, "
+            f"chosen/fastest {ev['chosen_over_fastest']:.2f} over {ev['held_out_count']} layouts")
+
+
+def held_out_components(refit, plan, log) -> tuple[dict, dict]:
+    """(measured, refit-predicted) components of held-out run `plan` at the refit estimate's critical stage
+    (measured {} without a log)."""
+    from autoplan.cost_models.fit import predict_run
+
+    est = predict_run(refit, run_sample(Candidate(plan=plan, why="held out")))
+    pred = {k: predicted_component(est.breakdown, k, plan.parallel) for k in COMPONENTS}
+    if log is None:
+        return {}, pred
+    meas = log.stage_components().get(est.critical_rank, log.time_components())
+    return {k: v for k, v in meas.items() if k in COMPONENTS}, pred
+
+
+def _saved_log(d: dict | None) -> RunLog | None:
+    """A saved run log. Logs saved before RunLog kept the memory-measured step get the runtime's default back
+    (`--memory-step`: the profiled step, else step 3, or the last of a shorter run), so that a replay measures
+    them as tune now does."""
+    if not d:
+        return None
+    log = RunLog.model_validate(d)
+    if "instrumented_steps" not in d and log.profile is None and log.steps:
+        log.instrumented_steps = [min(3, max(log.steps))]
+    return log
+
+
+def _sample_of_saved(entry: dict, plan) -> RunSample:
+    """The fit's view of one saved tuned run: from its run log when saved (as live), else from its saved
+    busiest-stage components (files written before the logs were)."""
+    if entry.get("log"):
+        log = _saved_log(entry["log"])
+        c = Candidate(plan=plan, why=entry.get("why", "saved"), measured_s=log.measured_step_s(), log=log)
+        return run_sample(c)
+    c = Candidate(plan=plan, why="saved", measured_s=entry["measured_s"])
+    base = run_sample(c)
+    comps = entry.get("components")
+    return base.model_copy(update={"components": TimedComponents(seconds=comps) if comps else None})
+
+
+def replay(path: str, components: bool = False, as_json: bool = False) -> int:
+    """Refit and evaluate on the measurements of a `--save` file (see the module docstring)."""
+    from autoplan.cost_models.errors import SpecError
+    from autoplan.cost_models.fit import CollectiveSample, GemmSample, fit_cluster, predict_run
+    from autoplan.cost_models.specs import ClusterSpec
+    from autoplan.plan import Plan
+    from autoplan.search.core import search
+
+    if str(path).endswith(".gz"):
+        import gzip
+
+        with gzip.open(path, "rt") as f:
+            data = json.loads(f.read())
+    else:
+        data = json.loads(Path(path).read_text())
+    a = data.get("args") or {}
+    nproc = int(a.get("nproc", 4))
+    model, cluster, training = workload(a.get("model", "tiny-gpt"), nproc, int(a.get("global_batch", 8)),
+                                        int(a.get("seq_len", 64)))
+    if data.get("cluster"):
+        cluster = ClusterSpec.model_validate(data["cluster"])
+    bench = data.get("bench") or {}
+    gemms = [GemmSample.model_validate(g) for g in bench.get("gemm", [])]
+    colls = [CollectiveSample.model_validate(c) for c in bench.get("collectives", [])]
+    tuned = [e for e in data["tuned"] if e.get("measured_s")]
+    plans = [Plan.model_validate(e["plan"]) for e in tuned]
+    samples = [_sample_of_saved(e, p) for e, p in zip(tuned, plans, strict=True)]
+    if not samples:
+        raise SpecError("nothing to replay", f"{path}: no measured tuned runs", "save a run with --save")
+    fit = fit_cluster(cluster, samples, gemms, colls)
+    refit = fit.cluster
+    tuned_rows = [{"parallel": e["parallel"], "measured_s": s.measured_step_s, "error": None,
+                   "after_s": predict_run(refit, s).step_time_s} for e, s in zip(tuned, samples, strict=True)]
+    rows = []
+    for saved in data["held_out"]:
+        before, after = predict_held_out(model, cluster, refit, training, saved["parallel"], nproc)
+        log = _saved_log(saved.get("log"))
+        meas_c, pred_c = held_out_components(refit, after, log)
+        if log is None and saved.get("components"):  # an old file: the busiest stage's components
+            meas_c = {k: v for k, v in saved["components"].items() if k in COMPONENTS}
+        measured = log.measured_step_s() if log is not None else saved["measured_s"]
+        rows.append({"parallel": saved["parallel"], "measured_s": measured, "error": saved.get("error"),
+                     "before_s": before.prediction.step_time_s, "after_s": after.prediction.step_time_s,
+                     "components_measured": meas_c, "components_refit": pred_c})
+    known = {r["parallel"]: r["measured_s"] for r in rows if r["measured_s"]}
+    known.update({k: v for k, v in (data.get("known") or {}).items() if v and k not in known})
+    known.update({r["parallel"]: r["measured_s"] for r in tuned_rows})
+    choice = search(model, refit.with_gpus(nproc), training, top=1, kernels="torch").plan.parallel.to_string()
+    ev = evaluate(rows, known, choice, known.get(choice))
+    if as_json:
+        print(json.dumps({**ev, "fit_after": fit.after, "held": fit.held, "held_out": rows}, default=float))
+    else:
+        print_report(fit, tuned_rows, rows, ev, f"replay of {path}: {len(tuned)} tuned runs, "
+                     f"{ev['held_out_count']} held out", components)
+    print(summary_line(ev))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-gpt")
@@ -68,19 +235,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the tune step")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8,
+                    help="steps per run; the median is over the steps from 3 on (5 before session 7)")
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--diverse", type=int, default=7)
     ap.add_argument("--min-held-out", type=int, default=12)
     ap.add_argument("--no-bench", action="store_true",
                     help="skip the micro-benchmarks (calibrate's GEMMs and collectives at 4 and 2 processes)")
     ap.add_argument("--save", default=None, help="write every measurement (tuned and held out) to this JSON file")
+    ap.add_argument("--replay", default=None, metavar="FILE",
+                    help="refit and evaluate on the measurements a --save run wrote; launches nothing")
+    ap.add_argument("--components", action="store_true",
+                    help="also print the held-out runs' measured and refit components")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    model = load_model(args.model)
-    cluster = prepare_cluster(load_cluster("local-cpu").with_gpus(args.nproc))
-    training = TrainingSpec(global_batch_size=args.global_batch, seq_length=args.seq_len, dtype="fp32",
-                            kernels="torch")
+    if args.replay:
+        return replay(args.replay, components=args.components, as_json=args.json)
+    model, cluster, training = workload(args.model, args.nproc, args.global_batch, args.seq_len)
     bench_file = None
     t0 = time.perf_counter()
     if not args.no_bench:
@@ -103,20 +274,23 @@ def main(argv: list[str] | None = None) -> int:
             if len([r for r in rows if r["measured_s"]]) >= args.min_held_out:
                 break
             try:
-                before = make_plan(model, cluster, training, cfg, kernels="torch")
-                after = make_plan(model, refit.with_gpus(args.nproc), training, cfg, kernels="torch")
+                before, after = predict_held_out(model, cluster, refit, training, cfg, args.nproc)
             except AutoplanError:
                 continue  # not legal for this model and process count
             if before.parallel.to_string() in tuned:
                 continue
             c = Candidate(plan=before, why="held out")
             print(f"[held-out {len(rows) + 1}] {before.parallel.to_string()}", file=sys.stderr, flush=True)
-            # timed by component too (for the saved file: the fit never sees held-out runs)
-            run_candidate(c, Path(tmp), steps=args.steps, profile_step=None, time_from=2)
+            # measured as tune measures its runs: step 2 instrumented (memory here, profile there) and left out,
+            # the steps from 3 on timed by component too (for the saved file: the fit never sees held-out runs)
+            run_candidate(c, Path(tmp), steps=args.steps, profile_step=None, time_from=3, memory_step=2)
+            meas_c, pred_c = held_out_components(refit, after, c.log)
             rows.append({"parallel": before.parallel.to_string(), "measured_s": c.measured_s,
                          "before_s": before.prediction.step_time_s, "after_s": after.prediction.step_time_s,
                          "error": c.error, "components": c.log.time_components() if c.log else None,
-                         "after_breakdown": after.prediction.breakdown})
+                         "components_measured": meas_c, "components_refit": pred_c,
+                         "after_breakdown": after.prediction.breakdown,
+                         "plan": json.loads(before.to_json()), "log": c.log.model_dump() if c.log else None})
         # the search's choice with the refit cluster, measured if nobody ran it
         from autoplan.search.core import search
 
@@ -126,46 +300,30 @@ def main(argv: list[str] | None = None) -> int:
         chosen_s = known.get(choice.parallel.to_string())
         if chosen_s is None:
             c = Candidate(plan=choice, why="refit choice")
-            run_candidate(c, Path(tmp), steps=args.steps, profile_step=None)
+            run_candidate(c, Path(tmp), steps=args.steps, profile_step=None, memory_step=2)
             chosen_s = c.measured_s
             if chosen_s:
                 known[choice.parallel.to_string()] = chosen_s
-    ok = [r for r in rows if r["measured_s"]]
-    meas = [r["measured_s"] for r in ok]
-    s_after = spearman([r["after_s"] for r in ok], meas) if len(ok) > 2 else float("nan")
-    s_before = spearman([r["before_s"] for r in ok], meas) if len(ok) > 2 else float("nan")
-    e_after = sum(abs(r["after_s"] / r["measured_s"] - 1) for r in ok) / max(1, len(ok))
-    e_before = sum(abs(r["before_s"] / r["measured_s"] - 1) for r in ok) / max(1, len(ok))
-    fastest = min(known.values())
-    ratio = chosen_s / fastest if chosen_s else float("nan")
+    ev = evaluate(rows, known, choice.parallel.to_string(), chosen_s)
     if args.save:
         Path(args.save).write_text(json.dumps({
             "tuned": [{"parallel": c.config, "measured_s": c.measured_s, "plan": json.loads(c.plan.to_json()),
-                       "components": c.log.time_components() if c.log else None} for c in res.measured],
+                       "components": c.log.time_components() if c.log else None,
+                       "log": c.log.model_dump() if c.log else None, "why": c.why} for c in res.measured],
+            "cluster": json.loads(cluster.model_dump_json()), "args": vars(args),
+            "known": known, "chosen": choice.parallel.to_string(), "chosen_s": chosen_s,
+            "loadavg_end": Path("/proc/loadavg").read_text().split()[:3],
             "fit_rows": res.fit.rows, "fit_after": res.fit.after, "fit_held": res.fit.held,
             "held_out": rows, "bench": json.loads(bench_file.read_text()) if bench_file else None}, default=float))
-    summary = {"tune_s": t_tune, "bench_s": t_bench, "tuned": sorted(tuned), "fit_after": res.fit.after,
-               "undetermined": res.fit.undetermined, "held_out": rows, "spearman_after": s_after,
-               "spearman_before": s_before, "mean_error_after": e_after, "mean_error_before": e_before,
-               "chosen": choice.parallel.to_string(), "chosen_s": chosen_s, "fastest_s": fastest,
-               "chosen_over_fastest": ratio, "layouts": len(known)}
     if args.json:
-        print(json.dumps(summary, default=float))
+        print(json.dumps({"tune_s": t_tune, "bench_s": t_bench, "tuned": sorted(tuned), "fit_after": res.fit.after,
+                          "undetermined": res.fit.undetermined, "held_out": rows, **ev}, default=float))
     else:
-        print(f"micro-benchmarks {t_bench:.0f} s; tune: {len(tuned)} layouts measured in {t_tune:.0f} s; fitted "
-              + ", ".join(f"{k}={v:.4g}" for k, v in res.fit.after.items()))
-        for c in res.candidates:
-            m = f"{c.measured_s * 1e3:8.1f}" if c.measured_s else f"{c.error or '-':>8}"
-            print(f"  tuned     {c.config:<80} measured {m} ms  refit {(c.predicted_after_s or 0) * 1e3:8.1f} ms")
-        for r in rows:
-            m = f"{r['measured_s'] * 1e3:8.1f}" if r["measured_s"] else f"{r['error']}"
-            print(f"  held-out  {r['parallel']:<80} measured {m} ms  before {r['before_s'] * 1e3:8.1f} ms  "
-                  f"refit {r['after_s'] * 1e3:8.1f} ms")
-        print(f"held-out, cluster before tune: spearman {s_before:.2f}, mean error {100 * e_before:.0f}%")
-        print(f"search with the refit cluster chooses {choice.parallel.to_string()}: "
-              f"{(chosen_s or float('nan')) * 1e3:.1f} ms vs fastest measured {fastest * 1e3:.1f} ms")
-    print(f"tune: held-out spearman {s_after:.2f}, mean error {100 * e_after:.1f}%, chosen/fastest {ratio:.2f} "
-          f"over {len(ok)} layouts")
+        tuned_rows = [{"parallel": c.config, "measured_s": c.measured_s, "error": c.error,
+                       "after_s": c.predicted_after_s} for c in res.candidates]
+        print_report(res.fit, tuned_rows, rows, ev, f"micro-benchmarks {t_bench:.0f} s; tune: {len(tuned)} "
+                     f"layouts measured in {t_tune:.0f} s", args.components)
+    print(summary_line(ev))
     return 0
 
 

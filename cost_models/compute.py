@@ -262,8 +262,14 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     cp_f, cp_b = _cp_comm(p, ctx, attn_fwd)
     ep_f, ep_b = _ep_comm(p, ctx)
     comm_f, comm_b = tp_f + cp_f + ep_f, tp_b + cp_b + ep_b
-    fwd = max(gemm_fwd + attn_fwd + ew_fwd + ew_extra_f, host_fwd) + comm_f
-    bwd = max(2 * gemm_fwd + attn_bwd + 2 * ew_fwd + ew_extra_b, 2 * host_fwd) + comm_b
+    dev_f = gemm_fwd + attn_fwd + ew_fwd + ew_extra_f
+    dev_b = 2 * gemm_fwd + attn_bwd + 2 * ew_fwd + ew_extra_b
+    if ctx.cluster.cores_per_node is not None:
+        # CPU processes (a cluster whose cores are given): the thread that issues an operator also runs it, so
+        # nothing of the host time hides under the kernels
+        fwd, bwd = dev_f + host_fwd + comm_f, dev_b + 2 * host_fwd + comm_b
+    else:
+        fwd, bwd = max(dev_f, host_fwd) + comm_f, max(dev_b, 2 * host_fwd) + comm_b
     # Selective recomputation re-runs the attention core (and its softmax) in backward; a flash kernel
     # recomputes its scores anyway, so there is nothing extra to do.
     sel = 0.0 if ctx.training.flash_attention else attn_fwd

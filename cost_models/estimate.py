@@ -369,7 +369,13 @@ def fsdp_unit_time(units: float, dense: float, *, dp: int, cp: int, tp: int, pp:
     if (zero == 0 and not replicate) or n <= 1 or dense <= 0 or units <= 0:
         return 0.0
     cal = cluster.gpu.calibration
-    hooks = units * m * cal.fsdp_hook_us * 1e-6  # FSDP2's hooks on every unit in every micro-batch
+    # FSDP2's hooks on every unit in every micro-batch. Under the pipeline schedule (torch.distributed.pipelining,
+    # stage.py) every backward but the last runs with reshard-after-backward and gradient sync off, so the units
+    # stay unsharded and the hooks of the later micro-batches find nothing to do: measured (session 7, set A)
+    # FSDP's host time at pp=2,dp=2 was 6.2 ms at 2 and at 4 micro-batches, while at tp=2,dp=2 it went from 7.7
+    # to 22.6 ms from 1 to 4.
+    passes = 1 if pp > 1 else m
+    hooks = units * passes * cal.fsdp_hook_us * 1e-6
     if replicate:  # one all-reduce per unit, its latency priced by dp_sync (`units`); its host work here
         return hooks + units * cal.fsdp_collective_overhead_us * 1e-6
     syncs = m if zero >= 2 and pp == 1 else 1

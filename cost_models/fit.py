@@ -139,6 +139,8 @@ class GemmSample(_Obs):
     seconds: float = Field(gt=0, description="Measured time of one GEMM.")
     call_s: float = Field(default=0.0, ge=0, description="Measured time of a 1x1x1 GEMM in the same loop: what "
                           "the benchmark's own call costs (0 in files written before it was recorded).")
+    processes: int = Field(default=1, ge=1, description="Processes sharing the node's cores while it was measured "
+                           "(calibrate's GEMM benchmark runs in one).")
 
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
@@ -195,7 +197,20 @@ def predict_gemm(cluster: ClusterSpec, g: GemmSample) -> float:
     hooks on top of the dispatch), and pinning it to a bare call made the fit explain host-bound steps by
     absurdly slow attention instead (session 5: attention_efficiency 0.008)."""
     peak = cluster.gpu.peak_flops(g.dtype)
-    return 2.0 * g.m * g.n * g.k / (peak * gemm_efficiency(cluster, g.m, g.n, g.k)) + g.call_s
+    roofline = 2.0 * g.m * g.n * g.k / (peak * gemm_efficiency(cluster, g.m, g.n, g.k))
+    return roofline * _core_share(cluster, cluster.gpus_per_node) / _core_share(cluster, g.processes) + g.call_s
+
+
+def _core_share(cluster: ClusterSpec, processes: int) -> float:
+    """The share of a core each of `processes` compute processes gets on a node of `cluster.cores_per_node`
+    cores (1 on accelerators, where the cores are not given). The cost model's rates are those a process of a
+    run reaches (the cluster's gpus_per_node processes per node); a GEMM benchmarked with fewer processes had
+    more of a core and ran faster by the ratio. (Without this, the fit raised the CPU's GEMM rate to the
+    benchmark's single-process one, matmul_max_efficiency 2.1-2.8, and priced the runs' GEMMs at it.)"""
+    cores = cluster.cores_per_node
+    if cores is None:
+        return 1.0
+    return min(1.0, cores / max(1, processes))
 
 
 def predict_collective(cluster: ClusterSpec, c: CollectiveSample) -> float:
@@ -397,7 +412,7 @@ class _Problem:
         for r in self.runs:
             start = predict_run(cluster, r, self.profs[r.model.name])
             comps = _components(r, start.critical_rank)
-            self.comp_keys.append([k for k in comps if predicted_component(start.breakdown, k) > 0])
+            self.comp_keys.append([k for k in comps if predicted_component(start.breakdown, k, r.parallel) > 0])
             measured.append(r.measured_step_s)
             measured.extend(comps[k] for k in self.comp_keys[-1])
         self.measured = measured
@@ -411,7 +426,7 @@ class _Problem:
         for i, r in enumerate(self.runs if with_runs else ()):
             est = predict_run(cl, r, self.profs[r.model.name])
             out.append(est.step_time_s)
-            out.extend(max(predicted_component(est.breakdown, k), 1e-12) for k in self.comp_keys[i])
+            out.extend(max(predicted_component(est.breakdown, k, r.parallel), 1e-12) for k in self.comp_keys[i])
         return out
 
     def solve(self, free: list[str]) -> _Solved:
@@ -491,7 +506,10 @@ def _collinear_groups(jac, sens, free: list[str], undetermined: list[str]) -> li
     if len(keep) < 2 or jac.shape[0] == 0:
         return []
     jn = jac[:, keep] / sens[keep]
-    _, sv, vt = np.linalg.svd(jn, full_matrices=False)
+    # full_matrices: with fewer rows than knobs the null space is not among the reduced SVD's directions; its
+    # directions move no prediction at all (singular value 0)
+    _, sv, vt = np.linalg.svd(jn, full_matrices=True)
+    sv = np.concatenate([sv, np.zeros(vt.shape[0] - len(sv))])
     groups = []
     for value, vec in zip(sv, vt, strict=True):
         if value < _MIN_SINGULAR:
@@ -527,8 +545,19 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
 _MIN_COMPONENT_SHARE = 0.03
 
 
-def predicted_component(breakdown: dict[str, float], name: str) -> float:
-    return sum(breakdown.get(k, 0.0) for k in COMPONENTS[name])
+def predicted_component(breakdown: dict[str, float], name: str, cfg: ParallelConfig | None = None) -> float:
+    """The estimate's prediction of measured component `name` of a run of `cfg`. Under torch's DDP (the runtime's
+    data parallelism without ZeRO, tensor or pipeline parallelism: runtime.parallelize.apply_ddp) the gradient
+    all-reduces are waited for from C++ inside backward, where the step timer cannot tell them apart: the measured
+    compute holds the exposed gradient reduction too (dp_comm is measured 0 there)."""
+    keys = COMPONENTS[name]
+    if name == "compute" and cfg is not None and _torch_ddp(cfg):
+        keys = keys + ("dp_comm",)
+    return sum(breakdown.get(k, 0.0) for k in keys)
+
+
+def _torch_ddp(cfg: ParallelConfig) -> bool:
+    return cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1 and cfg.dp * cfg.cp > 1
 
 
 def _components(r: RunSample, stage: int = 0) -> dict[str, float]:

@@ -203,9 +203,12 @@ def runtime_supports_profile_step() -> bool:
 
 
 def run_candidate(c: Candidate, workdir: Path, *, steps: int, profile_step: int | None,
-                  timeout_s: float | None = None, time_from: int | None = None) -> None:
+                  timeout_s: float | None = None, time_from: int | None = None,
+                  memory_step: int | None = None) -> None:
     """Run `c.plan` under torchrun for `steps` steps; fills `c.measured_s`/`c.log` or `c.error`. `time_from`:
-    split the steps from that one on into time components (the runtime's --time-from)."""
+    split the steps from that one on into time components (the runtime's --time-from). `memory_step`: the step
+    the runtime measures memory on (CPU; default the profiled step, else step 3); it is left out of the
+    measurement like the profiled one."""
     from autoplan.runtime.launch import ROOT, torchrun_command
 
     plan_path = c.plan.save(workdir / f"plan-{c.plan.short_hash}.json")
@@ -215,6 +218,8 @@ def run_candidate(c: Candidate, workdir: Path, *, steps: int, profile_step: int 
         args += ["--profile-step", str(profile_step)]
     if time_from is not None:
         args += ["--time-from", str(time_from)]
+    if memory_step is not None:
+        args += ["--memory-step", str(memory_step)]
     cmd = torchrun_command(plan_path, c.plan.world_size, args)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")

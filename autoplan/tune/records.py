@@ -164,6 +164,9 @@ class RunLog(BaseModel):
     profile: ProfileRecord | None = None
     timings: list[TimingRecord] = Field(default_factory=list, description="Timing records (--time-from).")
     final_loss: float | None = None
+    instrumented_steps: list[int] = Field(
+        default_factory=list, description="Steps the runtime measured memory on (MemTracker, CPU: the step rows' "
+        "memory_measured_step): instrumented like the profiled step, so not a step time.")
 
     def time_components(self) -> dict[str, float]:
         """Measured seconds per component: the median over the timed steps (after the first step) of each
@@ -184,12 +187,13 @@ class RunLog(BaseModel):
 
     def measured_step_s(self, warmup: int = 1) -> float:
         """Median step time after `warmup` steps (shape inference, DTensor caches, the allocator's first use),
-        leaving out the profiled step (its instruments slow it down)."""
+        leaving out the profiled step and the memory-measured one (their instruments slow them down: on CPU the
+        runtime's MemTracker step, step 3 by default when nothing is profiled, ran 5-10x a plain step here)."""
         if not self.step_times_s:
             raise SpecError("the run logged no steps", "empty log", "check the run's stderr")
-        skip = self.profile.step if self.profile is not None else None
+        skip = set(self.instrumented_steps) | ({self.profile.step} if self.profile is not None else set())
         pairs = list(zip(self.steps or range(1, len(self.step_times_s) + 1), self.step_times_s, strict=False))
-        times = [t for i, (n, t) in enumerate(pairs) if i >= warmup and n != skip] or self.step_times_s
+        times = [t for i, (n, t) in enumerate(pairs) if i >= warmup and n not in skip] or self.step_times_s
         return statistics.median(times)
 
 
@@ -212,4 +216,7 @@ def read_run_log(path: str | Path) -> RunLog:
                 log.predicted_step_time_s = float(obj["predicted_step_time_s"])
             if obj.get("loss") is not None:
                 log.final_loss = float(obj["loss"])
+            mem_step = obj.get("memory_measured_step")
+            if mem_step is not None and int(mem_step) not in log.instrumented_steps:
+                log.instrumented_steps.append(int(mem_step))
     return log

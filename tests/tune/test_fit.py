@@ -52,7 +52,8 @@ def _synthetic(truth, with_components: bool = False):
                 cfg = check_config(ParallelConfig.parse(c), model, truth.with_gpus(world), tr)
                 r = RunSample(model=model, training=tr, parallel=cfg, world=world, measured_step_s=1.0, label=c)
                 est = predict_run(truth, r)
-                comps = TimedComponents(seconds={k: predicted_component(est.breakdown, k) for k in COMPONENTS}) \
+                comps = TimedComponents(seconds={k: predicted_component(est.breakdown, k, cfg)
+                                                 for k in COMPONENTS}) \
                     if with_components else None
                 runs.append(r.model_copy(update={"measured_step_s": est.step_time_s, "components": comps}))
     gemms = [GemmSample(m=m, n=n, k=k, seconds=1.0)
@@ -222,3 +223,64 @@ def test_profile_record_parser_on_a_hand_written_record(tmp_path):
 
     with pytest.raises(SpecError, match="ranks"):
         parse_profile_record({"event": "profile", "step": 1})
+
+
+def _block_fwd(cluster, kernel_launch_us: float) -> float:
+    from autoplan.cost_models.compute import layer_cost
+    from autoplan.cost_models.estimate import context
+    from autoplan.cost_models.profile import profile_from_spec
+
+    cl = with_knobs(cluster, {"kernel_launch_us": kernel_launch_us})
+    tr = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
+    cfg = check_config(ParallelConfig.parse("dp=4"), MODEL_PRESETS["tiny-gpt"], cl, tr)
+    return layer_cost(profile_from_spec(MODEL_PRESETS["tiny-gpt"])[1], context(cl, tr, cfg)).fwd_s
+
+
+def test_cpu_processes_pay_host_time_and_kernels_one_after_the_other():
+    """On an accelerator the host issues kernels ahead of the device: a layer takes the longer of the two. A CPU
+    process (the cluster's cores are given) runs each operator in the thread that issues it: the sum."""
+    gpu_like = cluster_preset("local-cpu").with_gpus(4)
+    cpu = gpu_like.model_copy(update={"cores_per_node": 2})
+    device = _block_fwd(gpu_like, 1e-2)  # host time negligible: the device's
+    host = _block_fwd(gpu_like, 1e4)  # host-bound: the host's (the max)
+    assert host > 10 * device
+    assert _block_fwd(cpu, 1e4) == pytest.approx(host + device, rel=1e-3)
+    assert _block_fwd(cpu, 1e-2) == pytest.approx(device, rel=1e-2)
+
+
+def test_a_gemm_benchmarked_alone_ran_on_a_whole_core():
+    """calibrate's GEMMs run in one process; in a run 4 processes share 2 cores, and the cost model's rates are
+    a run's. So the benchmark took half the time a run's GEMM takes; on accelerators (cores not given) nothing
+    changes."""
+    cpu = cluster_preset("local-cpu").with_gpus(4).model_copy(update={"cores_per_node": 2})
+    g = GemmSample(m=256, n=256, k=256, seconds=1.0)
+    in_run = predict_gemm(cpu, g.model_copy(update={"processes": 4}))
+    assert predict_gemm(cpu, g) == pytest.approx(in_run / 2)
+    gpu = cluster_preset("dgx-h100")
+    assert predict_gemm(gpu, g) == predict_gemm(gpu, g.model_copy(update={"processes": 4}))
+
+
+def test_fsdp_hooks_under_the_pipeline_schedule_are_paid_once_per_step():
+    """torch.distributed.pipelining turns reshard-after-backward and gradient sync off for every backward but the
+    last, so FSDP's hooks do their work once per step there; without a pipeline, once per micro-batch."""
+    from autoplan.cost_models.estimate import fsdp_unit_time
+
+    cl = with_knobs(_base(), {"fsdp_hook_us": 1000.0, "fsdp_collective_overhead_us": 1e-2})
+    tr = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
+
+    def hooks(pp: int, tp: int, m: int) -> float:
+        return fsdp_unit_time(3, 1e5, dp=2, cp=1, tp=tp, pp=pp, zero=0, m=m, cluster=cl, training=tr)
+
+    assert hooks(2, 1, 4) == pytest.approx(hooks(2, 1, 1))
+    assert hooks(2, 1, 1) == pytest.approx(3e-3, rel=1e-3)
+    assert hooks(1, 2, 4) == pytest.approx(4 * hooks(1, 2, 1), rel=1e-3)
+
+
+def test_torch_ddp_waits_are_in_the_measured_compute():
+    """torch's DDP waits for its gradient all-reduces from C++ inside backward: the step timer books them as
+    compute, so the fit compares that row with compute + dp_comm. FSDP (ZeRO>=1) and replicate (tp or pp) wait
+    in Python, inside FSDP's regions: dp_comm stays its own row."""
+    bd = {"compute": 0.03, "dp_comm": 0.01}
+    assert predicted_component(bd, "compute", ParallelConfig.parse("dp=4")) == pytest.approx(0.04)
+    for other in ("dp=4,zero=1", "tp=2,dp=2", "pp=2,dp=2", "tp=4"):
+        assert predicted_component(bd, "compute", ParallelConfig.parse(other)) == pytest.approx(0.03), other

@@ -1,0 +1,97 @@
+"""benchmarks/tune_local.py --replay: the fit and the held-out evaluation on saved measurements, launching
+nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autoplan.tune.core as tune_core
+from autoplan.api import make_plan
+from autoplan.tune.core import select_candidates
+from autoplan.tune.records import RunLog, TimingRank, TimingRecord
+from benchmarks import tune_local
+
+
+def _saved(tmp_path, scale: float = 2.0):
+    """A --save file made up from predictions: every measurement is `scale` x the starting cluster's prediction,
+    so a refit that scales the host and device rates should explain the held-out ones too."""
+    model, cluster, training = tune_local.workload("tiny-gpt", 4, 8, 64)
+    cands = select_candidates(model, cluster, training, top=1, diverse=3, kernels="torch")
+    tuned = []
+    for c in cands:
+        log = RunLog(step_times_s=[1.0, scale * c.predicted_before_s], steps=[1, 2])
+        if c is cands[0]:  # one run with a timing record, as --time-from writes it
+            log.timings.append(TimingRecord(event="timing", step=2, ranks=[
+                TimingRank(rank=r, step_s=scale * c.predicted_before_s,
+                           time_s={"forward": 0.4 * scale * c.predicted_before_s}) for r in range(4)]))
+        tuned.append({"parallel": c.config, "measured_s": scale * c.predicted_before_s,
+                      "plan": json.loads(c.plan.to_json()), "log": log.model_dump(), "why": c.why})
+    held = []
+    for cfg in ("dp=4,mbs=1", "pp=4", "dp=4,zero=1,mbs=1"):  # the last with a timed log
+        p = make_plan(model, cluster, training, cfg, kernels="torch")
+        t = scale * p.prediction.step_time_s
+        log = RunLog(step_times_s=[1.0, 1.0, t, t], steps=[1, 2, 3, 4], instrumented_steps=[2])
+        log.timings.append(TimingRecord(event="timing", step=3, ranks=[
+            TimingRank(rank=r, step_s=t, time_s={"forward": 0.3 * t, "step_tail": 0.1 * t}) for r in range(4)]))
+        held.append({"parallel": p.parallel.to_string(), "measured_s": t, "error": None,
+                     "log": log.model_dump() if "zero" in cfg else None})
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps({"tuned": tuned, "held_out": held, "cluster": json.loads(cluster.model_dump_json()),
+                                "args": {"model": "tiny-gpt", "nproc": 4, "global_batch": 8, "seq_len": 64},
+                                "known": {}, "bench": None}, default=float))
+    return path
+
+
+def test_replay_refits_saved_measurements_without_launching(tmp_path, monkeypatch, capsys):
+    path = _saved(tmp_path)
+
+    def no_launch(*a, **k):
+        raise AssertionError("replay launched a run")
+
+    monkeypatch.setattr(tune_core, "run_candidate", no_launch)
+    monkeypatch.setattr(tune_local, "run_candidate", no_launch)
+    assert tune_local.main(["--replay", str(path), "--json"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    ev = json.loads(out[0])
+    logged = next(r for r in ev["held_out"] if "zero=1" in r["parallel"])
+    assert logged["components_measured"]["compute"] > 0 and logged["components_refit"]["optimizer"] > 0
+    assert ev["held_out_count"] == 3
+    assert ev["mean_error_before"] == pytest.approx(0.5, abs=0.01)  # the starting cluster: half the time
+    assert ev["mean_error_after"] < 0.25  # the refit learned the slowdown from the tuned runs alone
+    assert out[-1].startswith("tune: held-out spearman ")
+
+
+def test_replay_of_a_file_without_logs_uses_its_saved_components(tmp_path, capsys):
+    """Files saved before the run logs were (session 6) carry each tuned run's components only; .gz is read."""
+    data = json.loads(_saved(tmp_path).read_text())
+    for e in data["tuned"]:
+        e.pop("log")
+        e["components"] = {"compute": 0.5 * e["measured_s"]}
+    data.pop("cluster")
+    import gzip
+
+    path = tmp_path / "old.json.gz"  # committed sets are gzipped
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps(data))
+    assert tune_local.main(["--replay", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("over 3 layouts")
+
+
+def test_the_memory_measured_step_is_not_a_step_time(tmp_path):
+    """On CPU the runtime measures memory (MemTracker) on one step, step 3 when nothing is profiled; that step ran
+    5-10x a plain one here, and it was in the held-out runs' median."""
+    from autoplan.tune.records import read_run_log
+
+    rows = [{"step": n, "step_time_s": t, "memory_measured_step": 3 if n >= 3 else None}
+            for n, t in ((1, 0.2), (2, 0.05), (3, 0.8), (4, 0.04), (5, 0.045))]
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    log = read_run_log(path)
+    assert log.instrumented_steps == [3]
+    assert log.measured_step_s() == pytest.approx(0.045)  # median of steps 2, 4, 5
+    # a saved log from before the field existed gets the runtime's default back in a replay
+    old = log.model_dump()
+    old.pop("instrumented_steps")
+    assert tune_local._saved_log(old).measured_step_s() == pytest.approx(0.045)
