@@ -24,10 +24,10 @@ DEFAULT_STACK = "autoplan"
 # are never part of a stack).
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
-               "grad_sync_all_reduce", "kernels")
+               "grad_sync_all_reduce", "runtime_memory", "kernels")
 # Values every stack has unless it says otherwise (TrainingSpec's defaults for these knobs).
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
-           "grad_sync_all_reduce": False}
+           "grad_sync_all_reduce": False, "runtime_memory": False}
 
 
 class Stack(BaseModel):
@@ -60,7 +60,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack(
         name="autoplan", title="autoplan's own runtime (default)",
         knobs={"flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
-               "tp_comm_overlap": False, "kernels": "fused", "grad_reduce_dtype": None},
+               "tp_comm_overlap": False, "kernels": "fused", "grad_reduce_dtype": None, "runtime_memory": True},
         assumes="flash (SDPA) attention; autoplan's fused Triton norms/activations/RoPE and chunked cross-entropy; "
                 "gradient reduce overlapped with the backward and ZeRO gathers with the forward (FSDP2); "
                 "TP collectives not overlapped; gradients reduced in the compute dtype",
