@@ -645,10 +645,11 @@ def runtime_semantics(cfg: ParallelConfig) -> dict[str, str]:
         out["cp"] = ("context-parallel attention all-gathers K and V (backward: an all-to-all of their gradients), "
                      "the same bytes per rank as ring attention; the step time prices ring attention's overlap")
     if cfg.ep > 1 and cfg.tp > 1:
-        out["ep"] = ("experts are whole on every tp rank (no expert tensor parallelism): the runtime's FLOPs and "
-                     "expert memory are tp times the step-time model's (cost_models.counts prices what runs)")
+        out["ep"] = ("experts are whole on every tp rank (no expert tensor parallelism): the runtime's FLOPs are "
+                     "tp times the step-time model's (cost_models.counts prices what runs); their memory is "
+                     "priced as run (estimate.runtime_per_param)")
     if cfg.ep > 1 and cfg.zero >= 1:
         out["ep_zero"] = ("ZeRO does not shard expert parameters, gradients or optimizer state (FSDP2 ignores "
-                          "them; they are reduced over the expert data-parallel ranks); cost_models.counts prices "
-                          "what runs, the step-time memory model shards them")
+                          "them; they are reduced over the expert data-parallel ranks); priced as run "
+                          "(estimate.runtime_per_param)")
     return out
