@@ -276,12 +276,14 @@ def runtime_per_param(*, dp: int, cp: int, tp: int, pp: int, ep: int, zero: int,
         dense_w = w / n
     else:
         dense_w = 0.0
-    shard_d, shard_e = (n, max(1, n // ep)) if zero >= 1 else (1, 1)
+    shard_e = max(1, n // ep) if zero >= 1 else 1
     grads_sharded = zero >= 2 and pp == 1
     unshard = 1 - 1 / shard_e
-    expert = ((tp - 1) * w / (shard_d if zero >= 3 else 1) + (unshard * w if zero >= 3 else 0.0),
-              (tp - 1) * g / (shard_d if grads_sharded else 1) + (unshard * g if grads_sharded else 0.0),
-              (tp - 1) * opt / shard_d + unshard * opt)
+    # the tp - 1 more copies are whole like the rank's own experts (FSDP2 and replicate ignore every expert
+    # parameter: runtime.parallelize.apply_dp's ignored_params), whatever the ZeRO stage
+    expert = ((tp - 1) * w + (unshard * w if zero >= 3 else 0.0),
+              (tp - 1) * g + (unshard * g if grads_sharded else 0.0),
+              (tp - 1) * opt + unshard * opt)
     return (dense_w, 0.0, 0.0), expert
 
 
