@@ -33,6 +33,8 @@ from .estimate import (
     context,
     estimate,
     num_microbatches,
+    tied_copy,
+    uses_replicate,  # noqa: F401 (re-exported: where ZeRO-0 runs as FSDP2's replicate)
 )
 from .pipeline import in_flight, schedule_actions
 from .profile import LayerProfile
@@ -182,13 +184,9 @@ def rank_counts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Cont
     return flops, comm
 
 
-def _tied_copy(stages: list[StageCost], profiles: list[LayerProfile], cfg: ParallelConfig, ctx: Context) -> float:
-    """Parameters of a tied LM head's own copy on the last of several pipeline stages (the profile counts the
-    tied head once, on the embedding)."""
-    head = profiles[-1]
-    if cfg.pp > 1 and any(s.has_head for s in stages) and head.gemms and head.gemms[0].count == 0:
-        return head.gemms[0].n * head.gemms[0].k / ctx.tp
-    return 0.0
+def _tied_copy(stages: list[StageCost], cfg: ParallelConfig) -> float:
+    """Parameters of a tied LM head's own copy on the last of several pipeline stages (`estimate.tied_copy`)."""
+    return tied_copy(stages, cfg)
 
 
 def dp_dim(cfg: ParallelConfig) -> str:
@@ -415,23 +413,13 @@ def _head_parts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Cont
     return cached_layer_cost(head, ctx).act_none, tmp
 
 
-def uses_replicate(cfg: ParallelConfig) -> bool:
-    """ZeRO-0 data parallelism runs as FSDP2's `replicate` (a sharded copy beside each parameter) where a
-    parameter is a DTensor (tp > 1) or the stage is pipelined; otherwise as DDP (runtime.parallelize.apply_dp)."""
-    return cfg.tp > 1 or cfg.pp > 1
-
-
 def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,
                  cluster: ClusterSpec, training: TrainingSpec, m: int, in_flight: float) -> tuple[dict[str, float], str]:
     """(the memory categories at the peak, the moment of the peak: a `_moments` key). The categories of
-    `estimate.memory_of_rank`, plus what autoplan's runtime holds on top of them:
-    - FSDP2 keeps each sharded parameter beside its unsharded copy: a full second copy under `replicate`
-      (zero 0 with dp x cp > 1 where DDP cannot be used: tensor-parallel DTensors or pipeline stages, see
-      runtime.parallelize.apply_dp), a 1/(dp x cp) shard under zero 1/2; DDP keeps one copy of parameters and
-      one of gradients (views of its buckets);
-    - experts are whole on every tp rank (not split over tp), with their gradients and optimizer state, and
-      ZeRO does not shard them (FSDP2 ignores them);
-    - a tied LM head on the last of several pipeline stages is its own copy (kept equal by an all-reduce);
+    `estimate.memory_of_rank` under `TrainingSpec.runtime_memory` (`mem`), which already hold what autoplan's
+    runtime keeps beyond Megatron's count (`estimate.runtime_extra`: FSDP2's unsharded copies, experts whole on
+    every tp rank and unsharded by ZeRO, a tied LM head's own copy on the last of several pipeline stages, a
+    vocabulary-parallel embedding's whole gradient at zero 0), plus the moment-dependent rest:
     - the pipeline schedule keeps the last stage's output (the logits) of every micro-batch until the step ends,
       one activation receive buffer per micro-batch and stage, each sending stage's outputs (`pipeline_act`)
       and one gradient receive buffer per micro-batch and stage;
@@ -444,33 +432,16 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
       forward, whichever holds most (tensors released by then are not counted).
     Without the framework overhead (a process constant that tensor tracking does not see). Each term's source
     in torch or the runtime: docs/notes/session-5/issue-12-activations.md."""
-    w, g = training.weight_bytes, training.grad_bytes
-    master = 0 if training.dtype in ("fp32", "tf32") else 4
+    if not training.runtime_memory:
+        raise ValueError("counts.memory_bytes describes autoplan's runtime: `mem` must be priced with "
+                         "TrainingSpec.runtime_memory (predict_counts does)")
     n = cfg.dp * cfg.cp
     # ZeRO-3's gathered units (estimate.memory_of_rank's `other` beyond the overhead: two of the largest layer)
     # are priced as FSDP2 holds them: the root unit and the running block's unsharded parameters, the prefetched
     # or kept all-gather output (the root unit below, the rest in `_moments`)
     out = {"parameters": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,
            "activations": mem.activations, "temporaries": 0.0}
-    dense = sum(s.params - s.expert_params for s in stages)
-    expert = sum(s.expert_params for s in stages)
     head = profiles[-1]
-    tied = _tied_copy(stages, profiles, cfg, ctx)  # the tied head's own copy
-    extra = tied + expert * (ctx.tp - 1)  # experts whole on every tp rank
-    shard_d, shard_e = (n, max(1, n // cfg.ep)) if cfg.zero >= 1 else (1, 1)
-    out["parameters"] += extra / (shard_d if cfg.zero >= 3 else 1) * w
-    out["gradients"] += extra / (shard_d if cfg.zero >= 2 and cfg.pp == 1 else 1) * g
-    out["optimizer"] += extra / shard_d * (master + 8)
-    out["gradients"] += _embedding_grad_whole(stages, profiles, ctx, cfg) * g
-    if n > 1 and cfg.zero == 0 and uses_replicate(cfg):
-        out["parameters"] += (dense + tied) * w
-    elif n > 1 and cfg.zero in (1, 2):
-        out["parameters"] += (dense + tied) / n * w
-    # FSDP2 ignores expert parameters (apply_dp): ZeRO does not shard them, their gradients or their Adam state
-    unshard_e = expert * (1 - 1 / shard_e)
-    out["optimizer"] += unshard_e * (master + 8)
-    out["gradients"] += unshard_e * g if cfg.zero >= 2 and cfg.pp == 1 else 0.0
-    out["parameters"] += unshard_e * w if cfg.zero >= 3 else 0.0
     if cfg.pp > 1 and any(s.has_head for s in stages):
         out["activations"] += m * ctx.tokens * head.logits_per_token / ctx.tp * 4  # fp32 logits kept per micro-batch
     out["activations"] += in_flight * sum(_eager_extra_act(p, ctx, training, rec) for s in stages
@@ -494,7 +465,7 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     # forward and backward (FSDPState._lazy_init: the root does not reshard after forward), and the unsharded
     # parameters are the modules' own parameter tensors, booked as parameters
     if cfg.zero >= 3 and n > 1:
-        out["parameters"] += _root_unit(stages, profiles, ctx, cfg) * w
+        out["parameters"] += _root_unit(stages, profiles, ctx, cfg) * training.weight_bytes
     # The peak's moment: the categories each candidate adds (a tie goes to the first, the block: tiny-gpt
     # tp=2,pp=2's last stage measures the block at 80 KiB either way)
     moments = _moments(stages, profiles, ctx, cfg, training)
@@ -503,25 +474,6 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
         out[k] += v
     out["peak"] = sum(out.values())
     return out, moment
-
-
-def _embedding_grad_whole(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context,
-                          cfg: ParallelConfig) -> float:
-    """Elements a vocabulary-parallel embedding's gradient holds beyond its shard. DTensor runs the embedding's
-    backward (embedding_dense_backward) for the whole vocabulary and hands AccumulateGrad this rank's rows as a view
-    of it, so the first micro-batch's .grad keeps the whole-vocabulary storage for the rest of the step (later
-    micro-batches add into it). Where the rank also holds a tied LM head the head's gradient (its own shard) arrives
-    first and becomes the .grad, and the embedding's is added to it and freed. Measured without data parallelism
-    (tiny-gpt tp=2,pp=2) and under FSDP2's `replicate` (zero 0: tiny-moe dp=2,tp=2,ep=2, untied); not priced under
-    ZeRO, where FSDP2 reduce-scatters the unsharded gradient and frees it (unmeasured)."""
-    emb = profiles[0]
-    if ctx.tp == 1 or cfg.zero > 0 or emb.kind != "embedding" or \
-            emb not in [p for s in stages for p, _ in _stage_layers(s, profiles)]:
-        return 0.0
-    head = profiles[-1]
-    if any(s.has_head for s in stages) and head.gemms and head.gemms[0].count == 0:
-        return 0.0  # tied head on this rank
-    return head.logits_per_token * emb.hidden * (1 - 1 / ctx.tp)
 
 
 def _stage_blocks(stages: list[StageCost], profiles: list[LayerProfile]) -> list[LayerProfile]:
@@ -545,7 +497,7 @@ def _root_unit(stages: list[StageCost], profiles: list[LayerProfile], ctx: Conte
             if p.kind != "block":
                 c = cached_layer_cost(p, ctx)
                 out += c.params_local - c.expert_params_local
-    return out + _tied_copy(stages, profiles, cfg, ctx)
+    return out + _tied_copy(stages, cfg)
 
 
 def _forward_gather(cfg: ParallelConfig) -> bool:
@@ -659,6 +611,9 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
     """Per pipeline rank: {"flops": {phase: n}, "comm": [{collective, mesh_dim, count, bytes}],
     "memory_bytes": {category: bytes, "peak": bytes}, "memory_moment": the peak's moment, "memory_phase": its
     phase, "memory_at": its phase and place (`MOMENT_AT`)} for one optimizer step of `cfg` (dp resolved)."""
+    # the counts describe autoplan's runtime, whatever stack `training` came from: its memory as the runtime holds
+    # it (the knob changes no time)
+    training = training.model_copy(update={"runtime_memory": True})
     est = estimate(profiles, cluster, training, cfg, layout, simulate_pipeline=False)
     ctx = context(cluster, training, cfg)
     m = num_microbatches(cfg, training)
@@ -667,7 +622,7 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
     fl = in_flight(cfg.schedule, cfg.pp, m, cfg.vp)
     for r, stages in enumerate(_stages_by_rank(est.stages, cfg.pp)):
         flops, comm = rank_counts(stages, profiles, ctx, cfg, m, n_stages, training)
-        dense = sum(s.params - s.expert_params for s in stages) + _tied_copy(stages, profiles, cfg, ctx)
+        dense = sum(s.params - s.expert_params for s in stages) + _tied_copy(stages, cfg)
         expert = sum(s.expert_params for s in stages)
         dp_comm(dense, expert, cfg, training, m, comm)
         step_comm(stages, profiles, ctx, cfg, training, comm)
@@ -690,10 +645,11 @@ def runtime_semantics(cfg: ParallelConfig) -> dict[str, str]:
         out["cp"] = ("context-parallel attention all-gathers K and V (backward: an all-to-all of their gradients), "
                      "the same bytes per rank as ring attention; the step time prices ring attention's overlap")
     if cfg.ep > 1 and cfg.tp > 1:
-        out["ep"] = ("experts are whole on every tp rank (no expert tensor parallelism): the runtime's FLOPs and "
-                     "expert memory are tp times the step-time model's (cost_models.counts prices what runs)")
+        out["ep"] = ("experts are whole on every tp rank (no expert tensor parallelism): the runtime's FLOPs are "
+                     "tp times the step-time model's (cost_models.counts prices what runs); their memory is "
+                     "priced as run (estimate.runtime_per_param)")
     if cfg.ep > 1 and cfg.zero >= 1:
         out["ep_zero"] = ("ZeRO does not shard expert parameters, gradients or optimizer state (FSDP2 ignores "
-                          "them; they are reduced over the expert data-parallel ranks); cost_models.counts prices "
-                          "what runs, the step-time memory model shards them")
+                          "them; they are reduced over the expert data-parallel ranks); priced as run "
+                          "(estimate.runtime_per_param)")
     return out

@@ -81,6 +81,8 @@ class StageCost:
     recompute_flops: float
     zero3_s: float = 0.0  # exposed ZeRO-3 gathers and reduce-scatters per micro-batch (inside bwd_s)
     p2p_s: float = 0.0  # compute time lost to its pipeline messages per micro-batch (inside fwd_s + bwd_s)
+    tied_head: float = 0.0  # a tied LM head's weight elements on this (head) stage, not in params (`tied_head_params`)
+    vocab_grad_extra: float = 0.0  # the embedding's whole-vocabulary gradient beyond its shard (`embedding_grad_extra`)
 
 
 @dataclass
@@ -223,13 +225,105 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
         recompute_s=rec, comm_s=comm_s, act_per_mb=act, act_peak_extra=extra,
         params=sum(c.params_local for c, _ in parts), expert_params=sum(c.expert_params_local for c, _ in parts),
         model_flops=sum(c.model_flops for c, _ in parts), recompute_flops=rec_flops,
+        tied_head=tied_head_params(profiles, ctx.tp) if has_head else 0.0,
+        vocab_grad_extra=embedding_grad_extra(profiles, ctx.tp) if has_emb else 0.0,
     )
+
+
+def tied_head_params(profiles: list[LayerProfile], tp: int) -> float:
+    """Elements per tp rank of a tied LM head's weight, 0 if the head is untied (the profile counts a tied head's
+    weight once, on the embedding: its head GEMM has count 0)."""
+    head = profiles[-1]
+    if head.gemms and head.gemms[0].count == 0:
+        return head.gemms[0].n * head.gemms[0].k / tp
+    return 0.0
+
+
+def embedding_grad_extra(profiles: list[LayerProfile], tp: int) -> float:
+    """Elements a vocabulary-parallel embedding's gradient holds beyond its shard in autoplan's runtime. DTensor runs
+    the embedding's backward (embedding_dense_backward) for the whole vocabulary and hands AccumulateGrad this rank's
+    rows as a view of it, so the first micro-batch's .grad keeps the whole-vocabulary storage for the rest of the
+    step (later micro-batches add into it). Where it applies: `embedding_grad_whole`."""
+    emb, head = profiles[0], profiles[-1]
+    if tp == 1 or emb.kind != "embedding":
+        return 0.0
+    return head.logits_per_token * emb.hidden * (1 - 1 / tp)
+
+
+def uses_replicate(cfg: ParallelConfig) -> bool:
+    """ZeRO-0 data parallelism runs as FSDP2's `replicate` (a sharded copy beside each parameter) where a
+    parameter is a DTensor (tp > 1) or the stage is pipelined; otherwise as DDP (runtime.parallelize.apply_dp)."""
+    return cfg.tp > 1 or cfg.pp > 1
+
+
+def runtime_per_param(*, dp: int, cp: int, tp: int, pp: int, ep: int, zero: int,
+                      training: TrainingSpec) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """Bytes per dense and per expert parameter (weights, gradients, optimizer state) that autoplan's runtime holds
+    beyond `memory_of_rank`'s Megatron-style count (`runtime_extra`; the search's `CostTable.static_per_param` adds
+    the same):
+    - dense: FSDP2 keeps each sharded parameter beside its unsharded copy: a full second copy under `replicate`
+      (zero 0 with dp x cp > 1 where DDP cannot be used, `uses_replicate`), a 1/(dp x cp) shard under zero 1/2; DDP
+      keeps one copy of parameters and one of gradients (views of its buckets);
+    - expert: experts are whole on every tp rank (not split over tp: tp - 1 more copies, with their gradients and
+      optimizer state), and FSDP2 ignores them, so ZeRO does not shard the rank's own experts (what
+      `memory_of_rank` divides by dp x cp / ep is whole)."""
+    n = dp * cp
+    w, g = training.weight_bytes, training.grad_bytes
+    opt = (0 if training.dtype in ("fp32", "tf32") else 4) + 8
+    if n > 1 and zero == 0 and (tp > 1 or pp > 1):
+        dense_w = float(w)
+    elif n > 1 and zero in (1, 2):
+        dense_w = w / n
+    else:
+        dense_w = 0.0
+    shard_e = max(1, n // ep) if zero >= 1 else 1
+    grads_sharded = zero >= 2 and pp == 1
+    unshard = 1 - 1 / shard_e
+    # the tp - 1 more copies are whole like the rank's own experts (FSDP2 and replicate ignore every expert
+    # parameter: runtime.parallelize.apply_dp's ignored_params), whatever the ZeRO stage
+    expert = ((tp - 1) * w + (unshard * w if zero >= 3 else 0.0),
+              (tp - 1) * g + (unshard * g if grads_sharded else 0.0),
+              (tp - 1) * opt + unshard * opt)
+    return (dense_w, 0.0, 0.0), expert
+
+
+def tied_copy(stages: list[StageCost], cfg: ParallelConfig) -> float:
+    """Parameters of a tied LM head's own copy on the last of several pipeline stages (kept equal to the
+    embedding by an all-reduce; the profile counts the tied head once, on the embedding). The runtime holds it as
+    any dense parameter (gradients, optimizer state, FSDP2's copies)."""
+    return sum(s.tied_head for s in stages) if cfg.pp > 1 else 0.0
+
+
+def embedding_grad_whole(stages: list[StageCost], cfg: ParallelConfig) -> float:
+    """Gradient elements a rank's vocabulary-parallel embedding holds beyond its shard (`embedding_grad_extra`).
+    Where the rank also holds a tied LM head the head's gradient (its own shard) arrives first and becomes the
+    .grad, and the embedding's is added to it and freed. Measured without data parallelism (tiny-gpt tp=2,pp=2)
+    and under FSDP2's `replicate` (zero 0: tiny-moe dp=2,tp=2,ep=2, untied); not priced under ZeRO, where FSDP2
+    reduce-scatters the unsharded gradient and frees it (unmeasured)."""
+    if cfg.zero > 0 or any(s.tied_head for s in stages):
+        return 0.0
+    return sum(s.vocab_grad_extra for s in stages)
+
+
+def runtime_extra(stages: list[StageCost], cfg: ParallelConfig, training: TrainingSpec,
+                  dense: float, expert: float) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes autoplan's runtime holds on a rank beyond `memory_of_rank`'s base
+    count of `dense` (the tied copy included) and `expert` parameters: `runtime_per_param` and the embedding's
+    whole-vocabulary gradient. Verified with the rest of the runtime's memory against tensor-level measurement
+    (cost_models.counts.memory_bytes, benchmarks/counts.py)."""
+    (dw, dg, do), (ew, eg, eo) = runtime_per_param(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep,
+                                                   zero=cfg.zero, training=training)
+    vocab = embedding_grad_whole(stages, cfg) * training.grad_bytes
+    return dense * dw + expert * ew, dense * dg + expert * eg + vocab, dense * do + expert * eo
 
 
 def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelConfig, cluster: ClusterSpec,
                    training: TrainingSpec) -> MemoryParts:
-    """Memory of one pipeline rank holding `stages` (its virtual stages) with `rank_inflight` micro-batches."""
-    dense = sum(s.params - s.expert_params for s in stages)
+    """Memory of one pipeline rank holding `stages` (its virtual stages) with `rank_inflight` micro-batches:
+    Megatron's count, plus (`TrainingSpec.runtime_memory`, the autoplan stack) what autoplan's runtime holds on
+    top of it (`runtime_extra`, with a tied head's own copy as a dense parameter, `tied_copy`)."""
+    runtime = training.runtime_memory
+    dense = sum(s.params - s.expert_params for s in stages) + (tied_copy(stages, cfg) if runtime else 0.0)
     expert = sum(s.expert_params for s in stages)
     shard_d = cfg.dp * cfg.cp
     shard_e = max(1, shard_d // cfg.ep)
@@ -246,6 +340,11 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     # (the plan's runtime_semantics says so; cost_models.counts.runtime_semantics).
     m.gradients = (sharded if cfg.zero >= 2 and cfg.pp == 1 else params_eff) * g_bytes
     m.optimizer = (sharded if cfg.zero >= 1 else params_eff) * opt_bytes
+    if runtime:
+        w, g, o = runtime_extra(stages, cfg, training, dense, expert)
+        m.weights += w
+        m.gradients += g
+        m.optimizer += o
     per_mb = sum(s.act_per_mb for s in stages) / max(1, len(stages))  # one chunk's worth, averaged
     chunks = len(stages)
     m.activations = rank_inflight * per_mb * chunks + max((s.act_peak_extra for s in stages), default=0.0)
@@ -295,7 +394,7 @@ def runtime_dp_units(stages: list[StageCost], cfg: ParallelConfig) -> int:
     """Gradient all-reduces of autoplan's runtime at ZeRO-0 that a bucketed DDP would not send: 0 where it runs
     torch's DDP (no TP, no pipeline: runtime.parallelize.apply_ddp), else one per block plus one per stage root
     (`replicate` per block, which works with DTensor TP and under the pipeline schedule)."""
-    if cfg.zero != 0 or (cfg.tp == 1 and cfg.pp == 1):
+    if cfg.zero != 0 or not uses_replicate(cfg):
         return 0
     return fsdp_units(stages)
 

@@ -320,6 +320,13 @@ class TrainingSpec(_Frozen):
         default=False, description="With ZeRO-1/2 the data-parallel gradients are still all-reduced whole (every "
         "rank receives the full reduced gradient, then steps only its shard and the parameters are all-gathered), "
         "instead of reduce-scattered: DeepSpeed's BF16_Optimizer under its pipeline engine.")
+    runtime_memory: bool = Field(
+        default=True, description="The memory check prices what autoplan's runtime holds beyond the textbook "
+        "(Megatron) per-rank memory: FSDP2 replicate's second parameter copy at ZeRO-0 with tp or pp > 1, the "
+        "unsharded parameter copy beside ZeRO-1/2's shard, experts whole on every tp rank and unsharded by ZeRO, "
+        "a tied LM head's own copy on the last pipeline stage, a vocabulary-parallel embedding's whole gradient "
+        "at ZeRO-0 (cost_models.estimate.runtime_extra); false = the stack is other software (Megatron, "
+        "DeepSpeed, torchtitan), priced as Megatron's memory model.")
     @property
     def fused_kernels(self) -> bool:
         return self.kernels == "fused"

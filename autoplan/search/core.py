@@ -55,6 +55,7 @@ from autoplan.cost_models.estimate import (
     StageLayout,
     dp_exposed,
     dp_sync,
+    embedding_grad_extra,
     estimate,
     fsdp_unit_time,
     grad_accum_time,
@@ -63,8 +64,10 @@ from autoplan.cost_models.estimate import (
     param_gather_exposed,
     pipeline_p2p_parts,
     pipeline_p2p_time,
+    runtime_per_param,
     step_scalars_time,
     step_time_lower_bound,
+    tied_head_params,
     zero3_block_exposed,
 )
 from autoplan.cost_models.pipeline import in_flight
@@ -187,6 +190,8 @@ class CostTable:
         self.w_bytes = training.weight_bytes
         self.g_bytes = training.grad_bytes
         self.opt_bytes = (0 if training.dtype in ("fp32", "tf32") else 4) + 8
+        self.profiles = profiles
+        self._static: dict[tuple, tuple[float, float]] = {}
 
     def layers(self, mesh: Mesh) -> list[LayerCost]:
         key = mesh.ctx_key
@@ -201,7 +206,12 @@ class CostTable:
     def static_per_param(self, mesh: Mesh, zero: int) -> tuple[float, float]:
         """Bytes per dense and per expert parameter (weights + gradients + optimizer) after ZeRO sharding, as
         `estimate.memory_of_rank` prices them: under pipeline parallelism ZeRO-2/3 keep whole gradients (the
-        schedule defers the reduce-scatter to the last micro-batch)."""
+        schedule defers the reduce-scatter to the last micro-batch); on autoplan's runtime
+        (`TrainingSpec.runtime_memory`) with what it holds beyond that (`estimate.runtime_per_param`)."""
+        key = (mesh.tp, mesh.cp, mesh.ep, mesh.pp, mesh.dp, zero)
+        got = self._static.get(key)
+        if got is not None:
+            return got
         sd = mesh.dp * mesh.cp
         se = max(1, sd // mesh.ep)
         grads_sharded = zero >= 2 and mesh.pp == 1
@@ -209,14 +219,34 @@ class CostTable:
         for shard in (sd, se):
             out.append(self.w_bytes * (1 / shard if zero >= 3 else 1) + self.g_bytes * (1 / shard if grads_sharded else 1)
                        + self.opt_bytes * (1 / shard if zero >= 1 else 1))
-        return out[0], out[1]
+        if self.training.runtime_memory:
+            extra = runtime_per_param(dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep, zero=zero,
+                                      training=self.training)
+            out = [b + sum(x) for b, x in zip(out, extra, strict=True)]
+        got = self._static[key] = (out[0], out[1])
+        return got
+
+    def ends_static(self, mesh: Mesh, zero: int) -> tuple[float, float]:
+        """Bytes the embedding's and the LM head's stages hold beyond their layers' parameters on autoplan's
+        runtime, as `estimate.memory_of_rank` prices them: the embedding's whole-vocabulary gradient at ZeRO-0
+        (`estimate.embedding_grad_whole`: not where a tied head shares the rank) and a tied head's own copy on the
+        last of several pipeline stages (`estimate.tied_copy`, priced as a dense parameter)."""
+        if not self.training.runtime_memory:
+            return 0.0, 0.0
+        tied = tied_head_params(self.profiles, mesh.tp)
+        emb = 0.0
+        if zero == 0 and not (tied and mesh.pp == 1):
+            emb = embedding_grad_extra(self.profiles, mesh.tp) * self.g_bytes
+        head = tied * self.static_per_param(mesh, zero)[0] if mesh.pp > 1 else 0.0
+        return emb, head
 
 
-def _block_cost(c: LayerCost, dense_b: float, expert_b: float, extra_work: float = 0.0) -> BlockCost:
+def _block_cost(c: LayerCost, dense_b: float, expert_b: float, extra_work: float = 0.0,
+                extra_static: float = 0.0) -> BlockCost:
     dense = c.params_local - c.expert_params_local
     return BlockCost(work=c.fwd_s + c.bwd_s + extra_work, rec_sel=c.recompute_selective_s, rec_full=c.recompute_full_s,
                      act_none=c.act_none, act_sel=c.act_selective, act_full=c.act_full,
-                     static=dense * dense_b + c.expert_params_local * expert_b)
+                     static=dense * dense_b + c.expert_params_local * expert_b + extra_static)
 
 
 # ---------------------------------------------------------------------------------------------- search
@@ -394,8 +424,9 @@ class _Searcher:
             extra = (self.zero3_extra(mesh, lc[u]) if kn.zero >= 3 else 0.0) + self.accum(lc[u])
             by_uid[u] = _block_cost(lc[u], dense_b, expert_b, extra)
         e, h = lc[self.costs.uid[0]], lc[self.costs.uid[-1]]
-        emb = _block_cost(e, dense_b, expert_b, self.accum(e))
-        head = _block_cost(h, dense_b, expert_b, self.accum(h))
+        emb_x, head_x = self.costs.ends_static(mesh, kn.zero)
+        emb = _block_cost(e, dense_b, expert_b, self.accum(e), emb_x)
+        head = _block_cost(h, dense_b, expert_b, self.accum(h), head_x)
         m = self.micro_batches(mesh)
         infl = tuple(in_flight(kn.schedule, mesh.pp, m, kn.vp))
         caps = []

@@ -122,7 +122,8 @@ def test_plans_without_the_new_fields_still_load(tmp_path, capsys):
     assert data["stack"] is None and data["parallel"]["layout"] is None
     data.pop("stack")
     data["parallel"].pop("layout")
-    for k in ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused", "grad_sync_all_reduce"):
+    for k in ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused", "grad_sync_all_reduce",
+              "runtime_memory"):
         data["training"].pop(k)
     old = tmp_path / "old.json"
     old.write_text(json.dumps(data))
