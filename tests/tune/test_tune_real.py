@@ -19,7 +19,7 @@ def test_tune_two_processes_end_to_end(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "autoplan.cli", "tune", "--model", "tiny-gpt", "--cluster", "local-cpu",
            "--gpus", "2", "--global-batch", "4", "--seq-len", "32", "--dtype", "fp32", "--top", "1",
-           "--diverse", "1", "--steps", "3", "--cluster-out", str(cluster_out), "-o", str(plan_out),
+           "--diverse", "1", "--steps", "5", "--cluster-out", str(cluster_out), "-o", str(plan_out),
            "--workdir", str(tmp_path / "runs"), "--json"]
     # a hang guard, not a speed check: two launches take ~20 s here when the machine is quiet, 217 s at load 50
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -32,8 +32,10 @@ def test_tune_two_processes_end_to_end(tmp_path):
     fit = out["fit"]
     assert fit["mean_abs_error_after"] < fit["mean_abs_error_before"]
     # two runs, several knobs: they can be explained -- not exactly, since each run's timed components are rows
-    # of the fit beside its total (measured on this machine: 0.8-7.2% over 11 tunes at load 1-5)
-    assert fit["mean_abs_error_after"] < 0.10
+    # of the fit beside its total. How well is the benchmark's question (benchmarks/tune_local.py); here only that
+    # the fit works: over 5 tunes at load 1.5-4.7 (session 7) the runs' mean error went 59-135% -> 2.2-8.3%, and
+    # the written plan's error (its run's row alone) was 1.0-14.7%. The bounds leave room for that noise.
+    assert fit["mean_abs_error_after"] < min(0.15, fit["mean_abs_error_before"] / 3)
     fastest = min(measured, key=lambda c: c["measured_step_time_s"])
     assert out["fastest"] == fastest["parallel"]
     assert (tmp_path / "runs").is_dir() and list((tmp_path / "runs").glob("log-*.jsonl"))
@@ -42,7 +44,7 @@ def test_tune_two_processes_end_to_end(tmp_path):
 
     for path in (tmp_path / "runs").glob("log-*.jsonl"):
         log = read_run_log(path)
-        assert [t.step for t in log.timings] == [3], path
+        assert [t.step for t in log.timings] == [3, 4, 5], path
         for r in log.timings[0].ranks:
             assert sum(r.time_s.values()) == pytest.approx(r.step_s, rel=0.05, abs=2e-3), r
             assert r.time_s.get("backward", 0) > 0 and r.time_s.get("step_tail", 0) > 0, r.time_s
@@ -60,8 +62,10 @@ def test_tune_two_processes_end_to_end(tmp_path):
         assert abs(knobs[k] / fit["after"][k] - 1) < 1e-6, (k, knobs[k], fit["after"][k])
     best = load_plan(plan_out)
     assert best.parallel.to_string() == fastest["parallel"]
-    # the written plan carries the refit prediction, close to what was measured
-    assert abs(best.prediction.step_time_s / fastest["measured_step_time_s"] - 1) < 0.10
+    # the written plan carries the refit prediction, closer to what was measured than the starting cluster's
+    err_after = abs(best.prediction.step_time_s / fastest["measured_step_time_s"] - 1)
+    err_before = abs(fastest["predicted_before_s"] / fastest["measured_step_time_s"] - 1)
+    assert err_after < min(0.25, err_before), (err_after, err_before)
     # and the refit cluster is accepted by estimate, which predicts the written plan's step time (same stage
     # layout: the search may have balanced the pipeline stages unevenly)
     layout = ",".join(str(s.layers[1] - s.layers[0]) for s in best.stages)
