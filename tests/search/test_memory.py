@@ -26,13 +26,15 @@ MOE = DENSE.model_copy(update={"name": "t-moe", "moe": MoESpec(num_experts=4, to
                                                                 every_n_layers=2)})
 
 
+MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)]  # (tp, pp, ep); ep only with experts
+
+
 @pytest.mark.parametrize("stack", ["autoplan", "megatron-core"])
-@pytest.mark.parametrize("model", [DENSE, TIED, MOE], ids=lambda m: m.name)
-@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)])
+@pytest.mark.parametrize("model,tp,pp,ep", [(m, *t) for m in (DENSE, TIED, MOE) for t in MESHES
+                                            if t[2] == 1 or m.is_moe],
+                         ids=lambda v: v.name if isinstance(v, ModelSpec) else str(v))
 @pytest.mark.parametrize("zero", [0, 1, 2])
 def test_search_memory_is_the_estimates(stack, model, tp, pp, ep, zero):
-    if ep > 1 and not model.is_moe:
-        pytest.skip("ep needs experts")
     cluster = load_cluster("dgx-a100-80g", gpus=16)
     training = apply_stack(TrainingSpec(global_batch_size=32, seq_length=1024), stack, {})
     profiles = profile_from_spec(model)
