@@ -34,7 +34,6 @@ from .estimate import (
     estimate,
     num_microbatches,
     tied_copy,
-    uses_replicate,  # noqa: F401 (re-exported: where ZeRO-0 runs as FSDP2's replicate)
 )
 from .pipeline import in_flight, schedule_actions
 from .profile import LayerProfile
@@ -182,11 +181,6 @@ def rank_counts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Cont
                 comm.add("send", "pp", act, m)
                 comm.add("recv", "pp", act, m)
     return flops, comm
-
-
-def _tied_copy(stages: list[StageCost], cfg: ParallelConfig) -> float:
-    """Parameters of a tied LM head's own copy on the last of several pipeline stages (`estimate.tied_copy`)."""
-    return tied_copy(stages, cfg)
 
 
 def dp_dim(cfg: ParallelConfig) -> str:
@@ -490,14 +484,14 @@ def _fsdp_unit(p: LayerProfile, ctx: Context) -> float:
 
 def _root_unit(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig) -> float:
     """Parameters of a rank's root FSDP2 unit: its embedding and head layers (a tied head counts once, on the
-    embedding, as in the profile; its own copy on a later pipeline stage is `_tied_copy`)."""
+    embedding, as in the profile; its own copy on a later pipeline stage is `tied_copy`)."""
     out = 0.0
     for s in stages:
         for p, _ in _stage_layers(s, profiles):
             if p.kind != "block":
                 c = cached_layer_cost(p, ctx)
                 out += c.params_local - c.expert_params_local
-    return out + _tied_copy(stages, cfg)
+    return out + tied_copy(stages, cfg)
 
 
 def _forward_gather(cfg: ParallelConfig) -> bool:
@@ -622,7 +616,7 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
     fl = in_flight(cfg.schedule, cfg.pp, m, cfg.vp)
     for r, stages in enumerate(_stages_by_rank(est.stages, cfg.pp)):
         flops, comm = rank_counts(stages, profiles, ctx, cfg, m, n_stages, training)
-        dense = sum(s.params - s.expert_params for s in stages) + _tied_copy(stages, cfg)
+        dense = sum(s.params - s.expert_params for s in stages) + tied_copy(stages, cfg)
         expert = sum(s.expert_params for s in stages)
         dp_comm(dense, expert, cfg, training, m, comm)
         step_comm(stages, profiles, ctx, cfg, training, comm)

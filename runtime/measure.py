@@ -382,11 +382,9 @@ class StepMemTracker(MemTracker):
                 self._peak_mem_snap[dev] = dict(dev_snap)
         phase = "optimizer" if self._in_opt else ("backward" if self._mod_tracker.is_bw else "forward")
         total = sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())
-        if total > self.phase_peak.get(phase, {}).get("peak", -1):
-            self.phase_peak[phase] = {"peak": total, **_categories(self._curr_mem_snap.values())}
-        moment = self._moment(phase)
-        if total > self.moment_peak.get(moment, {}).get("peak", -1):
-            self.moment_peak[moment] = {"peak": total, **_categories(self._curr_mem_snap.values())}
+        for peaks, key in ((self.phase_peak, phase), (self.moment_peak, self._moment(phase))):
+            if total > peaks.get(key, {}).get("peak", -1):
+                peaks[key] = {"peak": total, **_categories(self._curr_mem_snap.values())}
 
     def summary(self) -> dict:
         """{category: max bytes over the step, ..., "peak": bytes, "at_peak": {category: bytes at the peak}}."""
