@@ -1,7 +1,7 @@
 """Held-out check of `autoplan tune` on this machine: tune, then measure layouts tune never ran.
 
     python benchmarks/tune_local.py [--model tiny-gpt] [--nproc 4] [--budget 240] [--steps 8] [--repeats 2]
-                                    [--json] [--save F]
+                                    [--tune-repeats 2] [--json] [--save F]
     python benchmarks/tune_local.py --replay F [--components] [--json]
 
 
@@ -10,7 +10,8 @@
 2. At least 10 *other* layouts (a fixed list of legal configurations minus what tune ran) are measured the same
    way (torchrun, median step after the first) and predicted with the refit cluster (and, for comparison, with
    the cluster tune started from). With --repeats R each is launched R times (alternating order) and its time is
-   the fastest launch's (interference only slows a run; tune's own runs are launched once).
+   the fastest launch's (interference only slows a run); tune's own runs likewise, --tune-repeats launches each
+   within tune's budget (`autoplan tune --repeats`).
 3. The search is re-run with the refit cluster; its choice is measured too if nobody ran it.
 Prints a table, then Spearman rank correlation and mean absolute error of the refit predictions over the held-out
 layouts, and the chosen plan's measured step over the fastest measured one. Last line:
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="steps per run; the median is over the steps from 3 on (5 before session 7)")
     ap.add_argument("--repeats", type=int, default=2,
                     help="launches per held-out layout (alternating order); its time is the fastest launch's")
+    ap.add_argument("--tune-repeats", type=int, default=2,
+                    help="autoplan tune's --repeats: launches per tuned layout within --budget (fastest kept)")
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--diverse", type=int, default=7)
     ap.add_argument("--min-held-out", type=int, default=12)
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     t_bench = time.perf_counter() - t0
     t0 = time.perf_counter()
     res = tune(model, cluster, training, top=args.top, diverse=args.diverse, steps=args.steps,
-               budget_s=args.budget, kernels="torch", bench=bench_file,
+               budget_s=args.budget, kernels="torch", bench=bench_file, repeats=args.tune_repeats,
                progress=lambda d, i, n: print(f"[tune {i}/{n}] {d}", file=sys.stderr, flush=True))
     t_tune = time.perf_counter() - t0
     if res.fit is None:
@@ -329,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     ev = evaluate(rows, known, choice.parallel.to_string(), chosen_s)
     if args.save:
         Path(args.save).write_text(json.dumps({
-            "tuned": [{"parallel": c.config, "measured_s": c.measured_s, "plan": json.loads(c.plan.to_json()),
+            "tuned": [{"parallel": c.config, "measured_s": c.measured_s, "launches_s": c.launches, "plan": json.loads(c.plan.to_json()),
                        "components": c.log.time_components() if c.log else None,
                        "log": c.log.model_dump() if c.log else None, "why": c.why} for c in res.measured],
             "cluster": json.loads(cluster.model_dump_json()), "args": vars(args),

@@ -27,6 +27,9 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=int, default=6, help="training steps per candidate (the first is warm-up)")
     p.add_argument("--budget", type=float, default=600.0, metavar="SECONDS",
                    help="stop launching candidates when the next would end past this (default 600)")
+    p.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="launch each measured candidate up to R times within --budget and keep its fastest launch "
+                   "(on a shared host other processes only slow a run down; default 1)")
     p.add_argument("--bench", action="append", default=None, metavar="FILE",
                    help="micro-benchmarks from `autoplan calibrate --bench-out FILE` (fit rows for GEMMs and "
                    "collectives); repeatable")
@@ -62,7 +65,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from .core import fastest_plan, tune
 
     for name, val, lo in (("--top", args.top, 0), ("--diverse", args.diverse, 0), ("--steps", args.steps, 2),
-                          ("--budget", args.budget, 1)):
+                          ("--budget", args.budget, 1), ("--repeats", args.repeats, 1)):
         if val < lo:
             raise SpecError(f"{name} must be at least {lo}", f"got {val}", f"pass {name} {lo} or more")
     if args.top + args.diverse < 1 and not args.plan:
@@ -70,7 +73,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     model, cluster, training, profiles, seed = _workload(args)
     kernels = seed.kernels if seed is not None else args.kernels
     kw = dict(top=args.top, diverse=args.diverse, steps=args.steps, budget_s=args.budget, profiles=profiles,
-              fix=parse_fix_args(args.fix), kernels=kernels, seed_plan=seed, bench=args.bench,
+              fix=parse_fix_args(args.fix), kernels=kernels, seed_plan=seed, bench=args.bench, repeats=args.repeats,
               workdir=Path(args.workdir) if args.workdir else None)
     if not args.json and sys.stderr.isatty():
         from rich.console import Console
@@ -115,7 +118,8 @@ def render_tune(con, result, args) -> None:
         if c.measured_s is None:
             meas, err = f"[dim]{c.error or '-'}[/dim]", ""
         else:
-            meas = f"{c.measured_s * 1e3:.1f}" + (" *" if c is fastest else "")
+            meas = f"{c.measured_s * 1e3:.1f}" + (f" (best of {len(c.launches)})" if len(c.launches) > 1 else "") \
+                + (" *" if c is fastest else "")
             err = f"{100 * (c.predicted_after_s / c.measured_s - 1):+.0f}%" if c.predicted_after_s else ""
         t.add_row(str(i), cfg, c.why, f"{c.predicted_before_s * 1e3:.1f}", after, meas, err)
     con.print(t)

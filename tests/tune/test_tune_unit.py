@@ -107,3 +107,55 @@ def test_budget_stops_launching(monkeypatch):
     # two always run; the third would end past the budget (judged by the longest run so far, 50 s)
     assert len(calls) == 2 and not res.interrupted
     assert all(c.error == "skipped: over --budget" for c in res.candidates[2:])
+
+
+def test_repeats_keep_each_candidates_fastest_launch(monkeypatch):
+    """--repeats 3: every measured candidate is launched three times, passes alternating in order, and keeps its
+    fastest launch's time and log; a failed relaunch changes nothing."""
+    import autoplan.tune.core as core
+
+    class FakeLog:  # a run log with no components and no profile
+        def __init__(self, n):
+            self.n, self.profile = n, None
+
+        def time_components(self):
+            return {}
+
+    model, cluster, training = _workload()
+    calls: list[str] = []
+    slow = {1: 1.3, 2: 1.0, 3: 1.6}  # launch number of a candidate -> slowdown (the second is the fastest)
+
+    def fake(c, workdir, **kw):
+        calls.append(c.config)
+        n = calls.count(c.config)
+        if n == 3 and c.config == calls[0]:
+            c.error = "boom"
+            return
+        c.measured_s, c.wall_s, c.log = slow[n] * c.predicted_before_s, 1.0, FakeLog(n)
+
+    monkeypatch.setattr(core, "run_candidate", fake)
+    res = core.tune(model, cluster, training, top=1, diverse=2, steps=3, kernels="torch", repeats=3)
+    cfgs = [c.config for c in res.candidates]
+    assert calls == cfgs + cfgs[::-1] + cfgs  # pass 2 runs backwards
+    first = res.candidates[0]  # its third launch failed
+    assert first.launches == pytest.approx([s * first.predicted_before_s for s in (1.3, 1.0)])
+    for c in res.candidates[1:]:
+        assert c.launches == pytest.approx([s * c.predicted_before_s for s in (1.3, 1.0, 1.6)])
+    for c in res.candidates:
+        assert c.measured_s == pytest.approx(c.predicted_before_s) and c.log.n == 2 and c.error is None
+
+
+def test_repeats_stay_within_the_budget(monkeypatch):
+    import types
+
+    import autoplan.tune.core as core
+
+    calls = _fake_runs(monkeypatch, wall_s=10.0)
+    # a clock that advances 10 s per launch (the fake launches take no time)
+    monkeypatch.setattr(core, "time", types.SimpleNamespace(perf_counter=lambda: 10.0 * len(calls)))
+    model, cluster, training = _workload()
+    res = core.tune(model, cluster, training, top=2, diverse=1, steps=3, budget_s=45.0, kernels="torch",
+                    repeats=3)
+    # 3 first launches (30 s), then one more (40 s); a fifth would end at 50 s, past the 45 s budget
+    assert len(calls) == 4 and calls[3] == res.candidates[-1].config
+    assert [len(c.launches) for c in res.candidates] == [1, 1, 2]
