@@ -582,8 +582,9 @@ def pipeline_p2p_parts(cluster: ClusterSpec, training: TrainingSpec, *, hidden: 
         # consumes the sequence-sharded piece as it is (Megatron sends the SP shard): nothing to gather.
         grp = comm.group_of(cluster, tp, 1)
         t += comm.all_gather(cluster, grp, full)
-        busy += comm.all_gather(cluster, grp, full) - (grp.per_node - 1) * comm.hop_latency(cluster, cluster.intra_node) \
-            - (grp.nodes - 1) * comm.hop_latency(cluster, cluster.inter_node)
+        busy += comm.all_gather(cluster, grp, full) \
+            - (grp.per_node - 1) * comm.hop_latency(cluster, cluster.intra_node, grp.per_node) \
+            - (grp.nodes - 1) * comm.hop_latency(cluster, cluster.inter_node, grp.per_node)
     return t, busy
 
 
