@@ -331,6 +331,11 @@ class TrainingSpec(_Frozen):
         default=False, description="With ZeRO-1/2 the data-parallel gradients are still all-reduced whole (every "
         "rank receives the full reduced gradient, then steps only its shard and the parameters are all-gathered), "
         "instead of reduce-scattered: DeepSpeed's BF16_Optimizer under its pipeline engine.")
+    sp_grads_coalesced: bool = Field(
+        default=False, description="Under sequence parallelism the tp all-reduce of the partial gradients of "
+        "replicated weights (norms, row-parallel biases) is one coalesced collective per step (Megatron's "
+        "_allreduce_layernorm_grads); false = one per tensor (DTensor redistribution in autoplan's runtime and "
+        "FSDP2).")
     runtime_memory: bool = Field(
         default=True, description="The memory check prices what autoplan's runtime holds beyond the textbook "
         "(Megatron) per-rank memory: FSDP2 replicate's second parameter copy at ZeRO-0 with tp or pp > 1, the "
