@@ -44,11 +44,15 @@ def _bw(link: LinkSpec) -> float:
     return link.bandwidth_gbps * 1e9 * link.efficiency
 
 
-def _alpha(cluster: ClusterSpec, link: LinkSpec) -> float:
-    """Latency of one message hop, plus the wait for a descheduled peer on an oversubscribed node (inside a step
-    the peer is computing, not idling in the collective: `step_wait_us` more; see ClusterSpec)."""
-    wait = cluster.oversubscription_wait_us + cluster.step_wait_us
-    return (link.latency_us + wait * cluster.descheduled_fraction) * 1e-6
+def _alpha(cluster: ClusterSpec, link: LinkSpec, members: int = 2) -> float:
+    """Latency of one message hop, plus the waits for a descheduled peer on an oversubscribed node: a peer is
+    descheduled with the node's `descheduled_fraction` (`oversubscription_wait_us`, what collective
+    micro-benchmarks see), and inside a training step a woken member of a collective over `members` of the node's
+    processes also competes for a core with the processes outside it, which are computing
+    (`step_wait_us` x `crowded_fraction(members)`; see ClusterSpec)."""
+    wait = cluster.oversubscription_wait_us * cluster.descheduled_fraction \
+        + cluster.step_wait_us * cluster.crowded_fraction(members)
+    return (link.latency_us + wait) * 1e-6
 
 
 def transfer_time(link: LinkSpec, nbytes: float) -> float:
@@ -57,24 +61,25 @@ def transfer_time(link: LinkSpec, nbytes: float) -> float:
     return nbytes / _bw(link)
 
 
-def hop_latency(cluster: ClusterSpec, link: LinkSpec) -> float:
-    """Latency of one message hop on `link` (see _alpha)."""
-    return _alpha(cluster, link)
+def hop_latency(cluster: ClusterSpec, link: LinkSpec, members: int = 2) -> float:
+    """Latency of one message hop on `link` of a collective over `members` ranks of a node (see _alpha)."""
+    return _alpha(cluster, link, members)
 
 
-def _ring(cluster: ClusterSpec, n: int, nbytes: float, link: LinkSpec, factor: float) -> float:
-    """One ring collective moving factor*(n-1)/n of `nbytes` per rank, with n-1 (x factor) latency hops."""
+def _ring(cluster: ClusterSpec, n: int, nbytes: float, link: LinkSpec, factor: float, members: int) -> float:
+    """One ring collective moving factor*(n-1)/n of `nbytes` per rank, with n-1 (x factor) latency hops;
+    `members`: the group's ranks on one node."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return factor * (n - 1) / n * nbytes / _bw(link) + factor * (n - 1) * _alpha(cluster, link)
+    return factor * (n - 1) / n * nbytes / _bw(link) + factor * (n - 1) * _alpha(cluster, link, members)
 
 
 def _hierarchical(cluster: ClusterSpec, grp: Group, nbytes: float, factor: float) -> float:
     """factor=2 for all-reduce, 1 for reduce-scatter / all-gather."""
     if grp.size <= 1:
         return 0.0
-    intra = _ring(cluster, grp.per_node, nbytes, cluster.intra_node, factor)
-    inter = _ring(cluster, grp.nodes, nbytes / grp.per_node, cluster.inter_node, factor)
+    intra = _ring(cluster, grp.per_node, nbytes, cluster.intra_node, factor, grp.per_node)
+    inter = _ring(cluster, grp.nodes, nbytes / grp.per_node, cluster.inter_node, factor, grp.per_node)
     return intra + inter
 
 
@@ -111,8 +116,10 @@ def all_to_all(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
         return 0.0
     on_node = (grp.per_node - 1) / n * nbytes
     off_node = (n - grp.per_node) / n * nbytes
-    t_intra = on_node / _bw(cluster.intra_node) + (grp.per_node - 1) * _alpha(cluster, cluster.intra_node)
-    t_inter = off_node / _bw(cluster.inter_node) + (grp.nodes - 1) * _alpha(cluster, cluster.inter_node)
+    t_intra = on_node / _bw(cluster.intra_node) + (grp.per_node - 1) * _alpha(cluster, cluster.intra_node,
+                                                                               grp.per_node)
+    t_inter = off_node / _bw(cluster.inter_node) + (grp.nodes - 1) * _alpha(cluster, cluster.inter_node,
+                                                                            grp.per_node)
     return max(t_intra, t_inter)
 
 
@@ -121,4 +128,4 @@ def p2p(cluster: ClusterSpec, nbytes: float, cross_node: bool) -> float:
     if nbytes <= 0:
         return 0.0
     link = cluster.inter_node if cross_node else cluster.intra_node
-    return nbytes / _bw(link) + _alpha(cluster, link)
+    return nbytes / _bw(link) + _alpha(cluster, link, 1 if cross_node else 2)

@@ -83,6 +83,7 @@ class StageCost:
     p2p_s: float = 0.0  # compute time lost to its pipeline messages per micro-batch (inside fwd_s + bwd_s)
     tied_head: float = 0.0  # a tied LM head's weight elements on this (head) stage, not in params (`tied_head_params`)
     vocab_grad_extra: float = 0.0  # the embedding's whole-vocabulary gradient beyond its shard (`embedding_grad_extra`)
+    sp_grads: tuple[int, float] = (0, 0.0)  # (tensors, elements) whose gradient is a partial sum over tp (`sp_partial_grads`)
 
 
 @dataclass
@@ -227,7 +228,50 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
         model_flops=sum(c.model_flops for c, _ in parts), recompute_flops=rec_flops,
         tied_head=tied_head_params(profiles, ctx.tp) if has_head else 0.0,
         vocab_grad_extra=embedding_grad_extra(profiles, ctx.tp) if has_emb else 0.0,
+        sp_grads=_sum_pairs([sp_partial_grads(profiles[1 + i]) for i in range(start, stop)]
+                            + ([sp_partial_grads(profiles[0])] if has_emb else [])
+                            + ([sp_partial_grads(profiles[-1])] if has_head else []))
+        if ctx.sp and ctx.tp > 1 else (0, 0.0),
     )
+
+
+def sp_partial_grads(p: LayerProfile) -> tuple[int, float]:
+    """(tensors, elements) of layer `p`'s weights that are replicated over tp but see sequence-sharded inputs under
+    sequence parallelism, so that each rank's gradient is a partial sum to be all-reduced over tp: the norms'
+    weights (and LayerNorm's biases), the biases of the row-parallel layers (added after the reduce-scatter), a
+    learned position embedding. Each is `hidden` elements except the position table (one tensor)."""
+    if not p.params_replicated:
+        return 0, 0.0
+    if p.kind == "embedding":
+        return 1, float(p.params_replicated)
+    norms = (2 if p.kind == "block" else 1) * (2 if p.norm_kind == "layernorm" else 1) if p.norm_kind else 0
+    rest = p.params_replicated - norms * p.hidden  # row-parallel biases: attention's, and the MLP's unless MoE
+    biases = (1 if p.moe_top_k else 2) if rest > 0 and p.kind == "block" else 0
+    return norms + biases, float(p.params_replicated)
+
+
+def _sum_pairs(pairs) -> tuple[int, float]:
+    n, e = 0, 0.0
+    for a, b in pairs:
+        n, e = n + a, e + b
+    return n, e
+
+
+def sp_grad_reduce_time(tensors: int, elems: float, *, tp: int, cluster: ClusterSpec,
+                        training: TrainingSpec) -> float:
+    """Once per step under sequence parallelism, the tp all-reduce of the gradients `sp_partial_grads` names
+    (`tensors` of them, `elems` elements on the rank). Megatron coalesces them into one flat buffer and one
+    all-reduce (`sp_grads_coalesced`: finalize_model_grads' `_allreduce_layernorm_grads`, `_flatten_dense_tensors`);
+    autoplan's runtime redistributes each DTensor gradient from Partial to Replicate on its own (FSDP2's
+    post-backward, or Trainer._finalize_grads without data parallelism): one collective, with its latency, per
+    tensor."""
+    if tensors <= 0 or tp <= 1:
+        return 0.0
+    grp = comm.group_of(cluster, tp, 1)
+    nbytes = elems * training.grad_bytes
+    if training.sp_grads_coalesced:
+        return comm.all_reduce(cluster, grp, nbytes)
+    return tensors * comm.all_reduce(cluster, grp, nbytes / tensors)
 
 
 def tied_head_params(profiles: list[LayerProfile], tp: int) -> float:
@@ -427,6 +471,13 @@ def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: Cl
             + step_scalars_time(cfg.tp * cfg.cp * cfg.dp * cfg.pp, cluster)
         fsdp = fsdp_unit_time(fsdp_units(stages), dense, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp,
                               zero=cfg.zero, m=m, cluster=cluster, training=training)
+        n_sp, e_sp = _sum_pairs(s.sp_grads for s in stages)
+        sp_red = sp_grad_reduce_time(n_sp, e_sp, tp=cfg.tp, cluster=cluster, training=training)
+        # FSDP2 (replicate or fully_shard, over dp x cp > 1) reduces them in its post-backward, else the step tail
+        if cfg.dp * cfg.cp > 1:
+            fsdp += sp_red
+        else:
+            opt += sp_red
         out.append((red, tail, opt, param_gather_exposed(gather, cluster, training) + fsdp))
     return out
 
@@ -582,8 +633,9 @@ def pipeline_p2p_parts(cluster: ClusterSpec, training: TrainingSpec, *, hidden: 
         # consumes the sequence-sharded piece as it is (Megatron sends the SP shard): nothing to gather.
         grp = comm.group_of(cluster, tp, 1)
         t += comm.all_gather(cluster, grp, full)
-        busy += comm.all_gather(cluster, grp, full) - (grp.per_node - 1) * comm.hop_latency(cluster, cluster.intra_node) \
-            - (grp.nodes - 1) * comm.hop_latency(cluster, cluster.inter_node)
+        busy += comm.all_gather(cluster, grp, full) \
+            - (grp.per_node - 1) * comm.hop_latency(cluster, cluster.intra_node, grp.per_node) \
+            - (grp.nodes - 1) * comm.hop_latency(cluster, cluster.inter_node, grp.per_node)
     return t, busy
 
 

@@ -243,9 +243,9 @@ class ClusterSpec(_Frozen):
     )
     step_wait_us: float = Field(
         default=0.0, ge=0,
-        description="Further wait per message hop of a collective inside a training step on such a node, "
-        "scaled like oversubscription_wait_us by the descheduled fraction: there the descheduled peer is running "
-        "its own compute (until it blocks in its next collective or its timeslice ends), while in a collective "
+        description="Further wait per message hop of a collective inside a training step on such a node, scaled "
+        "by `crowded_fraction(members)`: there the node's processes outside the collective are running their own "
+        "compute and a woken member waits for one of them to block or end its timeslice, while in a collective "
         "micro-benchmark every process idles in the same loop. Fitted by `autoplan tune` from the runs' measured "
         "collective waits; micro-benchmarks do not see it.",
     )
@@ -256,6 +256,17 @@ class ClusterSpec(_Frozen):
         if self.cores_per_node is None or self.gpus_per_node <= self.cores_per_node:
             return 0.0
         return 1.0 - self.cores_per_node / self.gpus_per_node
+
+    def crowded_fraction(self, members: int) -> float:
+        """Inside a training step, the probability that a woken member of a collective over `members` of a node's
+        processes finds every core taken: the node's other processes, outside the collective, are computing, and
+        with `outside + 1` runnable processes on `cores` cores a process waits for a core with probability
+        1 - cores/(outside + 1) (0 while the outside ones leave a core free, and on accelerators, one process per
+        device). A collective over every process of the node has nobody outside to wait for."""
+        if self.cores_per_node is None or self.gpus_per_node <= self.cores_per_node:
+            return 0.0
+        outside = max(0, self.gpus_per_node - members)
+        return max(0.0, 1.0 - self.cores_per_node / (outside + 1))
 
     @property
     def num_gpus(self) -> int:
@@ -320,6 +331,11 @@ class TrainingSpec(_Frozen):
         default=False, description="With ZeRO-1/2 the data-parallel gradients are still all-reduced whole (every "
         "rank receives the full reduced gradient, then steps only its shard and the parameters are all-gathered), "
         "instead of reduce-scattered: DeepSpeed's BF16_Optimizer under its pipeline engine.")
+    sp_grads_coalesced: bool = Field(
+        default=False, description="Under sequence parallelism the tp all-reduce of the partial gradients of "
+        "replicated weights (norms, row-parallel biases) is one coalesced collective per step (Megatron's "
+        "_allreduce_layernorm_grads); false = one per tensor (DTensor redistribution in autoplan's runtime and "
+        "FSDP2).")
     runtime_memory: bool = Field(
         default=True, description="The memory check prices what autoplan's runtime holds beyond the textbook "
         "(Megatron) per-rank memory: FSDP2 replicate's second parameter copy at ZeRO-0 with tp or pp > 1, the "

@@ -24,7 +24,7 @@ DEFAULT_STACK = "autoplan"
 # are never part of a stack).
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
-               "grad_sync_all_reduce", "runtime_memory", "kernels")
+               "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory", "kernels")
 # Values every stack has unless it says otherwise (TrainingSpec's defaults for these knobs). runtime_memory (what
 # autoplan's runtime holds beyond Megatron's memory count, estimate.runtime_extra) is autoplan's alone. torchtitan
 # also runs FSDP2 and DTensor, but: it has no replicate-with-TP at ZeRO-0 (its DDP is 1-D only), its MoE shards
@@ -32,7 +32,7 @@ STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_re
 # where the whole gradient is not held). The one term it would share, FSDP2's unsharded copy beside a ZeRO-1/2
 # shard (reshard_after_forward=False), is left out with the rest: torchtitan's typical run is ZeRO-3.
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
-           "grad_sync_all_reduce": False, "runtime_memory": False}
+           "grad_sync_all_reduce": False, "sp_grads_coalesced": True, "runtime_memory": False}
 
 
 class Stack(BaseModel):
@@ -65,7 +65,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack(
         name="autoplan", title="autoplan's own runtime (default)",
         knobs={"flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
-               "tp_comm_overlap": False, "kernels": "fused", "grad_reduce_dtype": None, "runtime_memory": True},
+               "tp_comm_overlap": False, "kernels": "fused", "grad_reduce_dtype": None, "runtime_memory": True,
+               "sp_grads_coalesced": False},
         assumes="flash (SDPA) attention; autoplan's fused Triton norms/activations/RoPE and chunked cross-entropy; "
                 "gradient reduce overlapped with the backward and ZeRO gathers with the forward (FSDP2); "
                 "TP collectives not overlapped; gradients reduced in the compute dtype; memory as the runtime holds "
@@ -153,7 +154,9 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack(
         name="torchtitan", title="torchtitan: FSDP2 + async TP + torch.compile",
         knobs={"dtype": "bf16", "flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
-               "tp_comm_overlap": True, "kernels": "fused", "grad_reduce_dtype": "fp32"},
+               "tp_comm_overlap": True, "kernels": "fused", "grad_reduce_dtype": "fp32",
+               # its sequence-parallel norms' Partial gradients are redistributed per tensor by FSDP2, as ours
+               "sp_grads_coalesced": False},
         assumes="bf16 parameters with FSDP2 reducing gradients in fp32 (mixed_precision_reduce=float32); SDPA "
                 "flash attention; torch.compile fusing the elementwise ops; async TP overlapping the TP "
                 "collectives with the GEMMs; FSDP2 prefetch overlapping gathers and reduce-scatters",

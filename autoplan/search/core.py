@@ -65,6 +65,8 @@ from autoplan.cost_models.estimate import (
     pipeline_p2p_parts,
     pipeline_p2p_time,
     runtime_per_param,
+    sp_grad_reduce_time,
+    sp_partial_grads,
     step_scalars_time,
     step_time_lower_bound,
     tied_head_params,
@@ -368,7 +370,7 @@ class _Searcher:
         parameter gather), with the estimate's functions for an even layout of `vp` stages per rank (`estimate.
         _rank_tails`: the runtime's per-unit reduction at ZeRO-0, FSDP's per-unit work at ZeRO>=1, the step's
         scalar all-reduces). Depends on parameters (tp, ep), groups (cp, dp, pp), micro-batches and vp only."""
-        key = (mesh.tp, mesh.cp, mesh.ep, mesh.pp, mesh.dp, mesh.mbs, zero, vp)
+        key = (mesh.tp, mesh.cp, mesh.ep, mesh.pp, mesh.dp, mesh.mbs, mesh.sp, zero, vp)
         got = self._dp.get(key)
         if got is not None:
             return got
@@ -390,9 +392,22 @@ class _Searcher:
                 + step_scalars_time(mesh.tp * mesh.cp * mesh.dp * mesh.pp, cl)
             fsdp = fsdp_unit_time(units, dense, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, zero=zero,
                                   m=self.micro_batches(mesh), cluster=cl, training=tr)
+            fsdp += self.sp_grad_tail(mesh, r)  # in FSDP's post-backward or the step tail: both in the tail
             out.append((r, (red, tl, opt + param_gather_exposed(gather, cl, tr) + fsdp)))
         self._dp[key] = out
         return out
+
+    def sp_grad_tail(self, mesh: Mesh, r: int) -> float:
+        """The estimate's `sp_grad_reduce_time` on pipeline rank `r` (its blocks' share spread evenly, as
+        `_dp_parts` spreads their parameters; the embedding's on rank 0, the head's on the last)."""
+        if not (mesh.sp and mesh.tp > 1):
+            return 0.0
+        pairs = [sp_partial_grads(p) for p in self.profiles[1:-1]]
+        n, e = sum(a for a, _ in pairs) / mesh.pp, sum(b for _, b in pairs) / mesh.pp
+        for end in ([self.profiles[0]] if r == 0 else []) + ([self.profiles[-1]] if r == mesh.pp - 1 else []):
+            a, b = sp_partial_grads(end)
+            n, e = n + a, e + b
+        return sp_grad_reduce_time(n, e, tp=mesh.tp, cluster=self.cluster, training=self.training)
 
     def zero3_extra(self, mesh: Mesh, c: LayerCost) -> float:
         """Exposed ZeRO-3 traffic of one block per micro-batch (the cost model's `zero3_block_exposed`)."""

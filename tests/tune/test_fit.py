@@ -183,6 +183,22 @@ def test_oversubscription_wait_only_when_processes_outnumber_cores():
     assert cluster_preset("dgx-h100").descheduled_fraction == 0.0  # accelerators: no term
 
 
+def test_step_wait_only_for_collectives_with_processes_outside_them():
+    """Inside a step a woken member of a collective waits for a core only when the node's processes outside the
+    collective (computing) take every core: 1 - cores/(outside + 1)."""
+    cl = with_knobs(_base(), {"step_wait_us": 3000.0, "intra_latency_us": 100.0}).with_gpus(4)  # 2 cores
+    assert cl.crowded_fraction(4) == 0.0 and cl.crowded_fraction(3) == 0.0
+    assert cl.crowded_fraction(2) == pytest.approx(1 / 3) and cl.crowded_fraction(1) == pytest.approx(0.5)
+    idle = cl.model_copy(update={"step_wait_us": 0.0})
+    whole, pair = comm.group_of(cl, 4, 1), comm.group_of(cl, 2, 1)
+    assert comm.all_reduce(cl, whole, 1.0) == pytest.approx(comm.all_reduce(idle, whole, 1.0), rel=1e-12)
+    # a pair: one hop each way (2 x (2-1)), each 1 ms more
+    assert comm.all_reduce(cl, pair, 1.0) - comm.all_reduce(idle, pair, 1.0) == pytest.approx(2e-3, rel=1e-6)
+    assert comm.p2p(cl, 1.0, False) - comm.p2p(idle, 1.0, False) == pytest.approx(1e-3, rel=1e-6)
+    assert cl.with_gpus(2).crowded_fraction(2) == 0.0  # no more processes than cores
+    assert cluster_preset("dgx-h100").crowded_fraction(2) == 0.0  # accelerators: no term
+
+
 def test_refit_cluster_yaml_loads_with_its_header(tmp_path):
     truth = with_knobs(_base(), TRUTH)
     path = tmp_path / "refit.yaml"

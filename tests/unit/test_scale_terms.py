@@ -181,3 +181,34 @@ def test_unfused_gradient_accumulation_pass_is_in_the_buffer_dtype():
     assert grad_accum_time(1e9, A100, fp32) == pytest.approx(1e9 * 10 / bw)
     assert grad_accum_time(1e9, A100, fp16) == pytest.approx(1e9 * 6 / bw)
     assert grad_accum_time(1e9, A100, _train(grad_accum_fused=True)) == 0.0
+
+
+def test_sequence_parallel_partial_gradients_are_reduced_per_tensor_or_coalesced():
+    """Under sp the replicated weights that see sequence-sharded inputs (norms, row-parallel biases, learned
+    positions) have partial gradients all-reduced over tp once per step: one collective per tensor in autoplan's
+    runtime (DTensor redistribution), one coalesced collective under Megatron (`sp_grads_coalesced`)."""
+    from autoplan.cost_models.estimate import sp_grad_reduce_time, sp_partial_grads
+
+    model = load_model("tiny-gpt")  # layernorm, biases, learned positions; hidden 64
+    emb, block, head = (p := profile_from_spec(model))[0], p[1], p[-1]
+    assert sp_partial_grads(block) == (6, float(block.params_replicated))  # 2 norms x (w, b) + 2 row biases
+    assert block.params_replicated == 6 * 64
+    assert sp_partial_grads(head) == (2, 128.0) and sp_partial_grads(emb) == (1, 64.0 * 64)
+    cl = load_cluster("local-cpu", gpus=4)
+    own, meg = TrainingSpec(global_batch_size=8, seq_length=64), TrainingSpec(global_batch_size=8, seq_length=64,
+                                                                              sp_grads_coalesced=True)
+    grp = comm.group_of(cl, 2, 1)
+    assert sp_grad_reduce_time(6, 384.0, tp=2, cluster=cl, training=own) == pytest.approx(
+        6 * comm.all_reduce(cl, grp, 64 * own.grad_bytes))
+    assert sp_grad_reduce_time(6, 384.0, tp=2, cluster=cl, training=meg) == pytest.approx(
+        comm.all_reduce(cl, grp, 384 * meg.grad_bytes))
+    assert get_stack("megatron-2022").knobs["sp_grads_coalesced"] is True
+    assert get_stack("autoplan").knobs["sp_grads_coalesced"] is False
+    # in the estimate: with sp the step's tail grows by exactly the term (dp=1: in the optimizer's tail)
+    t = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
+    on, off = (estimate(p, cl, t, ParallelConfig(tp=2, pp=2, dp=1, sp=s)) for s in (True, False))
+    per_rank = [sp_grad_reduce_time(12 + n, 2 * 384.0 + e, tp=2, cluster=cl, training=t)
+                for n, e in (sp_partial_grads(emb), sp_partial_grads(head))]
+    assert on.critical_rank == off.critical_rank  # so the breakdowns describe the same rank
+    assert on.breakdown["optimizer"] - off.breakdown["optimizer"] == pytest.approx(per_rank[on.critical_rank],
+                                                                                   rel=1e-6)
