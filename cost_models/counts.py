@@ -33,7 +33,9 @@ from .estimate import (
     context,
     estimate,
     num_microbatches,
+    rank_params,
     tied_copy,
+    tied_sync_bytes,
 )
 from .pipeline import in_flight, schedule_actions
 from .profile import LayerProfile
@@ -233,7 +235,10 @@ def step_comm(stages: list[StageCost], profiles: list[LayerProfile], ctx: Contex
     head = profiles[-1]
     tied = head.gemms and head.gemms[0].count == 0
     if cfg.pp > 1 and tied and any(s.has_head or s.has_embedding for s in stages):
-        comm.add("all_reduce", "pp" if cfg.pp == 2 else "other", head.gemms[0].n * head.gemms[0].k / ctx.tp * g)
+        # the local gradient (under ZeRO >= 1 FSDP2's 1/(dp*cp) shard: `estimate.tied_sync_bytes`)
+        comm.add("all_reduce", "pp" if cfg.pp == 2 else "other",
+                 tied_sync_bytes(head.gemms[0].n * head.gemms[0].k / ctx.tp, dp=cfg.dp, cp=cfg.cp, zero=cfg.zero,
+                                 training=training))
 
 
 def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec, rec: str = "") -> float:
@@ -616,8 +621,7 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
     fl = in_flight(cfg.schedule, cfg.pp, m, cfg.vp)
     for r, stages in enumerate(_stages_by_rank(est.stages, cfg.pp)):
         flops, comm = rank_counts(stages, profiles, ctx, cfg, m, n_stages, training)
-        dense = sum(s.params - s.expert_params for s in stages) + tied_copy(stages, cfg)
-        expert = sum(s.expert_params for s in stages)
+        dense, expert = rank_params(stages, cfg)
         dp_comm(dense, expert, cfg, training, m, comm)
         step_comm(stages, profiles, ctx, cfg, training, comm)
         mem, moment = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m, fl[r])

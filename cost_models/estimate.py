@@ -333,9 +333,82 @@ def runtime_per_param(*, dp: int, cp: int, tp: int, pp: int, ep: int, zero: int,
 
 def tied_copy(stages: list[StageCost], cfg: ParallelConfig) -> float:
     """Parameters of a tied LM head's own copy on the last of several pipeline stages (kept equal to the
-    embedding by an all-reduce; the profile counts the tied head once, on the embedding). The runtime holds it as
-    any dense parameter (gradients, optimizer state, FSDP2's copies)."""
+    embedding by an all-reduce, `tied_grad_sync`; the profile counts the tied head once, on the embedding, which
+    is right only where one rank holds both). The rank holds it as any dense parameter: 16-bit weight, gradient,
+    optimizer state (and on autoplan's runtime FSDP2's copies), its gradient reduced over data parallelism with
+    the stage's others, its update in the optimizer step. On every stack that pipelines a tied model:
+    - Megatron-LM (2021-22, megatron/model/module.py `initialize_word_embeddings`): "In a pipelined setup with more
+      than one stage, the initial embedding layer and the head are on different workers, so we do the following:
+      1. Create a second copy of word_embeddings on the last stage, with initial parameters of 0.0. [...] 3. In the
+      training loop, before an all-reduce between the grads of the two word_embeddings layers to ensure that every
+      applied weight update is the same on both stages." -- a `VocabParallelEmbedding` parameter of the last
+      stage's module, so in its DDP buffer and optimizer groups (Megatron-Core: `shared_embedding_or_output_weight`,
+      the output layer's own weight on the last stage);
+    - Megatron-DeepSpeed's GPTModelPipe: `TiedLayerSpec('embed', EmbeddingPipe, ..., forward_fn=_logits_helper,
+      tied_weight_attr='word_embeddings_weight')` at both ends; DeepSpeed's PipelineModule builds the tied module on
+      every stage that holds one of its specs (deepspeed/runtime/pipe/module.py `_build`, `tied_modules`);
+    - autoplan's runtime: the last stage's `output.weight` (runtime/parallelize.py ties it only where the stage
+      also holds the embedding)."""
     return sum(s.tied_head for s in stages) if cfg.pp > 1 else 0.0
+
+
+def rank_params(stages: list[StageCost], cfg: ParallelConfig) -> tuple[float, float]:
+    """(dense, expert) parameters a pipeline rank holding `stages` keeps, reduces over data parallelism and steps:
+    its layers' and a tied head's own copy (`tied_copy`)."""
+    dense = sum(s.params - s.expert_params for s in stages) + tied_copy(stages, cfg)
+    return dense, sum(s.expert_params for s in stages)
+
+
+def tied_sync_group(cluster: ClusterSpec, *, pp: int, tp: int, cp: int, dp: int) -> comm.Group:
+    """The embedding group: the first and the last pipeline rank with the same tp/cp/dp coordinates, pp-1 pipeline
+    strides of tp*cp*dp ranks apart (pipeline outermost: Megatron's rank order, DeepSpeed's PipeModelDataParallel
+    topology ['pipe', 'data', 'model'], autoplan's (pp, dp, cp, tp) mesh): two nodes once that distance fills one."""
+    return comm.group_of(cluster, 2, (pp - 1) * tp * cp * dp)
+
+
+def tied_sync_bytes(tied: float, *, dp: int, cp: int, zero: int, training: TrainingSpec) -> float:
+    """Bytes of the embedding group's all-reduce of a tied word embedding's gradient (`tied` elements per tp rank).
+    The gradient as the rank holds it after its data-parallel reduction, in the gradient-reduction dtype
+    (`TrainingSpec.grad_bytes`):
+    - Megatron-LM 2021 (training.py, train_step, after `model_module.allreduce_gradients()`): "grad =
+      word_embeddings_weight.main_grad [...] torch.distributed.all_reduce(grad, group=mpu.get_embedding_group())";
+      2022 the same in optimizer.py `allreduce_word_embedding_grads`; Megatron-Core's finalize_model_grads.py
+      `_allreduce_word_embedding_grads` all-reduces the weight's whole `main_grad` (its grad buffer's dtype:
+      fp32 with accumulate_allreduce_grads_in_fp32 / grad_reduce_in_fp32), also with the distributed optimizer;
+    - DeepSpeed's PipelineEngine `_exec_reduce_tied_grads`: "grad = weight._hp_grad if self.bfloat16_enabled() else
+      weight.grad; dist.all_reduce(grad, group=group)" -- the BF16_Optimizer's whole fp32 gradient (2022; today
+      `self.using_bf16_optimizer`), ZeRO-1 or not;
+    - autoplan's runtime (runtime/engine.py `_finalize_grads`, (c)): `dist.all_reduce(_local(g), group=self.
+      tied_group)` after FSDP2 has reduced the gradients: under ZeRO >= 1 the local gradient is the rank's
+      1/(dp*cp) shard. `TrainingSpec.runtime_memory` marks autoplan's runtime (the one FSDP2 stack here that ties:
+      torchtitan's models are untied, stacks.py)."""
+    shard = dp * cp if training.runtime_memory and zero >= 1 else 1
+    return tied / shard * training.grad_bytes
+
+
+def tied_grad_sync(tied: float, *, pp: int, tp: int, cp: int, dp: int, zero: int, cluster: ClusterSpec,
+                   training: TrainingSpec) -> float:
+    """Time of the all-reduce that sums a tied word embedding's two gradients, on the first and the last pipeline
+    rank, once per step after the data-parallel reduction and before the optimizer, not overlapped with anything
+    (Megatron-LM: "backward-embedding-all-reduce" between the DP all-reduce and `optimizer.step()`; Megatron-Core:
+    finalize_model_grads after `finish_grad_sync`; autoplan: `_finalize_grads` in the step tail. DeepSpeed issues
+    ReduceTiedGrads just before ReduceGrads (pipe/schedule.py TrainSchedule): the same two collectives in the
+    other order, priced in Megatron's). 0 without a pipeline or a tied head (`tied`: `tied_copy` elements)."""
+    if pp <= 1 or tied <= 0:
+        return 0.0
+    grp = tied_sync_group(cluster, pp=pp, tp=tp, cp=cp, dp=dp)
+    return comm.all_reduce(cluster, grp, tied_sync_bytes(tied, dp=dp, cp=cp, zero=zero, training=training))
+
+
+def sync_tied_ranks(ready: list[float], tied_s: float) -> list[float]:
+    """When each pipeline rank may start its optimizer step, from when its own gradient reduction ends (`ready`):
+    the first and the last rank wait for each other at the embedding group's all-reduce (`tied_grad_sync`,
+    `tied_s`), then both spend it."""
+    if tied_s <= 0 or len(ready) < 2:
+        return list(ready)
+    out = list(ready)
+    out[0] = out[-1] = max(ready[0], ready[-1]) + tied_s
+    return out
 
 
 def embedding_grad_whole(stages: list[StageCost], cfg: ParallelConfig) -> float:
@@ -364,11 +437,11 @@ def runtime_extra(stages: list[StageCost], cfg: ParallelConfig, training: Traini
 def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelConfig, cluster: ClusterSpec,
                    training: TrainingSpec) -> MemoryParts:
     """Memory of one pipeline rank holding `stages` (its virtual stages) with `rank_inflight` micro-batches:
-    Megatron's count, plus (`TrainingSpec.runtime_memory`, the autoplan stack) what autoplan's runtime holds on
-    top of it (`runtime_extra`, with a tied head's own copy as a dense parameter, `tied_copy`)."""
+    Megatron's count (a tied head's own copy on the last of several stages included, `tied_copy`), plus
+    (`TrainingSpec.runtime_memory`, the autoplan stack) what autoplan's runtime holds on top of it
+    (`runtime_extra`, the tied copy as a dense parameter)."""
     runtime = training.runtime_memory
-    dense = sum(s.params - s.expert_params for s in stages) + (tied_copy(stages, cfg) if runtime else 0.0)
-    expert = sum(s.expert_params for s in stages)
+    dense, expert = rank_params(stages, cfg)  # a tied head's own copy (pp > 1) on every stack
     shard_d = cfg.dp * cfg.cp
     shard_e = max(1, shard_d // cfg.ep)
     w_bytes = training.weight_bytes
@@ -463,8 +536,7 @@ def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: Cl
     exposed parameter gather and FSDP's per-unit extra, `fsdp_unit_time`)."""
     out = []
     for stages in by_rank:
-        dense = sum(s.params - s.expert_params for s in stages)
-        expert = sum(s.expert_params for s in stages)
+        dense, expert = rank_params(stages, cfg)  # a tied head's copy is reduced and stepped with the rest
         red, gather, tail = dp_sync(dense, expert, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero,
                                     cluster=cluster, training=training, units=runtime_dp_units(stages, cfg))
         opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster) \
@@ -556,9 +628,12 @@ def step_time_lower_bound(est: Estimate, cluster: ClusterSpec, training: Trainin
     ends = rank_end_lower_bounds([s.fwd_s for s in est.stages], bwd, cfg.pp, m, cfg.vp,
                                  p2p_s if cfg.pp > 1 else 0.0)
     windows = [bwd[last_backward_stage(cfg.schedule, cfg.pp, m, cfg.vp, r)] for r in range(cfg.pp)]
-    return max(end + dp_exposed(red, tail, window, cluster, training) + opt + g_exp
-               for end, window, (red, tail, opt, g_exp) in zip(ends, windows, _rank_tails(by_rank, cfg, cluster,
-                                                                                         training, m), strict=True))
+    tails = _rank_tails(by_rank, cfg, cluster, training, m)
+    ready = [end + dp_exposed(red, tail, window, cluster, training)
+             for end, window, (red, tail, _, _) in zip(ends, windows, tails, strict=True)]
+    tied_s = tied_grad_sync(tied_copy(by_rank[-1], cfg), pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, zero=cfg.zero,
+                            cluster=cluster, training=training)
+    return max(t + opt + g_exp for t, (_, _, opt, g_exp) in zip(sync_tied_ranks(ready, tied_s), tails, strict=True))
 
 
 def dp_exposed(red: float, tail: float, window: float, cluster: ClusterSpec, training: TrainingSpec) -> float:
@@ -692,8 +767,9 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
                 s.zero3_s += zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=cfg.dp, cp=cfg.cp,
                                                  tp=cfg.tp, cluster=cluster, training=training)
             s.bwd_s += s.zero3_s
-    for s in stages:  # unfused gradient accumulation: a memory-bound pass per micro-batch (compute time)
-        s.bwd_s += grad_accum_time(s.params, cluster, training)
+    for s in stages:  # unfused gradient accumulation: a memory-bound pass per micro-batch (compute time), over a
+        # tied head's own copy too (its gradient is accumulated like every other parameter's)
+        s.bwd_s += grad_accum_time(s.params + (s.tied_head if cfg.pp > 1 else 0.0), cluster, training)
     p2p_s, p2p_busy = pipeline_p2p_parts(cluster, training, hidden=profiles[0].hidden, pp=cfg.pp, tp=cfg.tp,
                                          cp=cfg.cp, dp=cfg.dp, mbs=cfg.mbs, sp=cfg.sp)
     if cfg.pp > 1:  # what the messages cost the ranks at either end (blocking sends, or interference)
@@ -721,13 +797,17 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
         last_b = [makespan - (stages[-1].bwd_s if cfg.pp == 1 else per_rank[r] / 2 / cfg.vp) for r in range(cfg.pp)]
     # Data-parallel gradient sync and the optimizer, per pipeline rank.
     by_rank = _stages_by_rank(stages, cfg.pp)
-    finish, dp_times, opt_time, gather_times = [], [], [], []
+    ready, dp_times, opt_time, gather_times = [], [], [], []
     for r, (red, tail, opt, g_exp) in enumerate(_rank_tails(by_rank, cfg, cluster, training, m)):
         dp_t = dp_exposed(red, tail, rank_end[r] - last_b[r], cluster, training)
-        finish.append(rank_end[r] + dp_t + opt + g_exp)
+        ready.append(rank_end[r] + dp_t)
         dp_times.append(dp_t)
         opt_time.append(opt)
         gather_times.append(g_exp)
+    # a tied word embedding's two gradients, on the first and the last rank, summed before the step
+    tied_s = tied_grad_sync(tied_copy(by_rank[-1], cfg), pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, zero=cfg.zero,
+                            cluster=cluster, training=training)
+    finish = [t + opt + g for t, opt, g in zip(sync_tied_ranks(ready, tied_s), opt_time, gather_times, strict=True)]
     step = max(finish)
     crit = max(range(cfg.pp), key=lambda r: finish[r])
     rank_stages = by_rank[crit]
@@ -743,9 +823,11 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
         "pp_comm": max(0.0, makespan - no_comm) + p2p_held,
         "bubble": max(0.0, no_comm - busy[crit]),
         "dp_comm": dp_times[crit] + gather_times[crit] + zero3,
+        "embedding_comm": tied_s if crit in (0, cfg.pp - 1) else 0.0,
         "optimizer": opt_time[crit],
     }
-    # Attribute any rounding remainder to the bubble so the parts add up to the step.
+    # Attribute any rounding remainder (and the wait of one end rank for the other at the embedding group's
+    # all-reduce) to the bubble so the parts add up to the step.
     breakdown["bubble"] += step - sum(breakdown.values())
     # FLOPs for the whole step, all GPUs (model: no recompute; hardware: recompute added).
     per_mb_model = sum(s.model_flops for s in stages)

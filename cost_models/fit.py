@@ -538,7 +538,10 @@ _STARTS: tuple[dict[str, float], ...] = (
 # and its bubble at once.
 COMPONENTS: dict[str, tuple[str, ...]] = {
     "compute": ("compute",), "recompute": ("recompute",), "tp_cp_ep_comm": ("tp_cp_ep_comm",),
-    "dp_comm": ("dp_comm",), "pp_wait": ("pp_comm", "bubble"), "optimizer": ("optimizer",),
+    "dp_comm": ("dp_comm",), "pp_wait": ("pp_comm", "bubble"),
+    # the runtime all-reduces a tied embedding's gradients in the step tail it times as "optimizer"
+    # (runtime/engine.py _finalize_grads inside STEP_TAIL; autoplan.tune.records.component_seconds)
+    "optimizer": ("optimizer", "embedding_comm"),
 }
 # A component below this share of its run's measured step is not a row: a few milliseconds of a wait or a tail
 # are mostly scheduling noise on a shared host, and a log-ratio would weigh them like the step itself.

@@ -340,9 +340,11 @@ class TrainingSpec(_Frozen):
         default=True, description="The memory check prices what autoplan's runtime holds beyond the textbook "
         "(Megatron) per-rank memory: FSDP2 replicate's second parameter copy at ZeRO-0 with tp or pp > 1, the "
         "unsharded parameter copy beside ZeRO-1/2's shard, experts whole on every tp rank and unsharded by ZeRO, "
-        "a tied LM head's own copy on the last pipeline stage, a vocabulary-parallel embedding's whole gradient "
-        "at ZeRO-0 (cost_models.estimate.runtime_extra); false = the stack is other software (Megatron, "
-        "DeepSpeed, torchtitan), priced as Megatron's memory model.")
+        "FSDP2's copies of a tied LM head's own copy on the last pipeline stage (the copy itself is in every "
+        "stack's count), a vocabulary-parallel embedding's whole gradient at ZeRO-0 (cost_models.estimate."
+        "runtime_extra); and the tied embedding's all-reduce moves FSDP2's gradient shard under ZeRO >= 1 "
+        "(estimate.tied_sync_bytes); false = the stack is other software (Megatron, DeepSpeed, torchtitan), "
+        "priced as Megatron's memory model.")
     @property
     def fused_kernels(self) -> bool:
         return self.kernels == "fused"

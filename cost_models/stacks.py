@@ -70,7 +70,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         assumes="flash (SDPA) attention; autoplan's fused Triton norms/activations/RoPE and chunked cross-entropy; "
                 "gradient reduce overlapped with the backward and ZeRO gathers with the forward (FSDP2); "
                 "TP collectives not overlapped; gradients reduced in the compute dtype; memory as the runtime holds "
-                "it (FSDP2's parameter copies, whole experts, a tied head's copy: runtime_memory)",
+                "it (FSDP2's parameter copies, whole experts, the embedding's whole gradient: runtime_memory); a tied "
+                "embedding's all-reduce under pp moves the rank's FSDP2 gradient shard",
         source="runtime/parallelize.py (apply_dp, apply_fused_kernels)",
     ),
     _stack(

@@ -215,6 +215,7 @@ COMPONENT_WORDS = {
     "pp_comm": "pipeline point-to-point communication",
     "bubble": "pipeline bubble",
     "dp_comm": "exposed data-parallel gradient sync",
+    "embedding_comm": "tied word-embedding gradient all-reduce (first and last pipeline ranks)",
     "optimizer": "optimizer step",
 }
 
@@ -226,5 +227,6 @@ COMPONENT_SHORT = {
     "pp_comm": "pipeline p2p comm",
     "bubble": "pipeline bubble",
     "dp_comm": "DP grad sync (exposed)",
+    "embedding_comm": "tied embedding all-reduce",
     "optimizer": "optimizer step",
 }

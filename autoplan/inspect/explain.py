@@ -188,6 +188,9 @@ def bottleneck(plan: Plan) -> dict:
         "recompute": (f"recompute={cfg.recompute}: the forward pass is re-run in backward to save activation "
                       "memory; less recomputation needs the memory headroom to hold the activations"),
         "pp_comm": "activations sent between pipeline ranks on the critical path",
+        "embedding_comm": (f"pp={cfg.pp} with a tied word embedding: the first and the last pipeline rank each hold "
+                           "a copy and sum their gradients once per step, after the data-parallel sync; an "
+                           "untied head or fewer pipeline stages avoid it"),
         "optimizer": "the Adam update reads and writes every local parameter and its optimizer state",
     }.get(key, "")
     cap = plan.cluster.gpu.hbm_gib

@@ -84,11 +84,15 @@ def trace_events(plan: Plan) -> dict:
     # The step's tail: gradient sync and optimizer. The breakdown gives them for the critical rank; they are
     # drawn on every rank after its last backward (other ranks' values differ only by their parameter count).
     dp_s, opt_s = est.breakdown.get("dp_comm", 0.0), est.breakdown.get("optimizer", 0.0)
+    emb_s = est.breakdown.get("embedding_comm", 0.0)  # the first and the last rank only
     for r in range(cfg.pp):
         t0 = rank_end[r]
         if dp_s > 0:
             ev.append(_x("dp grad sync", "dp_comm", r, TID_DP, t0, dp_s, {"exposed_s": dp_s}))
-        ev.append(_x("optimizer", "optimizer", r, TID_DP, t0 + dp_s, opt_s, {}))
+        tied = emb_s if r in (0, cfg.pp - 1) else 0.0
+        if tied > 0:
+            ev.append(_x("tied embedding all-reduce", "embedding_comm", r, TID_DP, t0 + dp_s, tied, {}))
+        ev.append(_x("optimizer", "optimizer", r, TID_DP, t0 + dp_s + tied, opt_s, {}))
     return {
         "traceEvents": ev,
         "displayTimeUnit": "ms",

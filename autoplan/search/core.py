@@ -69,6 +69,8 @@ from autoplan.cost_models.estimate import (
     sp_partial_grads,
     step_scalars_time,
     step_time_lower_bound,
+    sync_tied_ranks,
+    tied_grad_sync,
     tied_head_params,
     zero3_block_exposed,
 )
@@ -228,18 +230,22 @@ class CostTable:
         got = self._static[key] = (out[0], out[1])
         return got
 
+    def tied_copy(self, mesh: Mesh) -> float:
+        """Elements per tp rank of a tied head's own copy on the last of several pipeline stages
+        (`estimate.tied_copy`): 0 without a pipeline or a tied head."""
+        return tied_head_params(self.profiles, mesh.tp) if mesh.pp > 1 else 0.0
+
     def ends_static(self, mesh: Mesh, zero: int) -> tuple[float, float]:
-        """Bytes the embedding's and the LM head's stages hold beyond their layers' parameters on autoplan's
-        runtime, as `estimate.memory_of_rank` prices them: the embedding's whole-vocabulary gradient at ZeRO-0
-        (`estimate.embedding_grad_whole`: not where a tied head shares the rank) and a tied head's own copy on the
-        last of several pipeline stages (`estimate.tied_copy`, priced as a dense parameter)."""
-        if not self.training.runtime_memory:
-            return 0.0, 0.0
+        """Bytes the embedding's and the LM head's stages hold beyond their layers' parameters, as
+        `estimate.memory_of_rank` prices them: a tied head's own copy on the last of several pipeline stages
+        (`estimate.tied_copy`, a dense parameter, on every stack) and, on autoplan's runtime, the embedding's
+        whole-vocabulary gradient at ZeRO-0 (`estimate.embedding_grad_whole`: not where a tied head shares the
+        rank)."""
         tied = tied_head_params(self.profiles, mesh.tp)
+        head = self.tied_copy(mesh) * self.static_per_param(mesh, zero)[0]
         emb = 0.0
-        if zero == 0 and not (tied and mesh.pp == 1):
+        if self.training.runtime_memory and zero == 0 and not (tied and mesh.pp == 1):
             emb = embedding_grad_extra(self.profiles, mesh.tp) * self.g_bytes
-        head = tied * self.static_per_param(mesh, zero)[0] if mesh.pp > 1 else 0.0
         return emb, head
 
 
@@ -318,6 +324,10 @@ class _Searcher:
         estimate adds `grad_accum_time` of a stage's parameters to its backward, and it is linear in them."""
         return grad_accum_time(c.params_local, self.cluster, self.training)
 
+    def accum_tied(self, mesh: Mesh) -> float:
+        """The same pass over a tied head's own copy, on the last stage of a pipeline (`estimate.estimate`)."""
+        return grad_accum_time(self.costs.tied_copy(mesh), self.cluster, self.training)
+
     def micro_batches(self, mesh: Mesh) -> int:
         return self.training.global_batch_size // (mesh.dp * mesh.mbs)
 
@@ -357,11 +367,20 @@ class _Searcher:
         if got is not None:
             return got
         a = self.agg(mesh)
-        worst = 0.0
-        for r, (red, tl, rest) in self._dp_parts(mesh, zero, vp):
-            bwd = a.blk_bwd / (mesh.pp * vp) + (a.head.bwd_s + self.accum(a.head) if r == mesh.pp - 1 else 0.0)
-            exposed = dp_exposed(red, tl, bwd, self.cluster, self.training)
-            worst = max(worst, exposed + rest)
+        parts = self._dp_parts(mesh, zero, vp)
+        ready = []
+        for r, (red, tl, _) in parts:
+            bwd = a.blk_bwd / (mesh.pp * vp) + (a.head.bwd_s + self.accum(a.head) + self.accum_tied(mesh)
+                                                if r == mesh.pp - 1 else 0.0)
+            ready.append(dp_exposed(red, tl, bwd, self.cluster, self.training))
+        # the first and the last rank meet at the tied embedding's all-reduce (`estimate.sync_tied_ranks`); the
+        # closed form ends every rank's pipeline at the same time
+        tied_s = tied_grad_sync(self.costs.tied_copy(mesh), pp=mesh.pp, tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, zero=zero,
+                                cluster=self.cluster, training=self.training)
+        if tied_s > 0:
+            ends = sync_tied_ranks([ready[0], ready[-1]], tied_s)
+            ready[0], ready[-1] = ends[0], ends[-1]
+        worst = max(t + rest for t, (_, (_, _, rest)) in zip(ready, parts, strict=True))
         self._tail[key] = worst
         return worst
 
@@ -382,8 +401,8 @@ class _Searcher:
             dense, expert = a.blk_dense / mesh.pp, a.blk_expert / mesh.pp
             if r == 0:
                 dense += a.emb.params_local - a.emb.expert_params_local
-            if r == mesh.pp - 1:
-                dense += a.head.params_local - a.head.expert_params_local
+            if r == mesh.pp - 1:  # and a tied head's own copy (`estimate.rank_params`)
+                dense += a.head.params_local - a.head.expert_params_local + self.costs.tied_copy(mesh)
             units = len(self.profiles[1:-1]) / mesh.pp + vp  # blocks and stage roots on the rank
             red, gather, tl = dp_sync(dense, expert, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep, zero=zero,
                                       cluster=cl, training=tr,
@@ -441,7 +460,7 @@ class _Searcher:
         e, h = lc[self.costs.uid[0]], lc[self.costs.uid[-1]]
         emb_x, head_x = self.costs.ends_static(mesh, kn.zero)
         emb = _block_cost(e, dense_b, expert_b, self.accum(e), emb_x)
-        head = _block_cost(h, dense_b, expert_b, self.accum(h), head_x)
+        head = _block_cost(h, dense_b, expert_b, self.accum(h) + self.accum_tied(mesh), head_x)
         m = self.micro_batches(mesh)
         infl = tuple(in_flight(kn.schedule, mesh.pp, m, kn.vp))
         caps = []
@@ -475,7 +494,7 @@ class _Searcher:
         dense = a.blk_dense + a.emb.params_local - a.emb.expert_params_local + a.head.params_local \
             - a.head.expert_params_local
         expert = a.blk_expert + a.emb.expert_params_local + a.head.expert_params_local
-        static = dense * dense_b + expert * expert_b
+        static = (dense + self.costs.tied_copy(mesh)) * dense_b + expert * expert_b
         act = a.blk_act_full + a.emb.act_none + a.head.act_none
         avg = (static + act) / mesh.pp + self.overhead
         return avg, {"static": static / mesh.pp, "activations": act / mesh.pp, "other": self.overhead}

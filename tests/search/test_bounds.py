@@ -27,27 +27,31 @@ from autoplan.specs import ModelSpec, TrainingSpec, load_cluster, load_model
 
 MODEL = ModelSpec(name="t", num_layers=10, hidden_size=512, num_attention_heads=8, vocab_size=4096,
                   max_seq_length=1024)
+# a tied word embedding: under pp > 1 its copy on the last stage (memory, DP, optimizer, gradient accumulation) and
+# the embedding group's all-reduce (estimate.tied_copy, tied_grad_sync)
+TIED = MODEL.model_copy(update={"name": "t-tied", "tie_embeddings": True, "num_layers": 8})
 
 
-def _setup(stack: str):
+def _setup(stack: str, model: ModelSpec = MODEL):
     cluster = load_cluster("dgx-a100-80g", gpus=16)
     training = apply_stack(TrainingSpec(global_batch_size=32, seq_length=1024), stack, {})
-    profiles = profile_from_spec(MODEL)
-    return cluster, training, profiles, _Searcher(MODEL, cluster, training, profiles, {}, 3, None)
+    profiles = profile_from_spec(model)
+    return cluster, training, profiles, _Searcher(model, cluster, training, profiles, {}, 3, None)
 
 
 def _solved(s: _Searcher, mesh: Mesh, kn: Knobs):
     prob = s.problem(mesh, kn)
     sol = solve_stage_problem(prob)
-    cfg = check_config(to_config(mesh, kn, "none"), MODEL, s.cluster, s.training, stage_layers=False)
+    cfg = check_config(to_config(mesh, kn, "none"), s.model, s.cluster, s.training, stage_layers=False)
     layout = [StageLayout((c.start, c.stop), c.recompute, c.recompute_layers) for c in sol.stages]
     return prob, sol, cfg, layout
 
 
+@pytest.mark.parametrize("model", [MODEL, TIED], ids=lambda m: m.name)
 @pytest.mark.parametrize("stack", ["autoplan", "megatron-2021", "megatron-deepspeed"])  # async, blocking p2p; unfused grad accumulation
 @pytest.mark.parametrize("pp,vp", [(2, 1), (4, 1), (2, 3), (4, 2)])
-def test_stage_problem_objective_is_the_estimates_closed_form(stack, pp, vp):
-    cluster, training, profiles, s = _setup(stack)
+def test_stage_problem_objective_is_the_estimates_closed_form(stack, pp, vp, model):
+    cluster, training, profiles, s = _setup(stack, model)
     mesh = Mesh(tp=2, cp=1, ep=1, pp=pp, dp=16 // (2 * pp), mbs=1, sp=True)
     kn = Knobs(1, "interleaved" if vp > 1 else "1f1b", vp)
     prob, sol, cfg, layout = _solved(s, mesh, kn)
@@ -73,10 +77,11 @@ def test_last_backward_stage_is_the_schedules_last_action(schedule, vp, pp, m):
         assert tl.rank_end[r] - tl.last_backward_start[r] == pytest.approx(bwd[stage], rel=1e-12)
 
 
+@pytest.mark.parametrize("model", [MODEL, TIED], ids=lambda m: m.name)
 @pytest.mark.parametrize("stack", ["autoplan", "megatron-2021"])
-@pytest.mark.parametrize("pp,vp,layers", [(2, 1, None), (4, 2, None), (2, 1, (7, 3)), (4, 2, (2, 1, 1, 1, 2, 1, 1, 1))])
-def test_step_time_lower_bound_never_exceeds_the_simulation(stack, pp, vp, layers):
-    cluster, training, profiles, s = _setup(stack)
+@pytest.mark.parametrize("pp,vp,layers", [(2, 1, None), (4, 2, None), (2, 1, (5, 3)), (4, 2, (2, 1, 1, 1, 1, 1, 0, 1))])
+def test_step_time_lower_bound_never_exceeds_the_simulation(stack, pp, vp, layers, model):
+    cluster, training, profiles, s = _setup(stack, model)
     mesh = Mesh(tp=2, cp=1, ep=1, pp=pp, dp=16 // (2 * pp), mbs=1, sp=True)
     kn = Knobs(1, "interleaved" if vp > 1 else "1f1b", vp)
     _, _, cfg, layout = _solved(s, mesh, kn)
@@ -112,3 +117,23 @@ def test_gpt3_175b_search_stays_small():
                  TrainingSpec(global_batch_size=1536, seq_length=2048), top=5)
     assert res.stats.ilp_solved <= 12 and res.stats.estimated <= 12
     assert all(f.simulated for f in res.finalists[:5])
+
+
+@pytest.mark.parametrize("model", [TIED.model_copy(update={"name": "t8", "tie_embeddings": False}), TIED],
+                         ids=lambda m: m.name)
+@pytest.mark.parametrize("stack", ["megatron-2022", "megatron-deepspeed"])  # gradient reduction not overlapped
+@pytest.mark.parametrize("pp,zero", [(2, 0), (2, 1), (4, 1)])
+def test_search_tail_is_the_estimates_closed_form_tail(stack, pp, zero, model):
+    """The search's data-parallel tail (gradient reduction, the tied embedding's all-reduce where the first and
+    the last rank meet, optimizer, gather) is what the closed-form estimate adds after the pipeline, on an even
+    layout (8 blocks over 2 or 4 ranks), with a tied head's copy on the last rank."""
+    cluster, training, profiles, s = _setup(stack, model)
+    mesh = Mesh(tp=2, cp=1, ep=1, pp=pp, dp=16 // (2 * pp), mbs=1, sp=True)
+    kn = Knobs(zero, "1f1b", 1)
+    cfg = check_config(to_config(mesh, kn, "none"), model, cluster, training, stage_layers=False)
+    est = estimate(profiles, cluster, training, cfg, simulate_pipeline=False)
+    assert [st.layout.layers[1] - st.layout.layers[0] for st in est.stages] == [8 // pp] * pp
+    fwd, bwd = [st.fwd_s for st in est.stages], [st.bwd_s for st in est.stages]
+    makespan = closed_form_makespan(fwd, bwd, pp, s.micro_batches(mesh), 1, s.p2p_time(mesh, cfg.sp))
+    assert est.step_time_s - makespan == pytest.approx(s.tail(mesh, zero, 1), rel=1e-9)
+    assert (est.breakdown["embedding_comm"] > 0) == model.tie_embeddings

@@ -99,3 +99,21 @@ def test_replicates_second_copy_decides_fit_on_autoplans_runtime(stack, fits):
     else:
         with pytest.raises(DoesNotFitError):
             search(model, cluster, training, fix=fix)
+
+
+@pytest.mark.parametrize("stack", ["autoplan", "megatron-core", "megatron-deepspeed"])
+def test_tied_heads_copy_is_on_the_last_rank_on_every_stack(stack):
+    """Under pp > 1 a tied head's own copy is the last stage's parameter on every stack (Megatron's second
+    word_embeddings, DeepSpeed's TiedLayerSpec, autoplan's output.weight): the search's last-stage static bytes
+    are an untied head's, and its stage problem and the estimate agree on them (estimate.tied_copy)."""
+    cluster = load_cluster("dgx-a100-80g", gpus=16)
+    training = apply_stack(TrainingSpec(global_batch_size=32, seq_length=1024), stack, {})
+    mesh = Mesh(tp=2, cp=1, ep=1, pp=2, dp=4, mbs=1, sp=True)
+    last = {}
+    for model in (DENSE, TIED):
+        s = _Searcher(model, cluster, training, profile_from_spec(model), {}, 3, None)
+        last[model.tie_embeddings] = s.problem(mesh, Knobs(1, "1f1b", 1)).last.static
+        flat = s.problem(mesh.__class__(**{**mesh.__dict__, "pp": 1, "dp": 8}), Knobs(1, "1f1b", 1)).last.static
+        if model.tie_embeddings:  # no pipeline: the tied weight is held once, on the embedding
+            assert flat < last[True]
+    assert last[True] == pytest.approx(last[False], rel=1e-12)

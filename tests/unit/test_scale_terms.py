@@ -206,9 +206,119 @@ def test_sequence_parallel_partial_gradients_are_reduced_per_tensor_or_coalesced
     assert get_stack("autoplan").knobs["sp_grads_coalesced"] is False
     # in the estimate: with sp the step's tail grows by exactly the term (dp=1: in the optimizer's tail)
     t = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
-    on, off = (estimate(p, cl, t, ParallelConfig(tp=2, pp=2, dp=1, sp=s)) for s in (True, False))
-    per_rank = [sp_grad_reduce_time(12 + n, 2 * 384.0 + e, tp=2, cluster=cl, training=t)
-                for n, e in (sp_partial_grads(emb), sp_partial_grads(head))]
-    assert on.critical_rank == off.critical_rank  # so the breakdowns describe the same rank
-    assert on.breakdown["optimizer"] - off.breakdown["optimizer"] == pytest.approx(per_rank[on.critical_rank],
-                                                                                   rel=1e-6)
+    two = load_cluster("local-cpu", gpus=2)
+    on, off = (estimate(p, two, t, ParallelConfig(tp=2, dp=1, sp=s)) for s in (True, False))
+    whole = sp_grad_reduce_time(4 * 6 + 1 + 2, 4 * 384.0 + 64 * 64 + 128, tp=2, cluster=two, training=t)
+    assert whole > 0
+    assert on.breakdown["optimizer"] - off.breakdown["optimizer"] == pytest.approx(whole, rel=1e-6)
+
+
+# ---- a tied word embedding under pipeline parallelism (session 8): the last stage's own copy of the weight, (a)
+# held with its gradient and optimizer state, (b) reduced over data parallelism, (c) stepped, (d) all-reduced with
+# the first stage's over the embedding group (estimate.tied_copy, tied_grad_sync)
+
+def _tied_case(stack: str, *, tied: bool, pp: int, tp: int = 2, dp: int | None = None, zero: int = 1,
+               gpus: int = 32):
+    from autoplan.specs import ModelSpec
+
+    model = ModelSpec(name="t", num_layers=8, hidden_size=1024, num_attention_heads=16, vocab_size=32768,
+                      max_seq_length=1024, tie_embeddings=tied)
+    cluster = load_cluster("dgx-a100-80g", gpus=gpus)
+    training = apply_stack(TrainingSpec(global_batch_size=64, seq_length=1024), stack, {})
+    cfg = check_config(ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, sp=tp > 1), model, cluster, training)
+    profiles = profile_from_spec(model)
+    return model, cluster, training, cfg, profiles, estimate(profiles, cluster, training, cfg)
+
+
+@pytest.mark.parametrize("stack", ["megatron-2022", "megatron-deepspeed", "autoplan"])
+def test_tied_head_copy_is_held_on_the_last_stage_like_an_untied_head(stack):
+    """(a) With pp > 1 the last stage holds the tied weight's own copy: its weights, gradients and optimizer state
+    are an untied head's (same shape); the first stage is unchanged. Without a pipeline the tied model holds the
+    weight once: V*h/tp parameters less than the untied one."""
+    for pp in (2, 4):
+        *_, tied = _tied_case(stack, tied=True, pp=pp)
+        *_, untied = _tied_case(stack, tied=False, pp=pp)
+        for part in ("weights", "gradients", "optimizer"):
+            assert getattr(tied.memory[-1], part) == pytest.approx(getattr(untied.memory[-1], part), rel=1e-12)
+            assert getattr(tied.memory[0], part) == pytest.approx(getattr(untied.memory[0], part), rel=1e-12)
+    model, _, training, cfg, _, tied1 = _tied_case(stack, tied=True, pp=1, dp=16)
+    *_, untied1 = _tied_case(stack, tied=False, pp=1, dp=16)
+    static = lambda mm: mm.weights + mm.gradients + mm.optimizer  # noqa: E731
+    assert static(untied1.memory[0]) > static(tied1.memory[0])
+    if stack != "autoplan":  # Megatron's count: 2 + 4 + 12 bytes per parameter less, the optimizer sharded (zero 1)
+        head = model.vocab_size * model.hidden_size / cfg.tp
+        per = training.weight_bytes + training.grad_bytes + 12 / (cfg.dp * cfg.cp)
+        assert static(untied1.memory[0]) - static(tied1.memory[0]) == pytest.approx(head * per, rel=1e-9)
+
+
+@pytest.mark.parametrize("stack", ["megatron-2022", "megatron-deepspeed", "autoplan"])
+def test_tied_head_copy_is_reduced_and_stepped_with_its_stage(stack):
+    """(b), (c) The last rank's gradient reduction and optimizer step cover the copy: they equal an untied
+    head's; without a pipeline the tied weight is reduced and stepped once."""
+    from autoplan.cost_models.estimate import _rank_tails, _stages_by_rank, rank_params
+
+    for pp in (1, 2, 4):
+        dp = 32 // (2 * pp)
+        out = {}
+        for tied in (True, False):
+            _, cluster, training, cfg, _, est = _tied_case(stack, tied=tied, pp=pp, dp=dp)
+            by_rank = _stages_by_rank(est.stages, pp)
+            out[tied] = (rank_params(by_rank[-1], cfg)[0], _rank_tails(by_rank, cfg, cluster, training)[-1])
+        if pp > 1:
+            assert out[True][0] == out[False][0]
+            assert out[True][1] == pytest.approx(out[False][1], rel=1e-12)  # (reduce, tail, optimizer, gather)
+        else:
+            assert out[True][0] < out[False][0]
+            assert out[True][1][0] < out[False][1][0] and out[True][1][2] < out[False][1][2]
+
+
+@pytest.mark.parametrize("stack,zero", [("megatron-2022", 1), ("megatron-2021", 0), ("megatron-deepspeed", 1),
+                                        ("megatron-core", 1), ("autoplan", 0), ("autoplan", 1)])
+def test_tied_embedding_all_reduce_is_in_the_breakdown(stack, zero):
+    """(d) The embedding group's all-reduce: the whole tied gradient per tp rank in the gradient-reduction dtype
+    (Megatron's main_grad, DeepSpeed's fp32 _hp_grad; autoplan's runtime: its local FSDP2 shard under ZeRO >= 1),
+    between the first and the last pipeline rank, across nodes once (pp - 1) * tp * dp ranks fill one; 0 without a
+    pipeline or untied."""
+    from autoplan.cost_models.estimate import tied_sync_group
+
+    for pp, dp, level in ((2, 2, "intra"), (4, 4, "inter")):
+        model, cluster, training, cfg, _, est = _tied_case(stack, tied=True, pp=pp, dp=dp, zero=zero,
+                                                           gpus=2 * pp * dp)
+        assert est.critical_rank in (0, pp - 1)
+        grp = tied_sync_group(cluster, pp=pp, tp=2, cp=1, dp=dp)
+        assert (grp.size, grp.nodes) == (2, 1 if level == "intra" else 2)
+        shard = dp if stack == "autoplan" and zero >= 1 else 1
+        nbytes = model.vocab_size * model.hidden_size / 2 / shard * training.grad_bytes
+        assert est.breakdown["embedding_comm"] == pytest.approx(comm.all_reduce(cluster, grp, nbytes), rel=1e-12)
+        assert est.breakdown["embedding_comm"] > 0
+        assert sum(est.breakdown.values()) == pytest.approx(est.step_time_s, rel=1e-12)
+        *_, untied = _tied_case(stack, tied=False, pp=pp, dp=dp, zero=zero, gpus=2 * pp * dp)
+        assert untied.breakdown["embedding_comm"] == 0.0
+    assert training.grad_bytes == (2 if stack in ("megatron-2021", "megatron-core", "autoplan") else 4)
+    *_, one = _tied_case(stack, tied=True, pp=1, dp=16, zero=zero)
+    assert one.breakdown["embedding_comm"] == 0.0
+
+
+def test_first_and_last_rank_meet_at_the_embedding_all_reduce():
+    from autoplan.cost_models.estimate import sync_tied_ranks
+
+    assert sync_tied_ranks([3.0, 1.0, 2.0], 0.5) == [3.5, 1.0, 3.5]
+    assert sync_tied_ranks([3.0, 1.0, 2.0], 0.0) == [3.0, 1.0, 2.0]
+    assert sync_tied_ranks([3.0], 0.5) == [3.0]
+
+
+def test_runtime_counts_all_reduce_the_tied_gradient_shard():
+    """autoplan's runtime all-reduces the tied gradient as the rank holds it after FSDP2's reduce-scatter (its
+    1/dp shard under ZeRO >= 1, the whole tp shard at ZeRO-0): the counts and the estimate agree."""
+    from autoplan.cost_models.counts import predict_counts
+
+    for zero in (0, 1):
+        model, cluster, training, cfg, profiles, _ = _tied_case("autoplan", tied=True, pp=2, dp=4, zero=zero,
+                                                                gpus=16)
+        ranks = predict_counts(profiles, cluster, training, cfg)
+        for r in (0, 1):
+            ar = [c for c in ranks[r]["comm"] if c["collective"] == "all_reduce" and c["mesh_dim"] == "pp"]
+            assert len(ar) == 1
+            shard = 4 if zero else 1
+            assert ar[0]["bytes"] == pytest.approx(model.vocab_size * model.hidden_size / 2 / shard
+                                                   * training.grad_bytes)
