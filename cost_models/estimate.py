@@ -747,6 +747,17 @@ def p2p_occupancy(index: int, n_stages: int, p2p_s: float, cluster: ClusterSpec,
     return per_phase, per_phase
 
 
+def crowded(cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig) -> ClusterSpec:
+    """`cluster` with the configuration's `crowding` on an oversubscribed CPU node (see
+    ClusterSpec.crowded_fraction): processes per pipeline stage, and the fraction of the step a stage computes,
+    m/(m + pp - 1) (each stage idles for pp - 1 micro-batch slots of fill and drain)."""
+    if cluster.cores_per_node is None or cluster.gpus_per_node <= cluster.cores_per_node:
+        return cluster
+    m = num_microbatches(cfg, training)
+    frac = m / (m + cfg.pp - 1) if cfg.pp > 1 else 1.0
+    return cluster.model_copy(update={"crowding": (cfg.tp * cfg.cp * cfg.dp, frac)})
+
+
 def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig,
              layout: list[StageLayout] | None = None, *, simulate_pipeline: bool = True,
              keep_timeline: bool = False) -> Estimate:
@@ -756,6 +767,7 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
                           "validate it with check_config (which derives dp from the world size) first")
     n_blocks = len(profiles) - 2
     layout = layout or even_layout(n_blocks, cfg)
+    cluster = crowded(cluster, training, cfg)
     ctx = context(cluster, training, cfg)
     n_stages = cfg.pp * cfg.vp
     stages = [stage_cost(i, lay, profiles, ctx, n_stages) for i, lay in enumerate(layout)]
