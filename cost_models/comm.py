@@ -80,7 +80,13 @@ def _hierarchical(cluster: ClusterSpec, grp: Group, nbytes: float, factor: float
         return 0.0
     intra = _ring(cluster, grp.per_node, nbytes, cluster.intra_node, factor, grp.per_node)
     inter = _ring(cluster, grp.nodes, nbytes / grp.per_node, cluster.inter_node, factor, grp.per_node)
-    return intra + inter
+    return intra + inter + skew_wait(cluster)
+
+
+def skew_wait(cluster: ClusterSpec) -> float:
+    """Seconds a collective inside a training step waits for its last member on an oversubscribed node
+    (`ClusterSpec.skew_wait_us`; 0 elsewhere)."""
+    return cluster.skew_wait_us * cluster.descheduled_fraction * 1e-6
 
 
 def all_reduce(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
@@ -120,7 +126,7 @@ def all_to_all(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
                                                                                grp.per_node)
     t_inter = off_node / _bw(cluster.inter_node) + (grp.nodes - 1) * _alpha(cluster, cluster.inter_node,
                                                                             grp.per_node)
-    return max(t_intra, t_inter)
+    return max(t_intra, t_inter) + skew_wait(cluster)
 
 
 def p2p(cluster: ClusterSpec, nbytes: float, cross_node: bool) -> float:

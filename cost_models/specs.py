@@ -256,6 +256,14 @@ class ClusterSpec(_Frozen):
         "configuration it prices, (processes of one pipeline stage, fraction of the step a stage computes: "
         "m/(m+pp-1)), for `crowded_fraction`.",
     )
+    skew_wait_us: float = Field(
+        default=0.0, ge=0,
+        description="Wait per collective inside a training step on such a node for its last member to arrive, "
+        "scaled by the descheduled fraction: the scheduler runs only `cores_per_node` of the node's processes at "
+        "a time, so members that compute between collectives reach one up to a timeslice apart (Linux CFS "
+        "timeslices are milliseconds), once per collective rather than per hop. Fitted by `autoplan tune`; "
+        "micro-benchmarks, whose members do nothing between collectives, do not see it.",
+    )
 
     @property
     def descheduled_fraction(self) -> float:
