@@ -44,14 +44,14 @@ def _bw(link: LinkSpec) -> float:
     return link.bandwidth_gbps * 1e9 * link.efficiency
 
 
-def _alpha(cluster: ClusterSpec, link: LinkSpec, members: int = 2) -> float:
+def _alpha(cluster: ClusterSpec, link: LinkSpec, members: int = 2, pair: bool = False) -> float:
     """Latency of one message hop, plus the waits for a descheduled peer on an oversubscribed node: a peer is
     descheduled with the node's `descheduled_fraction` (`oversubscription_wait_us`, what collective
     micro-benchmarks see), and inside a training step a woken member of a collective over `members` of the node's
     processes also competes for a core with the processes outside it, which are computing
     (`step_wait_us` x `crowded_fraction(members)`; see ClusterSpec)."""
     wait = cluster.oversubscription_wait_us * cluster.descheduled_fraction \
-        + cluster.step_wait_us * cluster.crowded_fraction(members)
+        + cluster.step_wait_us * cluster.crowded_fraction(members, pair)
     return (link.latency_us + wait) * 1e-6
 
 
@@ -80,7 +80,13 @@ def _hierarchical(cluster: ClusterSpec, grp: Group, nbytes: float, factor: float
         return 0.0
     intra = _ring(cluster, grp.per_node, nbytes, cluster.intra_node, factor, grp.per_node)
     inter = _ring(cluster, grp.nodes, nbytes / grp.per_node, cluster.inter_node, factor, grp.per_node)
-    return intra + inter
+    return intra + inter + skew_wait(cluster)
+
+
+def skew_wait(cluster: ClusterSpec) -> float:
+    """Seconds a collective inside a training step waits for its last member on an oversubscribed node
+    (`ClusterSpec.skew_wait_us`; 0 elsewhere)."""
+    return cluster.skew_wait_us * cluster.descheduled_fraction * 1e-6
 
 
 def all_reduce(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
@@ -120,7 +126,7 @@ def all_to_all(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
                                                                                grp.per_node)
     t_inter = off_node / _bw(cluster.inter_node) + (grp.nodes - 1) * _alpha(cluster, cluster.inter_node,
                                                                             grp.per_node)
-    return max(t_intra, t_inter)
+    return max(t_intra, t_inter) + skew_wait(cluster)
 
 
 def p2p(cluster: ClusterSpec, nbytes: float, cross_node: bool) -> float:
@@ -128,4 +134,4 @@ def p2p(cluster: ClusterSpec, nbytes: float, cross_node: bool) -> float:
     if nbytes <= 0:
         return 0.0
     link = cluster.inter_node if cross_node else cluster.intra_node
-    return nbytes / _bw(link) + _alpha(cluster, link, 1 if cross_node else 2)
+    return nbytes / _bw(link) + _alpha(cluster, link, 1 if cross_node else 2, pair=True)

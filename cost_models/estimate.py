@@ -563,7 +563,7 @@ def step_scalars_time(world: int, cluster: ClusterSpec) -> float:
         return 0.0
     # they follow the gradient reduction, which has already brought the ranks together: no peer is in the middle
     # of its compute (no step_wait_us)
-    idle = cluster.model_copy(update={"step_wait_us": 0.0})
+    idle = cluster.model_copy(update={"step_wait_us": 0.0, "skew_wait_us": 0.0})
     return 2 * comm.all_reduce(idle, comm.group_of(idle, world, 1), 8.0)
 
 
@@ -622,6 +622,7 @@ def step_time_lower_bound(est: Estimate, cluster: ClusterSpec, training: Trainin
     rank_end - last_backward_start, that action's duration). The search keys closed-form finalists by this, so
     an uneven pipeline the closed form overstates is still simulated before it is ruled out."""
     cfg = est.config
+    cluster = crowded(cluster, training, cfg)  # as `estimate` priced the stages
     m = num_microbatches(cfg, training)
     by_rank = _stages_by_rank(est.stages, cfg.pp)
     bwd = [s.bwd_s for s in est.stages]
@@ -747,6 +748,23 @@ def p2p_occupancy(index: int, n_stages: int, p2p_s: float, cluster: ClusterSpec,
     return per_phase, per_phase
 
 
+def crowded(cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig) -> ClusterSpec:
+    """`cluster` with configuration `cfg`'s `crowding` on an oversubscribed CPU node (`crowded_for`)."""
+    return crowded_for(cluster, training, tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, pp=cfg.pp, mbs=cfg.mbs)
+
+
+def crowded_for(cluster: ClusterSpec, training: TrainingSpec, *, tp: int, cp: int, dp: int, pp: int,
+                mbs: int) -> ClusterSpec:
+    """`cluster` with a configuration's `crowding` on an oversubscribed CPU node (ClusterSpec.crowded_fraction):
+    the processes of one pipeline stage (tp x cp x dp), and the fraction of the step a stage computes,
+    m/(m + pp - 1) (each stage idles for pp - 1 micro-batch slots of fill and drain). Unchanged elsewhere."""
+    if cluster.cores_per_node is None or cluster.gpus_per_node <= cluster.cores_per_node:
+        return cluster
+    m = training.global_batch_size // (dp * mbs)
+    frac = m / (m + pp - 1) if pp > 1 else 1.0
+    return cluster.model_copy(update={"crowding": (tp * cp * dp, frac)})
+
+
 def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig,
              layout: list[StageLayout] | None = None, *, simulate_pipeline: bool = True,
              keep_timeline: bool = False) -> Estimate:
@@ -756,6 +774,7 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
                           "validate it with check_config (which derives dp from the world size) first")
     n_blocks = len(profiles) - 2
     layout = layout or even_layout(n_blocks, cfg)
+    cluster = crowded(cluster, training, cfg)
     ctx = context(cluster, training, cfg)
     n_stages = cfg.pp * cfg.vp
     stages = [stage_cost(i, lay, profiles, ctx, n_stages) for i, lay in enumerate(layout)]

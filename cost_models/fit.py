@@ -81,6 +81,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "wait per hop for a descheduled peer when processes outnumber cores, us"),
     Knob("step_wait_us", ("step_wait_us",), 1e-2, 1e6,
          "further wait per hop inside a training step, where the descheduled peer is computing, us"),
+    Knob("skew_wait_us", ("skew_wait_us",), 1e-2, 1e6,
+         "wait per collective inside a training step for its last member on an oversubscribed node, us"),
     Knob("fsdp_hook_us", ("gpu", "calibration", "fsdp_hook_us"), 1e-2, 1e6,
          "host time of FSDP2's hooks per unit and micro-batch (replicate and fully_shard), us"),
 )}
@@ -216,7 +218,7 @@ def _core_share(cluster: ClusterSpec, processes: int) -> float:
 def predict_collective(cluster: ClusterSpec, c: CollectiveSample) -> float:
     """Time of one collective by the cost model's alpha-beta formulas, on the group the sample describes."""
     # a micro-benchmark is not a training step: its peers idle in the same loop (no step_wait_us)
-    cluster = cluster.model_copy(update={"step_wait_us": 0.0})
+    cluster = cluster.model_copy(update={"step_wait_us": 0.0, "skew_wait_us": 0.0})
     if c.level == "intra":
         node = cluster.model_copy(update={"gpus_per_node": c.processes_per_node, "num_nodes": 1})
         grp = comm.Group(c.ranks, c.ranks)
@@ -309,7 +311,7 @@ def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
                               or any(c.processes_per_node > cores for c in collectives)):
         free.append("oversubscription_wait_us")
         if runs:
-            free.append("step_wait_us")
+            free += ["step_wait_us", "skew_wait_us"]
     return free
 
 
@@ -437,7 +439,7 @@ class _Problem:
         start = knob_values(self.cluster)
         # Knobs stuck at 0 (e.g. the oversubscription wait of a preset) start from a small physical value.
         starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0, "fsdp_collective_overhead_us": 1000.0,
-                  "step_wait_us": 500.0, "fsdp_hook_us": 100.0}
+                  "step_wait_us": 500.0, "skew_wait_us": 500.0, "fsdp_hook_us": 100.0}
         x0_vals = {k: start[k] if start[k] > 0 else starts.get(k, 1.0) for k in free}
         lo = np.array([math.log(KNOBS[k].lower) for k in free])
         hi = np.array([math.log(KNOBS[k].upper) for k in free])

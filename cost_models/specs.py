@@ -250,6 +250,21 @@ class ClusterSpec(_Frozen):
         "collective waits; micro-benchmarks do not see it.",
     )
 
+    crowding: tuple[int, float] | None = Field(
+        default=None, exclude=True,
+        description="Not part of a cluster file: set by the estimate on an oversubscribed CPU node for the "
+        "configuration it prices, (processes of one pipeline stage, fraction of the step a stage computes: "
+        "m/(m+pp-1)), for `crowded_fraction`.",
+    )
+    skew_wait_us: float = Field(
+        default=0.0, ge=0,
+        description="Wait per collective inside a training step on such a node for its last member to arrive, "
+        "scaled by the descheduled fraction: the scheduler runs only `cores_per_node` of the node's processes at "
+        "a time, so members that compute between collectives reach one up to a timeslice apart (Linux CFS "
+        "timeslices are milliseconds), once per collective rather than per hop. Fitted by `autoplan tune`; "
+        "micro-benchmarks, whose members do nothing between collectives, do not see it.",
+    )
+
     @property
     def descheduled_fraction(self) -> float:
         """Probability that a peer process is not running: 1 - cores/processes when processes outnumber cores."""
@@ -257,16 +272,28 @@ class ClusterSpec(_Frozen):
             return 0.0
         return 1.0 - self.cores_per_node / self.gpus_per_node
 
-    def crowded_fraction(self, members: int) -> float:
+    def crowded_fraction(self, members: int, pair: bool = False) -> float:
         """Inside a training step, the probability that a woken member of a collective over `members` of a node's
-        processes finds every core taken: the node's other processes, outside the collective, are computing, and
-        with `outside + 1` runnable processes on `cores` cores a process waits for a core with probability
-        1 - cores/(outside + 1) (0 while the outside ones leave a core free, and on accelerators, one process per
-        device). A collective over every process of the node has nobody outside to wait for."""
+        processes finds every core taken by the node's processes outside it that are computing: with `busy`
+        such processes plus itself runnable on `cores` cores, 1 - cores/(busy + 1) (0 while they leave a core
+        free, and on accelerators, one process per device). Outside processes of the same pipeline stage compute
+        alongside (other data-parallel replicas); those of other stages compute for the pipeline's busy fraction
+        of the step (`crowding`, set by the estimate for the configuration it prices; without it every outside
+        process counts as busy). `pair`: a pipeline message between two stages."""
         if self.cores_per_node is None or self.gpus_per_node <= self.cores_per_node:
             return 0.0
-        outside = max(0, self.gpus_per_node - members)
-        return max(0.0, 1.0 - self.cores_per_node / (outside + 1))
+        P = self.gpus_per_node
+        if self.crowding is None:
+            busy = max(0, P - members)
+        else:
+            stage, frac = self.crowding
+            stage = min(P, stage)
+            if pair:
+                same, other = 2 * (stage - 1), P - 2 * stage
+            else:
+                same, other = stage - members, P - stage
+            busy = max(0, same) + max(0, other) * frac
+        return max(0.0, 1.0 - self.cores_per_node / (busy + 1))
 
     @property
     def num_gpus(self) -> int:

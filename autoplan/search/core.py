@@ -53,6 +53,7 @@ from autoplan.cost_models.estimate import (
     GIB,
     Estimate,
     StageLayout,
+    crowded_for,
     dp_exposed,
     dp_sync,
     embedding_grad_extra,
@@ -197,11 +198,18 @@ class CostTable:
         self.profiles = profiles
         self._static: dict[tuple, tuple[float, float]] = {}
 
+    def cluster_for(self, mesh: Mesh) -> ClusterSpec:
+        """The cluster as the estimate prices `mesh` on it (`estimate.crowded_for`: on an oversubscribed CPU node
+        a collective's waits depend on the configuration; elsewhere the cluster itself)."""
+        return crowded_for(self.cluster, self.training, tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, pp=mesh.pp,
+                           mbs=mesh.mbs)
+
     def layers(self, mesh: Mesh) -> list[LayerCost]:
-        key = mesh.ctx_key
+        cl = self.cluster_for(mesh)
+        key = (mesh.ctx_key, cl.crowding)
         got = self._layer.get(key)
         if got is None:
-            ctx = Context(cluster=self.cluster, training=self.training, tp=mesh.tp, cp=mesh.cp, sp=mesh.sp,
+            ctx = Context(cluster=cl, training=self.training, tp=mesh.tp, cp=mesh.cp, sp=mesh.sp,
                           ep=mesh.ep, mbs=mesh.mbs)
             got = [layer_cost(p, ctx) for p in self.unique]
             self._layer[key] = got
@@ -301,7 +309,7 @@ class _Searcher:
     # ---- per-candidate numbers
 
     def agg(self, mesh: Mesh) -> _Agg:
-        key = mesh.ctx_key
+        key = (mesh.ctx_key, self.costs.cluster_for(mesh).crowding)
         got = self._agg.get(key)
         if got is None:
             lc = self.costs.layers(mesh)
@@ -334,7 +342,8 @@ class _Searcher:
     def p2p_time(self, mesh: Mesh, sp: bool = True) -> float:
         """One activation message between neighbouring pipeline stages (the cost model's). sp=True leaves out
         the receiver's tp all-gather that only non-sp configurations pay, so bounds built on it stay bounds."""
-        return pipeline_p2p_time(self.cluster, self.training, hidden=self.profiles[0].hidden, pp=mesh.pp,
+        return pipeline_p2p_time(self.costs.cluster_for(mesh), self.training, hidden=self.profiles[0].hidden,
+                                 pp=mesh.pp,
                                  tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, mbs=mesh.mbs, sp=sp)
 
     def occupancy(self, mesh: Mesh, vp: int) -> tuple[float, ...]:
@@ -346,9 +355,10 @@ class _Searcher:
         key = (mesh.tp, mesh.cp, mesh.pp, mesh.dp, mesh.mbs, mesh.sp)
         ends = self._occ.get(key)
         if ends is None:  # a first, a middle and a last stage: every stage is one of the three
-            t, busy = pipeline_p2p_parts(self.cluster, self.training, hidden=self.profiles[0].hidden, pp=mesh.pp,
+            cl = self.costs.cluster_for(mesh)
+            t, busy = pipeline_p2p_parts(cl, self.training, hidden=self.profiles[0].hidden, pp=mesh.pp,
                                          tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, mbs=mesh.mbs, sp=mesh.sp)
-            ends = tuple(sum(p2p_occupancy(s, 3, t, self.cluster, self.training, busy)) for s in range(3))
+            ends = tuple(sum(p2p_occupancy(s, 3, t, cl, self.training, busy)) for s in range(3))
             self._occ[key] = ends
         return (ends[0],) + (ends[1],) * (mesh.pp * vp - 2) + (ends[2],)
 
@@ -367,16 +377,17 @@ class _Searcher:
         if got is not None:
             return got
         a = self.agg(mesh)
+        cl = self.costs.cluster_for(mesh)
         parts = self._dp_parts(mesh, zero, vp)
         ready = []
         for r, (red, tl, _) in parts:
             bwd = a.blk_bwd / (mesh.pp * vp) + (a.head.bwd_s + self.accum(a.head) + self.accum_tied(mesh)
                                                 if r == mesh.pp - 1 else 0.0)
-            ready.append(dp_exposed(red, tl, bwd, self.cluster, self.training))
+            ready.append(dp_exposed(red, tl, bwd, cl, self.training))
         # the first and the last rank meet at the tied embedding's all-reduce (`estimate.sync_tied_ranks`); the
         # closed form ends every rank's pipeline at the same time
         tied_s = tied_grad_sync(self.costs.tied_copy(mesh), pp=mesh.pp, tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, zero=zero,
-                                cluster=self.cluster, training=self.training)
+                                cluster=cl, training=self.training)
         if tied_s > 0:
             ends = sync_tied_ranks([ready[0], ready[-1]], tied_s)
             ready[0], ready[-1] = ends[0], ends[-1]
@@ -393,7 +404,7 @@ class _Searcher:
         got = self._dp.get(key)
         if got is not None:
             return got
-        cl, tr = self.cluster, self.training
+        cl, tr = self.costs.cluster_for(mesh), self.training
         n = mesh.dp * mesh.cp
         a = self.agg(mesh)
         out = []
@@ -426,12 +437,12 @@ class _Searcher:
         for end in ([self.profiles[0]] if r == 0 else []) + ([self.profiles[-1]] if r == mesh.pp - 1 else []):
             a, b = sp_partial_grads(end)
             n, e = n + a, e + b
-        return sp_grad_reduce_time(n, e, tp=mesh.tp, cluster=self.cluster, training=self.training)
+        return sp_grad_reduce_time(n, e, tp=mesh.tp, cluster=self.costs.cluster_for(mesh), training=self.training)
 
     def zero3_extra(self, mesh: Mesh, c: LayerCost) -> float:
         """Exposed ZeRO-3 traffic of one block per micro-batch (the cost model's `zero3_block_exposed`)."""
         return zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp,
-                                   cluster=self.cluster, training=self.training)
+                                   cluster=self.costs.cluster_for(mesh), training=self.training)
 
     def distinct_zeros(self, mesh: Mesh, zeros: list[int]) -> list[int]:
         """ZeRO stages that price differently on `mesh`: ZeRO-2 is ZeRO-1 wherever it keeps whole gradients

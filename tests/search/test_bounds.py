@@ -137,3 +137,26 @@ def test_search_tail_is_the_estimates_closed_form_tail(stack, pp, zero, model):
     makespan = closed_form_makespan(fwd, bwd, pp, s.micro_batches(mesh), 1, s.p2p_time(mesh, cfg.sp))
     assert est.step_time_s - makespan == pytest.approx(s.tail(mesh, zero, 1), rel=1e-9)
     assert (est.breakdown["embedding_comm"] > 0) == model.tie_embeddings
+
+
+@pytest.mark.parametrize("tp,pp,dp,zero", [(2, 2, 1, 0), (1, 4, 1, 0), (1, 2, 2, 0), (2, 1, 2, 0), (1, 2, 2, 1)])
+def test_search_prices_an_oversubscribed_cpu_node_as_the_estimate(tp, pp, dp, zero):
+    """On 4 processes over 2 cores a collective's waits depend on the configuration (estimate.crowded_for: who
+    computes outside it, how long a pipeline stage idles); the search's stage problem and tail must see the same
+    crowding as the estimate, mesh by mesh."""
+    cluster = load_cluster("local-cpu", gpus=4).model_copy(update={
+        "cores_per_node": 2, "oversubscription_wait_us": 500.0, "step_wait_us": 3000.0, "skew_wait_us": 1500.0})
+    training = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
+    model = load_model("tiny-gpt")
+    profiles = profile_from_spec(model)
+    s = _Searcher(model, cluster, training, profiles, {}, 3, None)
+    mesh = Mesh(tp=tp, cp=1, ep=1, pp=pp, dp=dp, mbs=1, sp=False)
+    kn = Knobs(zero, "1f1b", 1)
+    prob, sol, cfg, layout = _solved(s, mesh, kn)
+    est = estimate(profiles, cluster, training, cfg, layout, simulate_pipeline=False)
+    fwd, bwd = [st.fwd_s for st in est.stages], [st.bwd_s for st in est.stages]
+    closed = closed_form_makespan(fwd, bwd, pp, prob.m, 1, 0.0)
+    assert evaluate(prob, sol.stages)[0] == pytest.approx(closed, rel=1e-9)
+    if [st.layout.layers[1] - st.layout.layers[0] for st in est.stages] == [4 // pp] * pp:
+        makespan = closed_form_makespan(fwd, bwd, pp, s.micro_batches(mesh), 1, s.p2p_time(mesh, cfg.sp))
+        assert est.step_time_s - makespan == pytest.approx(s.tail(mesh, zero, 1), rel=1e-9)

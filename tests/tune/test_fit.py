@@ -31,7 +31,8 @@ from autoplan.specs import load_cluster
 TRUTH = {"matmul_max_efficiency": 0.6, "matmul_half_dim": 40.0, "attention_efficiency": 0.25,
          "memory_efficiency": 0.5, "kernel_launch_us": 25.0, "intra_latency_us": 300.0,
          "intra_bandwidth_gbps": 0.8, "oversubscription_wait_us": 900.0, "tp_op_overhead_us": 80.0,
-         "fsdp_collective_overhead_us": 2000.0, "step_wait_us": 1500.0, "fsdp_hook_us": 300.0}
+         "fsdp_collective_overhead_us": 2000.0, "step_wait_us": 1500.0, "fsdp_hook_us": 300.0,
+         "skew_wait_us": 700.0}
 SMALL = ModelSpec(name="small-gpt", num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
                   vocab_size=512, max_seq_length=256)
 
@@ -197,6 +198,38 @@ def test_step_wait_only_for_collectives_with_processes_outside_them():
     assert comm.p2p(cl, 1.0, False) - comm.p2p(idle, 1.0, False) == pytest.approx(1e-3, rel=1e-6)
     assert cl.with_gpus(2).crowded_fraction(2) == 0.0  # no more processes than cores
     assert cluster_preset("dgx-h100").crowded_fraction(2) == 0.0  # accelerators: no term
+
+
+def test_crowding_counts_only_outside_processes_that_compute():
+    """With the configuration's crowding (estimate.crowded_for), processes of other pipeline stages count for
+    the fraction of the step a stage computes, m/(m + pp - 1); those of the same stage count whole."""
+    from autoplan.cost_models.estimate import crowded_for
+
+    cl = _base().with_gpus(4)  # 4 processes on 2 cores
+    tr = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
+    tp_dp = crowded_for(cl, tr, tp=2, cp=1, dp=2, pp=1, mbs=1)
+    assert tp_dp.crowding == (4, 1.0) and tp_dp.crowded_fraction(2) == pytest.approx(1 / 3)  # other replica busy
+    one_mb = crowded_for(cl, tr, tp=2, cp=1, dp=1, pp=2, mbs=8)  # m = 1: the other stage computes half the step
+    assert one_mb.crowding == (2, 0.5) and one_mb.crowded_fraction(2) == 0.0
+    many = crowded_for(cl, tr, tp=2, cp=1, dp=1, pp=2, mbs=1)  # m = 8: busy 8/9 of the step
+    assert many.crowded_fraction(2) == pytest.approx(1 - 2 / (2 * 8 / 9 + 1))
+    pp4 = crowded_for(cl, tr, tp=1, cp=1, dp=1, pp=4, mbs=1)  # a message between two of four stages
+    assert pp4.crowded_fraction(2, pair=True) == pytest.approx(1 - 2 / (2 * 8 / 11 + 1))
+    assert crowded_for(cluster_preset("dgx-h100"), tr, tp=2, cp=1, dp=1, pp=2, mbs=1).crowding is None
+    assert "crowding" not in cl.model_copy(update={"crowding": (2, 0.5)}).model_dump()  # never in a file
+
+
+def test_skew_wait_once_per_collective_inside_a_step_only():
+    cl = with_knobs(_base(), {"skew_wait_us": 2000.0, "intra_latency_us": 100.0}).with_gpus(4)
+    idle = cl.model_copy(update={"skew_wait_us": 0.0})
+    for size in (2, 4):  # per collective (x the descheduled fraction 0.5), whatever its hops
+        grp = comm.group_of(cl, size, 1)
+        assert comm.all_reduce(cl, grp, 1.0) - comm.all_reduce(idle, grp, 1.0) == pytest.approx(1e-3, rel=1e-6)
+    c = CollectiveSample(collective="all_reduce", level="intra", ranks=4, processes_per_node=4, nbytes=4096,
+                         seconds=1.0)
+    assert predict_collective(cl, c) == pytest.approx(predict_collective(idle, c))  # micro-benchmarks: none
+    gpu = cluster_preset("dgx-h100").model_copy(update={"skew_wait_us": 2000.0})
+    assert comm.skew_wait(gpu) == 0.0
 
 
 def test_refit_cluster_yaml_loads_with_its_header(tmp_path):
