@@ -683,7 +683,17 @@ def grad_accum_time(params_local: float, cluster: ClusterSpec, training: Trainin
     gpu = cluster.gpu
     # the buffer is in the gradient-reduction dtype (Megatron's main_grad: fp32 with
     # accumulate_allreduce_grads_in_fp32, else the parameters' dtype; DeepSpeed's bf16 optimizer: fp32)
-    nbytes = params_local * (training.weight_bytes + 2 * training.grad_bytes)
+    per_param = training.weight_bytes + 2 * training.grad_bytes
+    if training.grad_accum_cast_copy:
+        # DeepSpeed's BF16_Optimizer.update_hp_grads (runtime/bf16_optimizer.py, from "bf16+pipeline parallelism"
+        # #1801, 56c52238, 2022-04-19, to 2025): `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype).view(
+        # hp_grad.shape))`. `.to(torch.float32)` materialises an fp32 copy of the bf16 gradient (read 2 B, write
+        # 4 B), then `add_` reads it and the buffer and writes the buffer (4 + 4 + 4 B): 2 + 4 * 4 = 18 B per
+        # parameter instead of a fused add's 2 + 2 * 4 = 10 B. The pipeline engine calls it after every
+        # micro-batch's backward (`_exec_backward_pass`: "self.optimizer.update_hp_grads(clear_lp_grads=False)",
+        # and on the last stage through `BF16_Optimizer.backward`).
+        per_param += 2 * training.grad_bytes
+    nbytes = params_local * per_param
     return nbytes / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
 
 

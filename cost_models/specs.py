@@ -327,6 +327,12 @@ class TrainingSpec(_Frozen):
     grad_accum_fused: bool = Field(
         default=True, description="Weight-gradient GEMMs accumulate straight into the gradient buffer; false = "
         "each micro-batch's gradients are added into an fp32 buffer by a separate memory-bound pass (DeepSpeed).")
+    grad_accum_cast_copy: bool = Field(
+        default=False, description="The unfused accumulation pass first casts each 16-bit gradient to a "
+        "temporary tensor in the buffer's dtype, then adds that into the buffer (DeepSpeed's BF16_Optimizer."
+        "update_hp_grads: `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype)...)`): the temporary is written and "
+        "read once more per micro-batch; false = one fused read-add-write (Megatron v2's main_grad.add_). "
+        "Only with grad_accum_fused false.")
     grad_sync_all_reduce: bool = Field(
         default=False, description="With ZeRO-1/2 the data-parallel gradients are still all-reduced whole (every "
         "rank receives the full reduced gradient, then steps only its shard and the parameters are all-gathered), "

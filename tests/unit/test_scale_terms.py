@@ -183,6 +183,43 @@ def test_unfused_gradient_accumulation_pass_is_in_the_buffer_dtype():
     assert grad_accum_time(1e9, A100, _train(grad_accum_fused=True)) == 0.0
 
 
+def test_bf16_optimizer_accumulation_casts_to_an_fp32_temporary_first():
+    """DeepSpeed's BF16_Optimizer.update_hp_grads runs `hp_grad.add_(lp.grad.to(fp32))`: the cast writes an fp32
+    temporary that the add reads back, so the pass moves 2 (bf16 read) + 4 (temp write) + 4 (temp read) + 4 + 4
+    (buffer read, write) = 18 bytes per parameter instead of 10, every micro-batch; megatron-deepspeed sets it,
+    no other stack does, and a fused stack still pays nothing."""
+    from autoplan.cost_models.estimate import grad_accum_time
+
+    bw = A100.gpu.hbm_gbps * 1e9 * A100.gpu.calibration.memory_efficiency
+    plain = _train(grad_accum_fused=False, grad_reduce_dtype="fp32")
+    cast = _train(grad_accum_fused=False, grad_reduce_dtype="fp32", grad_accum_cast_copy=True)
+    assert grad_accum_time(1e9, A100, cast) == pytest.approx(1e9 * 18 / bw)
+    assert grad_accum_time(1e9, A100, cast) == pytest.approx(1.8 * grad_accum_time(1e9, A100, plain))
+    assert grad_accum_time(1e9, A100, _train(grad_accum_fused=True, grad_accum_cast_copy=True)) == 0.0
+    assert get_stack("megatron-deepspeed").knobs["grad_accum_cast_copy"] is True
+    assert all(get_stack(n).knobs["grad_accum_cast_copy"] is False
+               for n in ("autoplan", "megatron-2021", "megatron-2022", "megatron-core", "deepspeed-zero3",
+                         "torchtitan"))
+
+
+def test_bf16_optimizer_cast_lengthens_every_stage_by_its_parameters():
+    """In the estimate the extra 8 bytes per parameter land on every stage's backward, every micro-batch: the
+    step grows by at least m * (the slowest stage's extra pass), and by no more than (m + pp - 1) times the
+    largest stage's."""
+    model = load_model("gpt3-13b")
+    cl = load_cluster("dgx-a100-80g", gpus=64)
+    cfg = ParallelConfig(tp=4, pp=4, dp=4, mbs=1, zero=1, recompute="full")
+    base = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-deepspeed")
+    off = base.model_copy(update={"grad_accum_cast_copy": False})
+    prof = profile_from_spec(model)
+    on_t, off_t = estimate(prof, cl, base, cfg).step_time_s, estimate(prof, cl, off, cfg).step_time_s
+    bw = cl.gpu.hbm_gbps * 1e9 * cl.gpu.calibration.memory_efficiency
+    per_stage = sum(p.params for p in prof[1:-1]) / cfg.pp / cfg.tp  # blocks only: a lower bound on any stage
+    m = 64 // (cfg.dp * cfg.mbs)
+    assert on_t - off_t > 0.9 * m * per_stage * 8 / bw
+    assert on_t - off_t < (m + cfg.pp) * 1.5 * per_stage * 8 / bw
+
+
 def test_sequence_parallel_partial_gradients_are_reduced_per_tensor_or_coalesced():
     """Under sp the replicated weights that see sequence-sharded inputs (norms, row-parallel biases, learned
     positions) have partial gradients all-reduced over tp once per step: one collective per tensor in autoplan's
