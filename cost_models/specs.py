@@ -70,7 +70,9 @@ class ModelSpec(_Frozen):
     max_seq_length: int = Field(gt=0, description="Longest sequence the positions support.")
     activation: Literal["gelu", "swiglu", "relu"] = Field(default="gelu", description="MLP activation.")
     norm: Literal["layernorm", "rmsnorm"] = Field(default="layernorm", description="Normalisation layer.")
-    position: Literal["learned", "rope"] = Field(default="learned", description="Position encoding.")
+    position: Literal["learned", "rope", "alibi"] = Field(
+        default="learned", description="Position encoding: learned table, rotary, or ALiBi (no position weights, "
+        "a per-head linear bias added to the attention scores; Press et al. 2022, BLOOM).")
     tie_embeddings: bool = Field(default=False, description="LM head shares the input embedding's weight.")
     bias: bool | None = Field(
         default=None, description="Linear layers carry biases (defaults to true for GeLU/LayerNorm GPTs)."

@@ -359,3 +359,42 @@ def test_runtime_counts_all_reduce_the_tied_gradient_shard():
             shard = 4 if zero else 1
             assert ar[0]["bytes"] == pytest.approx(model.vocab_size * model.hidden_size / 2 / shard
                                                    * training.grad_bytes)
+
+
+def test_alibi_unfused_attention_writes_and_reads_the_scores_once_more():
+    """ALiBi in Megatron-DeepSpeed (BLOOM): the raw scores come from `baddbmm(alibi_slice, q, k^T, beta=1)`;
+    PyTorch copies the broadcast bias into the output and the batched GEMM reads it back, so an unfused forward
+    moves 2 * 2 bytes per score more than `baddbmm(empty, ..., beta=0)`; the bias has no gradient, so the
+    backward is unchanged; flash attention and the parameter count do not change (ALiBi has no weights, the
+    RoPE rotation is gone)."""
+    from autoplan.cost_models.compute import Context, _attention
+    from autoplan.cost_models.specs import ModelSpec
+
+    shape = dict(name="m", num_layers=2, hidden_size=4096, num_attention_heads=32, vocab_size=32000,
+                 max_seq_length=2048, dropout=0.1)
+    learned, alibi = ModelSpec(**shape), ModelSpec(**shape, position="alibi")
+    b_l, b_a = profile_from_spec(learned)[1], profile_from_spec(alibi)[1]
+    assert b_a.attention.score_bias and not b_l.attention.score_bias
+    assert b_a.rope_elems == 0 and b_a.params == b_l.params
+    assert profile_from_spec(alibi)[0].params == 32000 * 4096  # no position table
+    unfused = _train(batch=8, flash_attention=False)
+    ctx = Context(A100, unfused, tp=4, cp=1, sp=False, ep=1, mbs=2)
+    (fl, bl, flop_l), (fa, ba, flop_a) = _attention(b_l, ctx), _attention(b_a, ctx)
+    scores = 2 * (32 / 4) * 2048 * 2048
+    bw = A100.gpu.hbm_gbps * 1e9 * A100.gpu.calibration.memory_efficiency
+    assert fa - fl == pytest.approx(2 * scores * 2 / bw)
+    assert ba == bl and flop_a == flop_l
+    flash = Context(A100, _train(batch=8, flash_attention=True), tp=4, cp=1, sp=False, ep=1, mbs=2)
+    assert _attention(b_a, flash) == _attention(b_l, flash)
+
+
+def test_alibi_is_refused_by_the_runtime_model():
+    """autoplan's runtime has no ALiBi attention: building the zoo model says so instead of training a model
+    without positions."""
+    from autoplan.cost_models.specs import ModelSpec
+    from autoplan.zoo.model import Attention
+
+    spec = ModelSpec(name="m", num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=128,
+                     max_seq_length=32, position="alibi")
+    with pytest.raises(NotImplementedError, match="ALiBi"):
+        Attention(spec)
