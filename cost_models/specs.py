@@ -335,6 +335,11 @@ class TrainingSpec(_Frozen):
         "update_hp_grads: `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype)...)`): the temporary is written and "
         "read once more per micro-batch; false = one fused read-add-write (Megatron v2's main_grad.add_). "
         "Only with grad_accum_fused false.")
+    optimizer_separate_passes: bool = Field(
+        default=False, description="The optimizer step runs Megatron-LM's Float16Optimizer passes beside the Adam "
+        "kernel: zeroing the whole gradient buffer, casting 16-bit main grads to fp32, unscaling (fp16), and "
+        "copying the fp32 master into the 16-bit weights (estimate.optimizer_time); false = one fused Adam "
+        "that also writes the 16-bit copy.")
     grad_sync_all_reduce: bool = Field(
         default=False, description="With ZeRO-1/2 the data-parallel gradients are still all-reduced whole (every "
         "rank receives the full reduced gradient, then steps only its shard and the parameters are all-gathered), "

@@ -24,7 +24,7 @@ DEFAULT_STACK = "autoplan"
 # are never part of a stack).
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
-               "grad_accum_cast_copy", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory", "kernels")
+               "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory", "kernels")
 # Values every stack has unless it says otherwise (TrainingSpec's defaults for these knobs). runtime_memory (what
 # autoplan's runtime holds beyond Megatron's memory count, estimate.runtime_extra) is autoplan's alone. torchtitan
 # also runs FSDP2 and DTensor, but: it has no replicate-with-TP at ZeRO-0 (its DDP is 1-D only), its MoE shards
@@ -32,8 +32,8 @@ STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_re
 # where the whole gradient is not held). The one term it would share, FSDP2's unsharded copy beside a ZeRO-1/2
 # shard (reshard_after_forward=False), is left out with the rest: torchtitan's typical run is ZeRO-3.
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
-           "grad_accum_cast_copy": False, "grad_sync_all_reduce": False, "sp_grads_coalesced": True,
-           "runtime_memory": False}
+           "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "grad_sync_all_reduce": False,
+           "sp_grads_coalesced": True, "runtime_memory": False}
 
 
 class Stack(BaseModel):
@@ -79,7 +79,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         name="megatron-2021", title="Megatron-LM as in Narayanan et al. SC21",
         knobs={"dtype": "fp16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "kernels": "megatron",
-               "grad_reduce_dtype": None, "p2p_overlap": False, "grad_accum_fused": False},
+               "grad_reduce_dtype": None, "p2p_overlap": False, "grad_accum_fused": False,
+               "optimizer_separate_passes": True},
         # grad_accum_fused false: Megatron-LM v2 (2021) adds each micro-batch's weight gradients into the DDP
         # buffer in a backward hook, "param.main_grad.add_(param.grad.data)" (megatron/model/distributed.py at
         # 50a4b5fa "Release fixes", 2021-04-08), or lets autograd add into param.grad; the wgrad GEMM writing
@@ -99,7 +100,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         # with back-propagation".
         knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "tp_bwd_comm_overlap": True,
-               "kernels": "megatron", "grad_reduce_dtype": "fp32", "p2p_overlap": False},
+               "kernels": "megatron", "grad_reduce_dtype": "fp32", "p2p_overlap": False,
+               "optimizer_separate_passes": True},
+        # optimizer_separate_passes (megatron-2021 too): Megatron-LM's Float16OptimizerWithFloat16Params zeroes
+        # the grad buffer, casts main grads, (fp16) unscales them, runs apex FusedAdam on the fp32 master and then
+        # copies the master into the 16-bit weights, each its own pass (estimate.optimizer_time quotes them).
         assumes="bf16; unfused softmax attention (selective recomputation recomputes it); Megatron's fused kernels; "
                 "gradients accumulated and all-reduced in fp32 after the backward, not overlapped; forward TP "
                 "collectives exposed, in the "

@@ -398,3 +398,25 @@ def test_alibi_is_refused_by_the_runtime_model():
                      max_seq_length=32, position="alibi")
     with pytest.raises(NotImplementedError, match="ALiBi"):
         Attention(spec)
+
+
+def test_megatron_float16_optimizer_runs_its_passes_separately():
+    """Megatron-LM's Float16OptimizerWithFloat16Params: zero the main_grad buffer (grad dtype), cast 16-bit main
+    grads to fp32 (fp16 runs), unscale (fp16 only), clip-norm read, apex FusedAdam (28 B), then copy the master
+    into the 16-bit weights (read 4, write 2): 42 B per parameter with bf16 and fp32 main grads (Korthikanti
+    2022), 54 B with fp16 main grads and a grad scaler (SC21), against a fused Adam's 34 B; under ZeRO-1 the
+    buffer zeroing still covers every local parameter."""
+    from autoplan.cost_models.estimate import optimizer_time
+
+    bw = A100.gpu.hbm_gbps * 1e9 * A100.gpu.calibration.memory_efficiency
+    fused = optimizer_time(1e9, 1, A100, _train())
+    assert fused == pytest.approx(1e9 * 34 / bw) == optimizer_time(1e9, 1, A100)
+    m22 = apply_stack(_train(), "megatron-2022")
+    m21 = apply_stack(_train(), "megatron-2021")
+    assert optimizer_time(1e9, 1, A100, m22) == pytest.approx(1e9 * 42 / bw)
+    assert optimizer_time(1e9, 1, A100, m21) == pytest.approx(1e9 * 54 / bw)
+    # ZeRO-1 over 8 ranks: the per-shard passes divide by 8, the zeroing of the whole grad buffer does not
+    assert optimizer_time(1e9, 8, A100, m22) == pytest.approx(1e9 * (38 / 8 + 4) / bw)
+    assert all(get_stack(n).knobs["optimizer_separate_passes"] is (n in ("megatron-2021", "megatron-2022"))
+               for n in ("autoplan", "megatron-2021", "megatron-2022", "megatron-core", "megatron-deepspeed",
+                         "deepspeed-zero3", "torchtitan"))
