@@ -136,6 +136,16 @@ def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     soft_bytes = scores * (2 * e + (2 * e + 1 if a.dropout else 0))
     fwd = gemm + _mem_time(ctx, soft_bytes)
     bwd = 2 * gemm + _mem_time(ctx, 1.5 * soft_bytes + scores * e)
+    if a.score_bias:
+        # ALiBi, unfused (Megatron-DeepSpeed, bigscience-workshop fork, megatron/model/transformer.py
+        # ParallelAttention.forward): `matmul_result = alibi[:output_size[0]*output_size[1], :, :output_size[3]]`
+        # (a [b*np, 1, sk] tensor), then `torch.baddbmm(matmul_result, q, k^T, beta=beta, alpha=1/norm_factor)`
+        # with beta = 1 (or 1/layer_number), where without ALiBi it is `torch.empty(...)` and beta=0.0. PyTorch's
+        # CUDA baddbmm (aten/src/ATen/native/cuda/Blas.cpp, 1.10-1.11) expands the [*, 1, sk] input to the output
+        # shape and, "if (beta != 0.0) result.copy_(self)", writes it into the output, then runs bgemm with that
+        # beta, which reads the output back: one write and one read of the b*np*sq*sk scores more per forward
+        # (and per recompute). The bias has no gradient (a buffer), so the backward is unchanged.
+        fwd += _mem_time(ctx, 2 * scores * e)
     return fwd, bwd, model_flops
 
 

@@ -539,7 +539,7 @@ def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: Cl
         dense, expert = rank_params(stages, cfg)  # a tied head's copy is reduced and stepped with the rest
         red, gather, tail = dp_sync(dense, expert, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero,
                                     cluster=cluster, training=training, units=runtime_dp_units(stages, cfg))
-        opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster) \
+        opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster, training) \
             + step_scalars_time(cfg.tp * cfg.cp * cfg.dp * cfg.pp, cluster)
         fsdp = fsdp_unit_time(fsdp_units(stages), dense, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp,
                               zero=cfg.zero, m=m, cluster=cluster, training=training)
@@ -654,10 +654,30 @@ def param_gather_exposed(gather: float, cluster: ClusterSpec, training: Training
     return 0.1 * gather + interference(cluster, 0.9 * gather)
 
 
-def optimizer_time(params: float, shards: int, cluster: ClusterSpec) -> float:
-    """Adam over the parameters this GPU updates (`shards` = dp*cp with ZeRO>=1, else 1): memory-bound."""
+def optimizer_time(params: float, shards: int, cluster: ClusterSpec, training: TrainingSpec | None = None) -> float:
+    """Adam over the parameters this GPU updates (`shards` = dp*cp with ZeRO>=1, else 1): memory-bound. With
+    `training.optimizer_separate_passes` (Megatron-LM's Float16OptimizerWithFloat16Params), the passes around the
+    Adam kernel that Megatron runs separately are added."""
     gpu = cluster.gpu
-    return params / shards * _ADAM_BYTES_PER_PARAM / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
+    per, whole = _ADAM_BYTES_PER_PARAM, 0.0
+    if training is not None and training.optimizer_separate_passes:
+        # Megatron-LM MixedPrecisionOptimizer.step() (megatron/optimizer/optimizer.py at de593298, 2022-05-24;
+        # the same passes in FP16OptimizerWithFP16Params.step at 50a4b5fa, 2021-04-08), in order:
+        # `_copy_model_grads_to_main_grads`: "main_param.grad = model_param.main_grad.float()" -- a cast (read
+        # the 16-bit main_grad, write fp32) when main_grad is 16-bit (fp16 without
+        # accumulate_allreduce_grads_in_fp32), free when it is already fp32 (bf16 runs);
+        # `_unscale_main_grads_and_check_for_nan` (fp16's grad scaler only): "torch._amp_foreach_non_finite_
+        # check_and_unscale_(main_grads, ...)", read and write the fp32 grads (8 B);
+        # clip_grad_norm (read 4 B: already in _ADAM_BYTES_PER_PARAM);
+        # `self.optimizer.step()`: apex FusedAdam over the fp32 master, 28 B, no 16-bit write;
+        # `_copy_main_params_to_model_params`: "_multi_tensor_copy_this_to_that(this=main_data, that=model_data"
+        # -- reads the master again (4 B; the 16-bit write is already in _ADAM_BYTES_PER_PARAM).
+        # And train_step's "partition.zero_grad_buffer()" (megatron/training.py) zeroes the whole main_grad
+        # buffer, every local parameter, sharded or not.
+        g = training.grad_bytes
+        per += (g + 4 if g < 4 else 0) + (8 if training.dtype == "fp16" else 0) + 4
+        whole = g
+    return (params / shards * per + params * whole) / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
 
 
 def zero3_block_exposed(params_local: float, fwd_s: float, bwd_s: float, *, dp: int, cp: int, tp: int,
@@ -684,7 +704,17 @@ def grad_accum_time(params_local: float, cluster: ClusterSpec, training: Trainin
     gpu = cluster.gpu
     # the buffer is in the gradient-reduction dtype (Megatron's main_grad: fp32 with
     # accumulate_allreduce_grads_in_fp32, else the parameters' dtype; DeepSpeed's bf16 optimizer: fp32)
-    nbytes = params_local * (training.weight_bytes + 2 * training.grad_bytes)
+    per_param = training.weight_bytes + 2 * training.grad_bytes
+    if training.grad_accum_cast_copy:
+        # DeepSpeed's BF16_Optimizer.update_hp_grads (runtime/bf16_optimizer.py, from "bf16+pipeline parallelism"
+        # #1801, 56c52238, 2022-04-19, to 2025): `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype).view(
+        # hp_grad.shape))`. `.to(torch.float32)` materialises an fp32 copy of the bf16 gradient (read 2 B, write
+        # 4 B), then `add_` reads it and the buffer and writes the buffer (4 + 4 + 4 B): 2 + 4 * 4 = 18 B per
+        # parameter instead of a fused add's 2 + 2 * 4 = 10 B. The pipeline engine calls it after every
+        # micro-batch's backward (`_exec_backward_pass`: "self.optimizer.update_hp_grads(clear_lp_grads=False)",
+        # and on the last stage through `BF16_Optimizer.backward`).
+        per_param += 2 * training.grad_bytes
+    nbytes = params_local * per_param
     return nbytes / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
 
 

@@ -52,6 +52,9 @@ class Attention(_Frozen):
     head_dim: int
     causal: bool = True
     dropout: bool = Field(default=False, description="Dropout on the attention probabilities.")
+    score_bias: bool = Field(
+        default=False, description="A bias (ALiBi) is added to the raw scores: unfused, the QK^T GEMM "
+        "accumulates onto a copy of it (baddbmm with beta=1), one more write and read of the s x s scores.")
 
     def flops_per_token(self, seq: int) -> float:
         """Model FLOPs per token, forward: QK^T and AV, causal counted in full (Korthikanti eq. 7)."""
@@ -151,12 +154,15 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
     scores = a * (2 + (3 if dropout else 0))
     return LayerProfile(
         name=f"layers.{i}", kind="block", gemms=tuple(gemms),
-        attention=Attention(heads=a, kv_heads=kv, head_dim=d, causal=True, dropout=dropout),
+        attention=Attention(heads=a, kv_heads=kv, head_dim=d, causal=True, dropout=dropout,
+                            score_bias=model.position == "alibi"),
         hidden=h, params_replicated=norm_p + row_bias, params_sharded=col_bias,
         elementwise_tp=ew_tp, elementwise_seq=ew_seq,
         # one kernel per GEMM, the attention core, 2 norms, the activation and 2 residual adds, RoPE on q and k,
         # and for MoE the router's softmax/top-k, dispatch, combine and its auxiliary loss
-        kernels_fwd=len(gemms) + 6 + (2 if model.position == "rope" else 0) + (4 if moe else 0),
+        # (ALiBi: the copy of the bias into the scores)
+        kernels_fwd=len(gemms) + 6 + (2 if model.position == "rope" else 0) + (1 if model.position == "alibi" else 0)
+        + (4 if moe else 0),
         act_tp=act_tp, act_seq=act_seq, act_scores_per_seq=scores, act_input=2 * h,
         tp_allreduces=2, moe_top_k=top_k, moe_experts=n_exp,
         norm_kind=model.norm, norm_elems=2 * h, act_kind=model.activation, act_elems=ffn * mult,

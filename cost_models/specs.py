@@ -70,7 +70,9 @@ class ModelSpec(_Frozen):
     max_seq_length: int = Field(gt=0, description="Longest sequence the positions support.")
     activation: Literal["gelu", "swiglu", "relu"] = Field(default="gelu", description="MLP activation.")
     norm: Literal["layernorm", "rmsnorm"] = Field(default="layernorm", description="Normalisation layer.")
-    position: Literal["learned", "rope"] = Field(default="learned", description="Position encoding.")
+    position: Literal["learned", "rope", "alibi"] = Field(
+        default="learned", description="Position encoding: learned table, rotary, or ALiBi (no position weights, "
+        "a per-head linear bias added to the attention scores; Press et al. 2022, BLOOM).")
     tie_embeddings: bool = Field(default=False, description="LM head shares the input embedding's weight.")
     bias: bool | None = Field(
         default=None, description="Linear layers carry biases (defaults to true for GeLU/LayerNorm GPTs)."
@@ -354,6 +356,17 @@ class TrainingSpec(_Frozen):
     grad_accum_fused: bool = Field(
         default=True, description="Weight-gradient GEMMs accumulate straight into the gradient buffer; false = "
         "each micro-batch's gradients are added into an fp32 buffer by a separate memory-bound pass (DeepSpeed).")
+    grad_accum_cast_copy: bool = Field(
+        default=False, description="The unfused accumulation pass first casts each 16-bit gradient to a "
+        "temporary tensor in the buffer's dtype, then adds that into the buffer (DeepSpeed's BF16_Optimizer."
+        "update_hp_grads: `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype)...)`): the temporary is written and "
+        "read once more per micro-batch; false = one fused read-add-write (Megatron v2's main_grad.add_). "
+        "Only with grad_accum_fused false.")
+    optimizer_separate_passes: bool = Field(
+        default=False, description="The optimizer step runs Megatron-LM's Float16Optimizer passes beside the Adam "
+        "kernel: zeroing the whole gradient buffer, casting 16-bit main grads to fp32, unscaling (fp16), and "
+        "copying the fp32 master into the 16-bit weights (estimate.optimizer_time); false = one fused Adam "
+        "that also writes the 16-bit copy.")
     grad_sync_all_reduce: bool = Field(
         default=False, description="With ZeRO-1/2 the data-parallel gradients are still all-reduced whole (every "
         "rank receives the full reduced gradient, then steps only its shard and the parameters are all-gathered), "

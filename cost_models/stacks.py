@@ -24,7 +24,7 @@ DEFAULT_STACK = "autoplan"
 # are never part of a stack).
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
-               "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory", "kernels")
+               "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory", "kernels")
 # Values every stack has unless it says otherwise (TrainingSpec's defaults for these knobs). runtime_memory (what
 # autoplan's runtime holds beyond Megatron's memory count, estimate.runtime_extra) is autoplan's alone. torchtitan
 # also runs FSDP2 and DTensor, but: it has no replicate-with-TP at ZeRO-0 (its DDP is 1-D only), its MoE shards
@@ -32,7 +32,8 @@ STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_re
 # where the whole gradient is not held). The one term it would share, FSDP2's unsharded copy beside a ZeRO-1/2
 # shard (reshard_after_forward=False), is left out with the rest: torchtitan's typical run is ZeRO-3.
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
-           "grad_sync_all_reduce": False, "sp_grads_coalesced": True, "runtime_memory": False}
+           "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "grad_sync_all_reduce": False,
+           "sp_grads_coalesced": True, "runtime_memory": False}
 
 
 class Stack(BaseModel):
@@ -78,7 +79,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         name="megatron-2021", title="Megatron-LM as in Narayanan et al. SC21",
         knobs={"dtype": "fp16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "kernels": "megatron",
-               "grad_reduce_dtype": None, "p2p_overlap": False, "grad_accum_fused": False},
+               "grad_reduce_dtype": None, "p2p_overlap": False, "grad_accum_fused": False,
+               "optimizer_separate_passes": True},
         # grad_accum_fused false: Megatron-LM v2 (2021) adds each micro-batch's weight gradients into the DDP
         # buffer in a backward hook, "param.main_grad.add_(param.grad.data)" (megatron/model/distributed.py at
         # 50a4b5fa "Release fixes", 2021-04-08), or lets autograd add into param.grad; the wgrad GEMM writing
@@ -98,7 +100,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         # with back-propagation".
         knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "tp_bwd_comm_overlap": True,
-               "kernels": "megatron", "grad_reduce_dtype": "fp32", "p2p_overlap": False},
+               "kernels": "megatron", "grad_reduce_dtype": "fp32", "p2p_overlap": False,
+               "optimizer_separate_passes": True},
+        # optimizer_separate_passes (megatron-2021 too): Megatron-LM's Float16OptimizerWithFloat16Params zeroes
+        # the grad buffer, casts main grads, (fp16) unscales them, runs apex FusedAdam on the fp32 master and then
+        # copies the master into the 16-bit weights, each its own pass (estimate.optimizer_time quotes them).
         assumes="bf16; unfused softmax attention (selective recomputation recomputes it); Megatron's fused kernels; "
                 "gradients accumulated and all-reduced in fp32 after the backward, not overlapped; forward TP "
                 "collectives exposed, in the "
@@ -121,7 +127,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "p2p_overlap": False,
                "grad_accum_fused": False, "kernels": "megatron", "grad_reduce_dtype": "fp32",
-               "grad_sync_all_reduce": True},
+               "grad_sync_all_reduce": True, "grad_accum_cast_copy": True},
+        # grad_accum_cast_copy: BF16_Optimizer accumulates each micro-batch's bf16 gradients with
+        # `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype).view(hp_grad.shape))` (update_hp_grads, called by the
+        # PipelineEngine's `_exec_backward_pass` after every micro-batch): an fp32 temporary is written and read
+        # before the add (estimate.grad_accum_time).
         # grad_sync_all_reduce: with bf16 the PipelineEngine reduces gradients in `_exec_reduce_grads` ->
         # `_bf16_reduce_grads`: "Make our own list of gradients from the optimizer's FP32 grads",
         # `self.buffered_allreduce_fallback(grads=self.optimizer.get_grads_for_reduction(), ...)`, and
@@ -137,7 +147,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         assumes="Megatron's TP layers and fused kernels, unfused softmax attention, run by DeepSpeed's pipeline "
                 "engine: stage-to-stage activations and gradients partitioned over the tp ranks and all-gathered "
                 "on arrival (PartitionedTensor); gradients accumulated into fp32 buffers by a separate pass per "
-                "micro-batch and reduced in fp32 after the pipeline flush (BF16_Optimizer / ZeRO-1), not overlapped",
+                "micro-batch that first casts each bf16 gradient to an fp32 temporary, and reduced in fp32 after the "
+                "pipeline flush (BF16_Optimizer / ZeRO-1), not overlapped",
         typical="zero=1, recompute=full, schedule=1f1b",
         source="Smith et al. 2022 (MT-NLG, arXiv 2201.11990) sec. 2-3; BigScience BLOOM (arXiv 2211.05100) "
                "sec. 3.4; DeepSpeed pipe/engine.py and runtime/bf16_optimizer.py",

@@ -418,7 +418,7 @@ class _Searcher:
             red, gather, tl = dp_sync(dense, expert, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep, zero=zero,
                                       cluster=cl, training=tr,
                                       units=units if zero == 0 and (mesh.tp > 1 or mesh.pp > 1) else 0)
-            opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl) \
+            opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl, tr) \
                 + step_scalars_time(mesh.tp * mesh.cp * mesh.dp * mesh.pp, cl)
             fsdp = fsdp_unit_time(units, dense, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, zero=zero,
                                   m=self.micro_batches(mesh), cluster=cl, training=tr)

@@ -89,6 +89,9 @@ class Attention(nn.Module):
         h, dh, bias = spec.hidden_size, spec.dhead, spec.has_bias
         self.head_dim = dh
         self.rope = spec.position == "rope"
+        if spec.position == "alibi":
+            raise NotImplementedError(f"{spec.name}: autoplan's runtime has no ALiBi attention (position=alibi is "
+                                      "for cost estimates of runs such as BLOOM); use rope or learned positions")
         self.wq = nn.Linear(h, spec.num_attention_heads * dh, bias=bias)
         self.wk = nn.Linear(h, spec.kv_heads * dh, bias=bias)
         self.wv = nn.Linear(h, spec.kv_heads * dh, bias=bias)

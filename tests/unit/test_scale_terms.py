@@ -183,6 +183,43 @@ def test_unfused_gradient_accumulation_pass_is_in_the_buffer_dtype():
     assert grad_accum_time(1e9, A100, _train(grad_accum_fused=True)) == 0.0
 
 
+def test_bf16_optimizer_accumulation_casts_to_an_fp32_temporary_first():
+    """DeepSpeed's BF16_Optimizer.update_hp_grads runs `hp_grad.add_(lp.grad.to(fp32))`: the cast writes an fp32
+    temporary that the add reads back, so the pass moves 2 (bf16 read) + 4 (temp write) + 4 (temp read) + 4 + 4
+    (buffer read, write) = 18 bytes per parameter instead of 10, every micro-batch; megatron-deepspeed sets it,
+    no other stack does, and a fused stack still pays nothing."""
+    from autoplan.cost_models.estimate import grad_accum_time
+
+    bw = A100.gpu.hbm_gbps * 1e9 * A100.gpu.calibration.memory_efficiency
+    plain = _train(grad_accum_fused=False, grad_reduce_dtype="fp32")
+    cast = _train(grad_accum_fused=False, grad_reduce_dtype="fp32", grad_accum_cast_copy=True)
+    assert grad_accum_time(1e9, A100, cast) == pytest.approx(1e9 * 18 / bw)
+    assert grad_accum_time(1e9, A100, cast) == pytest.approx(1.8 * grad_accum_time(1e9, A100, plain))
+    assert grad_accum_time(1e9, A100, _train(grad_accum_fused=True, grad_accum_cast_copy=True)) == 0.0
+    assert get_stack("megatron-deepspeed").knobs["grad_accum_cast_copy"] is True
+    assert all(get_stack(n).knobs["grad_accum_cast_copy"] is False
+               for n in ("autoplan", "megatron-2021", "megatron-2022", "megatron-core", "deepspeed-zero3",
+                         "torchtitan"))
+
+
+def test_bf16_optimizer_cast_lengthens_every_stage_by_its_parameters():
+    """In the estimate the extra 8 bytes per parameter land on every stage's backward, every micro-batch: the
+    step grows by at least m * (the slowest stage's extra pass), and by no more than (m + pp - 1) times the
+    largest stage's."""
+    model = load_model("gpt3-13b")
+    cl = load_cluster("dgx-a100-80g", gpus=64)
+    cfg = ParallelConfig(tp=4, pp=4, dp=4, mbs=1, zero=1, recompute="full")
+    base = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-deepspeed")
+    off = base.model_copy(update={"grad_accum_cast_copy": False})
+    prof = profile_from_spec(model)
+    on_t, off_t = estimate(prof, cl, base, cfg).step_time_s, estimate(prof, cl, off, cfg).step_time_s
+    bw = cl.gpu.hbm_gbps * 1e9 * cl.gpu.calibration.memory_efficiency
+    per_stage = sum(p.params for p in prof[1:-1]) / cfg.pp / cfg.tp  # blocks only: a lower bound on any stage
+    m = 64 // (cfg.dp * cfg.mbs)
+    assert on_t - off_t > 0.9 * m * per_stage * 8 / bw
+    assert on_t - off_t < (m + cfg.pp) * 1.5 * per_stage * 8 / bw
+
+
 def test_sequence_parallel_partial_gradients_are_reduced_per_tensor_or_coalesced():
     """Under sp the replicated weights that see sequence-sharded inputs (norms, row-parallel biases, learned
     positions) have partial gradients all-reduced over tp once per step: one collective per tensor in autoplan's
@@ -322,3 +359,64 @@ def test_runtime_counts_all_reduce_the_tied_gradient_shard():
             shard = 4 if zero else 1
             assert ar[0]["bytes"] == pytest.approx(model.vocab_size * model.hidden_size / 2 / shard
                                                    * training.grad_bytes)
+
+
+def test_alibi_unfused_attention_writes_and_reads_the_scores_once_more():
+    """ALiBi in Megatron-DeepSpeed (BLOOM): the raw scores come from `baddbmm(alibi_slice, q, k^T, beta=1)`;
+    PyTorch copies the broadcast bias into the output and the batched GEMM reads it back, so an unfused forward
+    moves 2 * 2 bytes per score more than `baddbmm(empty, ..., beta=0)`; the bias has no gradient, so the
+    backward is unchanged; flash attention and the parameter count do not change (ALiBi has no weights, the
+    RoPE rotation is gone)."""
+    from autoplan.cost_models.compute import Context, _attention
+    from autoplan.cost_models.specs import ModelSpec
+
+    shape = dict(name="m", num_layers=2, hidden_size=4096, num_attention_heads=32, vocab_size=32000,
+                 max_seq_length=2048, dropout=0.1)
+    learned, alibi = ModelSpec(**shape), ModelSpec(**shape, position="alibi")
+    b_l, b_a = profile_from_spec(learned)[1], profile_from_spec(alibi)[1]
+    assert b_a.attention.score_bias and not b_l.attention.score_bias
+    assert b_a.rope_elems == 0 and b_a.params == b_l.params
+    assert profile_from_spec(alibi)[0].params == 32000 * 4096  # no position table
+    unfused = _train(batch=8, flash_attention=False)
+    ctx = Context(A100, unfused, tp=4, cp=1, sp=False, ep=1, mbs=2)
+    (fl, bl, flop_l), (fa, ba, flop_a) = _attention(b_l, ctx), _attention(b_a, ctx)
+    scores = 2 * (32 / 4) * 2048 * 2048
+    bw = A100.gpu.hbm_gbps * 1e9 * A100.gpu.calibration.memory_efficiency
+    assert fa - fl == pytest.approx(2 * scores * 2 / bw)
+    assert ba == bl and flop_a == flop_l
+    flash = Context(A100, _train(batch=8, flash_attention=True), tp=4, cp=1, sp=False, ep=1, mbs=2)
+    assert _attention(b_a, flash) == _attention(b_l, flash)
+
+
+def test_alibi_is_refused_by_the_runtime_model():
+    """autoplan's runtime has no ALiBi attention: building the zoo model says so instead of training a model
+    without positions."""
+    from autoplan.cost_models.specs import ModelSpec
+    from autoplan.zoo.model import Attention
+
+    spec = ModelSpec(name="m", num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=128,
+                     max_seq_length=32, position="alibi")
+    with pytest.raises(NotImplementedError, match="ALiBi"):
+        Attention(spec)
+
+
+def test_megatron_float16_optimizer_runs_its_passes_separately():
+    """Megatron-LM's Float16OptimizerWithFloat16Params: zero the main_grad buffer (grad dtype), cast 16-bit main
+    grads to fp32 (fp16 runs), unscale (fp16 only), clip-norm read, apex FusedAdam (28 B), then copy the master
+    into the 16-bit weights (read 4, write 2): 42 B per parameter with bf16 and fp32 main grads (Korthikanti
+    2022), 54 B with fp16 main grads and a grad scaler (SC21), against a fused Adam's 34 B; under ZeRO-1 the
+    buffer zeroing still covers every local parameter."""
+    from autoplan.cost_models.estimate import optimizer_time
+
+    bw = A100.gpu.hbm_gbps * 1e9 * A100.gpu.calibration.memory_efficiency
+    fused = optimizer_time(1e9, 1, A100, _train())
+    assert fused == pytest.approx(1e9 * 34 / bw) == optimizer_time(1e9, 1, A100)
+    m22 = apply_stack(_train(), "megatron-2022")
+    m21 = apply_stack(_train(), "megatron-2021")
+    assert optimizer_time(1e9, 1, A100, m22) == pytest.approx(1e9 * 42 / bw)
+    assert optimizer_time(1e9, 1, A100, m21) == pytest.approx(1e9 * 54 / bw)
+    # ZeRO-1 over 8 ranks: the per-shard passes divide by 8, the zeroing of the whole grad buffer does not
+    assert optimizer_time(1e9, 8, A100, m22) == pytest.approx(1e9 * (38 / 8 + 4) / bw)
+    assert all(get_stack(n).knobs["optimizer_separate_passes"] is (n in ("megatron-2021", "megatron-2022"))
+               for n in ("autoplan", "megatron-2021", "megatron-2022", "megatron-core", "megatron-deepspeed",
+                         "deepspeed-zero3", "torchtitan"))

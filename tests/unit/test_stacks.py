@@ -54,7 +54,10 @@ def test_stack_changes_the_prediction_and_is_reported(capsys):
 def test_explicit_dtype_wins_over_the_stack(capsys):
     fp16 = _est(capsys, "--stack", "megatron-2021")
     bf16 = _est(capsys, "--stack", "megatron-2021", "--dtype", "bf16")
-    assert fp16["step_time_s"] == pytest.approx(bf16["step_time_s"], rel=1e-9)  # same peak on A100
+    # same peak on A100; the one difference is fp16's grad-scaler unscale pass in Megatron's optimizer step
+    # (optimizer_separate_passes: read and write the fp32 grads, 8 B per parameter), which bf16 does not run
+    assert fp16["step_time_s"] > bf16["step_time_s"]
+    assert fp16["step_time_s"] == pytest.approx(bf16["step_time_s"], rel=2e-3)
     tt = apply_stack(TrainingSpec(global_batch_size=8, seq_length=128, dtype="fp8"), "torchtitan",
                      keep=("dtype",))
     assert tt.dtype == "fp8" and tt.tp_comm_overlap and tt.grad_reduce_dtype == "fp32"
