@@ -197,6 +197,11 @@ class CostTable:
         self.opt_bytes = (0 if training.dtype in ("fp32", "tf32") else 4) + 8
         self.profiles = profiles
         self._static: dict[tuple, tuple[float, float]] = {}
+        # (tensors, elements) with partial gradients under sp: all blocks, the embedding, the head
+        # (`estimate.sp_partial_grads`); the same for every mesh
+        blocks = [sp_partial_grads(p) for p in profiles[1:-1]]
+        self.sp_grads = ((sum(a for a, _ in blocks), sum(b for _, b in blocks)), sp_partial_grads(profiles[0]),
+                         sp_partial_grads(profiles[-1]))
 
     def cluster_for(self, mesh: Mesh) -> ClusterSpec:
         """The cluster as the estimate prices `mesh` on it (`estimate.crowded_for`: on an oversubscribed CPU node
@@ -391,7 +396,7 @@ class _Searcher:
         if tied_s > 0:
             ends = sync_tied_ranks([ready[0], ready[-1]], tied_s)
             ready[0], ready[-1] = ends[0], ends[-1]
-        worst = max(t + rest for t, (_, (_, _, rest)) in zip(ready, parts, strict=True))
+        worst = max(t + rest + self.sp_grad_tail(mesh, r) for t, (r, (_, _, rest)) in zip(ready, parts, strict=True))
         self._tail[key] = worst
         return worst
 
@@ -400,7 +405,7 @@ class _Searcher:
         parameter gather), with the estimate's functions for an even layout of `vp` stages per rank (`estimate.
         _rank_tails`: the runtime's per-unit reduction at ZeRO-0, FSDP's per-unit work at ZeRO>=1, the step's
         scalar all-reduces). Depends on parameters (tp, ep), groups (cp, dp, pp), micro-batches and vp only."""
-        key = (mesh.tp, mesh.cp, mesh.ep, mesh.pp, mesh.dp, mesh.mbs, mesh.sp, zero, vp)
+        key = (mesh.tp, mesh.cp, mesh.ep, mesh.pp, mesh.dp, mesh.mbs, zero, vp)
         got = self._dp.get(key)
         if got is not None:
             return got
@@ -422,7 +427,6 @@ class _Searcher:
                 + step_scalars_time(mesh.tp * mesh.cp * mesh.dp * mesh.pp, cl)
             fsdp = fsdp_unit_time(units, dense, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, zero=zero,
                                   m=self.micro_batches(mesh), cluster=cl, training=tr)
-            fsdp += self.sp_grad_tail(mesh, r)  # in FSDP's post-backward or the step tail: both in the tail
             out.append((r, (red, tl, opt + param_gather_exposed(gather, cl, tr) + fsdp)))
         self._dp[key] = out
         return out
@@ -432,11 +436,12 @@ class _Searcher:
         `_dp_parts` spreads their parameters; the embedding's on rank 0, the head's on the last)."""
         if not (mesh.sp and mesh.tp > 1):
             return 0.0
-        pairs = [sp_partial_grads(p) for p in self.profiles[1:-1]]
-        n, e = sum(a for a, _ in pairs) / mesh.pp, sum(b for _, b in pairs) / mesh.pp
-        for end in ([self.profiles[0]] if r == 0 else []) + ([self.profiles[-1]] if r == mesh.pp - 1 else []):
-            a, b = sp_partial_grads(end)
-            n, e = n + a, e + b
+        (nb, eb), (n0, e0), (nh, eh) = self.costs.sp_grads
+        n, e = nb / mesh.pp, eb / mesh.pp
+        if r == 0:
+            n, e = n + n0, e + e0
+        if r == mesh.pp - 1:
+            n, e = n + nh, e + eh
         return sp_grad_reduce_time(n, e, tp=mesh.tp, cluster=self.costs.cluster_for(mesh), training=self.training)
 
     def zero3_extra(self, mesh: Mesh, c: LayerCost) -> float:
