@@ -181,6 +181,10 @@ def check_plan_model(plan) -> None:
     soft-caps or a non-default scale, which the cp attention core does not implement)."""
     from autoplan.cost_models.errors import ConfigError, PlanError
 
+    if plan.model.position == "alibi":
+        raise PlanError(f"plan {plan.short_hash}: autoplan's runtime has no ALiBi attention",
+                        f"model {plan.model.name} has position: alibi (priced for estimates of runs such as BLOOM)",
+                        "estimate it with autoplan estimate/search; to train, use position rope or learned")
     src = plan.model_source or {}
     if "factory" in src:
         from .factory import check_factory_plan

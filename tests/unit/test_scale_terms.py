@@ -400,6 +400,22 @@ def test_alibi_is_refused_by_the_runtime_model():
         Attention(spec)
 
 
+def test_alibi_plan_is_refused_before_launch():
+    """`autoplan run`'s start-up check refuses an ALiBi plan in one line, before any process starts."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.errors import PlanError
+    from autoplan.cost_models.specs import ModelSpec
+    from autoplan.models import check_plan_model
+
+    spec = ModelSpec(name="m", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128,
+                     max_seq_length=64, position="alibi")
+    plan = make_plan(spec, load_cluster("local-cpu", gpus=1), TrainingSpec(global_batch_size=2, seq_length=64),
+                     "dp=1", kernels="torch")
+    with pytest.raises(PlanError, match="no ALiBi attention") as e:
+        check_plan_model(plan)
+    assert "fix:" in e.value.one_line() and len(e.value.one_line().splitlines()) == 1
+
+
 def test_megatron_float16_optimizer_runs_its_passes_separately():
     """Megatron-LM's Float16OptimizerWithFloat16Params: zero the main_grad buffer (grad dtype), cast 16-bit main
     grads to fp32 (fp16 runs), unscale (fp16 only), clip-norm read, apex FusedAdam (28 B), then copy the master
