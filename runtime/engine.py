@@ -105,6 +105,7 @@ class Trainer:
         # what the gradient norm sums: (parameter, is an expert's); a tied head on a later stage is not counted
         # twice (its gradient equals the embedding's after _finalize_grads)
         tied_later = plan.model.tie_embeddings and not self.pm.has_first
+        self._reduce_group_cache: dict[tuple, tuple[tuple, tuple]] = {}  # `_reduce_groups`
         self._norm_params = [(p, is_expert_param(n)) for n, p in self._params
                              if not (tied_later and n == "output.weight")]
         # no DTensor parameter (DDP, pipelining without TP/FSDP, one process): the gradients are plain tensors, so
@@ -215,12 +216,13 @@ class Trainer:
         dims = self.dims
         dense = torch.zeros((), dtype=torch.float64, device=self.device)
         expert = torch.zeros((), dtype=torch.float64, device=self.device)
-        groups: dict[tuple, tuple[object, tuple[int, ...], list[torch.Tensor]]] = {}
+        # ((dimension names, their groups' ranks), is expert) -> (process groups to sum over, local tensors)
+        groups: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}
         if self._plain:  # one group of plain tensors per kind, no mesh to reduce over
             for expert_param, ps in ((False, self._plain_dense), (True, self._plain_expert)):
                 grads = [p.grad for p in ps if p.grad is not None]
                 if grads:
-                    groups[(None, (), expert_param)] = (None, (), grads)
+                    groups[(((), ()), expert_param)] = ((), grads)
         for p, expert_param in () if self._plain else self._norm_params:
             g = p.grad
             if g is None:
@@ -236,14 +238,14 @@ class Trainer:
                 # every non-replicated mesh dim splits the tensor (Shard, and FSDP2's _StridedShard under TP,
                 # which is not a Shard subclass)
                 dims_ = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
-                key = (id(g.device_mesh), dims_, expert_param)
-                groups.setdefault(key, (g.device_mesh, dims_, []))[2].append(_local(g))
+                key, pgs = self._reduce_groups(g.device_mesh, dims_)
+                groups.setdefault((key, expert_param), (pgs, []))[1].append(_local(g))
             else:
-                groups.setdefault((None, (), expert_param), (None, (), []))[2].append(g)
-        for (_, _, expert_param), (mesh, dims_, tensors) in sorted(groups.items(), key=lambda kv: kv[0][1:]):
+                groups.setdefault((((), ()), expert_param), ((), []))[1].append(g)
+        for (_, expert_param), (pgs, tensors) in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0][:1])):
             total_sq = _sum_of_squares(tensors)
-            for d in dims_:  # summing over each sharded mesh dim in turn sums over all of them
-                dist.all_reduce(total_sq, group=mesh.get_group(d))
+            for pg in pgs:  # summing over each sharded mesh dim in turn sums over all of them
+                dist.all_reduce(total_sq, group=pg)
             if expert_param:
                 expert += total_sq
             else:
@@ -254,6 +256,22 @@ class Trainer:
         if dims.pp_enabled:
             dist.all_reduce(total, group=dims["pp"].get_group())
         return total.sqrt()
+
+    def _reduce_groups(self, mesh, dims_: tuple[int, ...]) -> tuple[tuple, tuple]:
+        """(key, process groups) over which squares sharded on `dims_` of `mesh` are summed. The key is the
+        groups' ranks, not the mesh object: FSDP2 builds its own 2-D mesh per `fully_shard`/`replicate` call, so
+        one logical (dp, tp) mesh arrives as several objects (7 on tiny-gpt at tp=2,dp=2), and keying by object
+        made one tp all-reduce per object instead of one per step. Cached per (mesh object, dims)."""
+        ck = (id(mesh), dims_)
+        got = self._reduce_group_cache.get(ck)
+        if got is None:
+            pgs = tuple(mesh.get_group(d) for d in dims_)
+            names = tuple(mesh.mesh_dim_names[d] if mesh.mesh_dim_names else str(d) for d in dims_)
+            # the dimension names first: every rank must issue the groups' all-reduces in one order, and the
+            # names (unlike the ranks) are the same on every rank
+            got = ((names, tuple(tuple(dist.get_process_group_ranks(pg)) for pg in pgs)), pgs)
+            self._reduce_group_cache[ck] = got
+        return got
 
     def _clip_grads(self) -> float:
         norm = float(self.grad_norm())
