@@ -197,6 +197,7 @@ class CostTable:
         self.opt_bytes = (0 if training.dtype in ("fp32", "tf32") else 4) + 8
         self.profiles = profiles
         self._static: dict[tuple, tuple[float, float]] = {}
+        self._crowded: dict[tuple, ClusterSpec] = {}  # `cluster_for`
         # (tensors, elements) with partial gradients under sp: all blocks, the embedding, the head
         # (`estimate.sp_partial_grads`); the same for every mesh
         blocks = [sp_partial_grads(p) for p in profiles[1:-1]]
@@ -205,9 +206,14 @@ class CostTable:
 
     def cluster_for(self, mesh: Mesh) -> ClusterSpec:
         """The cluster as the estimate prices `mesh` on it (`estimate.crowded_for`: on an oversubscribed CPU node
-        a collective's waits depend on the configuration; elsewhere the cluster itself)."""
-        return crowded_for(self.cluster, self.training, tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, pp=mesh.pp,
-                           mbs=mesh.mbs)
+        a collective's waits depend on the configuration; elsewhere the cluster itself). One copy per
+        configuration: the search asks for it per candidate."""
+        key = (mesh.tp, mesh.cp, mesh.dp, mesh.pp, mesh.mbs)
+        got = self._crowded.get(key)
+        if got is None:
+            got = self._crowded[key] = crowded_for(self.cluster, self.training, tp=mesh.tp, cp=mesh.cp, dp=mesh.dp,
+                                                   pp=mesh.pp, mbs=mesh.mbs)
+        return got
 
     def layers(self, mesh: Mesh) -> list[LayerCost]:
         cl = self.cluster_for(mesh)
@@ -348,8 +354,7 @@ class _Searcher:
         """One activation message between neighbouring pipeline stages (the cost model's). sp=True leaves out
         the receiver's tp all-gather that only non-sp configurations pay, so bounds built on it stay bounds."""
         return pipeline_p2p_time(self.costs.cluster_for(mesh), self.training, hidden=self.profiles[0].hidden,
-                                 pp=mesh.pp,
-                                 tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, mbs=mesh.mbs, sp=sp)
+                                 pp=mesh.pp, tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, mbs=mesh.mbs, sp=sp)
 
     def occupancy(self, mesh: Mesh, vp: int) -> tuple[float, ...]:
         """Per (virtual) stage, the compute time its pipeline messages take from it per micro-batch, forward
