@@ -50,6 +50,8 @@ def _alpha(cluster: ClusterSpec, link: LinkSpec, members: int = 2, pair: bool = 
     micro-benchmarks see), and inside a training step a woken member of a collective over `members` of the node's
     processes also competes for a core with the processes outside it, which are computing
     (`step_wait_us` x `crowded_fraction(members)`; see ClusterSpec)."""
+    if cluster.cores_per_node is None:  # accelerators: one process per device, nothing to wait for
+        return link.latency_us * 1e-6
     wait = cluster.oversubscription_wait_us * cluster.descheduled_fraction \
         + cluster.step_wait_us * cluster.crowded_fraction(members, pair)
     return (link.latency_us + wait) * 1e-6
@@ -86,6 +88,8 @@ def _hierarchical(cluster: ClusterSpec, grp: Group, nbytes: float, factor: float
 def skew_wait(cluster: ClusterSpec) -> float:
     """Seconds a collective inside a training step waits for its last member on an oversubscribed node
     (`ClusterSpec.skew_wait_us`; 0 elsewhere)."""
+    if cluster.cores_per_node is None:
+        return 0.0
     return cluster.skew_wait_us * cluster.descheduled_fraction * 1e-6
 
 

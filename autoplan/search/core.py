@@ -198,6 +198,7 @@ class CostTable:
         self.profiles = profiles
         self._static: dict[tuple, tuple[float, float]] = {}
         self._crowded: dict[tuple, ClusterSpec] = {}  # `cluster_for`
+        self._tied: dict[int, float] = {}  # `tied_copy` by tp
         # (tensors, elements) with partial gradients under sp: all blocks, the embedding, the head
         # (`estimate.sp_partial_grads`); the same for every mesh
         blocks = [sp_partial_grads(p) for p in profiles[1:-1]]
@@ -208,6 +209,8 @@ class CostTable:
         """The cluster as the estimate prices `mesh` on it (`estimate.crowded_for`: on an oversubscribed CPU node
         a collective's waits depend on the configuration; elsewhere the cluster itself). One copy per
         configuration: the search asks for it per candidate."""
+        if self.cluster.cores_per_node is None:  # accelerators (`crowded_for` returns the cluster itself)
+            return self.cluster
         key = (mesh.tp, mesh.cp, mesh.dp, mesh.pp, mesh.mbs)
         got = self._crowded.get(key)
         if got is None:
@@ -252,7 +255,12 @@ class CostTable:
     def tied_copy(self, mesh: Mesh) -> float:
         """Elements per tp rank of a tied head's own copy on the last of several pipeline stages
         (`estimate.tied_copy`): 0 without a pipeline or a tied head."""
-        return tied_head_params(self.profiles, mesh.tp) if mesh.pp > 1 else 0.0
+        if mesh.pp <= 1:
+            return 0.0
+        got = self._tied.get(mesh.tp)
+        if got is None:
+            got = self._tied[mesh.tp] = tied_head_params(self.profiles, mesh.tp)
+        return got
 
     def ends_static(self, mesh: Mesh, zero: int) -> tuple[float, float]:
         """Bytes the embedding's and the LM head's stages hold beyond their layers' parameters, as
@@ -310,6 +318,7 @@ class _Searcher:
         self.stats = SearchStats()
         self._tail: dict[tuple, float] = {}
         self._dp: dict[tuple, list] = {}
+        self._sp_tail: dict[tuple, float] = {}  # `sp_grad_tail`
         self._agg: dict[tuple, _Agg] = {}
         self._occ: dict[tuple, tuple[float, float, float]] = {}
         self.closest: tuple[float, Mesh, dict] | None = None  # (memory deficit bytes, mesh, parts)
@@ -441,6 +450,13 @@ class _Searcher:
         `_dp_parts` spreads their parameters; the embedding's on rank 0, the head's on the last)."""
         if not (mesh.sp and mesh.tp > 1):
             return 0.0
+        key = (mesh.tp, mesh.cp, mesh.dp, mesh.pp, mesh.mbs, r)
+        got = self._sp_tail.get(key)
+        if got is None:
+            got = self._sp_tail[key] = self._sp_grad_tail(mesh, r)
+        return got
+
+    def _sp_grad_tail(self, mesh: Mesh, r: int) -> float:
         (nb, eb), (n0, e0), (nh, eh) = self.costs.sp_grads
         n, e = nb / mesh.pp, eb / mesh.pp
         if r == 0:
