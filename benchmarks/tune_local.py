@@ -13,6 +13,9 @@
    the fastest launch's (interference only slows a run); tune's own runs likewise, --tune-repeats launches each
    within tune's budget (`autoplan tune --repeats`).
 3. The search is re-run with the refit cluster; its choice is measured too if nobody ran it.
+4. Drift control (--controls K): the K fastest tuned layouts (one with tp > 1 among them where tune ran one) are
+   launched once more after the held-out runs and compared with the mean of tune's launches: how much the machine itself moved
+   between the two phases, which no model can predict. Printed, saved, never used to correct anything.
 Prints a table, then Spearman rank correlation and mean absolute error of the refit predictions over the held-out
 layouts, and the chosen plan's measured step over the fastest measured one. Last line:
 `tune: held-out spearman S, mean error E%, chosen/fastest R over N layouts`.
@@ -131,6 +134,33 @@ def print_report(fit, tuned_rows: list[dict], rows: list[dict], ev: dict, head: 
           f"{ev['fastest_s'] * 1e3:.1f} ms")
 
 
+def control_layouts(measured: list[tuple[str, float]], k: int) -> list[str]:
+    """The `k` fastest measured tuned layouts (config, seconds), one with tp > 1 among them when any was measured:
+    the tp layouts' collective waits are what moves most on this machine."""
+    ranked = [c for c, s in sorted((cs for cs in measured if cs[1]), key=lambda cs: cs[1])]
+    if k <= 0 or not ranked:
+        return []
+    picked = ranked[:k]
+    tp = [c for c in ranked if "tp=1," not in c]
+    if tp and not any(c in tp for c in picked):
+        picked[-1] = tp[0]
+    return picked
+
+
+def drift_line(controls: list[dict]) -> str:
+    """One line: each control's time at tune and after the held-out runs, and the geometric mean ratio."""
+    ok = [c for c in controls if c["tune_s"] and c["end_s"]]
+    if not ok:
+        return "drift control: nothing re-measured"
+    ratio = 1.0
+    for c in ok:
+        ratio *= c["end_s"] / c["tune_s"]
+    ratio **= 1 / len(ok)
+    parts = ", ".join(f"{c['parallel'].split(',cp=')[0]} {c['tune_s'] * 1e3:.1f} -> {c['end_s'] * 1e3:.1f} ms"
+                      for c in ok)
+    return f"drift control (tuned layouts launched again after the held-out runs): {parts}; end/tune {ratio:.2f}"
+
+
 def summary_line(ev: dict) -> str:
     return (f"tune: held-out spearman {ev['spearman_after']:.2f}, mean error {100 * ev['mean_error_after']:.1f}%, "
             f"chosen/fastest {ev['chosen_over_fastest']:.2f} over {ev['held_out_count']} layouts")
@@ -227,6 +257,8 @@ def replay(path: str, components: bool = False, as_json: bool = False) -> int:
     else:
         print_report(fit, tuned_rows, rows, ev, f"replay of {path}: {len(tuned)} tuned runs, "
                      f"{ev['held_out_count']} held out", components)
+        if data.get("controls"):
+            print(drift_line(data["controls"]))
     print(summary_line(ev))
     return 0
 
@@ -247,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--diverse", type=int, default=7)
     ap.add_argument("--min-held-out", type=int, default=12)
+    ap.add_argument("--controls", type=int, default=2,
+                    help="tuned layouts launched again after the held-out runs, to show the machine's drift")
     ap.add_argument("--no-bench", action="store_true",
                     help="skip the micro-benchmarks (calibrate's GEMMs and collectives at 4 and 2 processes)")
     ap.add_argument("--save", default=None, help="write every measurement (tuned and held out) to this JSON file")
@@ -316,6 +350,17 @@ def main(argv: list[str] | None = None) -> int:
                               "components": c.log.time_components() if c.log else None,
                               "components_measured": meas_c, "components_refit": pred_c,
                               "log": c.log.model_dump() if c.log else None})
+        # the drift control: tune's fastest layouts again, after everything held out ran
+        controls = []
+        by_config = {c.config: c for c in res.measured}
+        for cfg in control_layouts([(c.config, c.measured_s) for c in res.measured], args.controls):
+            c = Candidate(plan=by_config[cfg].plan, why="drift control")
+            print(f"[control] {cfg}", file=sys.stderr, flush=True)
+            run_candidate(c, Path(tmp), steps=args.steps, profile_step=None, time_from=3, memory_step=2)
+            # against the mean of tune's launches, not their fastest: the control is one launch too
+            ok = [t for t in by_config[cfg].launches if t] or [by_config[cfg].measured_s]
+            controls.append({"parallel": cfg, "tune_s": sum(ok) / len(ok), "tune_launches_s": by_config[cfg].launches,
+                             "end_s": c.measured_s})
         # the search's choice with the refit cluster, measured if nobody ran it
         from autoplan.search.core import search
 
@@ -339,15 +384,16 @@ def main(argv: list[str] | None = None) -> int:
             "known": known, "chosen": choice.parallel.to_string(), "chosen_s": chosen_s,
             "loadavg_end": Path("/proc/loadavg").read_text().split()[:3],
             "fit_rows": res.fit.rows, "fit_after": res.fit.after, "fit_held": res.fit.held,
-            "held_out": rows, "bench": json.loads(bench_file.read_text()) if bench_file else None}, default=float))
+            "held_out": rows, "controls": controls, "bench": json.loads(bench_file.read_text()) if bench_file else None}, default=float))
     if args.json:
         print(json.dumps({"tune_s": t_tune, "bench_s": t_bench, "tuned": sorted(tuned), "fit_after": res.fit.after,
-                          "undetermined": res.fit.undetermined, "held_out": rows, **ev}, default=float))
+                          "undetermined": res.fit.undetermined, "held_out": rows, "controls": controls, **ev}, default=float))
     else:
         tuned_rows = [{"parallel": c.config, "measured_s": c.measured_s, "error": c.error,
                        "after_s": c.predicted_after_s} for c in res.candidates]
         print_report(res.fit, tuned_rows, rows, ev, f"micro-benchmarks {t_bench:.0f} s; tune: {len(tuned)} "
                      f"layouts measured in {t_tune:.0f} s", args.components)
+        print(drift_line(controls))
     print(summary_line(ev))
     return 0
 

@@ -95,3 +95,19 @@ def test_the_memory_measured_step_is_not_a_step_time(tmp_path):
     old = log.model_dump()
     old.pop("instrumented_steps")
     assert tune_local._saved_log(old).measured_step_s() == pytest.approx(0.045)
+
+
+def test_drift_control_picks_the_fastest_and_a_tp_layout_and_reports_the_ratio():
+    runs = [("tp=1,pp=1,dp=4,mbs=1", 0.028), ("tp=1,pp=1,dp=4,mbs=2", 0.031), ("tp=2,pp=1,dp=2,mbs=4", 0.19),
+            ("tp=1,pp=2,dp=2,mbs=2", 0.05), ("tp=2,pp=1,dp=2,mbs=1", 0.58), ("tp=1,pp=1,dp=4,zero=3", None)]
+    # the two fastest are tp=1: the second place goes to the fastest tp layout
+    assert tune_local.control_layouts(runs, 2) == ["tp=1,pp=1,dp=4,mbs=1", "tp=2,pp=1,dp=2,mbs=4"]
+    assert tune_local.control_layouts(runs, 1) == ["tp=2,pp=1,dp=2,mbs=4"]  # one control: the tp one
+    assert tune_local.control_layouts(runs, 0) == []
+    assert tune_local.control_layouts([("tp=1,pp=4", 0.04)], 2) == ["tp=1,pp=4"]
+    line = tune_local.drift_line([{"parallel": "tp=1,pp=1,dp=4,cp=1", "tune_s": 0.030, "end_s": 0.036},
+                                  {"parallel": "tp=2,pp=1,dp=2,cp=1", "tune_s": 0.200, "end_s": 0.240},
+                                  {"parallel": "tp=1,pp=2,dp=2,cp=1", "tune_s": 0.050, "end_s": None}])
+    assert line.endswith("end/tune 1.20")  # both re-measured controls 20% slower; the failed one left out
+    assert "tp=2,pp=1,dp=2 200.0 -> 240.0 ms" in line
+    assert tune_local.drift_line([]) == "drift control: nothing re-measured"
