@@ -193,6 +193,16 @@ def profile_from_spec(model: ModelSpec, dropout: bool | None = None) -> list[Lay
         act_seq=2 * h + 2 * h,  # final-norm input and LM-head input
         act_tp=4 * v,  # fp32 softmax of the vocab-parallel cross-entropy (Megatron keeps it for backward)
         logits_per_token=v, norm_kind=model.norm, norm_elems=h,
+        # The LM head is column-parallel over the vocabulary, so its input's gradient is summed over tp in the
+        # backward, as a column-parallel linear's in a block (counts.layer_comm counts it: n_b = 1 for the head).
+        # Megatron-LM 2021 (50a4b5fa) `parallel_lm_logits`: "input_parallel = mpu.copy_to_tensor_model_parallel_
+        # region(input_)", whose backward all-reduces, synchronously; 2022 (de593298): `LinearWithGradAccumulation
+        # AndAsyncCommunication`, "handle = torch.distributed.all_reduce(grad_input, ..., async_op=True)" before the
+        # wgrad GEMM (tp_bwd_comm_overlap hides it), and with sp an all-gather of the input (synchronous in the
+        # forward, async again in the backward) and "_reduce_scatter_base(sub_grad_input, grad_input, ...,
+        # async_op=True)" beside the wgrad GEMM. compute._tp_comm prices one such collective in the backward
+        # (kind "head": none in the forward), the same exposed total as sp's forward all-gather.
+        tp_allreduces=1,
     )
     if model.tie_embeddings:
         head = head.model_copy(update={"gemms": (head_gemm.model_copy(update={"count": 0}),)})

@@ -436,3 +436,23 @@ def test_megatron_float16_optimizer_runs_its_passes_separately():
     assert all(get_stack(n).knobs["optimizer_separate_passes"] is (n in ("megatron-2021", "megatron-2022"))
                for n in ("autoplan", "megatron-2021", "megatron-2022", "megatron-core", "megatron-deepspeed",
                          "deepspeed-zero3", "torchtitan"))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_lm_head_reduces_its_input_gradient_over_tp(sp):
+    """The LM head is column-parallel over the vocabulary: its input's gradient is summed over tp in the backward
+    (Megatron's `copy_to_tensor_model_parallel_region` / async all-reduce, with sp a reduce-scatter), one
+    h-wide collective per micro-batch, nothing in the forward, nothing at tp=1 (session 9). counts.layer_comm
+    counted it already; the step time now prices it too."""
+    from autoplan.cost_models.compute import Context, layer_cost
+
+    head = profile_from_spec(load_model("gpt3-13b"))[-1]
+    t = _train(batch=4)
+    c = layer_cost(head, Context(A100, t, tp=8, cp=1, sp=sp, ep=1, mbs=4))
+    grp = comm.group_of(A100, 8, 1)
+    nbytes = 4 * 2048 * head.hidden * 2
+    one = (comm.reduce_scatter(A100, grp, nbytes) + comm.all_gather(A100, grp, nbytes) if sp
+           else comm.all_reduce(A100, grp, nbytes))
+    assert c.comm_fwd_s == 0.0
+    assert c.comm_bwd_s == pytest.approx(one)
+    assert layer_cost(head, Context(A100, t, tp=1, cp=1, sp=False, ep=1, mbs=4)).comm_bwd_s == 0.0
