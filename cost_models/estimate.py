@@ -489,7 +489,8 @@ def dp_sync(dense: float, expert: float, *, dp: int, cp: int, tp: int, ep: int, 
             training: TrainingSpec, units: int = 0) -> tuple[float, float, float]:
     """(gradient reduction, parameter all-gather after the step, last-bucket tail) of one pipeline rank holding
     `dense` and `expert` parameters. Gradients reduce over dp*cp (expert ones over dp*cp/ep), as Megatron.
-    `units`: ZeRO-0 reduced per block and root rather than in buckets (see runtime_dp_units)."""
+    `units`: the all-reduces ZeRO-0 sends on the rank (runtime_dp_units): per block and root under `replicate`,
+    one or more per local stage under DDP; those beyond the bucket count add their latency."""
     n = dp * cp
     if n <= 1:
         return 0.0, 0.0, 0.0
@@ -521,12 +522,14 @@ def dp_sync(dense: float, expert: float, *, dp: int, cp: int, tp: int, ep: int, 
 
 
 def runtime_dp_units(stages: list[StageCost], cfg: ParallelConfig) -> int:
-    """Gradient all-reduces of autoplan's runtime at ZeRO-0 that a bucketed DDP would not send: 0 where it runs
-    torch's DDP (no TP, pipelined or not: runtime.parallelize.apply_ddp), else one per block plus one per stage
-    root (`replicate` per block, which works with DTensor TP: `uses_replicate`)."""
-    if not uses_replicate(tp=cfg.tp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp):
-        return 0
-    return fsdp_units(stages)
+    """Gradient all-reduces of a pipeline rank holding `stages` at ZeRO-0, for dp_sync to charge the latency of
+    those beyond one rank-wide bucketing: under `replicate` (tp > 1: `uses_replicate`) one per block plus one per
+    stage root; under torch's DDP (runtime.parallelize.apply_ddp) one DDP per local stage, each at least one
+    bucket of its own (interleaved schedules: vp of them; Megatron-Core also wraps each model chunk in its own
+    DDP), so the floor is the rank's stage count."""
+    if uses_replicate(tp=cfg.tp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp):
+        return fsdp_units(stages)
+    return len(stages)
 
 
 def interference(cluster: ClusterSpec, hidden_s: float) -> float:

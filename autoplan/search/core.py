@@ -437,7 +437,7 @@ class _Searcher:
             units = len(self.profiles[1:-1]) / mesh.pp + vp  # blocks and stage roots on the rank
             red, gather, tl = dp_sync(dense, expert, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep, zero=zero,
                                       cluster=cl, training=tr,
-                                      units=units if uses_replicate(tp=mesh.tp, zero=zero, dp_cp=n) else 0)
+                                      units=units if uses_replicate(tp=mesh.tp, zero=zero, dp_cp=n) else vp)
             opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl, tr) \
                 + step_scalars_time(mesh.tp * mesh.cp * mesh.dp * mesh.pp, cl)
             fsdp = fsdp_unit_time(units, dense, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, zero=zero,
