@@ -16,7 +16,7 @@
                        load-balanced chunks r and 2cp-1-r, positions offset for RoPE / learned positions)
   6. apply_recompute   selective (attention core) or full (whole blocks, `recompute_layers` of a stage)
   7. apply_mixed_precision   bf16 autocast around each stage's forward (fp32 master weights)
-  8. apply_dp          replicate (ZeRO-0) or FSDP2 fully_shard (ZeRO-1/2/3) over the dp x cp ranks
+  8. apply_dp          torch's DDP (ZeRO-0; `replicate` under tp) or FSDP2 fully_shard (ZeRO-1/2/3) over dp x cp
 then here
   9. apply_pipeline    torch.distributed.pipelining stages and the plan's schedule.
 
