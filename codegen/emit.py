@@ -204,7 +204,7 @@ def stage_source(p: StageProgram) -> str:
     b.append(f"    apply_mixed_precision(model, {literal(plan.training.dtype)}, device.type)")
     if (c.dp or 1) * c.cp > 1:
         b.append("    " + comment(f"8. data parallelism over dp x cp, ZeRO-{c.zero}"))
-        pipelined = ", pipelined=True" if c.pp > 1 else ""  # DDP needs its own forward; the schedule drives it
+        pipelined = ", pipelined=True" if c.pp > 1 else ""  # the schedule, not the forward, syncs a DDP stage
         b.append(f'    apply_dp(model, dims["dp_cp"], {literal(c.zero)}{pipelined})')
     b.append("    return model")
     out.append("\n".join(b))
@@ -237,7 +237,7 @@ def _factory_body(plan: Plan, st, tp_styles: dict) -> list[str]:
           f"    apply_mixed_precision(model, {literal(plan.training.dtype)}, device.type)"]
     if (c.dp or 1) * c.cp > 1:
         b.append(f"    # 8. data parallelism over dp x cp, ZeRO-{c.zero}: one unit per repeated block, plus the root")
-        pipelined = ", pipelined=True" if c.pp > 1 else ""  # DDP needs its own forward; the schedule drives it
+        pipelined = ", pipelined=True" if c.pp > 1 else ""  # the schedule, not the forward, syncs a DDP stage
         b.append(f'    apply_dp(model, dims["dp_cp"], {literal(c.zero)}{pipelined})')
     b.append("    return model")
     return b

@@ -193,7 +193,8 @@ def dp_dim(cfg: ParallelConfig) -> str:
 
 def dp_comm(dense: float, expert: float, cfg: ParallelConfig, training: TrainingSpec, m: int, comm: _Comm) -> None:
     """Gradient reduction and parameter gathers over dp x cp of one rank's `dense`/`expert` parameters, as FSDP2
-    (zero 1-3) and replicate (zero 0) run them: zero 0/1 reduce once per step, zero 2/3 after every micro-batch
+    (zero 1-3) and torch's DDP or replicate (zero 0, `estimate.uses_replicate`: the same bytes, in buckets or per
+    unit) run them: zero 0/1 reduce once per step, zero 2/3 after every micro-batch
     (once under pipeline parallelism, which defers the sync to the last micro-batch); zero 1/2 gather parameters
     once per step, zero 3 per unit for every forward and backward."""
     n = cfg.dp * cfg.cp

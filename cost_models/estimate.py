@@ -294,10 +294,21 @@ def embedding_grad_extra(profiles: list[LayerProfile], tp: int) -> float:
     return head.logits_per_token * emb.hidden * (1 - 1 / tp)
 
 
-def uses_replicate(cfg: ParallelConfig) -> bool:
-    """ZeRO-0 data parallelism runs as FSDP2's `replicate` (a sharded copy beside each parameter) where a
-    parameter is a DTensor (tp > 1) or the stage is pipelined; otherwise as DDP (runtime.parallelize.apply_dp)."""
-    return cfg.tp > 1 or cfg.pp > 1
+def uses_replicate(*, tp: int, zero: int, dp_cp: int) -> bool:
+    """Whether autoplan's runtime runs data parallelism as FSDP2's `replicate` (ZeRO-0 over dp x cp > 1 ranks
+    where parameters are DTensors, i.e. tp > 1: torch's DDP reducer takes plain tensors only): a second, sharded
+    copy beside each parameter, one all-reduce per block and stage root, FSDP2's hooks on every unit. Otherwise
+    ZeRO-0 is torch's DDP (one copy of parameters and of gradients, the gradients views of its 25 MiB buckets,
+    no hooks), pipelined stages included: torch.distributed.pipelining syncs a DDP stage in the last
+    micro-batch's backward. The runtime's choice: runtime.parallelize.apply_dp. The one place the cost model,
+    the search and the fit spell the rule."""
+    return zero == 0 and dp_cp > 1 and tp > 1
+
+
+def uses_torch_ddp(*, tp: int, zero: int, dp_cp: int) -> bool:
+    """Whether autoplan's runtime runs data parallelism as torch's DDP (ZeRO-0 over dp x cp > 1 ranks without
+    `uses_replicate`), with or without a pipeline."""
+    return zero == 0 and dp_cp > 1 and not uses_replicate(tp=tp, zero=zero, dp_cp=dp_cp)
 
 
 def runtime_per_param(*, dp: int, cp: int, tp: int, pp: int, ep: int, zero: int,
@@ -306,15 +317,16 @@ def runtime_per_param(*, dp: int, cp: int, tp: int, pp: int, ep: int, zero: int,
     beyond `memory_of_rank`'s Megatron-style count (`runtime_extra`; the search's `CostTable.static_per_param` adds
     the same):
     - dense: FSDP2 keeps each sharded parameter beside its unsharded copy: a full second copy under `replicate`
-      (zero 0 with dp x cp > 1 where DDP cannot be used, `uses_replicate`), a 1/(dp x cp) shard under zero 1/2; DDP
-      keeps one copy of parameters and one of gradients (views of its buckets);
+      (zero 0 with dp x cp > 1 and tp > 1, where DDP cannot be used: `uses_replicate`), a 1/(dp x cp) shard under
+      zero 1/2; DDP (zero 0 otherwise, pipelined or not) keeps one copy of parameters and one of gradients (views
+      of its buckets);
     - expert: experts are whole on every tp rank (not split over tp: tp - 1 more copies, with their gradients and
       optimizer state), and FSDP2 ignores them, so ZeRO does not shard the rank's own experts (what
       `memory_of_rank` divides by dp x cp / ep is whole)."""
     n = dp * cp
     w, g = training.weight_bytes, training.grad_bytes
     opt = (0 if training.dtype in ("fp32", "tf32") else 4) + 8
-    if n > 1 and zero == 0 and (tp > 1 or pp > 1):
+    if uses_replicate(tp=tp, zero=zero, dp_cp=n):
         dense_w = float(w)
     elif n > 1 and zero in (1, 2):
         dense_w = w / n
@@ -477,7 +489,8 @@ def dp_sync(dense: float, expert: float, *, dp: int, cp: int, tp: int, ep: int, 
             training: TrainingSpec, units: int = 0) -> tuple[float, float, float]:
     """(gradient reduction, parameter all-gather after the step, last-bucket tail) of one pipeline rank holding
     `dense` and `expert` parameters. Gradients reduce over dp*cp (expert ones over dp*cp/ep), as Megatron.
-    `units`: ZeRO-0 reduced per block and root rather than in buckets (see runtime_dp_units)."""
+    `units`: the all-reduces ZeRO-0 sends on the rank (runtime_dp_units): per block and root under `replicate`,
+    one or more per local stage under DDP; those beyond the bucket count add their latency."""
     n = dp * cp
     if n <= 1:
         return 0.0, 0.0, 0.0
@@ -487,8 +500,9 @@ def dp_sync(dense: float, expert: float, *, dp: int, cp: int, tp: int, ep: int, 
     grp_e = comm.group_of(cluster, max(1, n // ep), tp * ep)
     if zero == 0:
         red = comm.all_reduce(cluster, grp_d, dense * g_bytes) + comm.all_reduce(cluster, grp_e, expert * g_bytes)
-        # The runtime's per-block `replicate` sends one all-reduce per unit where bucketed DDP sends one per
-        # bucket: the extra collectives' latency (bytes are the same).
+        # The runtime's per-block `replicate` (tp > 1) sends one all-reduce per unit where bucketed DDP (every
+        # other ZeRO-0 layout, pipelined or not) sends one per bucket: the extra collectives' latency (bytes are
+        # the same).
         buckets = math.ceil((dense + expert) / _BUCKET_PARAMS)
         red += max(0, units - buckets) * comm.all_reduce(cluster, grp_d, 1.0)
         gather = 0.0
@@ -508,12 +522,14 @@ def dp_sync(dense: float, expert: float, *, dp: int, cp: int, tp: int, ep: int, 
 
 
 def runtime_dp_units(stages: list[StageCost], cfg: ParallelConfig) -> int:
-    """Gradient all-reduces of autoplan's runtime at ZeRO-0 that a bucketed DDP would not send: 0 where it runs
-    torch's DDP (no TP, no pipeline: runtime.parallelize.apply_ddp), else one per block plus one per stage root
-    (`replicate` per block, which works with DTensor TP and under the pipeline schedule)."""
-    if cfg.zero != 0 or not uses_replicate(cfg):
-        return 0
-    return fsdp_units(stages)
+    """Gradient all-reduces of a pipeline rank holding `stages` at ZeRO-0, for dp_sync to charge the latency of
+    those beyond one rank-wide bucketing: under `replicate` (tp > 1: `uses_replicate`) one per block plus one per
+    stage root; under torch's DDP (runtime.parallelize.apply_ddp) one DDP per local stage, each at least one
+    bucket of its own (interleaved schedules: vp of them; Megatron-Core also wraps each model chunk in its own
+    DDP), so the floor is the rank's stage count."""
+    if uses_replicate(tp=cfg.tp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp):
+        return fsdp_units(stages)
+    return len(stages)
 
 
 def interference(cluster: ClusterSpec, hidden_s: float) -> float:
@@ -582,12 +598,13 @@ def fsdp_unit_time(units: float, dense: float, *, dp: int, cp: int, tp: int, pp:
     (the collective counts are cost_models.counts.dp_comm's, measured by runtime.measure); and around each
     collective FSDP2 does host work (copy-in, copy-out, DTensor views: `fsdp_collective_overhead_us`); and its
     hooks run on every unit in every micro-batch (`fsdp_hook_us`), also under `replicate`, which the runtime uses
-    at ZeRO-0 with tensor or pipeline parallelism (one all-reduce per unit, its latency priced by dp_sync).
+    at ZeRO-0 with tensor parallelism (`uses_replicate`; one all-reduce per unit, its latency priced by dp_sync).
+    Torch's DDP (ZeRO-0 otherwise, pipelined stages included) has no hooks and no per-unit collectives: 0.
     The extra latency and repeats are charged where the host runs the collectives (gloo). ZeRO-3's
     per-micro-batch bytes and latency are zero3_block_exposed's; only its host work is added here. `units`: the
     rank's FSDP units (`fsdp_units`)."""
     n = dp * cp
-    replicate = zero == 0 and (tp > 1 or pp > 1)  # runtime.parallelize: replicate, else torch's DDP (no hooks)
+    replicate = uses_replicate(tp=tp, zero=zero, dp_cp=n)  # runtime.parallelize: else torch's DDP (no hooks)
     if (zero == 0 and not replicate) or n <= 1 or dense <= 0 or units <= 0:
         return 0.0
     cal = cluster.gpu.calibration

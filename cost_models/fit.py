@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from . import comm
 from .compute import gemm_efficiency
 from .errors import SpecError
-from .estimate import StageLayout, estimate
+from .estimate import StageLayout, estimate, uses_replicate, uses_torch_ddp
 from .profile import LayerProfile, profile_from_spec
 from .specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec
 
@@ -317,8 +317,10 @@ def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
 
 def _fsdp_hooked(cfg: ParallelConfig) -> bool:
     """Whether the runtime puts FSDP2 hooks on the model: fully_shard at ZeRO>=1, replicate at ZeRO-0 under
-    tensor or pipeline parallelism (runtime.parallelize.apply_dp), over more than one data-parallel rank."""
-    return cfg.dp * cfg.cp > 1 and (cfg.zero >= 1 or cfg.tp > 1 or cfg.pp > 1)
+    tensor parallelism (`uses_replicate`; runtime.parallelize.apply_dp), over more than one data-parallel rank.
+    Pipelined ZeRO-0 stages without tp are torch's DDP: no hooks."""
+    n = cfg.dp * cfg.cp
+    return (n > 1 and cfg.zero >= 1) or uses_replicate(tp=cfg.tp, zero=cfg.zero, dp_cp=n)
 
 
 def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Sequence[GemmSample] = (),
@@ -552,9 +554,10 @@ _MIN_COMPONENT_SHARE = 0.03
 
 def predicted_component(breakdown: dict[str, float], name: str, cfg: ParallelConfig | None = None) -> float:
     """The estimate's prediction of measured component `name` of a run of `cfg`. Under torch's DDP (the runtime's
-    data parallelism without ZeRO, tensor or pipeline parallelism: runtime.parallelize.apply_ddp) the gradient
-    all-reduces are waited for from C++ inside backward, where the step timer cannot tell them apart: the measured
-    compute holds the exposed gradient reduction too (dp_comm is measured 0 there)."""
+    data parallelism without ZeRO or tensor parallelism, pipelined or not: runtime.parallelize.apply_ddp) the
+    gradient all-reduces are waited for from C++ inside backward (under a pipeline, the last micro-batch's), where
+    the step timer cannot tell them apart: the measured compute holds the exposed gradient reduction too (dp_comm
+    is measured 0 there)."""
     keys = COMPONENTS[name]
     if name == "compute" and cfg is not None and _torch_ddp(cfg):
         keys = keys + ("dp_comm",)
@@ -562,7 +565,7 @@ def predicted_component(breakdown: dict[str, float], name: str, cfg: ParallelCon
 
 
 def _torch_ddp(cfg: ParallelConfig) -> bool:
-    return cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1 and cfg.dp * cfg.cp > 1
+    return uses_torch_ddp(tp=cfg.tp, zero=cfg.zero, dp_cp=(cfg.dp or 1) * cfg.cp)  # dp: None before resolution
 
 
 def _components(r: RunSample, stage: int = 0) -> dict[str, float]:

@@ -168,7 +168,7 @@ class GPUCalibration(_Frozen):
         default=0.0, ge=0,
         description="Host time of FSDP2's hooks on one unit in one micro-batch (pre/post-forward, pre/post-"
         "backward: state checks, parameter views, registering the backward hooks), microseconds; paid by "
-        "`replicate` (ZeRO-0 under tensor or pipeline parallelism) as by `fully_shard`, whether or not a "
+        "`replicate` (ZeRO-0 under tensor parallelism; torch's DDP otherwise, no hooks) as by `fully_shard`, whether or not a "
         "collective is issued. 0 where the GPU hides it. Fitted by `autoplan tune`.",
     )
     framework_overhead_gib: float = Field(
@@ -378,7 +378,7 @@ class TrainingSpec(_Frozen):
         "FSDP2).")
     runtime_memory: bool = Field(
         default=True, description="The memory check prices what autoplan's runtime holds beyond the textbook "
-        "(Megatron) per-rank memory: FSDP2 replicate's second parameter copy at ZeRO-0 with tp or pp > 1, the "
+        "(Megatron) per-rank memory: FSDP2 replicate's second parameter copy at ZeRO-0 with tp > 1, the "
         "unsharded parameter copy beside ZeRO-1/2's shard, experts whole on every tp rank and unsharded by ZeRO, "
         "FSDP2's copies of a tied LM head's own copy on the last pipeline stage (the copy itself is in every "
         "stack's count), a vocabulary-parallel embedding's whole gradient at ZeRO-0 (cost_models.estimate."

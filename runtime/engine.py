@@ -2,7 +2,7 @@
 global gradient-norm clipping, AdamW. Shared by `autoplan.runtime.train` and the parity tests.
 
 Loss convention: the loss of a micro-batch is the mean over its tokens; a step's gradient is the mean over
-micro-batches (1/n scaling) and over data- and context-parallel ranks (FSDP/replicate average over dp x cp),
+micro-batches (1/n scaling) and over data- and context-parallel ranks (DDP/FSDP/replicate average over dp x cp),
 which equals the gradient of the mean loss over the global batch because every micro-batch has the same
 number of tokens.
 """

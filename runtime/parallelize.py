@@ -16,7 +16,7 @@
                        load-balanced chunks r and 2cp-1-r, positions offset for RoPE / learned positions)
   6. apply_recompute   selective (attention core) or full (whole blocks, `recompute_layers` of a stage)
   7. apply_mixed_precision   bf16 autocast around each stage's forward (fp32 master weights)
-  8. apply_dp          replicate (ZeRO-0) or FSDP2 fully_shard (ZeRO-1/2/3) over the dp x cp ranks
+  8. apply_dp          torch's DDP (ZeRO-0; `replicate` under tp) or FSDP2 fully_shard (ZeRO-1/2/3) over dp x cp
 then here
   9. apply_pipeline    torch.distributed.pipelining stages and the plan's schedule.
 
@@ -365,11 +365,13 @@ def apply_mixed_precision(model: nn.Module, dtype: str, device_type: str) -> lis
 def apply_dp(model: TransformerLM, dp_mesh, zero: int, *, pipelined: bool = False) -> list[str]:
     """Data parallelism over the dp x cp ranks, one unit per block plus the root (embedding, norm, head).
 
-    zero=0: DistributedDataParallel when no parameter is a DTensor and the stage is not pipelined (apply_ddp: one
-            bucketed all-reduce overlapped with backward, as a plain DDP script); otherwise `replicate` per block
-            and at the root (FSDP2-based DDP: works with DTensor TP, classic DDP does not; one all-reduce per
-            block, and parameters become DTensors). `pipelined` stages keep `replicate` because the pipeline
-            schedule drives their backward outside a DDP forward (DDP's reducer must see each forward).
+    zero=0: DistributedDataParallel when no parameter is a DTensor (apply_ddp: one bucketed all-reduce overlapped
+            with backward, as a plain DDP script), pipelined stages included: torch.distributed.pipelining drives a
+            DDP stage module itself (forwards and all but the last backward under no_sync, then
+            reducer.prepare_for_backward before the last backward, whose buckets are all-reduced as it runs).
+            With DTensor parameters (tp > 1) `replicate` per block and at the root instead (FSDP2-based DDP: works
+            with DTensor TP, classic DDP does not -- its reducer takes plain tensors; one all-reduce per block).
+            The cost model prices the same choice (cost_models.estimate.uses_replicate).
     zero=1: fully_shard(reshard_after_forward=False) and the runtime skips gradient sync and resharding until the
             last micro-batch: full parameters and gradients during accumulation, sharded optimizer states and
             master weights -- ZeRO-1 within a step (between steps parameters are sharded, a bit less memory).
@@ -381,8 +383,8 @@ def apply_dp(model: TransformerLM, dp_mesh, zero: int, *, pipelined: bool = Fals
     from torch.distributed.fsdp import fully_shard
 
     ignored = {p for n, p in model.named_parameters() if is_expert_param(n)} or None
-    if zero == 0 and not any(isinstance(p, DTensor) for p in model.parameters()) and not pipelined:
-        return apply_ddp(model, dp_mesh, ignored)
+    if zero == 0 and not any(isinstance(p, DTensor) for p in model.parameters()):
+        return apply_ddp(model, dp_mesh, ignored, pipelined=pipelined)
     if zero == 0:
         for block in model.layers.values():
             replicate(block, mesh=dp_mesh, ignored_params=ignored)
@@ -418,14 +420,21 @@ class _Forward(nn.Module):
         return self._forward(*args, **kwargs)
 
 
-def apply_ddp(model: TransformerLM, dp_mesh, ignored: set | None = None) -> list[str]:
+def apply_ddp(model: TransformerLM, dp_mesh, ignored: set | None = None, *, pipelined: bool = False) -> list[str]:
     """ZeRO-0 without DTensors: torch's DistributedDataParallel, applied in place so that names, state dicts
     and the emitted program keep the model itself: `model(x)` runs through DDP (its reducer buckets the
     gradients, 25 MiB buckets all-reduced as backward produces them), `model.set_requires_gradient_sync(flag)`
     is DDP's no_sync switch. Buffers are not broadcast (context parallelism keeps a per-rank causal mask; the
     weights are already identical on every rank because init is by name, hence init_sync=False too). Gradients
     are views of the buckets (gradient_as_bucket_view): one copy of the gradients, not two, as the cost model
-    prices it (cost_models.counts)."""
+    prices it (cost_models.counts).
+
+    `pipelined`: the pipeline stage is the DDP itself (`stage_submodule`), which torch.distributed.pipelining
+    drives: no_sync around every forward and every backward but the last, reducer.prepare_for_backward before
+    the last. Gradient sync starts off here, so that the forwards the stage runs outside the schedule's no_sync
+    (PipelineStage's shape inference, whose backward computes input gradients only) leave no reduction pending
+    in the reducer: DDP would then refuse the last backward's prepare_for_backward ("Expected to have finished
+    reduction in the prior iteration")."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     inner = _Forward(model, model.forward)
@@ -434,10 +443,20 @@ def apply_ddp(model: TransformerLM, dp_mesh, ignored: set | None = None) -> list
         DDP._set_params_and_buffers_to_ignore_for_model(inner, names)
     ddp = DDP(inner, process_group=dp_mesh.get_group(), forward_sync_buffers=False, init_sync=False,
               gradient_as_bucket_view=True)
+    if pipelined:
+        ddp.require_backward_grad_sync = False  # what no_sync() sets; the schedule's last backward syncs
     object.__setattr__(model, "forward", ddp.__call__)  # not a submodule: no cycle, no new names
     object.__setattr__(model, "set_requires_gradient_sync", _DDPSync(ddp))
     object.__setattr__(model, "_autoplan_ddp", ddp)
-    return [f"DistributedDataParallel over dp_cp={dp_mesh.size()} (ZeRO-0, bucketed all-reduce)"]
+    where = ", synced in the pipeline's last backward" if pipelined else ""
+    return [f"DistributedDataParallel over dp_cp={dp_mesh.size()} (ZeRO-0, bucketed all-reduce{where})"]
+
+
+def stage_submodule(model: nn.Module) -> nn.Module:
+    """The module a PipelineStage must drive: the DDP that apply_ddp put around `model`, if any (pipelining
+    recognises DDP by `isinstance(submod, DistributedDataParallel)` and then syncs gradients once per step, in
+    the last micro-batch's backward), else the model (FSDP2 modules are recognised by their own class)."""
+    return getattr(model, "_autoplan_ddp", model)
 
 
 # --------------------------------------------------------------------------------------- 8. pipeline
@@ -456,7 +475,7 @@ def apply_pipeline(stages: list[StageModule], plan: Plan, dims: ParallelDims, n_
 
     group = dims["pp"].get_group()
     n = len(plan.stages)
-    pstages = [PipelineStage(s.module, s.plan.index, n, device, group=group) for s in stages]
+    pstages = [PipelineStage(stage_submodule(s.module), s.plan.index, n, device, group=group) for s in stages]
     kind = plan.parallel.schedule
     if kind == "interleaved":
         return ScheduleInterleaved1F1B(pstages, n_microbatches, loss_fn=loss_fn)

@@ -73,6 +73,7 @@ from autoplan.cost_models.estimate import (
     sync_tied_ranks,
     tied_grad_sync,
     tied_head_params,
+    uses_replicate,
     zero3_block_exposed,
 )
 from autoplan.cost_models.pipeline import in_flight
@@ -436,7 +437,7 @@ class _Searcher:
             units = len(self.profiles[1:-1]) / mesh.pp + vp  # blocks and stage roots on the rank
             red, gather, tl = dp_sync(dense, expert, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep, zero=zero,
                                       cluster=cl, training=tr,
-                                      units=units if zero == 0 and (mesh.tp > 1 or mesh.pp > 1) else 0)
+                                      units=units if uses_replicate(tp=mesh.tp, zero=zero, dp_cp=n) else vp)
             opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl, tr) \
                 + step_scalars_time(mesh.tp * mesh.cp * mesh.dp * mesh.pp, cl)
             fsdp = fsdp_unit_time(units, dense, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, zero=zero,

@@ -47,6 +47,11 @@ CASES_4 = [f"{m}:{c}" for m in ("tiny-gpt", "tiny-llama") for c in DENSE_4] + [
     "tiny-llama:pp=2,vp=2,tp=2,recompute=full",
     "tiny-moe:dp=4,ep=2",
     "tiny-moe:pp=2,dp=2,ep=2",
+    # pipelined ZeRO-0 stages are torch's DDP (runtime.parallelize.apply_ddp): every schedule, one DDP per
+    # virtual stage, the tied embedding (tiny-gpt) and context parallelism in the DDP group
+    "tiny-gpt:dp=2,pp=2,schedule=gpipe",
+    "tiny-gpt:dp=2,pp=2,vp=2,schedule=interleaved",
+    "tiny-llama:pp=2,cp=2",
     "tiny-moe:dp=2,tp=2,ep=2|fused",
 ]
 

@@ -40,7 +40,8 @@ CASES = [
 ]
 if importlib.util.find_spec("transformers") is not None:  # transformers' own LlamaForCausalLM as the user's module
     CASES += [f"{HF}@tp=2", f"{HF}@pp=2,recompute=selective"]
-CASES_4 = ["dp=2,tp=2", "tp=2,pp=2", "dp=2,pp=2,zero=3", "dp=2,tp=2,zero=3,recompute=full"]
+CASES_4 = ["dp=2,tp=2", "tp=2,pp=2", "dp=2,pp=2,zero=3", "dp=2,tp=2,zero=3,recompute=full",
+           "dp=2,pp=2"]  # ZeRO-0 pipelined stages are torch's DDP: every parameter of a cut stage is used
 
 
 def _launch(nproc: int, cases: list[str], out: Path) -> dict[str, dict]:

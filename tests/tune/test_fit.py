@@ -311,7 +311,9 @@ def test_a_gemm_benchmarked_alone_ran_on_a_whole_core():
 
 def test_fsdp_hooks_under_the_pipeline_schedule_are_paid_once_per_step():
     """torch.distributed.pipelining turns reshard-after-backward and gradient sync off for every backward but the
-    last, so FSDP's hooks do their work once per step there; without a pipeline, once per micro-batch."""
+    last, so FSDP's hooks do their work once per step there; without a pipeline, once per micro-batch. At ZeRO-0
+    the runtime runs `replicate` (FSDP2's hooks) only under tp > 1; a pipelined stage without tp is torch's DDP,
+    which has no hooks (runtime.parallelize.apply_dp)."""
     from autoplan.cost_models.estimate import fsdp_unit_time
 
     cl = with_knobs(_base(), {"fsdp_hook_us": 1000.0, "fsdp_collective_overhead_us": 1e-2})
@@ -320,16 +322,18 @@ def test_fsdp_hooks_under_the_pipeline_schedule_are_paid_once_per_step():
     def hooks(pp: int, tp: int, m: int) -> float:
         return fsdp_unit_time(3, 1e5, dp=2, cp=1, tp=tp, pp=pp, zero=0, m=m, cluster=cl, training=tr)
 
-    assert hooks(2, 1, 4) == pytest.approx(hooks(2, 1, 1))
-    assert hooks(2, 1, 1) == pytest.approx(3e-3, rel=1e-3)
+    assert hooks(2, 2, 4) == pytest.approx(hooks(2, 2, 1))
+    assert hooks(2, 2, 1) == pytest.approx(3e-3, rel=1e-3)
     assert hooks(1, 2, 4) == pytest.approx(4 * hooks(1, 2, 1), rel=1e-3)
+    assert hooks(2, 1, 4) == hooks(1, 1, 4) == 0.0
 
 
 def test_torch_ddp_waits_are_in_the_measured_compute():
-    """torch's DDP waits for its gradient all-reduces from C++ inside backward: the step timer books them as
-    compute, so the fit compares that row with compute + dp_comm. FSDP (ZeRO>=1) and replicate (tp or pp) wait
-    in Python, inside FSDP's regions: dp_comm stays its own row."""
+    """torch's DDP waits for its gradient all-reduces from C++ inside backward (under a pipeline, the last
+    micro-batch's): the step timer books them as compute, so the fit compares that row with compute + dp_comm.
+    FSDP (ZeRO>=1) and replicate (tp > 1) wait in Python, inside FSDP's regions: dp_comm stays its own row."""
     bd = {"compute": 0.03, "dp_comm": 0.01}
-    assert predicted_component(bd, "compute", ParallelConfig.parse("dp=4")) == pytest.approx(0.04)
-    for other in ("dp=4,zero=1", "tp=2,dp=2", "pp=2,dp=2", "tp=4"):
+    for ddp in ("dp=4", "pp=2,dp=2", "pp=2,cp=2"):
+        assert predicted_component(bd, "compute", ParallelConfig.parse(ddp)) == pytest.approx(0.04), ddp
+    for other in ("dp=4,zero=1", "tp=2,dp=2", "pp=2,tp=2,dp=2", "pp=2,dp=2,zero=1", "tp=4"):
         assert predicted_component(bd, "compute", ParallelConfig.parse(other)) == pytest.approx(0.03), other

@@ -456,3 +456,36 @@ def test_lm_head_reduces_its_input_gradient_over_tp(sp):
     assert c.comm_fwd_s == 0.0
     assert c.comm_bwd_s == pytest.approx(one)
     assert layer_cost(head, Context(A100, t, tp=1, cp=1, sp=False, ep=1, mbs=4)).comm_bwd_s == 0.0
+
+
+@pytest.mark.parametrize("config,replicate", [("pp=2,dp=2", False), ("pp=2,vp=2,dp=2,schedule=interleaved", False),
+                                              ("pp=2,cp=2", False), ("tp=2,pp=2,dp=2", True), ("dp=4", False)])
+def test_zero0_all_reduces_are_the_runtimes(config, replicate):
+    """ZeRO-0 as autoplan's runtime runs it (runtime.parallelize.apply_dp): FSDP2's `replicate` only where tp > 1,
+    one all-reduce per block and stage root; torch's DDP otherwise, pipelined or not, one DDP per local stage
+    (each at least one bucket), with no FSDP2 hooks and no second parameter copy."""
+    from autoplan.cost_models.estimate import (
+        _stages_by_rank,
+        fsdp_unit_time,
+        fsdp_units,
+        runtime_dp_units,
+        runtime_per_param,
+        uses_replicate,
+    )
+    from autoplan.cost_models.fit import with_knobs
+
+    model = load_model("tiny-gpt")
+    cluster = with_knobs(load_cluster("local-cpu", gpus=8 if "tp" in config else 4), {"fsdp_hook_us": 100.0})
+    training = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
+    cfg = check_config(ParallelConfig.parse(config), model, cluster, training)
+    assert uses_replicate(tp=cfg.tp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp) == replicate
+    est = estimate(profile_from_spec(model), cluster, training, cfg, simulate_pipeline=False)
+    stages = _stages_by_rank(est.stages, cfg.pp)[0]
+    assert runtime_dp_units(stages, cfg) == (fsdp_units(stages) if replicate else len(stages))
+    assert len(stages) == cfg.vp
+    (dense_w, _, _), _ = runtime_per_param(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, zero=0,
+                                           training=training)
+    assert (dense_w > 0) == replicate  # replicate's sharded copy beside each parameter
+    hooks = fsdp_unit_time(fsdp_units(stages), 1e5, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp, zero=0, m=4,
+                           cluster=cluster, training=training)
+    assert (hooks > 0) == replicate
