@@ -693,7 +693,10 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
         params_replicated=params_rep, params_sharded=params_shard,
         elementwise_tp=ew["S"], elementwise_seq=ew["R"], kernels_fwd=kernels + len(gemms) + n_cores,
         act_tp=act_tp, act_seq=act_seq, act_scores_per_seq=scores_per_seq, act_input=act_input,
-        tp_allreduces=row_groups if L.kind == "block" else (1 if L.kind == "embedding" and vocab_lookup else 0),
+        # blocks: one per row-parallel group; the vocab-parallel lookup reduces its output, the vocabulary-parallel
+        # LM head its input's gradient (profile.profile_from_spec says where Megatron and the runtime do it)
+        tp_allreduces=(row_groups if L.kind == "block" else 1 if (L.kind == "embedding" and vocab_lookup)
+                       or (L.kind == "head" and head_gemm is not None) else 0),
         moe_top_k=top_k if L.n_experts else 0, moe_experts=L.n_experts,
         logits_per_token=head_gemm.n if head_gemm is not None and L.kind == "head" else 0,
     )
