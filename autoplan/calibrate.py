@@ -145,9 +145,9 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
     primitives' constants fitted to them, starting from `spec`. Returns (bench rows, refit spec, header)."""
     import torch
 
-    from autoplan.cost_models.fit import CollectiveSample, GemmSample, fit_cluster
+    from autoplan.cost_models.fit import CollectiveSample, GemmSample, RegionSample, fit_cluster
 
-    from .calibrate_bench import bench_gemms, model_gemm_shapes, run_collectives
+    from .calibrate_bench import bench_gemms, bench_recompute_region, model_gemm_shapes, run_collectives
     from .specs import cluster_from_mapping
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -159,17 +159,21 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
     if args.model:
         shapes += model_gemm_shapes(args.model, args.seq_len, args.mbs, spec["gpus_per_node"])
     gemms = bench_gemms(shapes, device, args.dtype)
+    regions = bench_recompute_region(device)
     bench = {"device": device, "model": args.model, "seq_len": args.seq_len, "mbs": args.mbs,
-             "gemm": gemms, "collectives": colls}
+             "gemm": gemms, "collectives": colls, "recompute": regions}
     cluster = cluster_from_mapping(spec, where="calibrate")
     if device == "cpu":
         cluster = cluster.model_copy(update={"cores_per_node": len(os.sched_getaffinity(0))})
     levels = {c["level"] for c in colls}
     free = ["matmul_max_efficiency", "matmul_half_dim"]
     free += [f"{lv}_{k}" for lv in sorted(levels) for k in ("latency_us", "bandwidth_gbps")]
+    if device == "cpu":  # the checkpoint's host time is priced where the host is the critical path
+        free += ["recompute_region_us", "recompute_op_us"]
     res = fit_cluster(cluster, gemms=[GemmSample(**g) for g in gemms],
-                      collectives=[CollectiveSample(**c) for c in colls], free=free)
-    header = [f"primitives fitted to {len(gemms)} GEMMs and {len(colls)} collective timings "
+                      collectives=[CollectiveSample(**c) for c in colls],
+                      regions=[RegionSample(**r) for r in regions], free=free)
+    header = [f"primitives fitted to {len(gemms)} GEMMs, {len(colls)} collective and {len(regions)} checkpoint timings "
               "(autoplan calibrate --bench-out)", *res.summary_lines()]
     return bench, res.cluster.model_dump(mode="json", exclude_none=True), header
 

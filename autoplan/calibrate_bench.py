@@ -1,9 +1,11 @@
 """Micro-benchmarks for `autoplan calibrate --bench-out FILE`: the primitives the cost model is built from,
-measured where the model will run, as rows for `autoplan.cost_models.fit` (GemmSample, CollectiveSample).
+measured where the model will run, as rows for `autoplan.cost_models.fit` (GemmSample, CollectiveSample,
+RegionSample).
 
 - GEMMs at the model's own shapes: every GEMM of a transformer block, embedding and head, for one micro-batch of
   `--seq-len` tokens, unsharded and sharded as tensor parallelism of each degree up to the node's size would
   shard it (column-parallel N/tp, row-parallel K/tp).
+- The host time of one checkpointed region (torch.utils.checkpoint, as the runtime's recompute uses it).
 - Collectives at several sizes on each level of the hierarchy: all-reduce, all-gather, reduce-scatter,
   all-to-all among the processes of one node ("intra"), and among one process per node ("inter") when the
   benchmark runs on several nodes under torchrun; send/recv between two processes of a node, and between two
@@ -86,6 +88,64 @@ def bench_gemms(shapes, device: str, dtype_name: str) -> list[dict]:
         b = torch.randn(k, n, device=device, dtype=dtype)
         out.append({"m": m, "n": n, "k": k, "dtype": dtype_name, "seconds": median_call(a, b), "call_s": call_s})
     return out
+
+
+def bench_recompute_region(device: str, repeats: int = 41, seq: int = 16) -> list[dict]:
+    """What one checkpointed region costs the host beyond re-running its operators (GPUCalibration.
+    recompute_region_us per region, recompute_op_us per operator in it), measured on the runtime's own regions:
+    the attention core (selective recompute) and a whole block (full recompute) of tiny-gpt at `seq` tokens, so
+    that their device time is negligible. Each is wrapped as runtime.parallelize.apply_recompute wraps it
+    (checkpoint_wrapper, non-reentrant, preserve_rng_state=True); one row per region: its forward+backward
+    minus the unwrapped one's minus one more forward (the recompute), medians over `repeats`, the two
+    alternating so that a shared host's drifts hit both. `ops` is the region's operator count as the cost model
+    counts it (cost_models.compute: the core's kernels; a block's kernels_fwd). One process (as the GEMMs: the
+    fit rescales to a run's share of the cores). Torch's checkpoint runs a saved-tensor hook per tensor each
+    operator saves, in the forward and again in the recompute, hence a cost per operator besides the fixed one
+    (session 9, local-cpu: about 220 us per region and 40 us per operator)."""
+    import copy
+
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from autoplan.cost_models.compute import _core_kernels
+    from autoplan.cost_models.profile import profile_from_spec
+    from autoplan.specs import load_model
+    from autoplan.zoo.model import Block
+
+    spec = load_model("tiny-gpt")
+    block_profile = profile_from_spec(spec)[1]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    block = Block(spec, 0).to(device).train()
+    h, n, kv, dh = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.dhead
+    x = torch.randn(1, seq, h, device=device, requires_grad=True)
+    qkv = [torch.randn(1, seq, heads, dh, device=device, requires_grad=True) for heads in (n, kv, kv)]
+    cases = [(block.attention.core, lambda m: m(*qkv), _core_kernels(block_profile)),
+             (block, lambda m: m(x), block_profile.kernels_fwd)]
+    rows = []
+    for plain, call, ops in cases:
+        wrapped = checkpoint_wrapper(copy.deepcopy(plain), preserve_rng_state=True)
+
+        def step(m, backward=True, call=call):
+            t0 = time.perf_counter()
+            y = call(m)
+            if backward:
+                y.sum().backward()
+            sync()
+            return time.perf_counter() - t0
+
+        for _ in range(5):
+            step(plain)
+            step(wrapped)
+        t_plain, t_ckpt, t_fwd = [], [], []
+        for _ in range(repeats):
+            t_plain.append(step(plain))
+            t_ckpt.append(step(wrapped))
+            t_fwd.append(step(plain, backward=False))
+        med = statistics.median
+        rows.append({"ops": int(ops), "seconds": max(med(t_ckpt) - med(t_plain) - med(t_fwd), 1e-7),
+                     "processes": 1})
+    return rows
 
 
 def _timed(fn, sync, barrier) -> float:

@@ -65,12 +65,18 @@ def micro_benchmarks(model: str, seq: int, nproc: int) -> dict:
     from the hop latency)."""
     import os
 
-    from autoplan.calibrate_bench import bench_gemms, model_gemm_shapes, run_collectives
+    from autoplan.calibrate_bench import (
+        bench_gemms,
+        bench_recompute_region,
+        model_gemm_shapes,
+        run_collectives,
+    )
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     shapes = sorted(set(model_gemm_shapes(model, seq, 1, nproc) + model_gemm_shapes(model, seq, 2, nproc)))
     colls = run_collectives(nproc, "cpu") + (run_collectives(2, "cpu") if nproc > 2 else [])
-    return {"gemm": bench_gemms(shapes, "cpu", "fp32"), "collectives": colls}
+    return {"gemm": bench_gemms(shapes, "cpu", "fp32"), "collectives": colls,
+            "recompute": bench_recompute_region("cpu")}
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -207,7 +213,7 @@ def _sample_of_saved(entry: dict, plan) -> RunSample:
 def replay(path: str, components: bool = False, as_json: bool = False) -> int:
     """Refit and evaluate on the measurements of a `--save` file (see the module docstring)."""
     from autoplan.cost_models.errors import SpecError
-    from autoplan.cost_models.fit import CollectiveSample, GemmSample, fit_cluster, predict_run
+    from autoplan.cost_models.fit import CollectiveSample, GemmSample, RegionSample, fit_cluster, predict_run
     from autoplan.cost_models.specs import ClusterSpec
     from autoplan.search.core import search
 
@@ -223,16 +229,23 @@ def replay(path: str, components: bool = False, as_json: bool = False) -> int:
     model, cluster, training = workload(a.get("model", "tiny-gpt"), nproc, int(a.get("global_batch", 8)),
                                         int(a.get("seq_len", 64)))
     if data.get("cluster"):
-        cluster = ClusterSpec.model_validate(data["cluster"])
+        saved = data["cluster"]
+        # a file saved before a calibration constant existed takes the preset's (e.g. the checkpoint's host
+        # time, recompute_region_us / recompute_op_us), not the field's GPU default of 0
+        preset = cluster.gpu.calibration.model_dump()
+        cal = (saved.get("gpu") or {}).get("calibration") or {}
+        saved = {**saved, "gpu": {**saved.get("gpu", {}), "calibration": {**preset, **cal}}} if "gpu" in saved else saved
+        cluster = ClusterSpec.model_validate(saved)
     bench = data.get("bench") or {}
     gemms = [GemmSample.model_validate(g) for g in bench.get("gemm", [])]
     colls = [CollectiveSample.model_validate(c) for c in bench.get("collectives", [])]
+    regions = [RegionSample.model_validate(r) for r in bench.get("recompute", [])]
     tuned = [e for e in data["tuned"] if e.get("measured_s")]
     plans = [Plan.model_validate(e["plan"]) for e in tuned]
     samples = [_sample_of_saved(e, p) for e, p in zip(tuned, plans, strict=True)]
     if not samples:
         raise SpecError("nothing to replay", f"{path}: no measured tuned runs", "save a run with --save")
-    fit = fit_cluster(cluster, samples, gemms, colls)
+    fit = fit_cluster(cluster, samples, gemms, colls, regions)
     refit = fit.cluster
     tuned_rows = [{"parallel": e["parallel"], "measured_s": s.measured_step_s, "error": None,
                    "after_s": predict_run(refit, s).step_time_s} for e, s in zip(tuned, samples, strict=True)]

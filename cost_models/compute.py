@@ -66,6 +66,10 @@ class LayerCost:
     model_flops: float  # forward model FLOPs of this layer on this GPU
     recompute_flops_selective: float
     recompute_flops_full: float
+    # the part of recompute_*_s that is torch.utils.checkpoint's own host time (CPU clusters), not re-run operators:
+    # the runtime times it as backward compute, outside its "recompute" phase (runtime/timing.py)
+    checkpoint_selective_s: float = 0.0
+    checkpoint_full_s: float = 0.0
 
 
 def gemm_efficiency(cluster: ClusterSpec, m: float, n: float, k: float) -> float:
@@ -250,6 +254,14 @@ def _head_softmax_units(p: LayerProfile) -> float:
     return fp32 if p.act_tp >= fp32 else 0.0
 
 
+def _core_kernels(p: LayerProfile) -> int:
+    """Kernels of the selective recompute region, the attention core (autoplan.zoo.model.AttentionCore): the
+    SDPA, plus the two repeat_interleaves that expand K and V under grouped-query attention. (The profile's
+    kernels_fwd counts the core as one kernel; the expansion is small next to it on a GPU, not on a CPU host.)"""
+    a = p.attention
+    return 1 + (2 if a is not None and a.kv_heads < a.heads else 0)
+
+
 def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     """Time, memory and FLOPs of layer `p` for one micro-batch on one GPU."""
     cal = ctx.cluster.gpu.calibration
@@ -267,7 +279,8 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     ew_extra_f, ew_extra_b = _mem_time(ctx, xf), _mem_time(ctx, xb)
     # Host-side cost of issuing the layer's kernels (Python, dispatch, launch). The GPU runs ahead of the
     # host, so a layer takes the longer of the two: small layers become launch-bound.
-    host_fwd = p.kernels_fwd * (cal.kernel_launch_us + (cal.tp_op_overhead_us if t > 1 else 0.0)) * 1e-6
+    launch_us = cal.kernel_launch_us + (cal.tp_op_overhead_us if t > 1 else 0.0)
+    host_fwd = p.kernels_fwd * launch_us * 1e-6
     tp_f, tp_b = _tp_comm(p, ctx, gemm_fwd)
     cp_f, cp_b = _cp_comm(p, ctx, attn_fwd)
     ep_f, ep_b = _ep_comm(p, ctx)
@@ -284,6 +297,26 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # recomputes its scores anyway, so there is nothing extra to do.
     sel = 0.0 if ctx.training.flash_attention else attn_fwd
     full = fwd  # the whole forward, its TP communication included
+    rec_sel_flops = 0.0 if ctx.training.flash_attention else attn_flops
+    ckpt_sel = ckpt_full = 0.0
+    if ctx.cluster.cores_per_node is not None:
+        # On CPU processes the host is the critical path, and the runtime's recompute is torch.utils.checkpoint
+        # (runtime.parallelize.apply_recompute: checkpoint_wrapper, non-reentrant, preserve_rng_state): each
+        # checkpointed region costs its bookkeeping once per micro-batch (recompute_region_us), and the selective
+        # region (the block's attention core: GQA expand + SDPA) re-runs its kernels in backward, flash or not
+        # (the checkpoint calls the core's forward again before the flash backward runs), and checkpointing
+        # costs a saved-tensor hook per operator (recompute_op_us). GPU stacks are left to the rule above
+        # (session 9: measured on local-cpu, selective cost most of what full did).
+        def region(ops: int) -> float:
+            return (cal.recompute_region_us + ops * cal.recompute_op_us) * 1e-6
+
+        ckpt_full = region(p.kernels_fwd)
+        full = fwd + ckpt_full
+        if p.attention is not None:
+            core = _core_kernels(p)
+            ckpt_sel = region(core)
+            sel = attn_fwd + core * launch_us * 1e-6 + ckpt_sel
+            rec_sel_flops = attn_flops
     # Activations (bytes) of one micro-batch: Korthikanti et al. 2022 Table 2 generalised.
     tok = ctx.tokens
     scale = e / 2.0  # profiles count 2-byte activations
@@ -309,12 +342,11 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         if g.expert:
             expert += n
     params += p.params_replicated + p.params_sharded / t
-    rec_sel_flops = 0.0 if ctx.training.flash_attention else attn_flops
     return LayerCost(
         fwd_s=fwd, bwd_s=bwd, recompute_selective_s=sel, recompute_full_s=full,
         comm_fwd_s=comm_f, comm_bwd_s=comm_b,
         act_none=act_none, act_selective=act_sel, act_full=act_full,
         params_local=params, expert_params_local=expert,
         model_flops=gemm_flops + attn_flops, recompute_flops_selective=rec_sel_flops,
-        recompute_flops_full=gemm_flops + attn_flops,
+        recompute_flops_full=gemm_flops + attn_flops, checkpoint_selective_s=ckpt_sel, checkpoint_full_s=ckpt_full,
     )

@@ -71,7 +71,7 @@ class StageCost:
     has_head: bool
     fwd_s: float
     bwd_s: float  # recomputation included
-    recompute_s: float
+    recompute_s: float  # the re-run operators (inside bwd_s; the checkpoint's own host time is not: it is compute)
     comm_s: float  # exposed TP/CP/EP communication in fwd+bwd
     act_per_mb: float  # activation bytes of one micro-batch
     act_peak_extra: float  # transient bytes during one backward (a recomputed layer's, less its input)
@@ -203,12 +203,13 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
     fwd = sum(c.fwd_s for c, _ in parts)
     bwd = sum(c.bwd_s for c, _ in parts)
     comm_s = sum(c.comm_fwd_s + c.comm_bwd_s for c, _ in parts)
-    rec, rec_flops, act, extra = 0.0, 0.0, 0.0, 0.0
+    rec, rec_flops, act, extra, ckpt = 0.0, 0.0, 0.0, 0.0, 0.0
     n_full = layout.recompute_layers if layout.recompute == "full" else 0
     k = 0
     for c, is_block in parts:
         if is_block and k < n_full:
             rec += c.recompute_full_s
+            ckpt += c.checkpoint_full_s
             rec_flops += c.recompute_flops_full
             act += c.act_full
             # while its backward runs, the layer's recomputed activations are alive beside the kept ones; its
@@ -217,13 +218,14 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
             k += 1
         elif is_block and layout.recompute in ("selective", "full"):
             rec += c.recompute_selective_s
+            ckpt += c.checkpoint_selective_s
             rec_flops += c.recompute_flops_selective
             act += c.act_selective
         else:
             act += c.act_none
     return StageCost(
         index=index, layout=layout, has_embedding=has_emb, has_head=has_head, fwd_s=fwd, bwd_s=bwd + rec,
-        recompute_s=rec, comm_s=comm_s, act_per_mb=act, act_peak_extra=extra,
+        recompute_s=rec - ckpt, comm_s=comm_s, act_per_mb=act, act_peak_extra=extra,
         params=sum(c.params_local for c, _ in parts), expert_params=sum(c.expert_params_local for c, _ in parts),
         model_flops=sum(c.model_flops for c, _ in parts), recompute_flops=rec_flops,
         tied_head=tied_head_params(profiles, ctx.tp) if has_head else 0.0,

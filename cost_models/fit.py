@@ -85,6 +85,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "wait per collective inside a training step for its last member on an oversubscribed node, us"),
     Knob("fsdp_hook_us", ("gpu", "calibration", "fsdp_hook_us"), 1e-2, 1e6,
          "host time of FSDP2's hooks per unit and micro-batch (replicate and fully_shard), us"),
+    Knob("recompute_region_us", ("gpu", "calibration", "recompute_region_us"), 1e-2, 1e6,
+         "host time of one checkpointed region per micro-batch (torch.utils.checkpoint bookkeeping), us"),
+    Knob("recompute_op_us", ("gpu", "calibration", "recompute_op_us"), 1e-2, 1e6,
+         "further host time per operator of a checkpointed region (saved-tensor hooks), us"),
 )}
 
 
@@ -160,6 +164,16 @@ class CollectiveSample(_Obs):
     seconds: float = Field(gt=0, description="Measured time (median over repeats).")
 
 
+class RegionSample(_Obs):
+    """One checkpoint micro-benchmark (autoplan.calibrate_bench.bench_recompute_region): the host time one
+    checkpointed region of `ops` operators adds to a forward+backward beyond re-running them."""
+
+    ops: int = Field(default=1, ge=0, description="Operators in the region, as the cost model counts them.")
+    seconds: float = Field(gt=0, description="Measured time of one region (median over repeats).")
+    processes: int = Field(default=1, ge=1, description="Processes sharing the node's cores while it was measured "
+                           "(calibrate's benchmark runs in one).")
+
+
 class TimedComponents(_Obs):
     """Measured time of some components of a step, keyed like `Estimate.breakdown` (others are ignored)."""
 
@@ -213,6 +227,14 @@ def _core_share(cluster: ClusterSpec, processes: int) -> float:
     if cores is None:
         return 1.0
     return min(1.0, cores / max(1, processes))
+
+
+def predict_region(cluster: ClusterSpec, r: RegionSample) -> float:
+    """Host time of one checkpointed region (GPUCalibration.recompute_region_us), as a process of a run has it,
+    rescaled to the benchmark's share of a core like a GEMM's (`predict_gemm`)."""
+    cal = cluster.gpu.calibration
+    us = cal.recompute_region_us + r.ops * cal.recompute_op_us
+    return us * 1e-6 * _core_share(cluster, cluster.gpus_per_node) / _core_share(cluster, r.processes)
 
 
 def predict_collective(cluster: ClusterSpec, c: CollectiveSample) -> float:
@@ -293,9 +315,10 @@ class FitResult:
 
 
 def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
-                       collectives: Sequence[CollectiveSample] = ()) -> list[str]:
+                       collectives: Sequence[CollectiveSample] = (), regions: Sequence[RegionSample] = ()) -> list[str]:
     """The knobs the data can plausibly inform: the inter-node level only when some run or sample spans nodes,
-    the oversubscription wait only when the cluster's cores are known and some run oversubscribes them."""
+    the oversubscription wait only when the cluster's cores are known and some run oversubscribes them, the
+    checkpoint region's host time when it was benchmarked or some run on a CPU cluster recomputes."""
     free = ["matmul_max_efficiency", "matmul_half_dim", "attention_efficiency", "memory_efficiency",
             "kernel_launch_us", "intra_latency_us", "intra_bandwidth_gbps"]
     if any(r.parallel.tp > 1 for r in runs):
@@ -304,6 +327,8 @@ def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
         free.append("fsdp_collective_overhead_us")
     if any(_fsdp_hooked(r.parallel) for r in runs):
         free.append("fsdp_hook_us")
+    if regions or (cluster.cores_per_node is not None and any(_recomputes(r) for r in runs)):
+        free += ["recompute_region_us", "recompute_op_us"]
     if any(r.world > cluster.gpus_per_node for r in runs) or any(c.level == "inter" for c in collectives):
         free += ["inter_latency_us", "inter_bandwidth_gbps"]
     cores = cluster.cores_per_node
@@ -315,6 +340,13 @@ def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
     return free
 
 
+def _recomputes(r: RunSample) -> bool:
+    """Whether run `r` checkpoints anything (its layout's stages, else its configuration)."""
+    if r.layout is not None:
+        return any(rec != "none" for _, rec, _ in r.layout)
+    return r.parallel.recompute != "none"
+
+
 def _fsdp_hooked(cfg: ParallelConfig) -> bool:
     """Whether the runtime puts FSDP2 hooks on the model: fully_shard at ZeRO>=1, replicate at ZeRO-0 under
     tensor parallelism (`uses_replicate`; runtime.parallelize.apply_dp), over more than one data-parallel rank.
@@ -324,7 +356,8 @@ def _fsdp_hooked(cfg: ParallelConfig) -> bool:
 
 
 def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Sequence[GemmSample] = (),
-                collectives: Sequence[CollectiveSample] = (), *, free: Sequence[str] | None = None,
+                collectives: Sequence[CollectiveSample] = (), regions: Sequence[RegionSample] = (), *,
+                free: Sequence[str] | None = None,
                 prior_weight: float = 1e-3, profiles: dict[str, list[LayerProfile]] | None = None,
                 max_evaluations: int = 400, hold_undetermined: bool = True) -> FitResult:
     """Least-squares refit of `free` knobs of `cluster` to the measurements (see the module docstring).
@@ -336,10 +369,10 @@ def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Seq
     (session 5 saw memory_efficiency 961 and attention_efficiency 0.008 from 7 runs for 9 knobs), and the held-out
     layouts that do use it would pay. Raises SpecError when there is nothing to fit.
     """
-    if not (runs or gemms or collectives):
+    if not (runs or gemms or collectives or regions):
         raise SpecError("nothing to fit", "no runs and no micro-benchmarks", "measure some runs first")
-    free = list(free if free is not None else default_free_knobs(cluster, runs, collectives))
-    problem = _Problem(cluster, runs, gemms, collectives, prior_weight, profiles, max_evaluations)
+    free = list(free if free is not None else default_free_knobs(cluster, runs, collectives, regions))
+    problem = _Problem(cluster, runs, gemms, collectives, prior_weight, profiles, max_evaluations, regions)
     first = problem.solve(free)
     undetermined, collinear = first.undetermined, first.collinear
     fitted, held = first, []
@@ -401,13 +434,14 @@ class _Problem:
     """The measurements and the cost model's predictions of them, for any set of free knobs (the others keep
     `cluster`'s values)."""
 
-    def __init__(self, cluster, runs, gemms, collectives, prior_weight, profiles, max_evaluations):
+    def __init__(self, cluster, runs, gemms, collectives, prior_weight, profiles, max_evaluations, regions=()):
         import numpy as np
 
         self.cluster, self.runs, self.gemms, self.collectives = cluster, list(runs), list(gemms), list(collectives)
+        self.regions = list(regions)
         self.prior_weight, self.max_evaluations = prior_weight, max_evaluations
         self.profs = {r.model.name: (profiles or {}).get(r.model.name) or profile_from_spec(r.model) for r in runs}
-        measured = [g.seconds for g in gemms] + [c.seconds for c in collectives]
+        measured = [g.seconds for g in gemms] + [c.seconds for c in collectives] + [r.seconds for r in self.regions]
         self.n_micro = len(measured)
         # A component the cost model has no term for in this run (predicted 0: e.g. a flash attention core
         # recomputed under selective recomputation) is left out: no knob can move it.
@@ -427,6 +461,7 @@ class _Problem:
         cl = with_knobs(self.cluster, values)
         out = [predict_gemm(cl, g) for g in self.gemms]
         out += [predict_collective(cl, c) for c in self.collectives]
+        out += [max(predict_region(cl, r), 1e-12) for r in self.regions]  # 0 where the cluster has no value
         for i, r in enumerate(self.runs if with_runs else ()):
             est = predict_run(cl, r, self.profs[r.model.name])
             out.append(est.step_time_s)
@@ -441,7 +476,8 @@ class _Problem:
         start = knob_values(self.cluster)
         # Knobs stuck at 0 (e.g. the oversubscription wait of a preset) start from a small physical value.
         starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0, "fsdp_collective_overhead_us": 1000.0,
-                  "step_wait_us": 500.0, "skew_wait_us": 500.0, "fsdp_hook_us": 100.0}
+                  "step_wait_us": 500.0, "skew_wait_us": 500.0, "fsdp_hook_us": 100.0, "recompute_region_us": 200.0,
+                  "recompute_op_us": 30.0}
         x0_vals = {k: start[k] if start[k] > 0 else starts.get(k, 1.0) for k in free}
         lo = np.array([math.log(KNOBS[k].lower) for k in free])
         hi = np.array([math.log(KNOBS[k].upper) for k in free])
@@ -493,7 +529,8 @@ class _Problem:
     def rows(self, s: _Solved) -> list[dict]:
         before = self.predictions({})  # the cluster as given
         after = self.predictions(s.after)
-        return _rows(self.gemms, self.collectives, self.runs, self.comp_keys, self.measured, before, after)
+        return _rows(self.gemms, self.collectives, self.runs, self.comp_keys, self.measured, before, after,
+                     self.regions)
 
 
 # A knob whose data rows move by less than this (root-sum-square of d log(predicted) / d log(knob)) is reported
@@ -578,9 +615,10 @@ def _components(r: RunSample, stage: int = 0) -> dict[str, float]:
     return {k: v for k, v in sorted(seconds.items()) if k in COMPONENTS and v > floor}
 
 
-def _rows(gemms, collectives, runs, comp_keys, measured, before, after) -> list[dict]:
+def _rows(gemms, collectives, runs, comp_keys, measured, before, after, regions=()) -> list[dict]:
     labels = [("gemm", f"gemm {g.m}x{g.n}x{g.k}") for g in gemms]
     labels += [("collective", f"{c.collective} {c.level} x{c.ranks} {c.nbytes / 1024:.0f} KiB") for c in collectives]
+    labels += [("region", f"checkpoint region of {r.ops} ops, {r.processes} process(es)") for r in regions]
     for r, keys in zip(runs, comp_keys, strict=True):
         labels.append(("run", r.label or r.parallel.to_string()))
         labels.extend(("component", f"{r.label or r.parallel.to_string()} {k}") for k in keys)

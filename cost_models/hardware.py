@@ -102,6 +102,15 @@ GPU_PRESETS: dict[str, GPUSpec] = {
             # eager PyTorch with autograd: ~30 us of Python and dispatch per op on this CPU
             # (`autoplan calibrate` measured 5 us for a bare op), doubled by two processes per core
             kernel_launch_us=60.0,
+            # torch.utils.checkpoint's host time per checkpointed region, beyond re-running its operators:
+            # ~195 us per region plus ~35 us per operator in it (saved-tensor hooks) in one process,
+            # doubled by two processes per core. Measured 2026-11-26 (session 9) with
+            # `OMP_NUM_THREADS=1 python -c "from autoplan.calibrate_bench import bench_recompute_region as b;
+            # print(b('cpu'))"` (tiny-gpt's attention core, 1 op: 226-231 us; its block, 12 ops: 595-619 us),
+            # which matches the runs: dp=1 mbs=1 (1 process, 32 regions a step) costs +12 ms selective, +30 ms
+            # full over no recompute (~375 and ~940 us per region, the re-run forward included).
+            recompute_region_us=390.0,
+            recompute_op_us=70.0,
             framework_overhead_gib=0.5,
             overlap_interference=1.0,  # gloo runs on the same cores as the compute: nothing is hidden
         ),

@@ -171,6 +171,22 @@ class GPUCalibration(_Frozen):
         "`replicate` (ZeRO-0 under tensor parallelism; torch's DDP otherwise, no hooks) as by `fully_shard`, whether or not a "
         "collective is issued. 0 where the GPU hides it. Fitted by `autoplan tune`.",
     )
+    recompute_region_us: float = Field(
+        default=0.0, ge=0,
+        description="Host time of one checkpointed region in one micro-batch beyond re-running its operators "
+        "(torch.utils.checkpoint, non-reentrant, preserve_rng_state: the RNG state saved and restored, the "
+        "recompute's own frame in backward), microseconds. Priced where the host is on the critical path (CPU "
+        "clusters) for full (one region per recomputed block) and selective recompute (one per block's "
+        "attention core). 0 where the GPU hides it. Measured by `autoplan calibrate --bench-out`; fitted by "
+        "`autoplan tune`.",
+    )
+    recompute_op_us: float = Field(
+        default=0.0, ge=0,
+        description="Further host time per operator inside a checkpointed region, microseconds: the saved-tensor "
+        "hooks torch.utils.checkpoint runs for what each operator saves, in the forward and again in the "
+        "recompute. Priced with recompute_region_us (CPU clusters only). Measured by `autoplan calibrate "
+        "--bench-out`; fitted by `autoplan tune`.",
+    )
     framework_overhead_gib: float = Field(
         default=2.0, ge=0, description="Memory the CUDA context, allocator fragmentation and workspaces take."
     )

@@ -38,6 +38,7 @@ from autoplan.cost_models.fit import (
     CollectiveSample,
     FitResult,
     GemmSample,
+    RegionSample,
     RunSample,
     TimedComponents,
     fit_cluster,
@@ -303,13 +304,14 @@ def run_sample(c: Candidate) -> RunSample:
                      components=comps, label=c.config)
 
 
-def load_bench(paths) -> tuple[list[GemmSample], list[CollectiveSample]]:
+def load_bench(paths) -> tuple[list[GemmSample], list[CollectiveSample], list[RegionSample]]:
     """Micro-benchmarks written by `autoplan calibrate --bench-out FILE` (JSON: {"gemm": [...], "collectives":
-    [...]}); `paths` is one file, several (e.g. one per process count), or None."""
+    [...], "recompute": [...]}); `paths` is one file, several (e.g. one per process count), or None."""
     if paths is None:
-        return [], []
+        return [], [], []
     gemms: list[GemmSample] = []
     colls: list[CollectiveSample] = []
+    regions: list[RegionSample] = []
     for path in [paths] if isinstance(paths, (str, Path)) else paths:
         p = Path(path)
         if not p.exists():
@@ -319,10 +321,11 @@ def load_bench(paths) -> tuple[list[GemmSample], list[CollectiveSample]]:
             data = json.loads(p.read_text())
             gemms += [GemmSample.model_validate(g) for g in data.get("gemm", [])]
             colls += [CollectiveSample.model_validate(c) for c in data.get("collectives", [])]
+            regions += [RegionSample.model_validate(r) for r in data.get("recompute", [])]
         except (ValueError, TypeError, AttributeError) as e:
             raise SpecError("malformed micro-benchmark file", f"{p}: {str(e).splitlines()[0]}",
                             "re-run `autoplan calibrate --bench-out FILE`") from None
-    return gemms, colls
+    return gemms, colls, regions
 
 
 def prepare_cluster(cluster: ClusterSpec) -> ClusterSpec:
@@ -333,18 +336,19 @@ def prepare_cluster(cluster: ClusterSpec) -> ClusterSpec:
 
 
 def refit(cluster: ClusterSpec, candidates: list[Candidate],
-          bench: tuple[list[GemmSample], list[CollectiveSample]] = ([], []), profiles=None) -> FitResult | None:
+          bench: tuple[list, ...] = ([], []), profiles=None) -> FitResult | None:
     """Fit the cluster to the measured candidates (and micro-benchmark rows); fills each candidate's
     predicted-after."""
     from autoplan.cost_models.fit import predict_run
 
     measured = [c for c in candidates if c.measured_s is not None]
-    gemms, colls = bench
-    if not measured and not (gemms or colls):
+    gemms, colls = bench[0], bench[1]
+    regions = bench[2] if len(bench) > 2 else []  # (gemms, collectives[, checkpoint regions])
+    if not measured and not (gemms or colls or regions):
         return None
     samples = [run_sample(c) for c in measured]
     prof = {measured[0].plan.model.name: profiles} if profiles and measured else None
-    res = fit_cluster(cluster, samples, gemms, colls, profiles=prof)
+    res = fit_cluster(cluster, samples, gemms, colls, regions, profiles=prof)
     for c in measured:
         if c.log is not None and c.log.profile is not None:
             res.count_mismatches.extend(f"{c.config}: {m}" for m in c.log.profile.count_mismatches())

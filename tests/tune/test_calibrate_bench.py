@@ -39,3 +39,20 @@ def test_gemm_and_collective_benchmarks_feed_the_fit(monkeypatch):
     assert res.rms_log_error("gemm") <= res.rms_log_error("gemm", "before") + 1e-9
     assert res.rms_log_error() <= res.rms_log_error(when="before") + 1e-6  # least squares cannot do worse
     assert res.after["intra_latency_us"] == pytest.approx(res.cluster.intra_node.latency_us)
+
+
+def test_checkpoint_region_benchmark_feeds_the_fit(monkeypatch):
+    """The checkpoint micro-benchmark times the runtime's own regions (an attention core of 1 operator, a block
+    of kernels_fwd operators) and the fit reads recompute_region_us and recompute_op_us off them."""
+    from autoplan.calibrate_bench import bench_recompute_region
+    from autoplan.cost_models.fit import RegionSample, predict_region
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    rows = bench_recompute_region("cpu", repeats=9)
+    assert [r["ops"] for r in rows] == [1, 12] and all(r["processes"] == 1 for r in rows)
+    assert all(0 < r["seconds"] < 0.05 for r in rows)
+    cluster = cluster_preset("local-cpu").model_copy(update={"cores_per_node": 2, "gpus_per_node": 1})
+    samples = [RegionSample(**r) for r in rows]
+    res = fit_cluster(cluster, regions=samples, free=["recompute_region_us", "recompute_op_us"])
+    for s in samples:
+        assert predict_region(res.cluster, s) == pytest.approx(s.seconds, rel=0.05)

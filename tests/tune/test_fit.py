@@ -12,6 +12,7 @@ from autoplan.cost_models.fit import (
     COMPONENTS,
     CollectiveSample,
     GemmSample,
+    RegionSample,
     RunSample,
     TimedComponents,
     cluster_yaml,
@@ -19,6 +20,7 @@ from autoplan.cost_models.fit import (
     knob_values,
     predict_collective,
     predict_gemm,
+    predict_region,
     predict_run,
     predicted_component,
     with_knobs,
@@ -32,7 +34,7 @@ TRUTH = {"matmul_max_efficiency": 0.6, "matmul_half_dim": 40.0, "attention_effic
          "memory_efficiency": 0.5, "kernel_launch_us": 25.0, "intra_latency_us": 300.0,
          "intra_bandwidth_gbps": 0.8, "oversubscription_wait_us": 900.0, "tp_op_overhead_us": 80.0,
          "fsdp_collective_overhead_us": 2000.0, "step_wait_us": 1500.0, "fsdp_hook_us": 300.0,
-         "skew_wait_us": 700.0}
+         "skew_wait_us": 700.0, "recompute_region_us": 250.0, "recompute_op_us": 45.0}
 SMALL = ModelSpec(name="small-gpt", num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
                   vocab_size=512, max_seq_length=256)
 
@@ -70,13 +72,19 @@ def _synthetic(truth, with_components: bool = False):
     return runs, gemms, colls
 
 
+def _regions(truth):
+    """Checkpoint micro-benchmarks (calibrate_bench.bench_recompute_region): an attention core and a block."""
+    return [RegionSample(ops=ops, seconds=predict_region(truth, RegionSample(ops=ops, seconds=1.0)))
+            for ops in (1, 12)]
+
+
 @pytest.mark.parametrize("with_components", [False, True])
 def test_fit_recovers_known_constants_within_1_percent(with_components):
     truth = with_knobs(_base(), TRUTH)
     runs, gemms, colls = _synthetic(truth, with_components)
     # start 30% off in alternating directions
     start = with_knobs(_base(), {k: v * (1.3 if i % 2 else 0.7) for i, (k, v) in enumerate(TRUTH.items())})
-    res = fit_cluster(start, runs, gemms, colls)
+    res = fit_cluster(start, runs, gemms, colls, _regions(truth))
     assert set(res.free) == set(TRUTH), res.free
     assert not res.undetermined and not res.collinear
     for k, v in TRUTH.items():
@@ -337,3 +345,31 @@ def test_torch_ddp_waits_are_in_the_measured_compute():
         assert predicted_component(bd, "compute", ParallelConfig.parse(ddp)) == pytest.approx(0.04), ddp
     for other in ("dp=4,zero=1", "tp=2,dp=2", "pp=2,tp=2,dp=2", "pp=2,dp=2,zero=1", "tp=4"):
         assert predicted_component(bd, "compute", ParallelConfig.parse(other)) == pytest.approx(0.03), other
+
+
+def test_fit_recovers_the_checkpoint_region_cost():
+    """The checkpoint's host time (recompute_region_us per region, recompute_op_us per operator in it): from the
+    micro-benchmarks alone, and from runs that recompute (selective: one core of 1 op; full: a block of 12) when
+    no benchmark was taken; a run set without recompute leaves the knobs out."""
+    truth = with_knobs(_base(), TRUTH)
+    keys = ["recompute_region_us", "recompute_op_us"]
+    start = with_knobs(truth, {"recompute_region_us": 120.0, "recompute_op_us": 90.0})
+    bench = fit_cluster(start, regions=_regions(truth), free=keys)
+    for k in keys:
+        assert bench.after[k] == pytest.approx(TRUTH[k], rel=0.01), (k, bench.after[k])
+    model = MODEL_PRESETS["tiny-gpt"]
+    runs = []
+    for c in ("dp=4", "dp=4,recompute=selective", "dp=4,recompute=full", "dp=2,pp=2,recompute=full"):
+        tr = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
+        cfg = check_config(ParallelConfig.parse(c), model, truth.with_gpus(4), tr)
+        r = RunSample(model=model, training=tr, parallel=cfg, world=4, measured_step_s=1.0, label=c)
+        runs.append(r.model_copy(update={"measured_step_s": predict_run(truth, r).step_time_s}))
+    res = fit_cluster(start, runs, free=["kernel_launch_us", *keys])
+    assert not res.held, res.held
+    for k in keys:
+        assert res.after[k] == pytest.approx(TRUTH[k], rel=0.01), (k, res.after[k])
+    from autoplan.cost_models.fit import default_free_knobs
+
+    assert set(keys) <= set(default_free_knobs(start, runs))
+    assert not set(keys) & set(default_free_knobs(start, runs[:1]))
+    assert set(keys) <= set(default_free_knobs(start, runs[:1], regions=_regions(truth)))

@@ -198,3 +198,59 @@ def test_closed_form_overstates_an_uneven_pipeline_and_the_bound_does_not():
     assert simulate("1f1b", 2, 2, 1, fwd, bwd).makespan == pytest.approx(4.0)
     assert closed_form_makespan(fwd, bwd, 2, 2) == pytest.approx(5.0)
     assert max(rank_end_lower_bounds(fwd, bwd, 2, 2)) == pytest.approx(4.0)
+
+
+def test_checkpoint_region_is_priced_on_cpu_hosts_only():
+    """The runtime recomputes with torch.utils.checkpoint: on a CPU cluster (the host is the critical path) each
+    checkpointed region costs recompute_region_us + its operators x recompute_op_us, and the selective region
+    (the attention core) also re-runs its kernel, flash or not; on a GPU cluster nothing of it is priced, even
+    with the constants set (flash: the selective recompute stays free)."""
+    tiny = load_model("tiny-gpt")
+    block = profile_from_spec(tiny)[1]
+    tr = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", flash_attention=True)
+    cpu = load_cluster("local-cpu").model_copy(update={"cores_per_node": 2})
+    cal = cpu.gpu.calibration
+    assert cal.recompute_region_us > 0 and cal.recompute_op_us > 0  # the preset's measured values
+
+    def cost(cluster, region_us, op_us):
+        gpu = cluster.gpu.model_copy(update={"calibration": cluster.gpu.calibration.model_copy(
+            update={"recompute_region_us": region_us, "recompute_op_us": op_us})})
+        ctx = Context(cluster=cluster.model_copy(update={"gpu": gpu}), training=tr, tp=1, cp=1, sp=False, ep=1,
+                      mbs=1)
+        return layer_cost(block, ctx)
+
+    zero, with_ = cost(cpu, 0.0, 0.0), cost(cpu, 300.0, 40.0)
+    assert with_.recompute_full_s - zero.recompute_full_s == pytest.approx((300 + 40 * block.kernels_fwd) * 1e-6)
+    assert zero.recompute_full_s == pytest.approx(zero.fwd_s)
+    assert with_.recompute_selective_s - zero.recompute_selective_s == pytest.approx(340e-6)
+    # re-running the core: its device time and its one kernel's host time, although flash_attention is set
+    launch = cal.kernel_launch_us * 1e-6
+    assert zero.recompute_selective_s > launch and zero.recompute_flops_selective > 0
+    assert with_.fwd_s == zero.fwd_s and with_.bwd_s == zero.bwd_s  # recompute is priced on its own
+    gpu = load_cluster("dgx-h100")
+    g0, g1 = cost(gpu, 0.0, 0.0), cost(gpu, 300.0, 40.0)
+    assert g1 == g0
+    assert g0.recompute_selective_s == 0.0 and g0.recompute_full_s == g0.fwd_s
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_checkpoint_host_time_is_compute_not_recompute_in_the_breakdown(recompute):
+    """The runtime times the checkpoint's own host time as backward compute, outside its "recompute" phase (which
+    holds the re-run operators): the estimate's breakdown says so, and the step pays it once per region."""
+    tiny = load_model("tiny-gpt")
+    tr = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
+    base = load_cluster("local-cpu").model_copy(update={"cores_per_node": 2}).with_gpus(1)
+
+    def run(region_us, op_us):
+        gpu = base.gpu.model_copy(update={"calibration": base.gpu.calibration.model_copy(
+            update={"recompute_region_us": region_us, "recompute_op_us": op_us})})
+        cl = base.model_copy(update={"gpu": gpu})
+        cfg = check_config(ParallelConfig.parse(f"dp=1,mbs=1,recompute={recompute}"), tiny, cl, tr)
+        return estimate(profile_from_spec(tiny), cl, tr, cfg)
+
+    a, b = run(0.0, 0.0), run(300.0, 40.0)
+    ops = 1 if recompute == "selective" else profile_from_spec(tiny)[1].kernels_fwd
+    regions = 8 * tiny.num_layers  # 8 micro-batches of 4 blocks
+    assert b.breakdown["recompute"] == pytest.approx(a.breakdown["recompute"])
+    assert b.breakdown["compute"] - a.breakdown["compute"] == pytest.approx(regions * (300 + 40 * ops) * 1e-6)
+    assert b.step_time_s - a.step_time_s == pytest.approx(regions * (300 + 40 * ops) * 1e-6, rel=1e-6)
