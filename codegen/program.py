@@ -110,22 +110,23 @@ def factory_tp_layout(st, stage: StagePlan) -> dict[str, Style]:
 
 def recompute_regions(stage: StagePlan) -> list[str]:
     """Module paths checkpointed (recomputed in the backward pass)."""
-    if stage.recompute == "full":
-        start = stage.layers[0]
-        return [f"layers.{i}" for i in range(start, start + stage.recompute_layers)]
-    if stage.recompute == "selective":
-        return [f"layers.{i}.attention.core" for i in range(*stage.layers)]
-    return []
+    start, stop = stage.layers
+    n_full = stage.recompute_layers if stage.recompute == "full" else 0
+    if stage.recompute not in ("full", "selective"):
+        return []
+    # a partly full stage recomputes its other blocks selectively (runtime.parallelize.apply_recompute)
+    return ([f"layers.{i}" for i in range(start, start + n_full)]
+            + [f"layers.{i}.attention.core" for i in range(start + n_full, stop)])
 
 
 def _factory_regions(stage: StagePlan) -> list[str]:
     """What a user module's stage recomputes, by block index (the module paths come from its capture)."""
-    lo = stage.layers[0]
-    if stage.recompute == "full":
-        return [f"blocks {lo}..{lo + stage.recompute_layers - 1} (whole)"]
-    if stage.recompute == "selective":
-        return [f"the attention kernel of blocks {lo}..{stage.layers[1] - 1}"]
-    return []
+    lo, hi = stage.layers
+    n_full = stage.recompute_layers if stage.recompute == "full" else 0
+    out = [f"blocks {lo}..{lo + n_full - 1} (whole)"] if n_full else []
+    if stage.recompute in ("full", "selective") and lo + n_full < hi:
+        out.append(f"the attention kernel of blocks {lo + n_full}..{hi - 1}")
+    return out
 
 
 def kernel_substitutions(spec: ModelSpec, stage: StagePlan, mode: str, sp: bool) -> dict[str, str]:

@@ -318,18 +318,22 @@ def apply_cp(model: TransformerLM, cp_mesh, seq_len: int, device: torch.device) 
 
 
 def apply_recompute(model: TransformerLM, stage: StagePlan) -> list[str]:
-    """full: the first `stage.recompute_layers` blocks of the stage are checkpointed whole; selective: the
-    attention core (GQA + SDPA, i.e. ATTENTION_CORE_OPS; with CP also the K/V gather) of every block."""
+    """full: the first `stage.recompute_layers` blocks of the stage are checkpointed whole, and the stage's other
+    blocks recompute selectively (the stage ILP's `full_selective` family and the estimate price a partly full
+    stage so: autoplan.search.ilp, cost_models.estimate.stage_cost); selective: the attention core (GQA + SDPA,
+    i.e. ATTENTION_CORE_OPS; with CP also the K/V gather) of every block."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     notes = []
-    if stage.recompute == "full":
-        keys = list(model.layers.keys())[: stage.recompute_layers]
-        for k in keys:
+    keys = list(model.layers.keys())
+    n_full = stage.recompute_layers if stage.recompute == "full" else 0
+    if n_full:
+        for k in keys[:n_full]:
             model.layers[k] = checkpoint_wrapper(model.layers[k], preserve_rng_state=True)
-        notes.append(f"full: layers {keys}")
-    elif stage.recompute == "selective":
-        for k, block in model.layers.items():
+        notes.append(f"full: layers {keys[:n_full]}")
+    if stage.recompute in ("full", "selective"):
+        for k in keys[n_full:]:
+            block = model.layers[k]
             block.attention.core = checkpoint_wrapper(block.attention.core, preserve_rng_state=True)
             notes.append(f"selective: layers.{k}.attention.core")
     return notes

@@ -662,24 +662,30 @@ def _recompute_attention(block: nn.Module) -> None:
 
 
 def apply_factory_recompute(model: FactoryModel, stage, st: FactoryStructure | None = None) -> list[str]:
-    """full: the first `stage.recompute_layers` blocks of the stage checkpointed whole (checkpoint_wrapper);
-    selective: in every block of the stage, each scaled_dot_product_attention call is checkpointed (the
-    attention core, as the zoo's selective recompute; a function call in the user's code, so it is caught by a
-    TorchFunctionMode around the block's forward rather than wrapped as a module)."""
+    """full: the first `stage.recompute_layers` blocks of the stage checkpointed whole (checkpoint_wrapper), the
+    stage's other blocks selectively (as the stage ILP and the estimate price a partly full stage); selective: in
+    every block of the stage, each scaled_dot_product_attention call is checkpointed (the attention core, as the
+    zoo's selective recompute; a function call in the user's code, so it is caught by a TorchFunctionMode around
+    the block's forward rather than wrapped as a module)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     st = st or factory_structure(model.ref)
     lo, hi = stage.layers
-    if stage.recompute == "full":
-        keys = st.blocks[lo:hi][: stage.recompute_layers]
+    if stage.recompute not in ("full", "selective"):
+        return []
+    n_full = stage.recompute_layers if stage.recompute == "full" else 0
+    notes = []
+    if n_full:
+        keys = st.blocks[lo:hi][:n_full]
         for b in keys:
             _set_module(model.module, b, checkpoint_wrapper(model.module.get_submodule(b), preserve_rng_state=True))
-        return [f"full: {', '.join(keys)}"]
-    if stage.recompute == "selective":
-        for b in st.blocks[lo:hi]:
-            _recompute_attention(model.module.get_submodule(b))
-        return [f"selective (scaled_dot_product_attention): {', '.join(st.blocks[lo:hi])}"]
-    return []
+        notes.append(f"full: {', '.join(keys)}")
+    rest = st.blocks[lo + n_full:hi]
+    for b in rest:
+        _recompute_attention(model.module.get_submodule(b))
+    if rest:
+        notes.append(f"selective (scaled_dot_product_attention): {', '.join(rest)}")
+    return notes
 
 
 # -------------------------------------------------------------------------------------- the check

@@ -144,6 +144,38 @@ def test_recompute_regions_rerun_the_right_ops():
             torch.testing.assert_close(grads[mode][n], g, rtol=1e-5, atol=1e-7)
 
 
+def test_a_partly_full_stage_recomputes_its_other_blocks_selectively():
+    """recompute=full with recompute_layers below the stage's blocks: the first blocks re-run whole and the rest
+    re-run their attention core, as the estimate, the counts and the stage ILP (`full_selective`) price it; before
+    session 9 the runtime left the rest unwrapped."""
+    from autoplan.codegen.program import recompute_regions
+    from autoplan.runtime.parallelize import ATTENTION_CORE_OPS, apply_recompute, canonical_name
+    from autoplan.zoo import build_model, cross_entropy_loss
+
+    spec = load_model("tiny-llama")
+    tokens = torch.randint(0, 128, (1, 16))
+    runs = {}
+    for config in ("recompute=none", "recompute=full,recompute_layers=2"):
+        plan = plan_for("tiny-llama", gpus=1, config=config)
+        model = build_model(spec)
+        notes = apply_recompute(model, plan.stages[0])
+        loss = cross_entropy_loss(model(tokens), tokens)
+        bwd = _count_ops(loss.backward)
+        runs[config] = (notes, recompute_regions(plan.stages[0]),
+                        sum(bwd.get(op, 0) for op in ATTENTION_CORE_OPS),
+                        bwd.get("aten.mm", 0) + bwd.get("aten.addmm", 0),
+                        {canonical_name(n): p.grad for n, p in model.named_parameters()})
+    _, _, sdpa0, mm0, g0 = runs["recompute=none"]
+    notes, regions, sdpa, mm, g = runs["recompute=full,recompute_layers=2"]
+    assert regions == ["layers.0", "layers.1", "layers.2.attention.core", "layers.3.attention.core"]
+    assert notes == ["full: layers ['0', '1']", "selective: layers.2.attention.core",
+                     "selective: layers.3.attention.core"]
+    # two whole blocks (wq wk wv wo w1 w3 again, w2 not: early stop) and the attention core of all four
+    assert sdpa0 == 0 and sdpa == 4 and mm == mm0 + 2 * 6
+    for n, grad in g0.items():
+        torch.testing.assert_close(g[n], grad, rtol=1e-5, atol=1e-7)
+
+
 # ----------------------------------------------------------------------------- codegen
 
 
