@@ -295,9 +295,13 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         fwd, bwd = max(dev_f, host_fwd) + comm_f, max(dev_b, 2 * host_fwd) + comm_b
     # Selective recomputation re-runs the attention core (and its softmax) in backward; a flash kernel
     # recomputes its scores anyway, so there is nothing extra to do.
-    sel = 0.0 if ctx.training.flash_attention else attn_fwd
+    # autoplan's runtime (`runtime_memory`: the stack is autoplan's own) checkpoints the attention core, so the
+    # flash forward runs again before its backward (runtime.parallelize.apply_recompute; counts.layer_flops
+    # counts it as recompute FLOPs on every device).
+    reruns_core = not ctx.training.flash_attention or ctx.training.runtime_memory
+    sel = attn_fwd if reruns_core else 0.0
     full = fwd  # the whole forward, its TP communication included
-    rec_sel_flops = 0.0 if ctx.training.flash_attention else attn_flops
+    rec_sel_flops = attn_flops if reruns_core else 0.0
     ckpt_sel = ckpt_full = 0.0
     if ctx.cluster.cores_per_node is not None:
         # On CPU processes the host is the critical path, and the runtime's recompute is torch.utils.checkpoint
