@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -158,10 +159,7 @@ def drift_line(controls: list[dict]) -> str:
     ok = [c for c in controls if c["tune_s"] and c["end_s"]]
     if not ok:
         return "drift control: nothing re-measured"
-    ratio = 1.0
-    for c in ok:
-        ratio *= c["end_s"] / c["tune_s"]
-    ratio **= 1 / len(ok)
+    ratio = statistics.geometric_mean(c["end_s"] / c["tune_s"] for c in ok)
     parts = ", ".join(f"{c['parallel'].split(',cp=')[0]} {c['tune_s'] * 1e3:.1f} -> {c['end_s'] * 1e3:.1f} ms"
                       for c in ok)
     return f"drift control (tuned layouts launched again after the held-out runs): {parts}; end/tune {ratio:.2f}"

@@ -293,24 +293,24 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         fwd, bwd = dev_f + host_fwd + comm_f, dev_b + 2 * host_fwd + comm_b
     else:
         fwd, bwd = max(dev_f, host_fwd) + comm_f, max(dev_b, 2 * host_fwd) + comm_b
-    # Selective recomputation re-runs the attention core (and its softmax) in backward; a flash kernel
-    # recomputes its scores anyway, so there is nothing extra to do.
-    # autoplan's runtime (`runtime_memory`: the stack is autoplan's own) checkpoints the attention core, so the
-    # flash forward runs again before its backward (runtime.parallelize.apply_recompute; counts.layer_flops
-    # counts it as recompute FLOPs on every device).
-    reruns_core = not ctx.training.flash_attention or ctx.training.runtime_memory
+    # Selective recomputation re-runs the attention core (and its softmax) in backward. A flash kernel recomputes
+    # its scores anyway, so a stack that keeps the kernel's outputs has nothing extra to do; autoplan's runtime
+    # (`runtime_memory`: the stack is autoplan's own) checkpoints the core, so the flash forward runs again
+    # (runtime.parallelize.apply_recompute; counts.layer_flops books it as recompute FLOPs), and so does any run
+    # on CPU processes (below).
+    cpu_host = ctx.cluster.cores_per_node is not None
+    reruns_core = not ctx.training.flash_attention or ctx.training.runtime_memory or cpu_host
     sel = attn_fwd if reruns_core else 0.0
     full = fwd  # the whole forward, its TP communication included
     rec_sel_flops = attn_flops if reruns_core else 0.0
     ckpt_sel = ckpt_full = 0.0
-    if ctx.cluster.cores_per_node is not None:
+    if cpu_host:
         # On CPU processes the host is the critical path, and the runtime's recompute is torch.utils.checkpoint
         # (runtime.parallelize.apply_recompute: checkpoint_wrapper, non-reentrant, preserve_rng_state): each
-        # checkpointed region costs its bookkeeping once per micro-batch (recompute_region_us), and the selective
-        # region (the block's attention core: GQA expand + SDPA) re-runs its kernels in backward, flash or not
-        # (the checkpoint calls the core's forward again before the flash backward runs), and checkpointing
-        # costs a saved-tensor hook per operator (recompute_op_us). GPU stacks are left to the rule above
-        # (session 9: measured on local-cpu, selective cost most of what full did).
+        # checkpointed region costs its bookkeeping once per micro-batch (recompute_region_us) and a saved-tensor
+        # hook per operator (recompute_op_us), and the selective region (the block's attention core: GQA expand
+        # + SDPA) issues its kernels again. GPU stacks hide this host time under the kernels (session 9: measured
+        # on local-cpu, selective cost most of what full did).
         def region(ops: int) -> float:
             return (cal.recompute_region_us + ops * cal.recompute_op_us) * 1e-6
 
@@ -319,8 +319,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         if p.attention is not None:
             core = _core_kernels(p)
             ckpt_sel = region(core)
-            sel = attn_fwd + core * launch_us * 1e-6 + ckpt_sel
-            rec_sel_flops = attn_flops
+            sel += core * launch_us * 1e-6 + ckpt_sel
     # Activations (bytes) of one micro-batch: Korthikanti et al. 2022 Table 2 generalised.
     tok = ctx.tokens
     scale = e / 2.0  # profiles count 2-byte activations

@@ -336,14 +336,13 @@ def prepare_cluster(cluster: ClusterSpec) -> ClusterSpec:
 
 
 def refit(cluster: ClusterSpec, candidates: list[Candidate],
-          bench: tuple[list, ...] = ([], []), profiles=None) -> FitResult | None:
+          bench: tuple[list, list, list] = ([], [], []), profiles=None) -> FitResult | None:
     """Fit the cluster to the measured candidates (and micro-benchmark rows); fills each candidate's
     predicted-after."""
     from autoplan.cost_models.fit import predict_run
 
     measured = [c for c in candidates if c.measured_s is not None]
-    gemms, colls = bench[0], bench[1]
-    regions = bench[2] if len(bench) > 2 else []  # (gemms, collectives[, checkpoint regions])
+    gemms, colls, regions = bench  # load_bench's rows
     if not measured and not (gemms or colls or regions):
         return None
     samples = [run_sample(c) for c in measured]
