@@ -558,7 +558,8 @@ def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: Cl
         red, gather, tail = dp_sync(dense, expert, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero,
                                     cluster=cluster, training=training, units=runtime_dp_units(stages, cfg))
         opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster, training) \
-            + step_scalars_time(cfg.tp * cfg.cp * cfg.dp * cfg.pp, cluster)
+            + step_scalars_time(tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, pp=cfg.pp, ep=cfg.ep, zero=cfg.zero,
+                                experts=expert > 0, cluster=cluster)
         fsdp = fsdp_unit_time(fsdp_units(stages), dense, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp,
                               zero=cfg.zero, m=m, cluster=cluster, training=training)
         n_sp, e_sp = _sum_pairs(s.sp_grads for s in stages)
@@ -572,17 +573,30 @@ def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: Cl
     return out
 
 
-def step_scalars_time(world: int, cluster: ClusterSpec) -> float:
-    """The two scalar all-reduces over every rank (`world` of them) that each step of the runtime makes on the
-    optimizer's path (runtime.engine.Trainer: the global gradient norm before clipping, the loss for the log): a
-    few bytes each, so latency only -- nothing on NVLink, but on an oversubscribed CPU node each waits for
-    descheduled peers."""
+def step_scalars_time(*, tp: int, cp: int, dp: int, pp: int, ep: int, zero: int, experts: bool,
+                      cluster: ClusterSpec) -> float:
+    """The scalar all-reduces each step of the runtime makes on the optimizer's path (runtime.engine.Trainer): the
+    global gradient norm sums its squares over every mesh dimension that shards a gradient (tp for tensor-parallel
+    weights, dp x cp for FSDP's shards at ZeRO >= 1, ep for experts, then pp across stages; plain DDP gradients
+    need none), and the loss for the log is one all-reduce over every rank. A few bytes each, so latency only --
+    nothing on NVLink, but on an oversubscribed CPU node each waits for descheduled peers."""
+    world = tp * cp * dp * pp
     if world <= 1:
         return 0.0
+    # (size, stride) of each group, in the runtime's order; tp innermost, then cp, dp, pp (see comm.group_of)
+    groups = [(world, 1)]  # the loss
+    if tp > 1:
+        groups.append((tp, 1))
+    if zero >= 1 and dp * cp > 1:
+        groups.append((dp * cp, tp))
+    if experts and ep > 1:
+        groups.append((ep, tp))
+    if pp > 1:
+        groups.append((pp, tp * cp * dp))
     # they follow the gradient reduction, which has already brought the ranks together: no peer is in the middle
     # of its compute (no step_wait_us)
     idle = cluster.model_copy(update={"step_wait_us": 0.0, "skew_wait_us": 0.0})
-    return 2 * comm.all_reduce(idle, comm.group_of(idle, world, 1), 8.0)
+    return sum(comm.scalar_all_reduce(idle, comm.group_of(idle, n, stride)) for n, stride in groups if n > 1)
 
 
 def fsdp_units(stages: list[StageCost]) -> int:

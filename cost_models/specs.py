@@ -290,6 +290,15 @@ class ClusterSpec(_Frozen):
             return 0.0
         return 1.0 - self.cores_per_node / self.gpus_per_node
 
+    def member_descheduled_fraction(self, members: int) -> float:
+        """Probability that the next member of a collective over `members` of a node's processes is not running
+        when a ring step reaches it: the members block and wake in lockstep, so they compete for the cores among
+        themselves, 1 - cores/members when they outnumber the cores (0 otherwise, and on accelerators)."""
+        if self.cores_per_node is None:
+            return 0.0
+        members = min(members, self.gpus_per_node)
+        return max(0.0, 1.0 - self.cores_per_node / members) if members > 0 else 0.0
+
     def crowded_fraction(self, members: int, pair: bool = False) -> float:
         """Inside a training step, the probability that a woken member of a collective over `members` of a node's
         processes finds every core taken by the node's processes outside it that are computing: with `busy`

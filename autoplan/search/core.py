@@ -439,7 +439,8 @@ class _Searcher:
                                       cluster=cl, training=tr,
                                       units=units if uses_replicate(tp=mesh.tp, zero=zero, dp_cp=n) else vp)
             opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl, tr) \
-                + step_scalars_time(mesh.tp * mesh.cp * mesh.dp * mesh.pp, cl)
+                + step_scalars_time(tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, pp=mesh.pp, ep=mesh.ep, zero=zero,
+                                    experts=expert > 0, cluster=cl)
             fsdp = fsdp_unit_time(units, dense, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, zero=zero,
                                   m=self.micro_batches(mesh), cluster=cl, training=tr)
             out.append((r, (red, tl, opt + param_gather_exposed(gather, cl, tr) + fsdp)))

@@ -9,6 +9,7 @@ import pytest
 
 import autoplan.tune.core as tune_core
 from autoplan.api import make_plan
+from autoplan.cost_models.fit import predicted_component
 from autoplan.tune.core import select_candidates
 from autoplan.tune.records import RunLog, TimingRank, TimingRecord
 from benchmarks import tune_local
@@ -22,10 +23,11 @@ def _saved(tmp_path, scale: float = 2.0):
     tuned = []
     for c in cands:
         log = RunLog(step_times_s=[1.0, scale * c.predicted_before_s], steps=[1, 2])
-        if c is cands[0]:  # one run with a timing record, as --time-from writes it
+        if c is cands[0]:  # one run with a timing record, as --time-from writes it: its compute, scaled alike
+            compute = predicted_component(c.plan.prediction.breakdown, "compute", c.plan.parallel)
             log.timings.append(TimingRecord(event="timing", step=2, ranks=[
                 TimingRank(rank=r, step_s=scale * c.predicted_before_s,
-                           time_s={"forward": 0.4 * scale * c.predicted_before_s}) for r in range(4)]))
+                           time_s={"forward": scale * compute}) for r in range(4)]))
         tuned.append({"parallel": c.config, "measured_s": scale * c.predicted_before_s,
                       "plan": json.loads(c.plan.to_json()), "log": log.model_dump(), "why": c.why})
     held = []
