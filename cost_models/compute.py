@@ -287,6 +287,9 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     comm_f, comm_b = tp_f + cp_f + ep_f, tp_b + cp_b + ep_b
     dev_f = gemm_fwd + attn_fwd + ew_fwd + ew_extra_f
     dev_b = 2 * gemm_fwd + attn_bwd + 2 * ew_fwd + ew_extra_b
+    # CPU processes sharing cores compute faster while fewer of them compute at once (ClusterSpec.crowding)
+    contention = ctx.cluster.compute_contention
+    dev_f, dev_b, host_fwd = dev_f * contention, dev_b * contention, host_fwd * contention
     if ctx.cluster.cores_per_node is not None:
         # CPU processes (a cluster whose cores are given): the thread that issues an operator also runs it, so
         # nothing of the host time hides under the kernels
@@ -312,7 +315,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         # + SDPA) issues its kernels again. GPU stacks hide this host time under the kernels (session 9: measured
         # on local-cpu, selective cost most of what full did).
         def region(ops: int) -> float:
-            return (cal.recompute_region_us + ops * cal.recompute_op_us) * 1e-6
+            return (cal.recompute_region_us + ops * cal.recompute_op_us) * 1e-6 * contention
 
         ckpt_full = region(p.kernels_fwd)
         full = fwd + ckpt_full

@@ -818,14 +818,27 @@ def crowded(cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig) -
 
 def crowded_for(cluster: ClusterSpec, training: TrainingSpec, *, tp: int, cp: int, dp: int, pp: int,
                 mbs: int) -> ClusterSpec:
-    """`cluster` with a configuration's `crowding` on an oversubscribed CPU node (ClusterSpec.crowded_fraction):
-    the processes of one pipeline stage (tp x cp x dp), and the fraction of the step a stage computes,
-    m/(m + pp - 1) (each stage idles for pp - 1 micro-batch slots of fill and drain). Unchanged elsewhere."""
+    """`cluster` with a configuration's `crowding` on an oversubscribed CPU node (ClusterSpec.crowded_fraction,
+    ClusterSpec.compute_contention): the processes of one pipeline stage (tp x cp x dp); the fraction of the step
+    a stage computes, m/(m + pp - 1) (each stage idles for pp - 1 micro-batch slots of fill and drain); and the
+    fraction of a stage's compute during which another stage computes too (`stage_overlap`). Unchanged
+    elsewhere."""
     if cluster.cores_per_node is None or cluster.gpus_per_node <= cluster.cores_per_node:
         return cluster
     m = training.global_batch_size // (dp * mbs)
     frac = m / (m + pp - 1) if pp > 1 else 1.0
-    return cluster.model_copy(update={"crowding": (tp * cp * dp, frac)})
+    return cluster.model_copy(update={"crowding": (tp * cp * dp, frac, stage_overlap(pp, m))})
+
+
+def stage_overlap(pp: int, m: int) -> float:
+    """The mean fraction of a pipeline stage's busy slots in which another given stage is busy too: in a flushed
+    schedule (GPipe, 1F1B) stage s works micro-batch slots s .. s + m - 1 of each phase, so stages d apart share
+    max(0, m - d) of their m slots. With one micro-batch the stages never compute at once; 1 without a
+    pipeline."""
+    if pp <= 1:
+        return 1.0
+    total = sum(max(0, m - abs(s - o)) / m for s in range(pp) for o in range(pp) if o != s)
+    return total / (pp * (pp - 1))
 
 
 def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig,
