@@ -320,6 +320,7 @@ class _Searcher:
         self._tail: dict[tuple, float] = {}
         self._dp: dict[tuple, list] = {}
         self._sp_tail: dict[tuple, float] = {}  # `sp_grad_tail`
+        self._scalars: dict[tuple, float] = {}  # `step_scalars`
         self._agg: dict[tuple, _Agg] = {}
         self._occ: dict[tuple, tuple[float, float, float]] = {}
         self.closest: tuple[float, Mesh, dict] | None = None  # (memory deficit bytes, mesh, parts)
@@ -439,13 +440,21 @@ class _Searcher:
                                       cluster=cl, training=tr,
                                       units=units if uses_replicate(tp=mesh.tp, zero=zero, dp_cp=n) else vp)
             opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl, tr) \
-                + step_scalars_time(tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, pp=mesh.pp, ep=mesh.ep, zero=zero,
-                                    experts=expert > 0, cluster=cl)
+                + self.step_scalars(mesh, zero, expert > 0, cl)
             fsdp = fsdp_unit_time(units, dense, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, zero=zero,
                                   m=self.micro_batches(mesh), cluster=cl, training=tr)
             out.append((r, (red, tl, opt + param_gather_exposed(gather, cl, tr) + fsdp)))
         self._dp[key] = out
         return out
+
+    def step_scalars(self, mesh: Mesh, zero: int, experts: bool, cl: ClusterSpec) -> float:
+        """`estimate.step_scalars_time` for `mesh` (the same for every pipeline rank and micro-batch size)."""
+        key = (mesh.tp, mesh.cp, mesh.dp, mesh.pp, mesh.ep, zero, experts, id(cl))
+        got = self._scalars.get(key)
+        if got is None:
+            got = self._scalars[key] = step_scalars_time(tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, pp=mesh.pp, ep=mesh.ep,
+                                                         zero=zero, experts=experts, cluster=cl)
+        return got
 
     def sp_grad_tail(self, mesh: Mesh, r: int) -> float:
         """The estimate's `sp_grad_reduce_time` on pipeline rank `r` (its blocks' share spread evenly, as
