@@ -119,7 +119,8 @@ def print_report(fit, tuned_rows: list[dict], rows: list[dict], ev: dict, head: 
                  components: bool = False) -> None:
     """The table and the summary line (the same for a live run and a replay)."""
     print(head + "; fitted " + ", ".join(f"{k}={v:.4g}" for k, v in fit.after.items())
-          + (f" (held: {', '.join(fit.held)})" if fit.held else ""))
+          + (f" (held: {', '.join(fit.held)})" if fit.held else "")
+          + (f" (at a bound: {', '.join(f'{k} {v}' for k, v in fit.at_bounds.items())})" if fit.at_bounds else ""))
     for c in tuned_rows:
         m = f"{c['measured_s'] * 1e3:8.1f}" if c["measured_s"] else f"{c['error'] or '-':>8}"
         print(f"  tuned     {c['parallel']:<80} measured {m} ms  refit {(c['after_s'] or 0) * 1e3:8.1f} ms")

@@ -293,6 +293,32 @@ class FitResult:
             return 0.0
         return sum(abs(r[when] / r["measured"] - 1) for r in rows) / len(rows)
 
+    @property
+    def at_bounds(self) -> dict[str, str]:
+        """Fitted knobs that ended on one of their physical bounds (`KNOBS`): "lower" or "upper". Such a value is
+        not a measurement: the data pushed the knob as far as allowed and the other knobs absorbed the rest
+        (typically two knobs the runs can hardly tell apart)."""
+        out = {}
+        for name in self.free:
+            if name in self.held or name not in KNOBS:
+                continue
+            k, v = KNOBS[name], self.after[name]
+            if v <= k.lower * (1 + 1e-3):
+                out[name] = "lower"
+            elif v >= k.upper * (1 - 1e-3):
+                out[name] = "upper"
+        return out
+
+    def knob_note(self, name: str) -> str:
+        """What to know about fitted knob `name`'s value: held at its start, or ended on a bound."""
+        if name in self.held:
+            return "held at its start: the data do not determine it"
+        side = self.at_bounds.get(name)
+        if side:
+            bound = KNOBS[name].lower if side == "lower" else KNOBS[name].upper
+            return f"at its {side} bound {bound:g}: not a measured value, the other knobs absorb the rest"
+        return ""
+
     def summary_lines(self) -> list[str]:
         """Human-readable residuals, for the refit cluster file's comment header."""
         lines = []
@@ -306,8 +332,8 @@ class FitResult:
                 lines.append(f"  {r['label']}: measured {r['measured'] * 1e3:.2f} ms, predicted "
                              f"{r['before'] * 1e3:.2f} -> {r['after'] * 1e3:.2f} ms")
         for name in self.free:
-            tag = " (held: the data do not determine it)" if name in self.held else ""
-            lines.append(f"{name}: {self.before[name]:.6g} -> {self.after[name]:.6g}{tag}")
+            note = self.knob_note(name)
+            lines.append(f"{name}: {self.before[name]:.6g} -> {self.after[name]:.6g}" + (f" ({note})" if note else ""))
         lines.extend("only the combination of " + " and ".join(g) + " is determined (they trade off)"
                      for g in self.collinear)
         lines.extend(f"count mismatch: {m}" for m in self.count_mismatches)

@@ -128,7 +128,8 @@ def render_tune(con, result, args) -> None:
         con.print(f"fit: mean |error| over measured runs {100 * fit.mean_abs_error('run', 'before'):.0f}% before, "
                   f"{100 * fit.mean_abs_error('run'):.0f}% after ({fit.evaluations} model evaluations)")
         for k in fit.free:
-            tag = "  [dim](held at its start: these runs do not determine it)[/dim]" if k in fit.held else ""
+            note = fit.knob_note(k)
+            tag = f"  [dim]({note})[/dim]" if note else ""
             con.print(f"  {k:<26} {fit.before[k]:>12.5g} -> {fit.after[k]:<12.5g}{tag}")
         for g in fit.collinear:
             con.print(f"  [dim]only the combination of {' and '.join(g)} is determined by these runs (the others "

@@ -4,12 +4,14 @@ the refit cluster round-trips through a YAML file, and tune's run-log reader par
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from autoplan.cost_models import comm
 from autoplan.cost_models.fit import (
     COMPONENTS,
+    KNOBS,
     CollectiveSample,
     GemmSample,
     RegionSample,
@@ -459,3 +461,19 @@ def test_step_scalars_are_the_reductions_the_runtime_issues(cfg, groups):
     c = ParallelConfig.parse(cfg)
     t = step_scalars_time(tp=c.tp, cp=c.cp, dp=c.dp or 1, pp=c.pp, ep=c.ep, zero=c.zero, experts=False, cluster=cl)
     assert t == pytest.approx(groups * 200e-6, rel=1e-12)
+
+
+def test_a_knob_that_ends_on_a_bound_is_flagged_not_reported_as_measured():
+    """A fitted value on a knob's physical bound is where the data pushed it, not a measurement: the fit says so
+    in the refit file's header and tune's table."""
+    truth = with_knobs(_base(), TRUTH)
+    runs, gemms, colls = _synthetic(truth)
+    res = fit_cluster(truth, runs, gemms, colls, free=["kernel_launch_us", "intra_latency_us"])
+    assert res.at_bounds == {}
+    lo = KNOBS["kernel_launch_us"].lower
+    pinned = replace(res, after={**res.after, "kernel_launch_us": lo})
+    assert pinned.at_bounds == {"kernel_launch_us": "lower"}
+    assert "at its lower bound" in pinned.knob_note("kernel_launch_us")
+    assert any("kernel_launch_us" in line and "lower bound" in line for line in pinned.summary_lines())
+    held = replace(pinned, held=["kernel_launch_us"])
+    assert held.at_bounds == {} and "held at its start" in held.knob_note("kernel_launch_us")
