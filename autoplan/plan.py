@@ -60,6 +60,16 @@ class StagePlan(_Frozen):
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
 
+    def recompute_split(self) -> tuple[int, int]:
+        """(blocks checkpointed whole, blocks after them whose attention core is checkpointed), counted from the
+        stage's first block: full recomputes its first `recompute_layers` blocks whole and the stage's other blocks
+        selectively (as the stage ILP's `full_selective` family and the estimate price a partly full stage);
+        selective recomputes every block's attention core; none, nothing."""
+        if self.recompute not in ("full", "selective"):
+            return 0, 0
+        n_full = self.recompute_layers if self.recompute == "full" else 0
+        return n_full, max(0, self.num_layers - n_full)
+
 
 class Prediction(_Frozen):
     """The cost model's prediction for a configuration (DESIGN.md's JSON fields)."""

@@ -110,22 +110,19 @@ def factory_tp_layout(st, stage: StagePlan) -> dict[str, Style]:
 
 def recompute_regions(stage: StagePlan) -> list[str]:
     """Module paths checkpointed (recomputed in the backward pass)."""
-    start, stop = stage.layers
-    n_full = stage.recompute_layers if stage.recompute == "full" else 0
-    if stage.recompute not in ("full", "selective"):
-        return []
-    # a partly full stage recomputes its other blocks selectively (runtime.parallelize.apply_recompute)
+    start = stage.layers[0]
+    n_full, n_sel = stage.recompute_split()  # a partly full stage recomputes its other blocks selectively
     return ([f"layers.{i}" for i in range(start, start + n_full)]
-            + [f"layers.{i}.attention.core" for i in range(start + n_full, stop)])
+            + [f"layers.{i}.attention.core" for i in range(start + n_full, start + n_full + n_sel)])
 
 
 def _factory_regions(stage: StagePlan) -> list[str]:
     """What a user module's stage recomputes, by block index (the module paths come from its capture)."""
-    lo, hi = stage.layers
-    n_full = stage.recompute_layers if stage.recompute == "full" else 0
+    lo = stage.layers[0]
+    n_full, n_sel = stage.recompute_split()
     out = [f"blocks {lo}..{lo + n_full - 1} (whole)"] if n_full else []
-    if stage.recompute in ("full", "selective") and lo + n_full < hi:
-        out.append(f"the attention kernel of blocks {lo + n_full}..{hi - 1}")
+    if n_sel:
+        out.append(f"the attention kernel of blocks {lo + n_full}..{lo + n_full + n_sel - 1}")
     return out
 
 

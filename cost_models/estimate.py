@@ -824,7 +824,7 @@ def crowded_for(cluster: ClusterSpec, training: TrainingSpec, *, tp: int, cp: in
     a stage computes, m/(m + pp - 1) (each stage idles for pp - 1 micro-batch slots of fill and drain); and the
     fraction of a stage's compute during which another stage computes too (`stage_overlap`). Unchanged
     elsewhere."""
-    if cluster.cores_per_node is None or cluster.gpus_per_node <= cluster.cores_per_node:
+    if not cluster.oversubscribed:
         return cluster
     m = training.global_batch_size // (dp * mbs)
     frac = m / (m + pp - 1) if pp > 1 else 1.0

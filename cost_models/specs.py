@@ -285,20 +285,23 @@ class ClusterSpec(_Frozen):
     )
 
     @property
+    def oversubscribed(self) -> bool:
+        """Whether a node runs more processes than it has cores (CPU clusters only; accelerators: never)."""
+        return self.cores_per_node is not None and self.gpus_per_node > self.cores_per_node
+
+    @property
     def descheduled_fraction(self) -> float:
         """Probability that a peer process is not running: 1 - cores/processes when processes outnumber cores."""
-        if self.cores_per_node is None or self.gpus_per_node <= self.cores_per_node:
-            return 0.0
-        return 1.0 - self.cores_per_node / self.gpus_per_node
+        return self.member_descheduled_fraction(self.gpus_per_node)
 
     def member_descheduled_fraction(self, members: int) -> float:
         """Probability that the next member of a collective over `members` of a node's processes is not running
         when a ring step reaches it: the members block and wake in lockstep, so they compete for the cores among
         themselves, 1 - cores/members when they outnumber the cores (0 otherwise, and on accelerators)."""
-        if self.cores_per_node is None:
-            return 0.0
         members = min(members, self.gpus_per_node)
-        return max(0.0, 1.0 - self.cores_per_node / members) if members > 0 else 0.0
+        if self.cores_per_node is None or members <= self.cores_per_node:
+            return 0.0
+        return 1.0 - self.cores_per_node / members
 
     def crowded_fraction(self, members: int, pair: bool = False) -> float:
         """Inside a training step, the probability that a woken member of a collective over `members` of a node's
@@ -308,7 +311,7 @@ class ClusterSpec(_Frozen):
         alongside (other data-parallel replicas); those of other stages compute for the pipeline's busy fraction
         of the step (`crowding`, set by the estimate for the configuration it prices; without it every outside
         process counts as busy). `pair`: a pipeline message between two stages."""
-        if self.cores_per_node is None or self.gpus_per_node <= self.cores_per_node:
+        if not self.oversubscribed:
             return 0.0
         P = self.gpus_per_node
         if self.crowding is None:
@@ -331,7 +334,7 @@ class ClusterSpec(_Frozen):
         own stage compute alongside it; those of another stage for the share of its compute the two stages
         overlap (none with one micro-batch: a pipeline's stages then take turns, and each runs on whole cores).
         1 on accelerators, without crowding, or where processes do not outnumber cores."""
-        if self.cores_per_node is None or self.gpus_per_node <= self.cores_per_node or self.crowding is None:
+        if not self.oversubscribed or self.crowding is None:
             return 1.0
         P, cores = self.gpus_per_node, self.cores_per_node
         stage, _, overlap = self.crowding

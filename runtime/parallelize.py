@@ -326,16 +326,15 @@ def apply_recompute(model: TransformerLM, stage: StagePlan) -> list[str]:
 
     notes = []
     keys = list(model.layers.keys())
-    n_full = stage.recompute_layers if stage.recompute == "full" else 0
+    n_full, n_sel = stage.recompute_split()
     if n_full:
         for k in keys[:n_full]:
             model.layers[k] = checkpoint_wrapper(model.layers[k], preserve_rng_state=True)
         notes.append(f"full: layers {keys[:n_full]}")
-    if stage.recompute in ("full", "selective"):
-        for k in keys[n_full:]:
-            block = model.layers[k]
-            block.attention.core = checkpoint_wrapper(block.attention.core, preserve_rng_state=True)
-            notes.append(f"selective: layers.{k}.attention.core")
+    for k in keys[n_full:n_full + n_sel]:
+        block = model.layers[k]
+        block.attention.core = checkpoint_wrapper(block.attention.core, preserve_rng_state=True)
+        notes.append(f"selective: layers.{k}.attention.core")
     return notes
 
 

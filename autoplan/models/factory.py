@@ -670,17 +670,15 @@ def apply_factory_recompute(model: FactoryModel, stage, st: FactoryStructure | N
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     st = st or factory_structure(model.ref)
-    lo, hi = stage.layers
-    if stage.recompute not in ("full", "selective"):
-        return []
-    n_full = stage.recompute_layers if stage.recompute == "full" else 0
+    lo = stage.layers[0]
+    n_full, n_sel = stage.recompute_split()
     notes = []
     if n_full:
-        keys = st.blocks[lo:hi][:n_full]
+        keys = st.blocks[lo:lo + n_full]
         for b in keys:
             _set_module(model.module, b, checkpoint_wrapper(model.module.get_submodule(b), preserve_rng_state=True))
         notes.append(f"full: {', '.join(keys)}")
-    rest = st.blocks[lo + n_full:hi]
+    rest = st.blocks[lo + n_full:lo + n_full + n_sel]
     for b in rest:
         _recompute_attention(model.module.get_submodule(b))
     if rest:
