@@ -2,7 +2,7 @@
 
     python benchmarks/tune_local.py [--model tiny-gpt] [--nproc 4] [--budget 240] [--steps 8] [--repeats 2]
                                     [--tune-repeats 2] [--json] [--save F]
-    python benchmarks/tune_local.py --replay F [--components] [--json]
+    python benchmarks/tune_local.py --replay F [--saved-start] [--components] [--json]
 
 
 1. `autoplan.tune.core.tune` on local-cpu (the model, 4 processes) within --budget seconds: the search's best
@@ -21,7 +21,7 @@ layouts, and the chosen plan's measured step over the fastest measured one. Last
 `tune: held-out spearman S, mean error E%, chosen/fastest R over N layouts`.
 
 `--replay F` re-runs steps 1's fit, 2's predictions and 3's search on the measurements a `--save F` run wrote,
-with this checkout's cost model and fit, launching nothing: a change to the model or the fit is judged on the
+with this checkout's cost model, fit and preset (`--saved-start`: the preset the run started from), launching nothing: a change to the model or the fit is judged on the
 same measurements (on a shared machine two runs of one layout differ by 30-80%). A choice nobody measured in
 that run is reported as unmeasured (chosen/fastest nan). Files written before the run logs were saved (session
 6) are replayed from their busiest-stage components (no per-stage components: pipelined runs are compared on
@@ -209,8 +209,10 @@ def _sample_of_saved(entry: dict, plan) -> RunSample:
     return base.model_copy(update={"components": TimedComponents(seconds=comps) if comps else None})
 
 
-def replay(path: str, components: bool = False, as_json: bool = False) -> int:
-    """Refit and evaluate on the measurements of a `--save` file (see the module docstring)."""
+def replay(path: str, components: bool = False, as_json: bool = False, saved_start: bool = False) -> int:
+    """Refit and evaluate on the measurements of a `--save` file (see the module docstring). The fit starts from
+    this checkout's local-cpu preset (a preset constant is code, judged like the rest), or with `saved_start`
+    from the cluster the live run started from."""
     from autoplan.cost_models.errors import SpecError
     from autoplan.cost_models.fit import CollectiveSample, GemmSample, RegionSample, fit_cluster, predict_run
     from autoplan.cost_models.specs import ClusterSpec
@@ -227,7 +229,7 @@ def replay(path: str, components: bool = False, as_json: bool = False) -> int:
     nproc = int(a.get("nproc", 4))
     model, cluster, training = workload(a.get("model", "tiny-gpt"), nproc, int(a.get("global_batch", 8)),
                                         int(a.get("seq_len", 64)))
-    if data.get("cluster"):
+    if saved_start and data.get("cluster"):
         saved = data["cluster"]
         # a file saved before a calibration constant existed takes the preset's (e.g. the checkpoint's host
         # time, recompute_region_us / recompute_op_us), not the field's GPU default of 0
@@ -298,12 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", default=None, help="write every measurement (tuned and held out) to this JSON file")
     ap.add_argument("--replay", default=None, metavar="FILE",
                     help="refit and evaluate on the measurements a --save run wrote; launches nothing")
+    ap.add_argument("--saved-start", action="store_true",
+                    help="with --replay: start the fit from the cluster the saved run started from, not this "
+                         "checkout's preset")
     ap.add_argument("--components", action="store_true",
                     help="also print the held-out runs' measured and refit components")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.replay:
-        return replay(args.replay, components=args.components, as_json=args.json)
+        return replay(args.replay, components=args.components, as_json=args.json, saved_start=args.saved_start)
     model, cluster, training = workload(args.model, args.nproc, args.global_batch, args.seq_len)
     bench_file = None
     t0 = time.perf_counter()

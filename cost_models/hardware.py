@@ -99,9 +99,10 @@ GPU_PRESETS: dict[str, GPUSpec] = {
             matmul_half_dim=27.0,  # measured by `autoplan calibrate` (rate at n=128 vs the best)
             attention_efficiency=0.3,
             memory_efficiency=0.8,
-            # eager PyTorch with autograd: ~30 us of Python and dispatch per op on this CPU
-            # (`autoplan calibrate` measured 5 us for a bare op), doubled by two processes per core
-            kernel_launch_us=60.0,
+            # eager PyTorch with autograd, host time per operator: 9.5 us measured on this CPU (tiny-gpt's
+            # forward + backward at one token, one process: docs/notes/session-10/host_ops.py; `autoplan
+            # calibrate` measures ~5 us for a bare op), doubled by two processes per core
+            kernel_launch_us=20.0,
             # torch.utils.checkpoint's host time per checkpointed region, beyond re-running its operators:
             # ~195 us per region plus ~35 us per operator in it (saved-tensor hooks) in one process,
             # doubled by two processes per core. Measured 2026-11-26 (session 9) with

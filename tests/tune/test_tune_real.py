@@ -34,8 +34,10 @@ def test_tune_two_processes_end_to_end(tmp_path):
     # two runs, several knobs: they can be explained -- not exactly, since each run's timed components are rows
     # of the fit beside its total. How well is the benchmark's question (benchmarks/tune_local.py); here only that
     # the fit works: over 5 tunes at load 1.5-4.7 (session 7) the runs' mean error went 59-135% -> 2.2-8.3%, and
-    # the written plan's error (its run's row alone) was 1.0-14.7%. The bounds leave room for that noise.
-    assert fit["mean_abs_error_after"] < min(0.15, fit["mean_abs_error_before"] / 3)
+    # the written plan's error (its run's row alone) was 1.0-14.7%. The bound leaves room for that noise; it is
+    # absolute, not relative to the start: with the preset's measured host time per operator (session 11) the
+    # start is already closer on some runs, and a third of it was then tighter than the runs' own spread.
+    assert fit["mean_abs_error_after"] < 0.15
     fastest = min(measured, key=lambda c: c["measured_step_time_s"])
     assert out["fastest"] == fastest["parallel"]
     assert (tmp_path / "runs").is_dir() and list((tmp_path / "runs").glob("log-*.jsonl"))
