@@ -1,6 +1,6 @@
 """Held-out check of `autoplan tune` on this machine: tune, then measure layouts tune never ran.
 
-    python benchmarks/tune_local.py [--model tiny-gpt] [--nproc 4] [--budget 240] [--steps 8] [--repeats 2]
+    python benchmarks/tune_local.py [--model tiny-gpt] [--nproc 4] [--budget 240] [--steps 8] [--repeats 3]
                                     [--tune-repeats 2] [--json] [--save F]
     python benchmarks/tune_local.py --replay F [--saved-start] [--components] [--json]
 
@@ -16,7 +16,8 @@
 4. Drift control (--controls K): the K fastest tuned layouts (one with tp > 1 among them where tune ran one) are
    launched once more after the held-out runs and compared with the mean of tune's launches: how much the machine itself moved
    between the two phases, which no model can predict. Printed, saved, never used to correct anything.
-Prints a table, then Spearman rank correlation and mean absolute error of the refit predictions over the held-out
+Prints a table, the drift control, how far apart repeated launches of one layout measured (the machine's own
+run-to-run noise: the held-out error cannot be read below it), then Spearman rank correlation and mean absolute error of the refit predictions over the held-out
 layouts, and the chosen plan's measured step over the fastest measured one. Last line:
 `tune: held-out spearman S, mean error E%, chosen/fastest R over N layouts`.
 
@@ -166,6 +167,18 @@ def drift_line(controls: list[dict]) -> str:
     return f"drift control (tuned layouts launched again after the held-out runs): {parts}; end/tune {ratio:.2f}"
 
 
+def spread_line(held_launches: list[list[float]], tuned_launches: list[list[float]]) -> str:
+    """One line: how far apart repeated launches of one layout measured (max / min - 1, the median over layouts), held
+    out and tuned: the machine's own run-to-run noise, against which the held-out error is to be read. Nothing is
+    corrected by it."""
+    def med(groups):
+        spreads = [max(g) / min(g) - 1 for g in ([t for t in g if t] for g in groups) if len(g) >= 2]
+        return (f"median {100 * statistics.median(spreads):.0f}% over {len(spreads)}" if spreads
+                else "not repeated")
+    return (f"run-to-run: launches of one layout differ by (max/min - 1) held-out {med(held_launches)}, "
+            f"tuned {med(tuned_launches)}")
+
+
 def summary_line(ev: dict) -> str:
     return (f"tune: held-out spearman {ev['spearman_after']:.2f}, mean error {100 * ev['mean_error_after']:.1f}%, "
             f"chosen/fastest {ev['chosen_over_fastest']:.2f} over {ev['held_out_count']} layouts")
@@ -273,6 +286,8 @@ def replay(path: str, components: bool = False, as_json: bool = False, saved_sta
                      f"{ev['held_out_count']} held out", components)
         if data.get("controls"):
             print(drift_line(data["controls"]))
+        print(spread_line([e.get("measured_all") or [] for e in data["held_out"]],
+                          [e.get("launches_s") or [] for e in data["tuned"]]))
     print(summary_line(ev))
     return 0
 
@@ -286,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the tune step")
     ap.add_argument("--steps", type=int, default=8,
                     help="steps per run; the median is over the steps from 3 on (5 before session 7)")
-    ap.add_argument("--repeats", type=int, default=2,
+    ap.add_argument("--repeats", type=int, default=3,
                     help="launches per held-out layout (alternating order); its time is the fastest launch's")
     ap.add_argument("--tune-repeats", type=int, default=2,
                     help="autoplan tune's --repeats: launches per tuned layout within --budget (fastest kept)")
@@ -411,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         print_report(res.fit, tuned_rows, rows, ev, f"micro-benchmarks {t_bench:.0f} s; tune: {len(tuned)} "
                      f"layouts measured in {t_tune:.0f} s", args.components)
         print(drift_line(controls))
+        print(spread_line([r.get("measured_all") or [] for r in rows], [c.launches for c in res.measured]))
     print(summary_line(ev))
     return 0
 

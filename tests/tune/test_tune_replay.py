@@ -113,3 +113,10 @@ def test_drift_control_picks_the_fastest_and_a_tp_layout_and_reports_the_ratio()
     assert line.endswith("end/tune 1.20")  # both re-measured controls 20% slower; the failed one left out
     assert "tp=2,pp=1,dp=2 200.0 -> 240.0 ms" in line
     assert tune_local.drift_line([]) == "drift control: nothing re-measured"
+
+
+def test_spread_line_reads_repeated_launches():
+    line = tune_local.spread_line([[0.10, 0.12], [0.20, 0.20, 0.30], [0.5]], [[1.0, None, 1.1]])
+    # held out: 20% and 50% apart (the single launch has no spread); tuned: 10% (a failed launch left out)
+    assert "held-out median 35% over 2" in line and "tuned median 10% over 1" in line
+    assert "not repeated" in tune_local.spread_line([[0.1]], [])
