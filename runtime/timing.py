@@ -160,22 +160,24 @@ def _recompute_region(timer: StepTimer, hook_cls):
 
 
 def timed_step(trainer, batch: torch.Tensor):
-    """Run `trainer.step(batch)` under a StepTimer: (its StepResult, {bucket: seconds} on this rank)."""
+    """Run `trainer.step(batch)` under a StepTimer: (its StepResult, {bucket: seconds} on this rank, the CPU time
+    the process used meanwhile, every thread's: `time.process_time`)."""
+    cpu0 = time.process_time()
     with StepTimer() as t:
         res = trainer.step(batch)
-    return res, dict(t.buckets)
+    return res, dict(t.buckets), time.process_time() - cpu0
 
 
 def timing_record(trainer, step: int, batch: torch.Tensor):
     """Time this step on every rank and gather to rank 0: (the StepResult, the run log's timing record on rank 0,
-    None on the others): {"event": "timing", "step": N, "ranks": [{"rank", "pp_stage", "step_s", "time_s"}]}.
+    None on the others): {"event": "timing", "step": N, "ranks": [{"rank", "pp_stage", "step_s", "time_s", "cpu_s"}]}.
     Every rank must call it (it gathers, after the step)."""
     import torch.distributed as dist
 
-    res, buckets = timed_step(trainer, batch)
+    res, buckets, cpu_s = timed_step(trainer, batch)
     dims = trainer.dims
     mine = {"rank": dist.get_rank(), "pp_stage": dims.rank("pp") if dims.pp_enabled else 0,
-            "step_s": res.step_time_s, "time_s": buckets}
+            "step_s": res.step_time_s, "time_s": buckets, "cpu_s": cpu_s}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:

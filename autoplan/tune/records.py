@@ -108,6 +108,11 @@ class TimingRank(_Rec):
     pp_stage: int = Field(default=0, ge=0)
     step_s: float = Field(default=0.0, ge=0, description="The rank's step time (Trainer.step, timed).")
     time_s: dict[str, float] = Field(default_factory=dict, description="Seconds by timing bucket.")
+    cpu_s: float | None = Field(
+        default=None, ge=0,
+        description="CPU time the rank's process used during the step, all its threads (time.process_time); "
+        "None in logs written before it was recorded. Against step_s: how much of the step the process ran, which "
+        "on a node with more processes than cores says how the cores were shared.")
 
 
 class TimingRecord(_Rec):
@@ -176,6 +181,20 @@ class RunLog(BaseModel):
             return self.profile.time_components() if self.profile is not None else {}
         comps = [t.components() for t in recs]
         return {k: statistics.median(c.get(k, 0.0) for c in comps) for k in comps[0]}
+
+    def cpu_fraction(self) -> float | None:
+        """The CPU time the ranks' processes used per second of their step (`TimingRank.cpu_s / step_s`), the mean
+        over ranks of the median over the timed steps after the first; None without recorded CPU times. Above 1
+        a process ran more than one thread at once."""
+        recs = [t for t in self.timings if t.step > 1] or self.timings
+        per_rank: dict[int, list[float]] = {}
+        for t in recs:
+            for r in t.ranks:
+                if r.cpu_s is not None and r.step_s > 0:
+                    per_rank.setdefault(r.rank, []).append(r.cpu_s / r.step_s)
+        if not per_rank:
+            return None
+        return statistics.mean(statistics.median(v) for v in per_rank.values())
 
     def stage_components(self) -> dict[int, dict[str, float]]:
         """`time_components` per pipeline stage (median over the timed steps after the first)."""

@@ -477,3 +477,17 @@ def test_a_knob_that_ends_on_a_bound_is_flagged_not_reported_as_measured():
     assert any("kernel_launch_us" in line and "lower bound" in line for line in pinned.summary_lines())
     held = replace(pinned, held=["kernel_launch_us"])
     assert held.at_bounds == {} and "held at its start" in held.knob_note("kernel_launch_us")
+
+
+def test_cpu_fraction_from_timing_records():
+    from autoplan.tune.records import RunLog, TimingRank, TimingRecord
+
+    def rec(step, cpus):
+        return TimingRecord(event="timing", step=step, ranks=[
+            TimingRank(rank=r, step_s=0.1, cpu_s=c, time_s={"forward": 0.05}) for r, c in enumerate(cpus)])
+
+    # step 1 (warm-up) left out; per rank the median over steps 2-4, then the mean over ranks
+    log = RunLog(timings=[rec(1, [0.9, 0.9]), rec(2, [0.05, 0.08]), rec(3, [0.06, 0.08]), rec(4, [0.07, 0.2])])
+    assert log.cpu_fraction() == pytest.approx((0.6 + 0.8) / 2)
+    old = RunLog(timings=[TimingRecord(event="timing", step=2, ranks=[TimingRank(rank=0, step_s=0.1)])])
+    assert old.cpu_fraction() is None  # a log written before cpu_s was recorded
