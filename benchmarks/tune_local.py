@@ -17,13 +17,15 @@
    launched once more after the held-out runs and compared with the mean of tune's launches: how much the machine itself moved
    between the two phases, which no model can predict. Printed, saved, never used to correct anything.
 Prints a table, the drift control, how far apart repeated launches of one layout measured (the machine's own
-run-to-run noise: the held-out error cannot be read below it), then Spearman rank correlation and mean absolute error of the refit predictions over the held-out
-layouts, and the chosen plan's measured step over the fastest measured one. Last line:
+run-to-run noise: the held-out error cannot be read below it), then Spearman rank correlation and mean absolute
+error of the refit predictions over the held-out layouts, and the chosen plan's measured step over the fastest
+measured one. Last line:
 `tune: held-out spearman S, mean error E%, chosen/fastest R over N layouts`.
 
 `--replay F` re-runs steps 1's fit, 2's predictions and 3's search on the measurements a `--save F` run wrote,
-with this checkout's cost model, fit and preset (`--saved-start`: the preset the run started from), launching nothing: a change to the model or the fit is judged on the
-same measurements (on a shared machine two runs of one layout differ by 30-80%). A choice nobody measured in
+with this checkout's cost model, fit and preset (`--saved-start`: the preset the run started from), launching
+nothing: a change to the model or the fit is judged on the same measurements (two launches of one layout differ
+by a median 12% on a quiet 2-core machine, session 11; by 30-80% under load). A choice nobody measured in
 that run is reported as unmeasured (chosen/fastest nan). Files written before the run logs were saved (session
 6) are replayed from their busiest-stage components (no per-stage components: pipelined runs are compared on
 that stage).
