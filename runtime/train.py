@@ -36,8 +36,9 @@ not the process RSS: the allocator's peak of each step on a GPU; on the CPU, Mem
 {"event": "profile", "step": N, "ranks": [{"rank", "pp_stage", "measured", "predicted"}]} record (measured with
 autoplan.runtime.measure, predicted by autoplan.cost_models.counts) and prints it as a table. --time-from N adds,
 for every step from N on (the profiled one excepted), one {"event": "timing", "step", "ranks": [{"rank",
-"pp_stage", "step_s", "time_s"}]} record: each rank's step time split by phase, FSDP work, the step tail and the
-waits in collectives (autoplan.runtime.timing; cheap: the step runs at its normal speed). The process group is
+"pp_stage", "step_s", "time_s", "cpu_s"}]} record: each rank's step time split by phase, FSDP work, the step tail
+and the waits in collectives, and the CPU time its process used in the step (autoplan.runtime.timing; cheap: the
+step runs at its normal speed). The process group is
 destroyed on exit, error or not.
 """
 
