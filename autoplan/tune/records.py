@@ -176,17 +176,21 @@ class RunLog(BaseModel):
     def time_components(self) -> dict[str, float]:
         """Measured seconds per component: the median over the timed steps (after the first step) of each
         component of `TimingRecord.components`; else the profile record's own time_s, if any."""
-        recs = [t for t in self.timings if t.step > 1] or self.timings
+        recs = self._timed_after_first()
         if not recs:
             return self.profile.time_components() if self.profile is not None else {}
         comps = [t.components() for t in recs]
         return {k: statistics.median(c.get(k, 0.0) for c in comps) for k in comps[0]}
 
+    def _timed_after_first(self) -> list[TimingRecord]:
+        """The timing records of the steps after the first (its caches and allocator warm up), or all of them."""
+        return [t for t in self.timings if t.step > 1] or self.timings
+
     def cpu_fraction(self) -> float | None:
         """The CPU time the ranks' processes used per second of their step (`TimingRank.cpu_s / step_s`), the mean
         over ranks of the median over the timed steps after the first; None without recorded CPU times. Above 1
         a process ran more than one thread at once."""
-        recs = [t for t in self.timings if t.step > 1] or self.timings
+        recs = self._timed_after_first()
         per_rank: dict[int, list[float]] = {}
         for t in recs:
             for r in t.ranks:
@@ -198,7 +202,7 @@ class RunLog(BaseModel):
 
     def stage_components(self) -> dict[int, dict[str, float]]:
         """`time_components` per pipeline stage (median over the timed steps after the first)."""
-        recs = [t for t in self.timings if t.step > 1] or self.timings
+        recs = self._timed_after_first()
         per = [t.by_stage() for t in recs]
         stages = sorted({s for p in per for s in p})
         return {s: {k: statistics.median(p[s].get(k, 0.0) for p in per if s in p)
