@@ -38,8 +38,12 @@ STEP_TAIL = "autoplan::step_tail"
 class StepTimer:
     """Context manager: while open, this thread's step time is split into buckets (seconds, `buckets`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync=None) -> None:
+        """`sync`: called before every clock read (`torch.cuda.synchronize` on a GPU, where kernels run after
+        their launch returns: without it a bucket would hold launch time, and the device time would land in
+        whichever bucket next waits on the device, the step tail's `.item()` mostly)."""
         self.buckets: dict[str, float] = defaultdict(float)
+        self._sync = sync
         self._stack: list[tuple[str, str]] = []  # (kind: phase | section | wait, label)
         self._tid = threading.get_ident()
         self._last = 0.0
@@ -60,6 +64,8 @@ class StepTimer:
         return f"{base}/{wait}" if wait else base
 
     def _flush(self) -> None:
+        if self._sync is not None:
+            self._sync()
         now = time.perf_counter()
         self.buckets[self._key()] += now - self._last
         self._last = now
@@ -110,6 +116,8 @@ class StepTimer:
         self._patch(schedules, "_wait_batch_p2p", self.wrap("wait", "p2p", schedules._wait_batch_p2p))
         self._patch(record_function, "__enter__", _rf_enter(self, record_function.__enter__))
         self._patch(record_function, "__exit__", _rf_exit(self, record_function.__exit__))
+        if self._sync is not None:
+            self._sync()
         self._last = time.perf_counter()
         return self
 
@@ -163,7 +171,10 @@ def timed_step(trainer, batch: torch.Tensor):
     """Run `trainer.step(batch)` under a StepTimer: (its StepResult, {bucket: seconds} on this rank, the CPU time
     the process used meanwhile, every thread's: `time.process_time`)."""
     cpu0 = time.process_time()
-    with StepTimer() as t:
+    # on a GPU every boundary waits for the device, so the buckets hold device time (this serialises what the
+    # untimed steps overlap across boundaries, e.g. a bucketed all-reduce with the next layer's backward)
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else None
+    with StepTimer(sync) as t:
         res = trainer.step(batch)
     return res, dict(t.buckets), time.process_time() - cpu0
 

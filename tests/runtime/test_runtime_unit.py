@@ -327,3 +327,21 @@ def test_garbage_collection_runs_between_steps_and_restores_the_collector():
     finally:
         gc.callbacks.remove(on_gc)
         gc.enable()
+
+
+def test_step_timer_waits_for_the_device_before_every_clock_read():
+    """On a GPU the timer's buckets must hold device time: `sync` runs before the first clock read and before
+    every boundary's, so work launched inside a region is charged to that region."""
+    import torch
+
+    from autoplan.runtime.timing import StepTimer
+
+    calls = []
+    w = torch.randn(8, 8, requires_grad=True)
+    with StepTimer(sync=lambda: calls.append("sync")) as t:
+        calls.append("start")
+        loss = (w @ w).sum()
+        loss.backward()  # opens and closes the backward phase: two boundaries
+    assert calls[0] == "sync" and calls[1] == "start"
+    assert calls.count("sync") == 1 + 3  # entering, backward's push and pop, the final flush
+    assert set(t.buckets) == {"forward", "backward"}

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One call on a lent GPU (one H100/H200): what only a GPU can show, in order of value, each part time-limited so a
+# failure or hang costs only its own slot.
+#   1. autoplan's own runtime on CUDA (nccl, bf16 autocast, the fused Triton kernels) for several one-GPU plans:
+#      measured step time and allocator peak beside the plan's prediction, time components synchronised with the
+#      device, and one profiled step (FLOPs and tensor memory counted on CUDA, where SDPA runs flash attention);
+#   2. the GPU test tier (tests/gpu: Triton kernels compiled for the chip against their torch references);
+#   3. benchmarks/kernels.py (fused kernels vs eager, achieved bandwidth);
+#   4. autoplan calibrate with micro-benchmarks (GEMM efficiency at the model's shapes).
+# Usage (the device tool, from the repository root; .whl holds the wheels the image lacks, see docs/notes):
+#   bash benchmarks/gpu/check.sh [PARTS]        PARTS: any of "run tests kernels calibrate" (default: all)
+#   SMOKE=1 bash benchmarks/gpu/check.sh run     the same commands on this CPU machine (local-cpu, tiny models)
+# Results: $OUT/summary.txt (the tables) and $OUT/all.tgz (plans, logs, outputs).
+set -u
+PARTS=${1:-"run tests kernels calibrate"}
+OUT=${OUT:-/tmp/gpu_check_out}
+W=/tmp/gpu_check
+mkdir -p "$OUT" "$W"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$W/pip.out" 2>&1 || { cat "$W/pip.out"; exit 1; }
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+AP="python3 -m autoplan"
+pack() { tar czf "$OUT/all.tgz" -C "$W" . 2>/dev/null; }
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+} > "$W/env.txt" 2>&1
+cat "$W/env.txt"
+
+CLUSTER=dgx-h200 SEQ=2048
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && CLUSTER=dgx-h100
+[ -n "${SMOKE:-}" ] && CLUSTER=local-cpu SEQ=64
+one_run() {  # NAME MODEL PARALLEL [estimate options...]
+  local name=$1 model=$2 par=$3; shift 3
+  local t0=$SECONDS
+  [ -n "${SMOKE:-}" ] && model=tiny-gpt
+  timeout 60 $AP estimate --model "$model" --cluster $CLUSTER --gpus 1 --global-batch 8 --seq-len $SEQ \
+    --parallel "tp=1,pp=1,dp=1,$par" "$@" -o "$W/$name.plan.json" > "$W/$name.estimate.txt" 2>&1 \
+    || { echo "$name: estimate failed"; tail -5 "$W/$name.estimate.txt"; return; }
+  timeout 150 $AP run "$W/$name.plan.json" -- --steps 10 --time-from 6 $PROFILE --log-file "$W/$name.jsonl" \
+    > "$W/$name.out" 2>&1 || { echo "$name: run failed"; tail -15 "$W/$name.out"; }
+  echo "$name: $((SECONDS - t0)) s"
+}
+
+if [[ " $PARTS " == *" run "* ]]; then
+  L=benchmarks/gpu/llama-3.2-1b.config.json
+  PROFILE="--profile-step 3"
+  one_run gpt1.3b-mbs2 gpt3-1.3b mbs=2
+  one_run llama1b-mbs2 $L mbs=2
+  PROFILE=""
+  one_run gpt1.3b-mbs2-torch gpt3-1.3b mbs=2 --kernels torch
+  one_run gpt1.3b-mbs2-full gpt3-1.3b mbs=2,recompute=full
+  one_run gpt1.3b-mbs4 gpt3-1.3b mbs=4
+  one_run gpt2.7b-mbs2 gpt3-2.7b mbs=2
+  python3 benchmarks/gpu/summary.py "$W" > "$W/summary.txt" 2>&1
+  cat "$W/summary.txt"; cp "$W/summary.txt" "$OUT/summary.txt"; pack
+fi
+
+if [[ " $PARTS " == *" tests "* ]]; then
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -x > "$W/pytest.txt" 2>&1
+  echo "pytest rc=$?"; tail -5 "$W/pytest.txt"; pack
+fi
+
+if [[ " $PARTS " == *" kernels "* ]]; then
+  timeout 120 python3 benchmarks/kernels.py --no-compile --json "$W/kernels.json" > "$W/kernels.txt" 2>&1
+  echo "kernels rc=$?"; tail -30 "$W/kernels.txt"; pack
+fi
+
+if [[ " $PARTS " == *" calibrate "* ]]; then
+  timeout 90 $AP calibrate --nproc 1 --dtype bf16 -o "$W/calibrated.yaml" --bench-out "$W/bench.json" \
+    --model gpt3-1.3b --seq-len 2048 --mbs 2 > "$W/calibrate.txt" 2>&1
+  echo "calibrate rc=$?"; tail -25 "$W/calibrate.txt"; pack
+fi
+date -u
