@@ -56,3 +56,28 @@ def test_checkpoint_region_benchmark_feeds_the_fit(monkeypatch):
     res = fit_cluster(cluster, regions=samples, free=["recompute_region_us", "recompute_op_us"])
     for s in samples:
         assert predict_region(res.cluster, s) == pytest.approx(s.seconds, rel=0.05)
+
+
+def test_half_efficiency_dim_recovers_the_curve_from_every_size():
+    from autoplan.calibrate import half_efficiency_dim
+
+    peak, half = 800e12, 900.0
+    rates = {n: peak * n / (n + half) for n in (1024, 2048, 4096, 8192)}
+    # the best measured rate is the peak the spec gets; the curve is read relative to it
+    best = max(rates.values())
+    got = half_efficiency_dim(rates, best)
+    # calibrate writes peak = the best rate and max efficiency 1, so the curve it gets, best * n / (n + got),
+    # must reproduce every measured rate (within 8%: the best size itself sits below the true peak)
+    for n, r in rates.items():
+        assert best * n / (n + got) == pytest.approx(r, rel=0.08)
+    # one launch-bound size (a quarter of its rate) no longer decides the curve alone
+    rates[1024] /= 4
+    assert half_efficiency_dim(rates, max(rates.values())) < 2 * got
+
+
+def test_peak_warning_flags_a_fit_above_the_measured_rate():
+    from autoplan.calibrate import peak_warning
+
+    assert peak_warning(767e12, 790e12) == []
+    (line,) = peak_warning(767e12, 2332e12)
+    assert line.startswith("warning:") and "3.04x" in line and "767" in line
