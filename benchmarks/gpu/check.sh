@@ -6,9 +6,12 @@
 #      device, and one profiled step (FLOPs and tensor memory counted on CUDA, where SDPA runs flash attention);
 #   2. the GPU test tier (tests/gpu: Triton kernels compiled for the chip against their torch references);
 #   3. benchmarks/kernels.py (fused kernels vs eager, achieved bandwidth);
-#   4. autoplan calibrate with micro-benchmarks (GEMM efficiency at the model's shapes).
+#   4. autoplan calibrate with micro-benchmarks (GEMM efficiency at the model's shapes);
+#   5. census: what one micro-batch saves for backward under CUDA autocast, by module and dtype (saved.py);
+#   6. profile: a step's GPU time by kernel family beside the prediction (kernel_time.py).
 # Usage (the device tool, from the repository root; .whl holds the wheels the image lacks, see docs/notes):
-#   bash benchmarks/gpu/check.sh [PARTS]        PARTS: any of "run tests kernels calibrate" (default: all)
+#   bash benchmarks/gpu/check.sh [PARTS]        PARTS: any of "run tests kernels calibrate census profile"
+#                                               (default: the first four)
 #   SMOKE=1 bash benchmarks/gpu/check.sh run     the same commands on this CPU machine (local-cpu, tiny models)
 # Results: $OUT/summary.txt (the tables) and $OUT/all.tgz (plans, logs, outputs).
 set -u
@@ -32,9 +35,9 @@ pack() { tar czf "$OUT/all.tgz" -C "$W" . 2>/dev/null; }
 } > "$W/env.txt" 2>&1
 cat "$W/env.txt"
 
-CLUSTER=dgx-h200 SEQ=2048
+CLUSTER=dgx-h200 SEQ=2048 G=gpt3-1.3b L=benchmarks/gpu/llama-3.2-1b.config.json
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && CLUSTER=dgx-h100
-[ -n "${SMOKE:-}" ] && CLUSTER=local-cpu SEQ=64
+[ -n "${SMOKE:-}" ] && CLUSTER=local-cpu SEQ=64 G=tiny-gpt L=tiny-llama
 one_run() {  # NAME MODEL PARALLEL [estimate options...]
   local name=$1 model=$2 par=$3; shift 3
   local t0=$SECONDS
@@ -48,7 +51,6 @@ one_run() {  # NAME MODEL PARALLEL [estimate options...]
 }
 
 if [[ " $PARTS " == *" run "* ]]; then
-  L=benchmarks/gpu/llama-3.2-1b.config.json
   PROFILE="--profile-step 3"
   one_run gpt1.3b-mbs2 gpt3-1.3b mbs=2
   one_run llama1b-mbs2 $L mbs=2
@@ -69,6 +71,37 @@ fi
 if [[ " $PARTS " == *" kernels "* ]]; then
   timeout 120 python3 benchmarks/kernels.py --no-compile --json "$W/kernels.json" > "$W/kernels.txt" 2>&1
   echo "kernels rc=$?"; tail -30 "$W/kernels.txt"; pack
+fi
+
+if [[ " $PARTS " == *" census "* ]]; then
+  for args in "$G $SEQ --mbs 2 --kernels torch" "$G $SEQ --mbs 2 --kernels fused" \
+              "$L $SEQ --mbs 2 --kernels torch" "$L $SEQ --mbs 2 --kernels fused"; do
+    timeout 60 python3 benchmarks/gpu/saved.py $args >> "$W/census.jsonl" 2>> "$W/census.err" || echo "census failed: $args"
+  done
+  python3 -c "
+import json
+for l in open('$W/census.jsonl'):
+    d = json.loads(l)
+    print(d['model'][-24:], d['kernels'], 'weights/param %.2f' % d['weight_copies_bytes_per_param'],
+          'peak fwd %.2f step %.2f GiB' % (d.get('peak_forward_gib', 0), d.get('peak_step_gib', 0)),
+          {g: {k: round(v, 2) for k, v in x.items()} for g, x in d['saved_bytes_per_token_h'].items()})
+" 2>&1 | tee "$W/census.txt"; pack
+fi
+
+if [[ " $PARTS " == *" profile "* ]]; then
+  for spec in "gpt1.3b-mbs2 $G" "gpt1.3b-mbs2-torch $G --kernels torch" "llama1b-mbs2 $L"; do
+    set -- $spec; name=$1 model=$2; shift 2
+    timeout 60 $AP estimate --model "$model" --cluster $CLUSTER --gpus 1 --global-batch 8 --seq-len $SEQ \
+      --parallel tp=1,pp=1,dp=1,mbs=2 "$@" -o "$W/prof-$name.json" > /dev/null 2>&1
+    timeout 90 python3 benchmarks/gpu/kernel_time.py "$W/prof-$name.json" > "$W/prof-$name.txt" 2>&1 \
+      || { echo "profile failed: $name"; tail -5 "$W/prof-$name.txt"; }
+    python3 -c "
+import json, sys
+t = open('$W/prof-$name.txt').read(); d = json.loads(t[t.index('{'):])
+print('$name', 'pred %.4f wall %.4f busy %.4f' % (d['predicted_s'], d['wall_s'], d['gpu_busy_s']), d['families_ms'])
+" 2>&1 | tee -a "$W/profile.txt"
+  done
+  pack
 fi
 
 if [[ " $PARTS " == *" calibrate "* ]]; then
