@@ -223,17 +223,20 @@ def _ep_comm(p: LayerProfile, ctx: Context) -> tuple[float, float]:
 
 def _eager_extra_bytes(p: LayerProfile, ctx: Context, seq_div: int) -> tuple[float, float]:
     """Bytes eager PyTorch moves beyond fused kernels for the norms, activation and RoPE of one micro-batch
-    (the profile's elementwise counts are those of fused kernels; `autoplan.kernels.traffic` has the counts)."""
-    if ctx.training.kernels != "torch":
+    (the profile's elementwise counts are those of fused kernels; `autoplan.kernels.traffic` has the counts): all
+    three with torch's kernels, RoPE alone with autoplan's (the runtime has no RoPE substitution), none with
+    Megatron's."""
+    if ctx.training.kernels == "megatron":
         return 0.0, 0.0
     f = b = 0.0
     scale = ctx.act_bytes / 2.0
     parts = []
-    if p.norm_kind:
+    eager = ctx.training.kernels == "torch"
+    if p.norm_kind and eager:
         parts.append(("rms_norm" if p.norm_kind == "rmsnorm" else "layer_norm", p.norm_elems / seq_div))
-    if p.act_kind in ("gelu", "swiglu"):
+    if p.act_kind in ("gelu", "swiglu") and eager:
         parts.append(("bias_gelu" if p.act_kind == "gelu" else "swiglu", p.act_elems / ctx.tp))
-    if p.rope_elems:
+    if p.rope_elems:  # autoplan's runtime substitutes norms and activations only (codegen.fuse): RoPE runs eager
         parts.append(("rope", p.rope_elems / ctx.tp))
     for op, elems in parts:
         xf, xb = eager_extra(op)
@@ -262,6 +265,65 @@ def _core_kernels(p: LayerProfile) -> int:
     return 1 + (2 if a is not None and a.kv_heads < a.heads else 0)
 
 
+@dataclass(frozen=True)
+class AutocastTerms:
+    """What autoplan's runtime adds to a layer's 16-bit count per micro-batch by computing under torch.autocast
+    over fp32 parameters (TrainingSpec.autocast_fp32_params): bytes moved in forward and backward, bytes kept for
+    backward, and bytes kept when the whole layer is recomputed."""
+
+    fwd_bytes: float = 0.0
+    bwd_bytes: float = 0.0
+    saved: float = 0.0
+    saved_full: float = 0.0
+
+
+# Linears that read each norm's output in the zoo's blocks (autoplan.zoo.model): wq, wk, wv after the attention
+# norm; w1 (and w3 under SwiGLU; a MoE's router and its routed token copies) after the MLP norm; the LM head
+# after the final norm.
+def _norm_readers(p: LayerProfile) -> tuple[int, ...]:
+    if p.kind == "head":
+        return (1,)
+    if p.kind != "block" or not p.norm_kind:
+        return ()
+    return (3, 2 if p.act_kind == "swiglu" or p.moe_experts else 1)
+
+
+def autocast_terms(p: LayerProfile, ctx: Context, seq_div: int) -> AutocastTerms:
+    """Per micro-batch, on one GPU, what torch.autocast over fp32 parameters costs beyond 16-bit weights and
+    activations (runtime.parallelize.apply_mixed_precision). Measured on an H200 (session 12, benchmarks/gpu/:
+    saved.py counts what a micro-batch keeps, kernel_time.py where the step's time goes):
+    - weights: each GEMM weight is cast to 16 bits in the forward (read 4, write 2 bytes) and autocast keeps the
+      copy for the backward (2 bytes per parameter per micro-batch in flight: 1.99-2.00 measured); each 16-bit
+      weight gradient is cast to an fp32 temporary (read 2, write 4) that AccumulateGrad adds into .grad (read 4 +
+      4, write 4): 6 bytes per parameter forward, 18 backward;
+    - activations: the residual stream is fp32 (the embedding's output and every residual add are), so a norm
+      reads and writes 4-byte elements and keeps its fp32 input (2 bytes more per element than the profile's
+      16-bit count: 8.0-8.1 bytes per token and hidden unit measured for a block's two norms), and every linear
+      that reads a norm's output casts it to 16 bits itself (autocast caches only casts of leaves) and keeps its
+      own copy: 2 bytes per element per reader beyond the first (GPT-1.3B's block: 42.0 measured against the
+      profile's 34 + 4 + 4); in backward each cast's gradient is cast back (read 2, write 4) and the readers'
+      gradients are summed in fp32; the two residual adds read and write fp32;
+    - a fully recomputed block keeps its fp32 input (2 bytes more per element than act_input counts)."""
+    t = ctx.training
+    if not t.autocast_fp32_params or t.dtype not in ("bf16", "fp16"):
+        return AutocastTerms()
+    weights = 0.0
+    for g in p.gemms:
+        # a tied LM head (count 0: its weight is the embedding's) casts the embedding's weight all the same
+        n = g.n * g.k * max(1, g.count) / (ctx.ep if g.expert else 1)
+        weights += n if g.tp == "replicated" else n / ctx.tp
+    tok = ctx.tokens / seq_div
+    h = p.hidden
+    readers = _norm_readers(p)
+    n_norms, n_reads = len(readers), sum(readers)
+    adds = 2 if p.kind == "block" else 0
+    fwd = 6 * weights + tok * h * (6 * n_reads + 4 * n_norms + 6 * adds)
+    bwd = 18 * weights + tok * h * (6 * n_reads + 12 * (n_reads - n_norms) + 8 * n_norms)
+    saved_act = tok * h * (2 * n_norms + 2 * (n_reads - n_norms))
+    return AutocastTerms(fwd_bytes=fwd, bwd_bytes=bwd, saved=2 * weights + saved_act,
+                         saved_full=tok * (p.act_input / 2) * 2 if p.kind == "block" else 0.0)
+
+
 def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     """Time, memory and FLOPs of layer `p` for one micro-batch on one GPU."""
     cal = ctx.cluster.gpu.calibration
@@ -269,10 +331,11 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     gemm_fwd, gemm_flops = _gemms(p, ctx)
     attn_fwd, attn_bwd, attn_flops = _attention(p, ctx)
     seq_div = t if ctx.sp else 1
+    # The loss is eager cross-entropy on every stack that uses autoplan's kernels: the runtime's loss_fn
+    # (runtime.engine) never calls the chunked Triton cross-entropy (kernels/cross_entropy.py), so the head's fp32
+    # softmax is read, written and kept as the profile counts it (session 12: the H200's saved-tensor census,
+    # benchmarks/gpu/saved.py, finds 4 bytes per logit kept with the fused kernels too).
     ew_tp = p.elementwise_tp
-    if p.kind == "head" and ctx.training.fused_kernels and p.logits_per_token:
-        # the chunked Triton cross-entropy reads each logit once and writes its gradient once
-        ew_tp -= p.elementwise_tp - 2 * p.logits_per_token
     ew_elems = ctx.tokens * (ew_tp / t + p.elementwise_seq / seq_div)
     ew_fwd = _mem_time(ctx, ew_elems * e)
     xf, xb = _eager_extra_bytes(p, ctx, seq_div)
@@ -285,8 +348,9 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     cp_f, cp_b = _cp_comm(p, ctx, attn_fwd)
     ep_f, ep_b = _ep_comm(p, ctx)
     comm_f, comm_b = tp_f + cp_f + ep_f, tp_b + cp_b + ep_b
-    dev_f = gemm_fwd + attn_fwd + ew_fwd + ew_extra_f
-    dev_b = 2 * gemm_fwd + attn_bwd + 2 * ew_fwd + ew_extra_b
+    ac = autocast_terms(p, ctx, seq_div)
+    dev_f = gemm_fwd + attn_fwd + ew_fwd + ew_extra_f + _mem_time(ctx, ac.fwd_bytes)
+    dev_b = 2 * gemm_fwd + attn_bwd + 2 * ew_fwd + ew_extra_b + _mem_time(ctx, ac.bwd_bytes)
     # CPU processes sharing cores compute faster while fewer of them compute at once (ClusterSpec.crowding)
     contention = ctx.cluster.compute_contention
     dev_f, dev_b, host_fwd = dev_f * contention, dev_b * contention, host_fwd * contention
@@ -334,11 +398,9 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         scores = tok * p.act_scores_per_seq * (ctx.seq) / t * scale
     elif p.attention is not None:
         scores = tok * p.attention.heads / t * 4.0  # flash keeps the fp32 log-sum-exp per row and head
-    if p.kind == "head" and ctx.training.fused_kernels:
-        base -= tok * softmax / t  # chunked cross-entropy never materialises the fp32 softmax
-    act_none = base + scores
-    act_sel = base + (scores if ctx.training.flash_attention else 0.0)
-    act_full = tok * p.act_input / seq_div * scale if p.kind == "block" else act_none
+    act_none = base + scores + ac.saved
+    act_sel = base + (scores if ctx.training.flash_attention else 0.0) + ac.saved
+    act_full = tok * p.act_input / seq_div * scale + ac.saved_full if p.kind == "block" else act_none
     params = 0.0
     expert = 0.0
     for g in p.gemms:

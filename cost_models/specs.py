@@ -421,6 +421,13 @@ class TrainingSpec(_Frozen):
         "replicated weights (norms, row-parallel biases) is one coalesced collective per step (Megatron's "
         "_allreduce_layernorm_grads); false = one per tensor (DTensor redistribution in autoplan's runtime and "
         "FSDP2).")
+    autocast_fp32_params: bool = Field(
+        default=True, description="16-bit training as autoplan's runtime runs it: fp32 parameters and gradients, "
+        "the forward under torch.autocast (runtime.parallelize.apply_mixed_precision). Per micro-batch every GEMM "
+        "weight is cast to 16 bits (and the copy kept for backward), every weight gradient cast to fp32 and added "
+        "into .grad, the norms run in fp32 on the fp32 residual stream, and each linear reading a norm's output "
+        "casts it again (cost_models.compute.autocast_terms; measured on an H200, session 12); false = 16-bit "
+        "weights with fp32 master copies in the optimizer (Megatron-LM, DeepSpeed). No effect in fp32.")
     runtime_memory: bool = Field(
         default=True, description="The memory check prices what autoplan's runtime holds beyond the textbook "
         "(Megatron) per-rank memory: FSDP2 replicate's second parameter copy at ZeRO-0 with tp > 1, the "

@@ -24,7 +24,8 @@ DEFAULT_STACK = "autoplan"
 # are never part of a stack).
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
-               "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory", "kernels")
+               "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory",
+               "autocast_fp32_params", "kernels")
 # Values every stack has unless it says otherwise (TrainingSpec's defaults for these knobs). runtime_memory (what
 # autoplan's runtime holds beyond Megatron's memory count, estimate.runtime_extra) is autoplan's alone. torchtitan
 # also runs FSDP2 and DTensor, but: it has no replicate-with-TP at ZeRO-0 (its DDP is 1-D only), its MoE shards
@@ -33,7 +34,7 @@ STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_re
 # shard (reshard_after_forward=False), is left out with the rest: torchtitan's typical run is ZeRO-3.
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
            "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "grad_sync_all_reduce": False,
-           "sp_grads_coalesced": True, "runtime_memory": False}
+           "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False}
 
 
 class Stack(BaseModel):
@@ -67,8 +68,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         name="autoplan", title="autoplan's own runtime (default)",
         knobs={"flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                "tp_comm_overlap": False, "kernels": "fused", "grad_reduce_dtype": None, "runtime_memory": True,
-               "sp_grads_coalesced": False},
-        assumes="flash (SDPA) attention; autoplan's fused Triton norms/activations/RoPE and chunked cross-entropy; "
+               "sp_grads_coalesced": False, "autocast_fp32_params": True},
+        assumes="flash (SDPA) attention; autoplan's fused Triton norms and activations (RoPE and the "
+                "cross-entropy eager); 16-bit compute under torch.autocast over fp32 parameters "
+                "(autocast_fp32_params); "
                 "gradient reduce overlapped with the backward and ZeRO gathers with the forward (FSDP2); "
                 "TP collectives not overlapped; gradients reduced in the compute dtype; memory as the runtime holds "
                 "it (FSDP2's parameter copies, whole experts, the embedding's whole gradient: runtime_memory); a tied "

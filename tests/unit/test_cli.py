@@ -92,7 +92,8 @@ def test_bad_training_setup_is_one_line(capsys, args, needle):
 
 def test_memory_limit_keeps_headroom(capsys):
     base = ["--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--gpus", "1024", "--global-batch", "1536",
-            "--seq-len", "2048", "--parallel", "tp=8,pp=8,vp=3,mbs=1,sp=1,zero=1,recompute=selective", "--json"]
+            "--seq-len", "2048", "--parallel", "tp=8,pp=8,vp=3,mbs=1,sp=1,zero=1,recompute=selective", "--json",
+            "--stack", "megatron-2022"]  # Korthikanti et al.'s run; autoplan's runtime needs more (its autocast)
     assert main(["estimate", *base]) == 0
     full = json.loads(capsys.readouterr().out)
     assert full["fits"]

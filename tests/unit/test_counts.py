@@ -159,11 +159,16 @@ def test_memory_of_rank_counts_a_checkpoint_input_and_the_fp32_softmax_once():
         sum(layer_cost(p, ctx).act_none for p in (profiles[0], profiles[-1]))
         + sum(layer_cost(p, ctx).act_full for p in profiles[1:-1]) + blk.act_none - blk.act_full, rel=1e-9)
     head = profiles[-1]
-    bf16 = context(plan.cluster, plan.training.model_copy(update={"dtype": "bf16"}), plan.parallel)
+    bf16 = context(plan.cluster, plan.training.model_copy(update={"dtype": "bf16", "autocast_fp32_params": False}),
+                   plan.parallel)
     softmax = ctx.tokens * 4 * head.logits_per_token  # fp32 at both widths
     rest = ctx.tokens * head.act_seq / 2  # elements of the rest (2-byte units)
     assert layer_cost(head, ctx).act_none == pytest.approx(softmax + 4 * rest)
     assert layer_cost(head, bf16).act_none == pytest.approx(softmax + 2 * rest)
+    # under autoplan's autocast the head also keeps the bf16 copy of its weight and the final norm's fp32 input
+    amp = context(plan.cluster, plan.training.model_copy(update={"dtype": "bf16"}), plan.parallel)
+    weight = head.gemms[0].n * head.gemms[0].k
+    assert layer_cost(head, amp).act_none == pytest.approx(softmax + 2 * rest + 2 * weight + 2 * ctx.tokens * head.hidden)
 
 
 def test_categories_are_compared_at_the_moment_of_the_models_kind():

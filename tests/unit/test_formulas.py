@@ -83,7 +83,8 @@ GPT = ModelSpec(name="t2", num_layers=8, hidden_size=4096, num_attention_heads=3
 
 def _act(t: int, sp: bool, mode: str) -> float:
     cluster = load_cluster("dgx-a100-80g", gpus=8)
-    train = TrainingSpec(global_batch_size=8, seq_length=2048, dtype="fp16", flash_attention=False)
+    train = TrainingSpec(global_batch_size=8, seq_length=2048, dtype="fp16", flash_attention=False,
+                         autocast_fp32_params=False)  # Megatron's 16-bit weights, as the paper counts
     ctx = Context(cluster=cluster, training=train, tp=t, cp=1, sp=sp, ep=1, mbs=4)
     c = layer_cost(profile_from_spec(GPT)[1], ctx)
     return {"none": c.act_none, "selective": c.act_selective, "full": c.act_full}[mode]
@@ -156,11 +157,11 @@ def test_kernel_sets_change_the_elementwise_time_only():
         cfg = check_config(ParallelConfig.parse("tp=8"), m, c, t)
         est = estimate(profile_from_spec(m), c, t, cfg)
         times[k] = est
-    # fused < Megatron's (its fp32 cross-entropy) < eager torch (unfused RMSNorm, SwiGLU, RoPE)
-    assert times["fused"].step_time_s < times["megatron"].step_time_s < times["torch"].step_time_s
+    # Megatron's (RoPE fused too) < autoplan's (RMSNorm and SwiGLU fused, RoPE eager) < eager torch
+    assert times["megatron"].step_time_s < times["fused"].step_time_s < times["torch"].step_time_s
     assert times["fused"].model_flops == times["torch"].model_flops
-    # the chunked cross-entropy never holds the fp32 softmax of the logits
-    assert times["fused"].memory[0].activations < times["megatron"].memory[0].activations
+    # every set keeps the fp32 softmax of the logits: autoplan's runtime does not call the chunked cross-entropy
+    assert times["fused"].memory[0].activations == times["megatron"].memory[0].activations
 
 
 # ---- rank_end_lower_bounds: what the search keys closed-form finalists by

@@ -43,12 +43,15 @@ def test_stack_changes_the_prediction_and_is_reported(capsys):
     old = _est(capsys, "--stack", "megatron-2021")
     assert default["stack"] == "autoplan" and old["stack"] == "megatron-2021"
     assert old["kernels_assumed"] == "megatron"
-    # unfused attention, fp16 reduce without overlap: Megatron-LM 2021 is slower than today's stack
-    assert old["step_time_s"] > default["step_time_s"] * 1.02
-    # a single knob back to the default's value moves the prediction toward it
+    assert default["step_time_s"] != old["step_time_s"]
+    # unfused attention, fp16 reduce without overlap: Megatron-LM 2021 is slower than today's Megatron
+    # (autoplan's own runtime is not the comparison: it computes under autocast over fp32 weights)
+    core = _est(capsys, "--stack", "megatron-core")
+    assert old["step_time_s"] > core["step_time_s"] * 1.02
+    # a single knob set to today's value moves the prediction toward it
     one = _est(capsys, "--stack", "megatron-2021", "--stack-set", "flash_attention=true")
     assert one["stack"] == "megatron-2021+flash_attention=true"
-    assert default["step_time_s"] < one["step_time_s"] < old["step_time_s"]
+    assert core["step_time_s"] < one["step_time_s"] < old["step_time_s"]
 
 
 def test_explicit_dtype_wins_over_the_stack(capsys):
