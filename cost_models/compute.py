@@ -70,6 +70,8 @@ class LayerCost:
     # the runtime times it as backward compute, outside its "recompute" phase (runtime/timing.py)
     checkpoint_selective_s: float = 0.0
     checkpoint_full_s: float = 0.0
+    # the head's loss on autoplan's runtime: bytes alive only while the cross-entropy runs (`loss_transient`)
+    loss_transient: float = 0.0
 
 
 def gemm_efficiency(cluster: ClusterSpec, m: float, n: float, k: float) -> float:
@@ -324,6 +326,19 @@ def autocast_terms(p: LayerProfile, ctx: Context, seq_div: int) -> AutocastTerms
                          saved_full=tok * (p.act_input / 2) * 2 if p.kind == "block" else 0.0)
 
 
+def loss_transient(p: LayerProfile, ctx: Context) -> float:
+    """Bytes the runtime's loss holds beyond the head's kept activations while it runs, one micro-batch (autoplan's
+    stack, `runtime_memory`): zoo.model.cross_entropy_loss upcasts the logits (`logits.float()`) and log-softmax
+    writes its fp32 output (the kept softmax, in act_tp) while the logits and their fp32 copy are alive: 2 + 4
+    bytes per logit from 16-bit logits, 4 from fp32 ones (the upcast is then the same tensor). Measured on an H200
+    (session 12, benchmarks/gpu/saved.py): the forward's allocator peak is the kept tensors plus 2.9 GiB for
+    Llama-3.2-1B-shaped at V 128,256 and mbs 2 x 2048 tokens (6 bytes x 4096 x 128,256 = 2.94 GiB)."""
+    if p.kind != "head" or not p.logits_per_token or not ctx.training.runtime_memory:
+        return 0.0
+    per_logit = ctx.act_bytes + 4 if ctx.act_bytes < 4 else 4
+    return ctx.tokens * p.logits_per_token / ctx.tp * per_logit
+
+
 def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     """Time, memory and FLOPs of layer `p` for one micro-batch on one GPU."""
     cal = ctx.cluster.gpu.calibration
@@ -417,4 +432,5 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         params_local=params, expert_params_local=expert,
         model_flops=gemm_flops + attn_flops, recompute_flops_selective=rec_sel_flops,
         recompute_flops_full=gemm_flops + attn_flops, checkpoint_selective_s=ckpt_sel, checkpoint_full_s=ckpt_full,
+        loss_transient=loss_transient(p, ctx),
     )

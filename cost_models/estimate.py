@@ -84,6 +84,7 @@ class StageCost:
     tied_head: float = 0.0  # a tied LM head's weight elements on this (head) stage, not in params (`tied_head_params`)
     vocab_grad_extra: float = 0.0  # the embedding's whole-vocabulary gradient beyond its shard (`embedding_grad_extra`)
     sp_grads: tuple[int, float] = (0, 0.0)  # (tensors, elements) whose gradient is a partial sum over tp (`sp_partial_grads`)
+    loss_transient: float = 0.0  # the loss's transient on the head's stage (compute.loss_transient)
 
 
 @dataclass
@@ -234,6 +235,7 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
                             + ([sp_partial_grads(profiles[0])] if has_emb else [])
                             + ([sp_partial_grads(profiles[-1])] if has_head else []))
         if ctx.sp and ctx.tp > 1 else (0, 0.0),
+        loss_transient=cached_layer_cost(profiles[-1], ctx).loss_transient if has_head else 0.0,
     )
 
 
@@ -480,6 +482,10 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     chunks = len(stages)
     m.activations = rank_inflight * per_mb * chunks + max((s.act_peak_extra for s in stages), default=0.0)
     other = cluster.gpu.calibration.framework_overhead_gib * GIB
+    # the loss's transient (autoplan's runtime): booked with the fixed overheads, so the peak adds it to the largest
+    # backward transient rather than taking the larger (conservative by the smaller of the two; the search's
+    # capacity does the same: search.core)
+    other += max((s.loss_transient for s in stages), default=0.0)
     if cfg.zero >= 3:  # all-gathered weights of the current and the prefetched layer
         biggest = max((s.params / max(1, s.layout.layers[1] - s.layout.layers[0]) for s in stages), default=0.0)
         other += 2 * biggest * w_bytes

@@ -508,7 +508,9 @@ class _Searcher:
         e, h = lc[self.costs.uid[0]], lc[self.costs.uid[-1]]
         emb_x, head_x = self.costs.ends_static(mesh, kn.zero)
         emb = _block_cost(e, dense_b, expert_b, self.accum(e), emb_x)
-        head = _block_cost(h, dense_b, expert_b, self.accum(h) + self.accum_tied(mesh), head_x)
+        # the loss's transient, held once by the head's rank whatever its in-flight micro-batches (estimate books it
+        # with that rank's fixed overheads): bytes that do not scale, as the head's static ones
+        head = _block_cost(h, dense_b, expert_b, self.accum(h) + self.accum_tied(mesh), head_x + h.loss_transient)
         m = self.micro_batches(mesh)
         infl = tuple(in_flight(kn.schedule, mesh.pp, m, kn.vp))
         caps = []

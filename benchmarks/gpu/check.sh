@@ -8,9 +8,10 @@
 #   3. benchmarks/kernels.py (fused kernels vs eager, achieved bandwidth);
 #   4. autoplan calibrate with micro-benchmarks (GEMM efficiency at the model's shapes);
 #   5. census: what one micro-batch saves for backward under CUDA autocast, by module and dtype (saved.py);
-#   6. profile: a step's GPU time by kernel family beside the prediction (kernel_time.py).
+#   6. profile: a step's GPU time by kernel family beside the prediction (kernel_time.py);
+#   7. launch: host vs device time per call of the fused modules and torch's (launch_overhead.py).
 # Usage (the device tool, from the repository root; .whl holds the wheels the image lacks, see docs/notes):
-#   bash benchmarks/gpu/check.sh [PARTS]        PARTS: any of "run tests kernels calibrate census profile"
+#   bash benchmarks/gpu/check.sh [PARTS]        PARTS: any of "run tests kernels calibrate census profile launch"
 #                                               (default: the first four)
 #   SMOKE=1 bash benchmarks/gpu/check.sh run     the same commands on this CPU machine (local-cpu, tiny models)
 # Results: $OUT/summary.txt (the tables) and $OUT/all.tgz (plans, logs, outputs).
@@ -100,6 +101,13 @@ import json, sys
 t = open('$W/prof-$name.txt').read(); d = json.loads(t[t.index('{'):])
 print('$name', 'pred %.4f wall %.4f busy %.4f' % (d['predicted_s'], d['wall_s'], d['gpu_busy_s']), d['families_ms'])
 " 2>&1 | tee -a "$W/profile.txt"
+  done
+  pack
+fi
+
+if [[ " $PARTS " == *" launch "* ]]; then
+  for shape in "--tokens 4096 --hidden 2048" "--tokens 8192 --hidden 4096"; do
+    timeout 60 python3 benchmarks/gpu/launch_overhead.py $shape 2>&1 | grep -v '^\[' | tee -a "$W/launch.txt"
   done
   pack
 fi

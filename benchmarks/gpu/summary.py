@@ -5,8 +5,9 @@ plan's prediction, and where the step's time went.
 
 Measured step time is the median of the steps after the first three (the first compiles the Triton kernels and
 warms the allocator; the profiled step, if any, is left out). Measured memory is the allocator's peak
-(`torch.cuda.max_memory_allocated`, every step); the plan's peak includes `other` (CUDA context, NCCL and
-cuBLAS workspaces: memory the allocator does not see), so both the total and the total less `other` are shown.
+(`torch.cuda.max_memory_allocated`, every step); the plan's peak includes the cluster's framework overhead (CUDA
+context, NCCL and cuBLAS workspaces: memory the allocator does not see), so both the total and the total less it
+are shown.
 Components: the mean of the timing records (`--time-from`), synchronised with the device at every boundary.
 """
 
@@ -37,7 +38,9 @@ def summarise(name: str, plan: dict, log: Path) -> dict:
     profiled = {p["step"] for p in profiles}
     steady = [r for r in steps if r["step"] > 3 and r["step"] not in profiled]
     pred = plan["prediction"]
-    other = pred["memory_breakdown"][0].get("other", 0.0)
+    # memory the allocator does not see: the cluster's framework overhead (CUDA context, NCCL, cuBLAS workspaces);
+    # the rest of the plan's `other` (the loss's transient) is allocator memory
+    other = plan["cluster"]["gpu"].get("calibration", {}).get("framework_overhead_gib", 0.0)
     row = {"run": name, "predicted_s": pred["step_time_s"], "breakdown": pred["breakdown"],
            "predicted_peak_gib": pred["memory_gib"]["peak"], "predicted_other_gib": other,
            "steps": len(steps), "loss_first": steps[0]["loss"] if steps else None,
