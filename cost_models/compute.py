@@ -72,6 +72,8 @@ class LayerCost:
     checkpoint_full_s: float = 0.0
     # the head's loss on autoplan's runtime: bytes alive only while the cross-entropy runs (`loss_transient`)
     loss_transient: float = 0.0
+    # autocast's 16-bit copies of the layer's weights, held once per rank for the step (`autocast_terms`)
+    weight_copies: float = 0.0
 
 
 def gemm_efficiency(cluster: ClusterSpec, m: float, n: float, k: float) -> float:
@@ -277,6 +279,7 @@ class AutocastTerms:
     bwd_bytes: float = 0.0
     saved: float = 0.0
     saved_full: float = 0.0
+    weight_copies: float = 0.0  # held once per rank for the whole step, whatever the micro-batches in flight
 
 
 # Linears that read each norm's output in the zoo's blocks (autoplan.zoo.model): wq, wk, wv after the attention
@@ -294,10 +297,12 @@ def autocast_terms(p: LayerProfile, ctx: Context, seq_div: int) -> AutocastTerms
     """Per micro-batch, on one GPU, what torch.autocast over fp32 parameters costs beyond 16-bit weights and
     activations (runtime.parallelize.apply_mixed_precision). Measured on an H200 (session 12, benchmarks/gpu/:
     saved.py counts what a micro-batch keeps, kernel_time.py where the step's time goes):
-    - weights: each GEMM weight is cast to 16 bits in the forward (read 4, write 2 bytes) and autocast keeps the
-      copy for the backward (2 bytes per parameter per micro-batch in flight: 1.99-2.00 measured); each 16-bit
+    - weights: each GEMM weight is cast to 16 bits once per step (read 4, write 2 bytes: in
+      estimate.optimizer_time, a per-step pass) and the copy is kept for the whole step (2 bytes per parameter,
+      `weight_copies`: Trainer._context holds one autocast cache over the step's forwards; before it, every
+      micro-batch made and kept its own, 1.99-2.00 bytes per parameter per micro-batch measured); each 16-bit
       weight gradient is cast to an fp32 temporary (read 2, write 4) that AccumulateGrad adds into .grad (read 4 +
-      4, write 4): 6 bytes per parameter forward, 18 backward;
+      4, write 4): 18 bytes per parameter per micro-batch in backward;
     - activations: the residual stream is fp32 (the embedding's output and every residual add are), so a norm
       reads and writes 4-byte elements and keeps its fp32 input (2 bytes more per element than the profile's
       16-bit count: 8.0-8.1 bytes per token and hidden unit measured for a block's two norms), and every linear
@@ -319,10 +324,10 @@ def autocast_terms(p: LayerProfile, ctx: Context, seq_div: int) -> AutocastTerms
     readers = _norm_readers(p)
     n_norms, n_reads = len(readers), sum(readers)
     adds = 2 if p.kind == "block" else 0
-    fwd = 6 * weights + tok * h * (6 * n_reads + 4 * n_norms + 6 * adds)
+    fwd = tok * h * (6 * n_reads + 4 * n_norms + 6 * adds)
     bwd = 18 * weights + tok * h * (6 * n_reads + 12 * (n_reads - n_norms) + 8 * n_norms)
     saved_act = tok * h * (2 * n_norms + 2 * (n_reads - n_norms))
-    return AutocastTerms(fwd_bytes=fwd, bwd_bytes=bwd, saved=2 * weights + saved_act,
+    return AutocastTerms(fwd_bytes=fwd, bwd_bytes=bwd, saved=saved_act, weight_copies=2 * weights,
                          saved_full=tok * (p.act_input / 2) * 2 if p.kind == "block" else 0.0)
 
 
@@ -432,5 +437,5 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         params_local=params, expert_params_local=expert,
         model_flops=gemm_flops + attn_flops, recompute_flops_selective=rec_sel_flops,
         recompute_flops_full=gemm_flops + attn_flops, checkpoint_selective_s=ckpt_sel, checkpoint_full_s=ckpt_full,
-        loss_transient=loss_transient(p, ctx),
+        loss_transient=loss_transient(p, ctx), weight_copies=ac.weight_copies,
     )

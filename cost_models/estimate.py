@@ -85,6 +85,7 @@ class StageCost:
     vocab_grad_extra: float = 0.0  # the embedding's whole-vocabulary gradient beyond its shard (`embedding_grad_extra`)
     sp_grads: tuple[int, float] = (0, 0.0)  # (tensors, elements) whose gradient is a partial sum over tp (`sp_partial_grads`)
     loss_transient: float = 0.0  # the loss's transient on the head's stage (compute.loss_transient)
+    weight_copies: float = 0.0  # autocast's 16-bit weight copies, once per rank for the step (compute.autocast_terms)
 
 
 @dataclass
@@ -236,6 +237,7 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
                             + ([sp_partial_grads(profiles[-1])] if has_head else []))
         if ctx.sp and ctx.tp > 1 else (0, 0.0),
         loss_transient=cached_layer_cost(profiles[-1], ctx).loss_transient if has_head else 0.0,
+        weight_copies=sum(c.weight_copies for c, _ in parts),
     )
 
 
@@ -481,6 +483,7 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     per_mb = sum(s.act_per_mb for s in stages) / max(1, len(stages))  # one chunk's worth, averaged
     chunks = len(stages)
     m.activations = rank_inflight * per_mb * chunks + max((s.act_peak_extra for s in stages), default=0.0)
+    m.activations += sum(s.weight_copies for s in stages)  # kept by autocast once for the step, every layer's
     other = cluster.gpu.calibration.framework_overhead_gib * GIB
     # the loss's transient (autoplan's runtime): booked with the fixed overheads, so the peak adds it to the largest
     # backward transient rather than taking the larger (conservative by the smaller of the two; the search's
@@ -717,6 +720,11 @@ def optimizer_time(params: float, shards: int, cluster: ClusterSpec, training: T
         g = training.grad_bytes
         per += (g + 4 if g < 4 else 0) + (8 if training.dtype == "fp16" else 0) + 4
         whole = g
+    if training is not None and training.autocast_fp32_params and training.dtype in ("bf16", "fp16"):
+        # autoplan's runtime casts every (unsharded) weight to 16 bits once per step, in the first forward
+        # (compute.autocast_terms): read 4, write 2 bytes. Counted over all the rank's parameters; the norms and an
+        # untied embedding are not cast (a few percent of them, a ms at 8B)
+        whole += 6
     return (params / shards * per + params * whole) / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
 
 

@@ -504,13 +504,14 @@ class _Searcher:
         by_uid: dict[int, BlockCost] = {}
         for u in self.costs.block_counts:
             extra = (self.zero3_extra(mesh, lc[u]) if kn.zero >= 3 else 0.0) + self.accum(lc[u])
-            by_uid[u] = _block_cost(lc[u], dense_b, expert_b, extra)
+            by_uid[u] = _block_cost(lc[u], dense_b, expert_b, extra, lc[u].weight_copies)
         e, h = lc[self.costs.uid[0]], lc[self.costs.uid[-1]]
         emb_x, head_x = self.costs.ends_static(mesh, kn.zero)
-        emb = _block_cost(e, dense_b, expert_b, self.accum(e), emb_x)
+        emb = _block_cost(e, dense_b, expert_b, self.accum(e), emb_x + e.weight_copies)
         # the loss's transient, held once by the head's rank whatever its in-flight micro-batches (estimate books it
         # with that rank's fixed overheads): bytes that do not scale, as the head's static ones
-        head = _block_cost(h, dense_b, expert_b, self.accum(h) + self.accum_tied(mesh), head_x + h.loss_transient)
+        head = _block_cost(h, dense_b, expert_b, self.accum(h) + self.accum_tied(mesh),
+                           head_x + h.loss_transient + h.weight_copies)
         m = self.micro_batches(mesh)
         infl = tuple(in_flight(kn.schedule, mesh.pp, m, kn.vp))
         caps = []

@@ -345,3 +345,43 @@ def test_step_timer_waits_for_the_device_before_every_clock_read():
     assert calls[0] == "sync" and calls[1] == "start"
     assert calls.count("sync") == 1 + 3  # entering, backward's push and pop, the final flush
     assert set(t.buckets) == {"forward", "backward"}
+
+
+def test_a_bf16_step_casts_each_weight_once_for_all_its_micro_batches():
+    """Autocast keeps one 16-bit copy of each weight for the whole step (Trainer._context's outer region), not one
+    per micro-batch: the copies the step's forwards save for backward are one storage per weight."""
+    import torch
+    import torch.distributed as dist
+
+    from autoplan.api import make_plan
+    from autoplan.runtime.data import SyntheticDataset
+    from autoplan.runtime.engine import Trainer
+    from autoplan.runtime.parallel_dims import ParallelDims
+    from autoplan.specs import TrainingSpec, load_cluster, load_model
+
+    model = load_model("tiny-gpt")
+    plan = make_plan(model, load_cluster("local-cpu", gpus=1),
+                     TrainingSpec(global_batch_size=4, seq_length=32, dtype="bf16", kernels="torch"), "mbs=1")
+    assert dist.is_available() and not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dims = ParallelDims.from_plan(plan, 1)
+        dims.build_mesh()
+        trainer = Trainer(plan, dims, device=torch.device("cpu"), seed=0)
+        shapes = {tuple(sorted(p.shape)) for p in trainer.pm.modules[0].parameters() if p.dim() == 2}
+        copies: list[int] = []
+
+        def pack(t):
+            if t.dtype == torch.bfloat16 and t.dim() == 2 and tuple(sorted(t.shape)) in shapes:
+                copies.append(t.untyped_storage().data_ptr())
+            return t
+
+        data = SyntheticDataset(model.vocab_size, 32, 4, seed=0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            res = trainer.step(data.batch(0))
+    finally:
+        dist.destroy_process_group()
+    assert trainer.n_micro == 4 and res.loss == res.loss  # four micro-batches, a finite loss
+    # tiny-gpt: 4 blocks x (wq, wk, wv, wo, w1, w2) + the tied head = 25 weights, each saved once per micro-batch
+    assert len(copies) == 4 * 25
+    assert len(set(copies)) == 25
