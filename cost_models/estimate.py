@@ -331,7 +331,7 @@ def runtime_per_param(*, dp: int, cp: int, tp: int, pp: int, ep: int, zero: int,
       `memory_of_rank` divides by dp x cp / ep is whole)."""
     n = dp * cp
     w, g = training.weight_bytes, training.grad_bytes
-    opt = (0 if training.dtype in ("fp32", "tf32") else 4) + 8
+    opt = training.master_bytes + 8
     if uses_replicate(tp=tp, zero=zero, dp_cp=n):
         dense_w = float(w)
     elif n > 1 and zero in (1, 2):
@@ -464,7 +464,7 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     shard_e = max(1, shard_d // cfg.ep)
     w_bytes = training.weight_bytes
     g_bytes = training.grad_bytes
-    master = 0 if training.dtype in ("fp32", "tf32") else 4
+    master = training.master_bytes
     opt_bytes = master + 8  # fp32 master copy + Adam first and second moments
     params_eff = dense + expert
     sharded = dense / shard_d + expert / shard_e

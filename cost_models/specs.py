@@ -442,13 +442,27 @@ class TrainingSpec(_Frozen):
         return self.kernels == "fused"
 
     @property
+    def fp32_params(self) -> bool:
+        """Parameters and their gradients are fp32 tensors: fp32 training, or 16-bit compute under autocast
+        (`autocast_fp32_params`, autoplan's runtime), whose casts exist only inside the step."""
+        return self.dtype in ("fp32", "tf32") or (self.autocast_fp32_params and self.dtype in ("bf16", "fp16"))
+
+    @property
     def weight_bytes(self) -> int:
-        """Bytes per parameter of the weights the GEMMs read (16-bit copies in mixed precision)."""
-        return 4 if self.dtype in ("fp32", "tf32") else 2
+        """Bytes per parameter of the weights as held and moved (ZeRO-3's gathers): fp32 under `fp32_params`, else
+        the 16-bit copies of Megatron-style mixed precision (whose fp32 master is optimizer state)."""
+        return 4 if self.fp32_params else 2
+
+    @property
+    def master_bytes(self) -> int:
+        """The optimizer's fp32 master copy per parameter: none where the parameters are fp32 already."""
+        return 0 if self.fp32_params else 4
 
     @property
     def grad_bytes(self) -> int:
-        if self.dtype in ("fp32", "tf32"):
+        """Bytes per gradient element held and reduced: fp32 under `fp32_params` (autoplan's runtime reduces the
+        parameters' own fp32 gradients: DDP, and FSDP2 with no MixedPrecisionPolicy), else the reduce dtype."""
+        if self.fp32_params:
             return 4
         return DTYPE_BYTES[self.grad_reduce_dtype or ("bf16" if self.dtype == "fp8" else self.dtype)]
 

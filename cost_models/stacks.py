@@ -73,7 +73,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                 "cross-entropy eager); 16-bit compute under torch.autocast over fp32 parameters "
                 "(autocast_fp32_params); "
                 "gradient reduce overlapped with the backward and ZeRO gathers with the forward (FSDP2); "
-                "TP collectives not overlapped; gradients reduced in the compute dtype; memory as the runtime holds "
+                "TP collectives not overlapped; parameters and gradients fp32 in memory and on the wire "
+                "(autocast_fp32_params); memory as the runtime holds "
                 "it (FSDP2's parameter copies, whole experts, the embedding's whole gradient: runtime_memory); a tied "
                 "embedding's all-reduce under pp moves the rank's FSDP2 gradient shard",
         source="runtime/parallelize.py (apply_dp, apply_fused_kernels)",

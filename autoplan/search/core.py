@@ -195,7 +195,7 @@ class CostTable:
         self._layer: dict[tuple, list[LayerCost]] = {}
         self.w_bytes = training.weight_bytes
         self.g_bytes = training.grad_bytes
-        self.opt_bytes = (0 if training.dtype in ("fp32", "tf32") else 4) + 8
+        self.opt_bytes = training.master_bytes + 8
         self.profiles = profiles
         self._static: dict[tuple, tuple[float, float]] = {}
         self._crowded: dict[tuple, ClusterSpec] = {}  # `cluster_for`
