@@ -373,7 +373,7 @@ class TrainingSpec(_Frozen):
     grad_reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
         default=None,
         description="Dtype gradients are accumulated and reduced in; None = the compute dtype (Megatron-Core's "
-        "default, grad_reduce_in_fp32=False).",
+        "default, grad_reduce_in_fp32=False). Ignored under autocast_fp32_params (the gradients are fp32).",
     )
     flash_attention: bool = Field(
         default=True, description="Attention is one fused kernel (flash); false = explicit softmax and masks."
@@ -468,8 +468,9 @@ class TrainingSpec(_Frozen):
 
     kernels: Literal["fused", "torch", "megatron"] = Field(
         default="fused",
-        description="Kernel set: 'fused' = autoplan's Triton kernels (fused norms, activations, RoPE, chunked "
-        "cross-entropy); 'torch' = eager PyTorch ops; 'megatron' = Megatron-LM/TE's (fused norms and "
+        description="Kernel set: 'fused' = autoplan's Triton kernels as its runtime substitutes them (fused norms "
+        "and activations; RoPE and the cross-entropy eager); 'torch' = eager PyTorch ops; 'megatron' = "
+        "Megatron-LM/TE's (fused norms and "
         "activations, fp32 cross-entropy over materialised logits), used to model the published runs.",
     )
 
