@@ -62,7 +62,9 @@ def measure_compute(device: str, dtype_name: str) -> dict:
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    batch = 1 if device == "cpu" else 10
+    from .calibrate_bench import calls_per_sync
+
+    batch = calls_per_sync(device)
     rates = {}
     for n in _SIZES if device == "cpu" else _GPU_SIZES:
         a = torch.randn(n, n, device=device, dtype=dtype)

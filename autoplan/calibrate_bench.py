@@ -59,6 +59,13 @@ def model_gemm_shapes(model_ref: str, seq: int, mbs: int, max_tp: int) -> list[t
     return sorted(shapes)
 
 
+def calls_per_sync(device: str) -> int:
+    """Calls a timing makes back to back before it synchronises: on a GPU 10, as a training step makes them, so
+    the ~20 us of a launch plus a synchronisation (session 12, H200) stays out of each call's time; on the CPU,
+    which runs each call as it is made, 1."""
+    return 1 if device == "cpu" else 10
+
+
 def bench_gemms(shapes, device: str, dtype_name: str) -> list[dict]:
     """Each shape's median time over a few calls, with `call_s`: the median time of a 1x1x1 GEMM in the same
     loop, i.e. what the loop itself costs per call (Python, dispatcher, launch, synchronisation). The fit adds it
@@ -68,9 +75,7 @@ def bench_gemms(shapes, device: str, dtype_name: str) -> list[dict]:
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    # on a GPU, calls back to back as a training step makes them (one synchronisation per batch): call_s is then
-    # the launch cost in a queue, not the ~20 us of a launch plus a synchronisation (session 12, H200)
-    batch = 1 if device == "cpu" else 10
+    batch = calls_per_sync(device)
 
     def median_call(a, b) -> float:
         torch.mm(a, b)

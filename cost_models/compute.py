@@ -311,8 +311,7 @@ def autocast_terms(p: LayerProfile, ctx: Context, seq_div: int) -> AutocastTerms
       profile's 34 + 4 + 4); in backward each cast's gradient is cast back (read 2, write 4) and the readers'
       gradients are summed in fp32; the two residual adds read and write fp32;
     - a fully recomputed block keeps its fp32 input (2 bytes more per element than act_input counts)."""
-    t = ctx.training
-    if not t.autocast_fp32_params or t.dtype not in ("bf16", "fp16"):
+    if not ctx.training.autocast:
         return AutocastTerms()
     weights = 0.0
     for g in p.gemms:

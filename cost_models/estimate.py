@@ -236,7 +236,7 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
                             + ([sp_partial_grads(profiles[0])] if has_emb else [])
                             + ([sp_partial_grads(profiles[-1])] if has_head else []))
         if ctx.sp and ctx.tp > 1 else (0, 0.0),
-        loss_transient=cached_layer_cost(profiles[-1], ctx).loss_transient if has_head else 0.0,
+        loss_transient=sum(c.loss_transient for c, _ in parts),  # the head's, where the stage has it
         weight_copies=sum(c.weight_copies for c, _ in parts),
     )
 
@@ -720,7 +720,7 @@ def optimizer_time(params: float, shards: int, cluster: ClusterSpec, training: T
         g = training.grad_bytes
         per += (g + 4 if g < 4 else 0) + (8 if training.dtype == "fp16" else 0) + 4
         whole = g
-    if training is not None and training.autocast_fp32_params and training.dtype in ("bf16", "fp16"):
+    if training is not None and training.autocast:
         # autoplan's runtime casts every (unsharded) weight to 16 bits once per step, in the first forward
         # (compute.autocast_terms): read 4, write 2 bytes. Counted over all the rank's parameters; the norms and an
         # untied embedding are not cast (a few percent of them, a ms at 8B)

@@ -442,10 +442,15 @@ class TrainingSpec(_Frozen):
         return self.kernels == "fused"
 
     @property
+    def autocast(self) -> bool:
+        """16-bit compute under torch.autocast over fp32 parameters (`autocast_fp32_params` in bf16 or fp16)."""
+        return self.autocast_fp32_params and self.dtype in ("bf16", "fp16")
+
+    @property
     def fp32_params(self) -> bool:
-        """Parameters and their gradients are fp32 tensors: fp32 training, or 16-bit compute under autocast
-        (`autocast_fp32_params`, autoplan's runtime), whose casts exist only inside the step."""
-        return self.dtype in ("fp32", "tf32") or (self.autocast_fp32_params and self.dtype in ("bf16", "fp16"))
+        """Parameters and their gradients are fp32 tensors: fp32 training, or `autocast`, whose 16-bit casts exist
+        only inside the step."""
+        return self.dtype in ("fp32", "tf32") or self.autocast
 
     @property
     def weight_bytes(self) -> int:

@@ -25,7 +25,7 @@ from autoplan.zoo.model import cross_entropy_loss
 from .data import local_batch
 from .faults import StopFlag
 from .parallel_dims import ParallelDims
-from .parallelize import ParallelModel, is_expert_param, load_balanced_positions, parallelize
+from .parallelize import ParallelModel, autocast_dtype, is_expert_param, load_balanced_positions, parallelize
 from .timing import STEP_TAIL
 
 
@@ -126,7 +126,7 @@ class Trainer:
             from torch.distributed.tensor.parallel import loss_parallel
 
             stack.enter_context(loss_parallel())
-        if self.plan.training.dtype in ("bf16", "fp16"):
+        if autocast_dtype(self.plan.training.dtype) is not None:
             # One autocast weight cache for the whole step. Each forward runs under its own autocast region
             # (parallelize.apply_mixed_precision), and autocast drops its cache of 16-bit weight copies when the
             # outermost region exits: alone, every micro-batch cast every weight again and kept its own copy for

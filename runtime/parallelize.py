@@ -346,11 +346,16 @@ def canonical_name(name: str) -> str:
 # ----------------------------------------------------------------------------------- 6. mixed precision
 
 
+def autocast_dtype(dtype: str) -> torch.dtype | None:
+    """The 16-bit type a plan's forward computes in under autocast (bf16, fp16); None: fp32, no autocast."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+
+
 def apply_mixed_precision(model: nn.Module, dtype: str, device_type: str) -> list[str]:
     """bf16/fp16: autocast around the forward; parameters (the master weights) and optimizer state stay fp32."""
-    if dtype not in ("bf16", "fp16"):
+    amp = autocast_dtype(dtype)
+    if amp is None:
         return ["fp32 (no autocast)"]
-    amp = torch.bfloat16 if dtype == "bf16" else torch.float16
     forward = model.forward
 
     @functools.wraps(forward)
