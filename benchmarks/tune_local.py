@@ -51,7 +51,14 @@ from autoplan.cost_models.errors import AutoplanError  # noqa: E402
 from autoplan.cost_models.fit import COMPONENTS, RunSample, TimedComponents, predicted_component  # noqa: E402
 from autoplan.plan import Plan  # noqa: E402
 from autoplan.specs import TrainingSpec, load_cluster, load_model  # noqa: E402
-from autoplan.tune.core import Candidate, prepare_cluster, run_candidate, run_sample, tune  # noqa: E402
+from autoplan.tune.core import (  # noqa: E402
+    Candidate,
+    launch_spread,
+    prepare_cluster,
+    run_candidate,
+    run_sample,
+    tune,
+)
 from autoplan.tune.records import RunLog  # noqa: E402
 
 # Layouts to hold out: every parallelism the runtime runs on 4 processes, alone and combined.
@@ -174,9 +181,9 @@ def spread_line(held_launches: list[list[float]], tuned_launches: list[list[floa
     out and tuned: the machine's own run-to-run noise, against which the held-out error is to be read. Nothing is
     corrected by it."""
     def med(groups):
-        spreads = [max(g) / min(g) - 1 for g in ([t for t in g if t] for g in groups) if len(g) >= 2]
-        return (f"median {100 * statistics.median(spreads):.0f}% over {len(spreads)}" if spreads
-                else "not repeated")
+        spread = launch_spread(groups)
+        repeated = sum(1 for g in groups if len([t for t in g if t]) >= 2)
+        return f"median {100 * spread:.0f}% over {repeated}" if spread is not None else "not repeated"
     return (f"run-to-run: launches of one layout differ by (max/min - 1) held-out {med(held_launches)}, "
             f"tuned {med(tuned_launches)}")
 

@@ -143,9 +143,26 @@ def render_tune(con, result, args) -> None:
     if fastest is not None:
         con.print(f"measured fastest: {fastest.config} at {fastest.measured_s * 1e3:.1f} ms/step"
                   + (f" -> {args.output}" if args.output else ""))
+        con.print(spread_note(result))
     if result.refit_choice:
         m = result.refit_choice_measured_s
         con.print(f"search with the refit cluster picks {result.refit_choice}"
                   + (f" (measured {m * 1e3:.1f} ms)" if m else " (not measured by this tune)"))
     if args.cluster_out and fit is not None:
         con.print(f"refit cluster -> {args.cluster_out} (use it with --cluster)")
+
+
+def spread_note(result) -> str:
+    """What the measurements can tell apart: the launches' spread and the candidates it leaves tied with the
+    fastest, or how to learn the spread when every candidate ran once."""
+    spread = result.spread
+    if spread is None:
+        return ("[dim]each candidate launched once: launches of one plan can differ by 10-30% on a shared host; "
+                "--repeats 2 or more shows how much here[/dim]")
+    ties = result.ties()
+    line = f"launches of one candidate differ by {100 * spread:.0f}% (median max/min - 1)"
+    if not ties:
+        return line + "; the fastest leads every other candidate by more than that"
+    names = ", ".join(c.config.split(",schedule")[0] for c in ties)
+    return (f"[yellow]{line}; within that of the fastest, so not told apart from it by these runs: {names}"
+            "[/yellow] (more --repeats, or longer --steps, to separate them)")

@@ -26,6 +26,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -120,6 +121,21 @@ class TuneResult:
     def fastest(self) -> Candidate | None:
         return min(self.measured, key=lambda c: c.measured_s, default=None)
 
+    @property
+    def spread(self) -> float | None:
+        """How far apart launches of one candidate measured: the median over repeated candidates of
+        max / min - 1 (`launch_spread`); None when no candidate was launched twice (`--repeats 1`)."""
+        return launch_spread([c.launches for c in self.measured])
+
+    def ties(self) -> list[Candidate]:
+        """The other measured candidates within the launches' spread of the fastest: on this machine their order
+        against it is not measured, only guessed (interference moves one launch by that much). Empty without a
+        spread."""
+        best, spread = self.fastest, self.spread
+        if best is None or spread is None:
+            return []
+        return [c for c in self.measured if c is not best and c.measured_s <= best.measured_s * (1 + spread)]
+
     def as_json(self) -> dict:
         fastest = self.fastest
         return {
@@ -130,6 +146,8 @@ class TuneResult:
                             "wall_s": c.wall_s}
                            for c in self.candidates],
             "fastest": fastest.config if fastest else None,
+            "launch_spread": self.spread,
+            "ties_with_fastest": [c.config for c in self.ties()],
             "refit_choice": self.refit_choice,
             "refit_choice_measured_s": self.refit_choice_measured_s,
             "fit": None if self.fit is None else {
@@ -273,6 +291,14 @@ def relaunch(c: Candidate, workdir: Path, **kw) -> None:
     c.launches.append(again.measured_s)
     if c.measured_s is None or again.measured_s < c.measured_s:
         c.measured_s, c.log = again.measured_s, again.log
+
+
+def launch_spread(groups) -> float | None:
+    """The machine's run-to-run noise as repeated launches show it: for each group of launch times of one plan
+    with at least two (None entries, failed launches, left out), max / min - 1; the median over groups. None when
+    no plan was launched twice."""
+    spreads = [max(g) / min(g) - 1 for g in ([t for t in g if t] for g in groups) if len(g) >= 2]
+    return statistics.median(spreads) if spreads else None
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -6,7 +6,8 @@ import pytest
 
 from autoplan.cli import main
 from autoplan.specs import TrainingSpec, load_cluster, load_model
-from autoplan.tune.core import Candidate, TuneResult, fastest_plan, refit, select_candidates
+from autoplan.tune.cli import spread_note
+from autoplan.tune.core import Candidate, TuneResult, fastest_plan, launch_spread, refit, select_candidates
 
 
 def _workload():
@@ -45,6 +46,38 @@ def test_refit_on_fake_measurements_and_the_fastest_plan():
     best = fastest_plan(result)
     assert best.parallel == result.fastest.plan.parallel
     assert best.prediction.step_time_s == pytest.approx(result.fastest.measured_s, rel=0.02)
+
+
+def test_launch_spread_is_the_median_over_repeated_plans():
+    # 20% and 50% apart; a single launch has no spread; a failed launch (None) is left out
+    assert launch_spread([[0.10, 0.12], [0.20, 0.20, 0.30], [0.5], [1.0, None]]) == pytest.approx(0.35)
+    assert launch_spread([[0.1], []]) is None
+
+
+def _timed(cands, launches):
+    for c, ls in zip(cands, launches, strict=True):
+        c.launches, c.measured_s = list(ls), min(ls)
+    return TuneResult(candidates=cands, fit=None)
+
+
+def test_candidates_within_the_launch_spread_of_the_fastest_are_reported_as_ties():
+    model, cluster, training = _workload()
+    cands = select_candidates(model, cluster, training, top=2, diverse=2, kernels="torch")
+    # spreads 10%, 20%, 5%, 15% -> median 12.5%; fastest 100 ms: 110 is within it, 120 and 150 are not
+    result = _timed(cands, [[0.100, 0.110], [0.110, 0.132], [0.120, 0.126], [0.150, 0.1725]])
+    assert result.spread == pytest.approx(0.125)
+    assert [c.config for c in result.ties()] == [cands[1].config]
+    js = result.as_json()
+    assert js["launch_spread"] == pytest.approx(0.125) and js["ties_with_fastest"] == [cands[1].config]
+    note = spread_note(result)
+    assert "differ by 12%" in note and cands[1].config.split(",schedule")[0] in note
+    assert cands[2].config.split(",schedule")[0] not in note
+    # the same runs with the runner-up further away: no tie
+    clear = _timed(cands, [[0.100, 0.110], [0.130, 0.156], [0.120, 0.126], [0.150, 0.1725]])
+    assert clear.ties() == [] and "leads every other candidate" in spread_note(clear)
+    # launched once each: no spread to judge by, and the note says how to get one
+    once = _timed(cands, [[0.100], [0.101], [0.120], [0.150]])
+    assert once.spread is None and once.ties() == [] and "--repeats" in spread_note(once)
 
 
 def test_refit_with_nothing_measured_is_none():
