@@ -47,6 +47,41 @@ class Context:
     def act_bytes(self) -> int:
         return DTYPE_BYTES[self.training.dtype] if self.training.dtype != "fp8" else 2
 
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes per element of the residual stream, the norms' outputs and their gradients: the activations'
+        dtype, except under autocast over fp32 parameters (TrainingSpec.autocast), where the embedding's output,
+        the residual adds and the norms stay fp32 and only the matmuls' outputs are 16-bit (measured on the
+        wire: benchmarks/counts.py --dtype bf16, tensor and expert parallel collectives)."""
+        return 4 if self.training.autocast else self.act_bytes
+
+
+def tp_units(p: LayerProfile, ctx: Context) -> tuple[dict[str, float], dict[str, float]]:
+    """A layer's tensor-parallel traffic per reduction point and micro-batch, (forward, backward), each a map
+    collective -> bytes. A block's forward reduces its row-parallel linears' outputs (matmul outputs, activation
+    dtype) and its backward the gradients of its column-parallel linears' input (a norm's output:
+    `residual_bytes`); the embedding's output and the LM head's input gradient are the residual stream. With sp
+    each reduction point is a reduce-scatter and an all-gather: a block's forward gathers the norm's output and
+    scatters the linear's, its backward the reverse."""
+    unit = ctx.tokens * p.hidden
+    e, r = ctx.act_bytes, ctx.residual_bytes
+    block = p.kind == "block"
+    if ctx.sp:
+        if block:
+            return ({"all_gather": unit * r, "reduce_scatter": unit * e},
+                    {"reduce_scatter": unit * r, "all_gather": unit * e})
+        both = {"reduce_scatter": unit * r, "all_gather": unit * r}
+        return both, dict(both)
+    return {"all_reduce": unit * (e if block else r)}, {"all_reduce": unit * r}
+
+
+def ep_routed_bytes(p: LayerProfile, ctx: Context) -> tuple[float, float]:
+    """Bytes of one MoE layer's (dispatch, combine) all-to-all per micro-batch, forward or backward (the
+    backward sends each gradient back the same way): the dispatched tokens are the norm's output
+    (`residual_bytes`), the combined ones the experts' matmul outputs."""
+    routed = ctx.tokens * p.moe_top_k * p.hidden
+    return routed * ctx.residual_bytes, routed * ctx.act_bytes
+
 
 @dataclass(frozen=True)
 class LayerCost:
@@ -162,16 +197,13 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
     if ctx.tp <= 1 or p.tp_allreduces == 0:
         return 0.0, 0.0
     grp = comm.group_of(ctx.cluster, ctx.tp, 1)
-    nbytes = ctx.tokens * p.hidden * ctx.act_bytes
     # With sp, each all-reduce becomes a reduce-scatter + all-gather pair: the same bytes and hops on an NCCL
     # ring, but more on gloo (whose reduce-scatter is a whole all-reduce, see comm.reduce_scatter).
-    if ctx.sp:
-        one = comm.reduce_scatter(ctx.cluster, grp, nbytes) + comm.all_gather(ctx.cluster, grp, nbytes)
-    else:
-        one = comm.all_reduce(ctx.cluster, grp, nbytes)
+    run = {"all_reduce": comm.all_reduce, "reduce_scatter": comm.reduce_scatter, "all_gather": comm.all_gather}
+    one_f, one_b = (sum(run[c](ctx.cluster, grp, b) for c, b in u.items()) for u in tp_units(p, ctx))
     n_fwd = p.tp_allreduces if p.kind != "head" else 0
     n_bwd = p.tp_allreduces if p.kind != "embedding" else 0
-    fwd, bwd = n_fwd * one, n_bwd * one
+    fwd, bwd = n_fwd * one_f, n_bwd * one_b
     if ctx.training.tp_comm_overlap:
         # Chunked overlap (Megatron userbuffers): only the first of tp chunks is exposed, plus whatever
         # the GEMMs it pipelines with cannot hide.
@@ -220,9 +252,8 @@ def _ep_comm(p: LayerProfile, ctx: Context) -> tuple[float, float]:
     if not p.moe_top_k or ctx.ep <= 1:
         return 0.0, 0.0
     grp = comm.group_of(ctx.cluster, ctx.ep, ctx.tp * ctx.cp)
-    nbytes = ctx.tokens * p.moe_top_k * p.hidden * ctx.act_bytes / (ctx.tp if ctx.sp else 1)
-    one = comm.all_to_all(ctx.cluster, grp, nbytes)
-    return 2 * one, 2 * one
+    one = sum(comm.all_to_all(ctx.cluster, grp, b / (ctx.tp if ctx.sp else 1)) for b in ep_routed_bytes(p, ctx))
+    return one, one
 
 
 def _eager_extra_bytes(p: LayerProfile, ctx: Context, seq_div: int) -> tuple[float, float]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .compute import Context, _attention
+from .compute import Context, _attention, ep_routed_bytes, tp_units
 from .estimate import (
     StageCost,
     StageLayout,
@@ -129,21 +129,21 @@ def layer_flops(p: LayerProfile, ctx: Context, recompute: str) -> dict[str, floa
 def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times: float) -> None:
     """TP, CP and EP collectives of one layer, forward and backward, `times` micro-batches."""
     e = ctx.act_bytes
-    tok = ctx.tokens
     if ctx.tp > 1:
         # Per block: the two row-parallel outputs in forward, the two column-parallel inputs' gradients in
         # backward. The vocab-parallel embedding reduces its output in forward; the LM head (column-parallel over
         # the vocabulary) reduces its input's gradient in backward. With sp each becomes a reduce-scatter and an
-        # all-gather (forward and backward swap them).
+        # all-gather (forward and backward swap them). Bytes per point: compute.tp_units.
         # A MoE block's experts are not tensor-parallel: only its attention reduces.
-        nbytes = tok * p.hidden * e
         per_block = 1 if p.moe_top_k else p.tp_allreduces
         n_f = {"block": per_block, "embedding": 1, "head": 0}[p.kind]
         n_b = {"block": per_block, "embedding": 0, "head": 1}[p.kind]
         if recompute == "full":  # the recomputed forward reduces again, except after the last GEMM (early stop)
             n_f += 1 if not p.moe_top_k else per_block
-        for coll in (("reduce_scatter", "all_gather") if ctx.sp else ("all_reduce",)):
-            comm.add(coll, "tp", nbytes, times * (n_f + n_b))
+        fwd, bwd = tp_units(p, ctx)
+        for units, n in ((fwd, n_f), (bwd, n_b)):
+            for coll, nbytes in units.items():
+                comm.add(coll, "tp", nbytes, times * n)
     if ctx.cp > 1 and p.attention is not None:
         a = p.attention
         kv_full = ctx.mbs * ctx.seq * (a.kv_heads / min(ctx.tp, a.kv_heads)) * a.head_dim * e
@@ -151,10 +151,10 @@ def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times
         comm.add("all_gather", "cp", kv_full, times * gathers)
         comm.add("all_to_all", "cp", kv_full, times * 2)  # their gradients back to the owners
     if ctx.ep > 1 and p.moe_top_k:
-        routed = tok * p.moe_top_k * p.hidden * e
-        n_fwd = 2 * (2 if recompute == "full" else 1)
-        comm.add("all_to_all", "ep", p.moe_experts * _COUNT_BYTES, times * (n_fwd // 2))
-        comm.add("all_to_all", "ep", routed, times * (n_fwd + 2))
+        passes = 2 if recompute == "full" else 1  # forward passes; one backward sends both gradients back
+        comm.add("all_to_all", "ep", p.moe_experts * _COUNT_BYTES, times * passes)
+        for routed in ep_routed_bytes(p, ctx):  # dispatch, combine
+            comm.add("all_to_all", "ep", routed, times * (passes + 1))
 
 
 def boundary_bytes(profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig, training: TrainingSpec) -> float:

@@ -173,6 +173,33 @@ def test_memory_of_rank_counts_a_checkpoint_input_and_the_fp32_softmax_once():
     assert layer_cost(head, amp).weight_copies == pytest.approx(2 * weight)
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_bytes_under_autocast_follow_the_dtype_of_what_is_reduced(sp):
+    """Autocast over fp32 parameters: a block's forward reduces bf16 matmul outputs (2 bytes), its backward the
+    fp32 gradients of the norms' outputs (4), the embedding and the head the fp32 residual stream; 16-bit
+    parameters (autocast off) move 2 bytes everywhere. Measured: tests/dist/test_counts.py."""
+    from autoplan.cost_models.compute import tp_units
+    from autoplan.cost_models.estimate import context
+    from autoplan.cost_models.profile import profile_from_spec
+
+    plan = _plan("dp=2,tp=2" + (",sp=1" if sp else ""))
+    profiles = profile_from_spec(plan.model)
+    amp = context(plan.cluster, plan.training.model_copy(update={"dtype": "bf16"}), plan.parallel)
+    half = context(plan.cluster, plan.training.model_copy(update={"dtype": "bf16", "autocast_fp32_params": False}),
+                   plan.parallel)
+    unit = amp.tokens * profiles[1].hidden
+    fwd, bwd = tp_units(profiles[1], amp)
+    if sp:
+        assert fwd == {"all_gather": 4 * unit, "reduce_scatter": 2 * unit}
+        assert bwd == {"reduce_scatter": 4 * unit, "all_gather": 2 * unit}
+    else:
+        assert (fwd, bwd) == ({"all_reduce": 2 * unit}, {"all_reduce": 4 * unit})
+    for p in (profiles[0], profiles[-1]):  # the embedding's output, the head's input gradient: fp32
+        assert all(b == 4 * unit for u in tp_units(p, amp) for b in u.values())
+    for p in profiles:
+        assert all(b == 2 * unit for u in tp_units(p, half) for b in u.values())
+
+
 def test_categories_are_compared_at_the_moment_of_the_models_kind():
     """benchmarks.counts.at_moment: the measured moment of the predicted moment's phase and place (inside a block
     or not, runtime.measure's `memory_by_moment`), else the predicted phase's largest, else the peak's."""
