@@ -67,12 +67,12 @@ def test_tune_two_processes_end_to_end(tmp_path):
         assert abs(knobs[k] / fit["after"][k] - 1) < 1e-6, (k, knobs[k], fit["after"][k])
     best = load_plan(plan_out)
     assert best.parallel.to_string() == fastest["parallel"]
-    # the written plan carries the refit prediction, within 25% of what was measured and no further than the
-    # starting cluster's give or take 5 points (the fit minimises over both runs and their components: with the
-    # measured preset the start can already be close on one run)
+    # the written plan carries the refit prediction, within 25% of what was measured. Not also "no further than
+    # the start's": the fit minimises over both runs and their components (checked above: the mean over the runs
+    # improves), and one run's row can move off a start that was close by chance (session 13's make test: 9.0%
+    # after against 3.2% before on the fastest run, while the runs' mean improved).
     err_after = abs(best.prediction.step_time_s / fastest["measured_step_time_s"] - 1)
-    err_before = abs(fastest["predicted_before_s"] / fastest["measured_step_time_s"] - 1)
-    assert err_after < min(0.25, err_before + 0.05), (err_after, err_before)
+    assert err_after < 0.25, (err_after, fastest)
     # and the refit cluster is accepted by estimate, which predicts the written plan's step time (same stage
     # layout: the search may have balanced the pipeline stages unevenly)
     layout = ",".join(str(s.layers[1] - s.layers[0]) for s in best.stages)
