@@ -24,7 +24,9 @@ def register(subparsers) -> None:
     p.add_argument("--diverse", type=int, default=3,
                    help="extra plans, each pinning one knob away from the leaders (tp, pp, dp, zero, recompute)")
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VAL", help="pin a knob, as in search")
-    p.add_argument("--steps", type=int, default=6, help="training steps per candidate (the first is warm-up)")
+    p.add_argument("--steps", type=int, default=8,
+                   help="training steps per candidate (from 5 on: steps 1-2 warm up, step 3 is profiled, the rest "
+                        "are timed)")
     p.add_argument("--budget", type=float, default=600.0, metavar="SECONDS",
                    help="stop launching candidates when the next would end past this (default 600)")
     p.add_argument("--repeats", type=int, default=1, metavar="R",
@@ -165,4 +167,4 @@ def spread_note(result) -> str:
         return line + "; the fastest leads every other candidate by more than that"
     names = ", ".join(c.config.split(",schedule")[0] for c in ties)
     return (f"[yellow]{line}; within that of the fastest, so not told apart from it by these runs: {names}"
-            "[/yellow] (more --repeats, or longer --steps, to separate them)")
+            "[/yellow] (more --repeats to separate them: a launch keeps its level over its steps)")

@@ -7,8 +7,8 @@ The procedure:
    data-parallel-only ZeRO-2, pipeline parallel, full recomputation, ZeRO-3, sequence parallel, one sequence per
    micro-batch, pure data parallel), so that every term of the cost model is exercised by a run.
 2. **Measure.** Each candidate runs for real (`torchrun -m autoplan.runtime.train`, `--steps N`, `--log`), with
-   `--profile-step` when the runtime supports it (detected from its source, without importing torch); the
-   median step time after the first step is the measurement. Candidates are run until `--budget` seconds would
+   `--profile-step` when the runtime supports it (detected from its source, without importing torch) on the
+   first steady step (`profile_step_for`); the median step time of the steps after it is the measurement. Candidates are run until `--budget` seconds would
    be exceeded by the next (judged from the runs so far); Ctrl-C stops the current run and keeps the others.
    With `--repeats R` the measured candidates are launched again, up to R launches each (each pass in the
    reverse order of the one before, while the budget lasts), and each keeps its fastest launch: on a shared
@@ -222,6 +222,13 @@ def runtime_supports(flag: str = "--profile-step") -> bool:
         return False
 
 
+def profile_step_for(steps: int) -> int:
+    """The step tune profiles (counts, memory): step 3, the first steady one -- during step 2 torch's DDP
+    rebuilds its gradient buckets and broadcasts their order from rank 0, a collective of no other step, which
+    the counts would report as a mismatch with the model -- when at least two steps follow it; else step 2."""
+    return 3 if steps >= 5 else min(2, steps)
+
+
 def runtime_supports_profile_step() -> bool:
     return runtime_supports("--profile-step")
 
@@ -270,7 +277,8 @@ def run_candidate(c: Candidate, workdir: Path, *, steps: int, profile_step: int 
         return
     try:
         c.log = read_run_log(log_path)
-        c.measured_s = c.log.measured_step_s()
+        # the steps before the profiled one are warm-up (DDP's bucket rebuild in step 2 among them)
+        c.measured_s = c.log.measured_step_s(warmup=max(1, (profile_step or 2) - 1))
     except (AutoplanError, ValueError) as e:
         c.error = str(e)[:200]
 
@@ -383,7 +391,7 @@ def refit(cluster: ClusterSpec, candidates: list[Candidate],
 
 
 def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top: int = 3, diverse: int = 3,
-         steps: int = 6, budget_s: float = 600.0, profiles=None, fix: dict[str, str] | None = None,
+         steps: int = 8, budget_s: float = 600.0, profiles=None, fix: dict[str, str] | None = None,
          kernels: str = "torch", seed_plan=None, bench: str | Path | None = None, workdir: Path | None = None,
          progress: Callable[[str, int, int], None] | None = None, run_timeout_s: float | None = None,
          repeats: int = 1) -> TuneResult:
@@ -392,7 +400,7 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top:
     cluster = prepare_cluster(cluster)
     cands = select_candidates(model, cluster, training, top=top, diverse=diverse, profiles=profiles, fix=fix,
                               kernels=kernels, seed_plan=seed_plan)
-    profile_step = min(2, steps) if runtime_supports_profile_step() else None
+    profile_step = profile_step_for(steps) if runtime_supports_profile_step() else None
     # the steps after the warm-up and the profiled one are split into time components (cheap: they run at speed)
     time_from = (profile_step or 1) + 1 if runtime_supports("--time-from") and steps > 2 else None
     result = TuneResult(candidates=cands, fit=None)
