@@ -331,7 +331,11 @@ def autocast_terms(p: LayerProfile, ctx: Context, seq_div: int) -> AutocastTerms
     - weights: each GEMM weight is cast to 16 bits once per step (read 4, write 2 bytes: in
       estimate.optimizer_time, a per-step pass) and the copy is kept for the whole step (2 bytes per parameter,
       `weight_copies`: Trainer._context holds one autocast cache over the step's forwards; before it, every
-      micro-batch made and kept its own, 1.99-2.00 bytes per parameter per micro-batch measured); each 16-bit
+      micro-batch made and kept its own, 1.99-2.00 bytes per parameter per micro-batch measured). Under
+      unpipelined FSDP2 the runtime casts in every micro-batch's forward instead (estimate.casts_once_per_step:
+      a cache across micro-batches lost gradients there); priced as `m` casts, and the copy as held once (one
+      micro-batch is in flight at a time; under full recompute the checkpoint drops it, so this over-counts by
+      up to 2 bytes per parameter, the safe way); each 16-bit
       weight gradient is cast to an fp32 temporary (read 2, write 4) that AccumulateGrad adds into .grad (read 4 +
       4, write 4): 18 bytes per parameter per micro-batch in backward;
     - activations: the residual stream is fp32 (the embedding's output and every residual add are), so a norm

@@ -566,7 +566,8 @@ def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: Cl
         dense, expert = rank_params(stages, cfg)  # a tied head's copy is reduced and stepped with the rest
         red, gather, tail = dp_sync(dense, expert, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero,
                                     cluster=cluster, training=training, units=runtime_dp_units(stages, cfg))
-        opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster, training) \
+        casts = 1 if casts_once_per_step(pp=cfg.pp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp, tp=cfg.tp) else m
+        opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster, training, casts) \
             + step_scalars_time(tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, pp=cfg.pp, ep=cfg.ep, zero=cfg.zero,
                                 experts=expert > 0, cluster=cluster)
         fsdp = fsdp_unit_time(fsdp_units(stages), dense, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp,
@@ -697,10 +698,23 @@ def param_gather_exposed(gather: float, cluster: ClusterSpec, training: Training
     return 0.1 * gather + interference(cluster, 0.9 * gather)
 
 
-def optimizer_time(params: float, shards: int, cluster: ClusterSpec, training: TrainingSpec | None = None) -> float:
+def casts_once_per_step(*, pp: int, zero: int, dp_cp: int, tp: int) -> bool:
+    """Whether autoplan's runtime, computing under autocast over fp32 parameters, casts each weight once per step
+    (one autocast cache over the step's forwards, runtime.engine.Trainer) or once per micro-batch: the latter
+    where FSDP2 manages the parameters of an unpipelined model (ZeRO >= 1, or `replicate` at ZeRO-0 with tp > 1,
+    over dp x cp > 1 ranks), where a cast cached across micro-batches lost gradients (session 13). The runtime
+    decides it from its modules (Trainer.step_cast_cache); tests/dist/test_autocast_parity.py checks the two
+    agree."""
+    fsdp2 = dp_cp > 1 and (zero >= 1 or uses_replicate(tp=tp, zero=zero, dp_cp=dp_cp))
+    return pp > 1 or not fsdp2
+
+
+def optimizer_time(params: float, shards: int, cluster: ClusterSpec, training: TrainingSpec | None = None,
+                   casts: int = 1) -> float:
     """Adam over the parameters this GPU updates (`shards` = dp*cp with ZeRO>=1, else 1): memory-bound. With
     `training.optimizer_separate_passes` (Megatron-LM's Float16OptimizerWithFloat16Params), the passes around the
-    Adam kernel that Megatron runs separately are added."""
+    Adam kernel that Megatron runs separately are added. `casts`: how many times per step autoplan's runtime
+    casts the weights to 16 bits under autocast (`casts_once_per_step`: 1, or the micro-batches)."""
     gpu = cluster.gpu
     per, whole = _ADAM_BYTES_PER_PARAM, 0.0
     if training is not None and training.optimizer_separate_passes:
@@ -721,10 +735,11 @@ def optimizer_time(params: float, shards: int, cluster: ClusterSpec, training: T
         per += (g + 4 if g < 4 else 0) + (8 if training.dtype == "fp16" else 0) + 4
         whole = g
     if training is not None and training.autocast:
-        # autoplan's runtime casts every (unsharded) weight to 16 bits once per step, in the first forward
-        # (compute.autocast_terms): read 4, write 2 bytes. Counted over all the rank's parameters; the norms and an
-        # untied embedding are not cast (a few percent of them, a ms at 8B)
-        whole += 6
+        # autoplan's runtime casts every (unsharded) weight to 16 bits once per step, in the first forward, or in
+        # every micro-batch's forward under unpipelined FSDP2 (`casts`; compute.autocast_terms): read 4, write 2
+        # bytes. Counted over all the rank's parameters; the norms and an untied embedding are not cast (a few
+        # percent of them, a ms at 8B). Booked here, with the per-step passes, in both cases.
+        whole += 6 * casts
     return (params / shards * per + params * whole) / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
 
 

@@ -117,6 +117,17 @@ class Trainer:
         # the run's stop flag: its signal travels in the loss's all-reduce, so every rank learns of a stop request
         # without a collective of its own each step
         self.stop_flag = stop_flag
+        # One autocast weight cache for the step (_context), except where FSDP2 (fully_shard, or replicate)
+        # manages the parameters of an unpipelined model: there a cast cached in one micro-batch's forward was
+        # reused by the next one's, and part of the gradients never reached FSDP2's reduction (session 13: bf16
+        # ZeRO-1/2/3 and replicate trained apart from DDP from the second step on; tests/dist/
+        # test_autocast_parity.py). Pipelined stages, which torch.distributed.pipelining keeps unsharded over
+        # the schedule, measured equal to DDP with it. The cost model spells the same rule:
+        # cost_models.estimate.casts_once_per_step.
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp = any(isinstance(m, FSDPModule) for part in self.pm.modules for m in part.modules())
+        self.step_cast_cache = dims.pp_enabled or not fsdp
 
     # ------------------------------------------------------------------ one step
 
@@ -126,14 +137,14 @@ class Trainer:
             from torch.distributed.tensor.parallel import loss_parallel
 
             stack.enter_context(loss_parallel())
-        if autocast_dtype(self.plan.training.dtype) is not None:
+        if autocast_dtype(self.plan.training.dtype) is not None and self.step_cast_cache:
             # One autocast weight cache for the whole step. Each forward runs under its own autocast region
             # (parallelize.apply_mixed_precision), and autocast drops its cache of 16-bit weight copies when the
             # outermost region exits: alone, every micro-batch cast every weight again and kept its own copy for
             # its backward (one per in-flight micro-batch under a pipeline schedule; measured on an H200, session
             # 12). Inside this disabled outer region the forwards share one copy per weight, cast once per step;
             # backward runs with autocast off as before, and the copies go when the region closes, before the
-            # optimizer changes the weights.
+            # optimizer changes the weights. (Not under unpipelined FSDP2: see __init__.)
             stack.enter_context(torch.autocast(device_type=self.device.type, enabled=False))
         return stack
 

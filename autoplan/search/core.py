@@ -53,6 +53,7 @@ from autoplan.cost_models.estimate import (
     GIB,
     Estimate,
     StageLayout,
+    casts_once_per_step,
     crowded_for,
     dp_exposed,
     dp_sync,
@@ -439,7 +440,8 @@ class _Searcher:
             red, gather, tl = dp_sync(dense, expert, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep, zero=zero,
                                       cluster=cl, training=tr,
                                       units=units if uses_replicate(tp=mesh.tp, zero=zero, dp_cp=n) else vp)
-            opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl, tr) \
+            casts = 1 if casts_once_per_step(pp=mesh.pp, zero=zero, dp_cp=n, tp=mesh.tp) else self.micro_batches(mesh)
+            opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl, tr, casts) \
                 + self.step_scalars(mesh, zero, expert > 0, cl)
             fsdp = fsdp_unit_time(units, dense, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, zero=zero,
                                   m=self.micro_batches(mesh), cluster=cl, training=tr)
