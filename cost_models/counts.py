@@ -157,10 +157,13 @@ def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times
             comm.add("all_to_all", "ep", routed, times * (passes + 1))
 
 
-def boundary_bytes(profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig, training: TrainingSpec) -> float:
+def boundary_bytes(profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig, training: TrainingSpec,
+                   element_bytes: int | None = None) -> float:
     """One micro-batch's tensor at a pipeline stage boundary: a stage's output, the next stage's input (the
-    residual stream, sequence-sharded over tp with sp)."""
-    act = ctx.mbs * training.seq_length // cfg.cp * profiles[0].hidden * ctx.act_bytes
+    residual stream, sequence-sharded over tp with sp), at `element_bytes` per element (default the
+    activations')."""
+    e = ctx.act_bytes if element_bytes is None else element_bytes
+    act = ctx.mbs * training.seq_length // cfg.cp * profiles[0].hidden * e
     return act / (cfg.tp if cfg.sp else 1)
 
 
@@ -175,7 +178,9 @@ def rank_counts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Cont
                 flops[k] += m * v
             layer_comm(p, ctx, rec, comm, m)
         if cfg.pp > 1:
-            act = boundary_bytes(profiles, ctx, cfg, training)
+            # on the wire the residual stream's own dtype: fp32 under autocast over fp32 parameters (measured:
+            # benchmarks/counts.py --dtype bf16; estimate.pipeline_p2p_parts times it at weight_bytes, the same)
+            act = boundary_bytes(profiles, ctx, cfg, training, ctx.residual_bytes)
             if s.index > 0:
                 comm.add("recv", "pp", act, m)
                 comm.add("send", "pp", act, m)
