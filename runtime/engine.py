@@ -208,10 +208,15 @@ class Trainer:
             g = p.grad
             if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
                 p.grad = g.redistribute(p.device_mesh, p.placements)
-        # (b) experts: each ep rank's experts got the gradient of every ep rank's local mean loss (all-to-all
-        #     backward); sum over the ranks holding the same experts, divide by all dp x cp ranks
-        if dims.ep_enabled:
-            group = dims["edp_cp"].get_group() if dims.dp_cp // dims.ep > 1 else None
+        # (b) experts, which DDP and FSDP leave out (parallelize.apply_dp): each ep rank's experts got the gradient
+        #     of every ep rank's local mean loss (all-to-all backward); sum over the ranks holding the same
+        #     experts, divide by all dp x cp ranks. Without ep every dp x cp rank holds every expert and got its
+        #     own local mean loss's gradient: the same sum, over all of them.
+        if dims.ep_enabled or dims.dp_cp > 1:
+            if dims.ep_enabled:
+                group = dims["edp_cp"].get_group() if dims.dp_cp // dims.ep > 1 else None
+            else:
+                group = dims["dp_cp"].get_group()
             for n, p in self._params:
                 if is_expert_param(n) and p.grad is not None:
                     if group is not None:

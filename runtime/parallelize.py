@@ -385,7 +385,8 @@ def apply_dp(model: TransformerLM, dp_mesh, zero: int, *, pipelined: bool = Fals
             master weights -- ZeRO-1 within a step (between steps parameters are sharded, a bit less memory).
     zero=2: fully_shard(reshard_after_forward=False), reduce-scatter after every micro-batch: sharded gradients.
     zero=3: fully_shard(reshard_after_forward=True): parameters gathered per unit for forward and backward.
-    Exact in all cases (same sums, different order). Expert parameters are ignored here (see sync_expert_grads).
+    Exact in all cases (same sums, different order). Expert parameters are ignored here: engine.Trainer.
+    _finalize_grads reduces them (over the ranks holding the same experts; every dp x cp rank without ep).
     """
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
