@@ -219,7 +219,9 @@ def dp_comm(dense: float, expert: float, cfg: ParallelConfig, training: Training
                 gathers = m + 1
             comm.add("all_gather", dim, dense * w, gathers)
     if expert and edp > 1:
-        comm.add("all_reduce", "edp", expert * g)
+        # one bucketed all-reduce over the ranks holding the same experts (runtime.engine._all_reduce_bucketed):
+        # the edp group, which without expert parallelism is the data-parallel group itself
+        comm.add("all_reduce", "edp" if cfg.ep > 1 else dim, expert * g)
 
 
 def step_comm(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,

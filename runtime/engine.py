@@ -217,11 +217,11 @@ class Trainer:
                 group = dims["edp_cp"].get_group() if dims.dp_cp // dims.ep > 1 else None
             else:
                 group = dims["dp_cp"].get_group()
-            for n, p in self._params:
-                if is_expert_param(n) and p.grad is not None:
-                    if group is not None:
-                        dist.all_reduce(p.grad, group=group)
-                    p.grad.div_(dims.dp_cp)
+            grads = [p.grad for n, p in self._params if is_expert_param(n) and p.grad is not None]
+            if group is not None:
+                _all_reduce_bucketed(grads, group)
+            if grads:
+                torch._foreach_div_(grads, float(dims.dp_cp))
         # (c) tied embedding / LM head on the first and last pipeline stages: sum the two contributions
         if self.tied_group is not None:
             for s in pm.stages:
@@ -335,6 +335,34 @@ def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     return sum(torch.stack(torch._foreach_norm(ts)).to(torch.float64).square().sum() for ts in by_dtype.values())
+
+
+# Bytes per all-reduce when gradients are reduced in buckets: torch DDP's default bucket_cap_mb (25 MiB).
+_BUCKET_BYTES = 25 * 2**20
+
+
+def _all_reduce_bucketed(grads: list[torch.Tensor], group) -> None:
+    """Sum `grads` over `group` in place, a few flat buckets of up to 25 MiB each (per dtype) rather than one
+    collective per tensor: the cost model prices the experts' reduction as one bucketed collective (counts:
+    `all_reduce@edp`), and per-tensor calls pay a latency each."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for g in [*same, None]:
+            if g is not None and (not bucket or size + g.numel() * g.element_size() <= _BUCKET_BYTES):
+                bucket.append(g)
+                size += g.numel() * g.element_size()
+                continue
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=group)
+            for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                dst.copy_(src)
+            bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
 
 
 def _local(x):
