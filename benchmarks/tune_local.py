@@ -53,7 +53,7 @@ from autoplan.plan import Plan  # noqa: E402
 from autoplan.specs import TrainingSpec, load_cluster, load_model  # noqa: E402
 from autoplan.tune.core import (  # noqa: E402
     Candidate,
-    launch_spread,
+    launch_spreads,
     prepare_cluster,
     run_candidate,
     run_sample,
@@ -181,9 +181,9 @@ def spread_line(held_launches: list[list[float]], tuned_launches: list[list[floa
     out and tuned: the machine's own run-to-run noise, against which the held-out error is to be read. Nothing is
     corrected by it."""
     def med(groups):
-        spread = launch_spread(groups)
-        repeated = sum(1 for g in groups if len([t for t in g if t]) >= 2)
-        return f"median {100 * spread:.0f}% over {repeated}" if spread is not None else "not repeated"
+        spreads = launch_spreads(groups)
+        return (f"median {100 * statistics.median(spreads):.0f}% over {len(spreads)}" if spreads
+                else "not repeated")
     return (f"run-to-run: launches of one layout differ by (max/min - 1) held-out {med(held_launches)}, "
             f"tuned {med(tuned_launches)}")
 

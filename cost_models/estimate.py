@@ -566,7 +566,7 @@ def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: Cl
         dense, expert = rank_params(stages, cfg)  # a tied head's copy is reduced and stepped with the rest
         red, gather, tail = dp_sync(dense, expert, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero,
                                     cluster=cluster, training=training, units=runtime_dp_units(stages, cfg))
-        casts = 1 if casts_once_per_step(pp=cfg.pp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp, tp=cfg.tp) else m
+        casts = weight_casts_per_step(pp=cfg.pp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp, tp=cfg.tp, m=m)
         opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster, training, casts) \
             + step_scalars_time(tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, pp=cfg.pp, ep=cfg.ep, zero=cfg.zero,
                                 experts=expert > 0, cluster=cluster)
@@ -707,6 +707,12 @@ def casts_once_per_step(*, pp: int, zero: int, dp_cp: int, tp: int) -> bool:
     agree."""
     fsdp2 = dp_cp > 1 and (zero >= 1 or uses_replicate(tp=tp, zero=zero, dp_cp=dp_cp))
     return pp > 1 or not fsdp2
+
+
+def weight_casts_per_step(*, pp: int, zero: int, dp_cp: int, tp: int, m: int) -> int:
+    """How often a step casts the weights under autocast (`optimizer_time`'s `casts`): once, or in each of its
+    `m` micro-batches (`casts_once_per_step`)."""
+    return 1 if casts_once_per_step(pp=pp, zero=zero, dp_cp=dp_cp, tp=tp) else m
 
 
 def optimizer_time(params: float, shards: int, cluster: ClusterSpec, training: TrainingSpec | None = None,

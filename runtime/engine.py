@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from autoplan.plan import Plan
@@ -98,6 +99,7 @@ class Trainer:
                              if dims.cp_enabled else None)
         self.tied_group = _tied_group(plan, dims)
         self._params = list(self.pm.named_parameters())  # fixed after parallelize: walked once, not every step
+        self._expert_params = [p for n, p in self._params if is_expert_param(n)]  # left out of DDP/FSDP
         self._synced: bool | None = None  # the gradient-sync flag last set on the (unpipelined) model
         # DDP's gradients are views of its buckets; zeroing them in place keeps them so (set to None, the next
         # step's first micro-batches would accumulate into new tensors beside the buckets: two copies at the peak)
@@ -124,8 +126,6 @@ class Trainer:
         # test_autocast_parity.py). Pipelined stages, which torch.distributed.pipelining keeps unsharded over
         # the schedule, measured equal to DDP with it. The cost model spells the same rule:
         # cost_models.estimate.casts_once_per_step.
-        from torch.distributed.fsdp import FSDPModule
-
         fsdp = any(isinstance(m, FSDPModule) for part in self.pm.modules for m in part.modules())
         self.step_cast_cache = dims.pp_enabled or not fsdp
 
@@ -212,16 +212,12 @@ class Trainer:
         #     of every ep rank's local mean loss (all-to-all backward); sum over the ranks holding the same
         #     experts, divide by all dp x cp ranks. Without ep every dp x cp rank holds every expert and got its
         #     own local mean loss's gradient: the same sum, over all of them.
-        if dims.ep_enabled or dims.dp_cp > 1:
-            if dims.ep_enabled:
-                group = dims["edp_cp"].get_group() if dims.dp_cp // dims.ep > 1 else None
-            else:
-                group = dims["dp_cp"].get_group()
-            grads = [p.grad for n, p in self._params if is_expert_param(n) and p.grad is not None]
-            if group is not None:
-                _all_reduce_bucketed(grads, group)
-            if grads:
-                torch._foreach_div_(grads, float(dims.dp_cp))
+        grads = [p.grad for p in self._expert_params if p.grad is not None]
+        if grads and dims.dp_cp > 1:
+            holders = dims.dp_cp // dims.ep if dims.ep_enabled else dims.dp_cp  # ranks holding the same experts
+            if holders > 1:
+                _all_reduce_bucketed(grads, dims["edp_cp" if dims.ep_enabled else "dp_cp"].get_group())
+            torch._foreach_div_(grads, float(dims.dp_cp))
         # (c) tied embedding / LM head on the first and last pipeline stages: sum the two contributions
         if self.tied_group is not None:
             for s in pm.stages:
@@ -329,12 +325,17 @@ class Trainer:
         return values[0], StopFlag.decode(values[1:])
 
 
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped by dtype (foreach ops and flat buffers take one dtype), in first-seen order."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.values())
+
+
 def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     """sum(t.square().sum() for t in tensors) in float64, from one foreach norm per dtype (an empty shard adds 0)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    return sum(torch.stack(torch._foreach_norm(ts)).to(torch.float64).square().sum() for ts in by_dtype.values())
+    return sum(torch.stack(torch._foreach_norm(ts)).to(torch.float64).square().sum() for ts in _by_dtype(tensors))
 
 
 # Bytes per all-reduce when gradients are reduced in buckets: torch DDP's default bucket_cap_mb (25 MiB).
@@ -347,22 +348,21 @@ def _all_reduce_bucketed(grads: list[torch.Tensor], group) -> None:
     `all_reduce@edp`), and per-tensor calls pay a latency each."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for g in [*same, None]:
-            if g is not None and (not bucket or size + g.numel() * g.element_size() <= _BUCKET_BYTES):
-                bucket.append(g)
-                size += g.numel() * g.element_size()
-                continue
-            flat = _flatten_dense_tensors(bucket)
-            dist.all_reduce(flat, group=group)
-            for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                dst.copy_(src)
-            bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
+    buckets: list[list[torch.Tensor]] = []
+    for same in _by_dtype(grads):
+        size = _BUCKET_BYTES  # start a new bucket for each dtype
+        for g in same:
+            nbytes = g.numel() * g.element_size()
+            if size + nbytes > _BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(g)
+            size += nbytes
+    for bucket in buckets:
+        flat = _flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            dst.copy_(src)
 
 
 def _local(x):

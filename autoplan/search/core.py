@@ -53,7 +53,6 @@ from autoplan.cost_models.estimate import (
     GIB,
     Estimate,
     StageLayout,
-    casts_once_per_step,
     crowded_for,
     dp_exposed,
     dp_sync,
@@ -75,6 +74,7 @@ from autoplan.cost_models.estimate import (
     tied_grad_sync,
     tied_head_params,
     uses_replicate,
+    weight_casts_per_step,
     zero3_block_exposed,
 )
 from autoplan.cost_models.pipeline import in_flight
@@ -440,7 +440,7 @@ class _Searcher:
             red, gather, tl = dp_sync(dense, expert, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep, zero=zero,
                                       cluster=cl, training=tr,
                                       units=units if uses_replicate(tp=mesh.tp, zero=zero, dp_cp=n) else vp)
-            casts = 1 if casts_once_per_step(pp=mesh.pp, zero=zero, dp_cp=n, tp=mesh.tp) else self.micro_batches(mesh)
+            casts = weight_casts_per_step(pp=mesh.pp, zero=zero, dp_cp=n, tp=mesh.tp, m=self.micro_batches(mesh))
             opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl, tr, casts) \
                 + self.step_scalars(mesh, zero, expert > 0, cl)
             fsdp = fsdp_unit_time(units, dense, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, zero=zero,

@@ -8,8 +8,9 @@ The procedure:
    micro-batch, pure data parallel), so that every term of the cost model is exercised by a run.
 2. **Measure.** Each candidate runs for real (`torchrun -m autoplan.runtime.train`, `--steps N`, `--log`), with
    `--profile-step` when the runtime supports it (detected from its source, without importing torch) on the
-   first steady step (`profile_step_for`); the median step time of the steps after it is the measurement. Candidates are run until `--budget` seconds would
-   be exceeded by the next (judged from the runs so far); Ctrl-C stops the current run and keeps the others.
+   first steady step (`profile_step_for`); the median step time of the steps after it is the measurement.
+   Candidates are run until `--budget` seconds would be exceeded by the next (judged from the runs so far);
+   Ctrl-C stops the current run and keeps the others.
    With `--repeats R` the measured candidates are launched again, up to R launches each (each pass in the
    reverse order of the one before, while the budget lasts), and each keeps its fastest launch: on a shared
    host, interference from other processes only slows a run down.
@@ -277,8 +278,9 @@ def run_candidate(c: Candidate, workdir: Path, *, steps: int, profile_step: int 
         return
     try:
         c.log = read_run_log(log_path)
-        # the steps before the profiled one are warm-up (DDP's bucket rebuild in step 2 among them)
-        c.measured_s = c.log.measured_step_s(warmup=max(1, (profile_step or 2) - 1))
+        # the steps before the profiled one are warm-up (DDP's bucket rebuild in step 2 among them); without a
+        # profiled step, step 1 alone
+        c.measured_s = c.log.measured_step_s(warmup=profile_step - 1 if profile_step else 1)
     except (AutoplanError, ValueError) as e:
         c.error = str(e)[:200]
 
@@ -301,11 +303,16 @@ def relaunch(c: Candidate, workdir: Path, **kw) -> None:
         c.measured_s, c.log = again.measured_s, again.log
 
 
+def launch_spreads(groups) -> list[float]:
+    """For each group of launch times of one plan with at least two (None entries, failed launches, left out),
+    max / min - 1: how far apart repeated launches measured."""
+    return [max(g) / min(g) - 1 for g in ([t for t in g if t] for g in groups) if len(g) >= 2]
+
+
 def launch_spread(groups) -> float | None:
-    """The machine's run-to-run noise as repeated launches show it: for each group of launch times of one plan
-    with at least two (None entries, failed launches, left out), max / min - 1; the median over groups. None when
-    no plan was launched twice."""
-    spreads = [max(g) / min(g) - 1 for g in ([t for t in g if t] for g in groups) if len(g) >= 2]
+    """The machine's run-to-run noise as repeated launches show it: the median of `launch_spreads`; None when no
+    plan was launched twice."""
+    spreads = launch_spreads(groups)
     return statistics.median(spreads) if spreads else None
 
 
