@@ -24,7 +24,7 @@ def add_workload_args(p: argparse.ArgumentParser, *, gpus_required: bool = False
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: model max)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
-                   help="compute dtype (default: the stack's, else bf16)")
+                   help="compute dtype (default: the stack's, else fp32 on a CPU (gloo) cluster, bf16 on accelerators)")
     p.add_argument("--kernels", default=None, choices=["fused", "torch", "megatron"],
                    help="kernel set (default: the stack's; autoplan's is fused Triton kernels)")
     add_stack_args(p)
@@ -78,6 +78,18 @@ def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def default_dtype(cluster, stack: str | None) -> str:
+    """The compute dtype when --dtype is not given: bf16 on accelerators; fp32 on a CPU cluster (gloo, which the
+    runtime runs on CPU tensors, or one whose `cores_per_node` is set) without a --stack, where bf16 is CPU autocast, slower than fp32 (the cpu preset's
+    peaks: 0.01 vs 0.05 TF/s), and not what a run on CPU cores is for. Said on stderr, so a user can pick the
+    other. A stack brings its own dtype."""
+    if (cluster.backend != "gloo" and cluster.cores_per_node is None) or stack is not None:
+        return "bf16"
+    print(f"autoplan: note: {cluster.name} runs on CPU cores: training in fp32 (pass --dtype bf16 for CPU "
+          "autocast)", file=sys.stderr)
+    return "fp32"
+
+
 def load_workload(args: argparse.Namespace):
     """(model, cluster, training, profiles-or-None) from the shared options."""
     from autoplan.cost_models.errors import SpecError
@@ -104,9 +116,9 @@ def load_workload(args: argparse.Namespace):
                             f"pass a value in (0, {cluster.gpu.hbm_gib}]")
         cluster = cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"hbm_gib": limit})})
     seq = model.max_seq_length if args.seq_len is None else args.seq_len
+    dtype = getattr(args, "dtype", None) or default_dtype(cluster, stack_of(args)[0])
     try:
-        training = TrainingSpec(global_batch_size=args.global_batch, seq_length=seq,
-                                dtype=getattr(args, "dtype", None) or "bf16",
+        training = TrainingSpec(global_batch_size=args.global_batch, seq_length=seq, dtype=dtype,
                                 kernels=getattr(args, "kernels", None) or "fused")
     except Exception as e:  # pydantic validation -> one line naming the field
         from autoplan.cost_models.errors import SpecError

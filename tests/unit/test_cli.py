@@ -110,3 +110,16 @@ def test_demo_plans_without_running(capsys):
     assert "best: tp=" in out and "GiB free" in out  # the 175B search, in the 80-column table
     assert "plan tp=" in out and "predicted step time" in out  # the tiny plan for local-cpu
     assert "…" not in out
+
+
+@pytest.mark.parametrize("cluster, extra, dtype, noted", [
+    ("local-cpu", [], "fp32", True),  # a CPU (gloo) cluster: fp32, and a note says so
+    ("local-cpu", ["--dtype", "bf16"], "bf16", False),  # asked for: kept, no note
+    ("dgx-a100-80g", ["--gpus", "8"], "bf16", False),  # accelerators keep bf16
+])
+def test_default_dtype_follows_the_cluster(tmp_path, capsys, cluster, extra, dtype, noted):
+    out = tmp_path / "plan.json"
+    assert main(["estimate", "--model", "tiny-gpt", "--cluster", cluster, "--global-batch", "8",
+                 "--parallel", "dp=4" if cluster == "local-cpu" else "dp=8", "-o", str(out), *extra]) == 0
+    assert json.loads(out.read_text())["training"]["dtype"] == dtype
+    assert ("training in fp32" in capsys.readouterr().err) is noted
