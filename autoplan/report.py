@@ -7,6 +7,7 @@ from rich.table import Table
 
 from autoplan.cost_models.estimate import Estimate
 from autoplan.cost_models.specs import ClusterSpec, ModelSpec, TrainingSpec
+from autoplan.inspect.common import fmt_tflops
 
 
 def render_estimate(con: Console, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
@@ -19,7 +20,7 @@ def render_estimate(con: Console, model: ModelSpec, cluster: ClusterSpec, traini
     head.add_column(style="bold")
     head.add_column(justify="right")
     head.add_row("step time", f"{est.step_time_s:.3f} s")
-    head.add_row("TFLOP/s per GPU", f"{est.tflops_per_gpu:.1f}")
+    head.add_row("TFLOP/s per GPU", fmt_tflops(est.tflops_per_gpu))
     head.add_row("MFU / HFU", f"{100 * est.mfu:.1f}% / {100 * est.hfu:.1f}%")
     head.add_row("tokens/s", f"{est.tokens_per_s:,.0f}")
     head.add_row("peak memory", f"{est.peak_memory_gib:.1f} GiB of {cluster.gpu.hbm_gib:g}"

@@ -181,6 +181,16 @@ def config_diff(a: ParallelConfig | dict, b: ParallelConfig | dict) -> str:
     return ", ".join(parts) or "same"
 
 
+def fmt_tflops(x: float) -> str:
+    """TFLOP/s readable at any scale: hundreds on a GPU, hundredths on a CPU core (where a fixed decimal printed
+    0)."""
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 1:
+        return f"{x:.1f}"
+    return f"{x:.2g}" if x > 0 else "0"
+
+
 def fmt_s(t: float) -> str:
     """Seconds, with a unit that keeps 3-4 significant digits."""
     if t is None or (isinstance(t, float) and math.isnan(t)):

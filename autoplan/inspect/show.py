@@ -10,7 +10,7 @@ from autoplan.cost_models.estimate import num_microbatches
 from autoplan.cost_models.pipeline import simulate
 
 from ..plan import Plan
-from .common import COMPONENT_SHORT, config_diff, fmt_s, mesh_info, short_config
+from .common import COMPONENT_SHORT, config_diff, fmt_s, fmt_tflops, mesh_info, short_config
 
 # Memory components in bar order, with the character and colour that draw them (characters differ so the
 # bars read without colour too).
@@ -185,7 +185,7 @@ def render_header(con: Console, plan: Plan) -> None:
     head.add_column()
     head.add_row("step time", fmt_s(p.step_time_s), "")
     head.add_row("tokens/s", f"{p.tokens_per_s:,.0f}", f"{p.tokens_per_s / plan.cluster.num_gpus:,.0f} per GPU")
-    head.add_row("TFLOP/s per GPU", f"{p.tflops_per_gpu:.1f}", "")
+    head.add_row("TFLOP/s per GPU", fmt_tflops(p.tflops_per_gpu), "")
     head.add_row("MFU / HFU", f"{100 * p.mfu:.1f}%", f"/ {100 * p.hfu:.1f}%")
     room = cap - peak
     state = "[red]DOES NOT FIT[/]" if not p.fits else (

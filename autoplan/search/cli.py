@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from autoplan.cost_models.errors import ConfigError
-from autoplan.inspect.common import short_config
+from autoplan.inspect.common import fmt_tflops, short_config
 
 
 def register(subparsers) -> None:
@@ -110,7 +110,7 @@ def _wide_table(title: str, ests, notes, cap: float):
         t.add_column(c, justify="left" if c in ("recompute", "schedule", "why not #1") else "right")
     for i, (e, note) in enumerate(zip(ests, notes, strict=True)):
         c = e.config
-        t.add_row(str(i + 1), f"{e.step_time_s:.3f}", f"{e.tflops_per_gpu:.0f}", f"{100 * e.mfu:.1f}%",
+        t.add_row(str(i + 1), f"{e.step_time_s:.3f}", fmt_tflops(e.tflops_per_gpu), f"{100 * e.mfu:.1f}%",
                   f"{e.peak_memory_gib:.1f}", f"{cap - e.peak_memory_gib:.1f}", str(c.tp), str(c.pp), str(c.dp),
                   str(c.cp), str(c.ep), str(c.vp), str(c.mbs), str(int(c.sp)), str(c.zero), _recompute_label(e),
                   c.schedule, note)

@@ -123,3 +123,9 @@ def test_default_dtype_follows_the_cluster(tmp_path, capsys, cluster, extra, dty
                  "--parallel", "dp=4" if cluster == "local-cpu" else "dp=8", "-o", str(out), *extra]) == 0
     assert json.loads(out.read_text())["training"]["dtype"] == dtype
     assert ("training in fp32" in capsys.readouterr().err) is noted
+
+
+def test_tflops_are_readable_at_any_scale():
+    from autoplan.inspect.common import fmt_tflops
+
+    assert [fmt_tflops(x) for x in (412.3, 91.44, 3.14159, 0.02551, 0.0)] == ["412", "91.4", "3.1", "0.026", "0"]
