@@ -89,7 +89,7 @@ def load_model(ref: str | Path | ModelSpec) -> ModelSpec:
                         "run `autoplan models` for presets, or pass a spec/config.json path")
     data = _read_mapping(path)
     if "model_type" in data or "architectures" in data:
-        return model_from_hf_config(data, name=path.parent.name or path.stem)
+        return model_from_hf_config(data, name=path.resolve().parent.name or path.stem)
     data.setdefault("name", path.stem)
     return _validated(ModelSpec, data, str(path))
 

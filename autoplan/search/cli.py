@@ -75,12 +75,12 @@ def cmd_search(args: argparse.Namespace) -> int:
         result = search(model, cluster, training, profiles=profiles, fix=fix, top=args.top,
                         command=" ".join(["autoplan", *sys.argv[1:]]), kernels=args.kernels)
     from autoplan.cli import with_stack
+    from autoplan.models.source import attach
 
-    result.plan = with_stack(result.plan, args)
+    # the plan as written, model source included: the hash printed and the JSON's are the file's
+    result.plan = attach(with_stack(result.plan, args), args.model)
     if args.output:
-        from autoplan.models.source import attach
-
-        attach(result.plan, args.model).save(args.output)
+        result.plan.save(args.output)
     if args.json:
         print_json(result.as_json())
         return 0

@@ -129,3 +129,23 @@ def test_tflops_are_readable_at_any_scale():
     from autoplan.inspect.common import fmt_tflops
 
     assert [fmt_tflops(x) for x in (412.3, 91.44, 3.14159, 0.02551, 0.0)] == ["412", "91.4", "3.1", "0.026", "0"]
+
+
+def test_search_prints_the_hash_of_the_plan_it_writes(tmp_path, capsys, monkeypatch):
+    """A Hugging Face config's plan records its source (models.source.attach): the hash search prints is the
+    written file's, which `autoplan run` and `show` print. The model is named after the config's folder, also
+    when the path is given relative to it."""
+    from autoplan.plan import load_plan
+
+    cfg = tmp_path / "my-llama" / "config.json"
+    cfg.parent.mkdir()
+    cfg.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                               "intermediate_size": 176, "num_hidden_layers": 4, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128}))
+    out = tmp_path / "plan.json"
+    monkeypatch.chdir(cfg.parent)
+    assert main(["search", "--model", "config.json", "--cluster", "local-cpu", "--global-batch", "8", "--seq-len", "64",
+                 "-o", str(out)]) == 0
+    plan = load_plan(out)
+    assert plan.model_source is not None and "hf_config" in plan.model_source and plan.model.name == "my-llama"
+    assert f"({plan.content_hash[:12]})" in capsys.readouterr().out
