@@ -293,6 +293,7 @@ def render_explain(con: Console, plan: Plan) -> None:
     t.add_column("step", justify="right")
     t.add_column("vs plan", justify="right")
     t.add_column("verdict")
+    bracketed = False
     for n in d["neighbours"]:
         st = n["status"]
         tm = n["step_time_s"] if n["step_time_s"] is not None else n.get("step_time_s_if_allowed")
@@ -301,7 +302,7 @@ def render_explain(con: Console, plan: Plan) -> None:
         if st == "ruled out":
             verdict = Text(f"ruled out: {n['reason']}", style="red")
             if tm is not None:
-                step = f"({step})"
+                step, bracketed = f"({step})", True
         elif st == "does not fit":
             verdict = Text(n["reason"], style="red")
         else:
@@ -313,7 +314,8 @@ def render_explain(con: Console, plan: Plan) -> None:
                 verdict.append(f", {n['note']}", style="dim")
         t.add_row(n["change"], step, delta, verdict)
     con.print(t)
-    con.print(Text("  (step) in brackets: the cost model's time if the rule were lifted", style="dim"))
+    if bracketed:  # the legend only where a row uses it
+        con.print(Text("  (step) in brackets: the cost model's time if the rule were lifted", style="dim"))
     con.print()
     for s in d["summary"]:
         con.print(Text(f"- {s}"))

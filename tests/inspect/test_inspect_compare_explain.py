@@ -144,3 +144,17 @@ def test_why_not_bad_string(plan_interleaved):
 
     with pytest.raises(ConfigError):
         why_not(plan_interleaved, "tq=4")
+
+
+def test_explain_legend_only_where_a_step_is_bracketed(plan_interleaved):
+    """tp=8 fills a node, so `tp x2` is ruled out and its step shown in brackets with the legend; a plan whose
+    neighbours are all allowed prints no legend for brackets it does not show."""
+    from autoplan.api import make_plan
+    from autoplan.specs import TrainingSpec, load_cluster, load_model
+
+    text = render(render_explain, plan_interleaved)
+    assert "ruled out" in text and "in brackets" in text
+    small = make_plan(load_model("gpt3-1.3b"), load_cluster("dgx-h100", gpus=8),
+                      TrainingSpec(global_batch_size=64, seq_length=2048), "tp=2,mbs=1")
+    text = render(render_explain, small)
+    assert "ruled out" not in text and "in brackets" not in text
