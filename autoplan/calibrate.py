@@ -6,8 +6,10 @@ rows to FILE for `autoplan tune --bench FILE`; see docs/calibrate.md for a multi
 
 It measures what the cost model needs, on whatever device torch sees (CUDA if present, else the CPU):
 matmul throughput at several sizes (giving the peak and the GEMM half-efficiency size), memory bandwidth
-(a large copy), the host time per eager op, and the all-reduce bandwidth and latency between `--nproc`
-processes on the default backend (gloo on CPU, NCCL on GPUs). The result loads with `--cluster cluster.yaml`.
+(a large copy), the host time per eager op (on a CPU, per operator of a training step's forward and backward),
+and the all-reduce bandwidth and latency between `--nproc` processes on the default backend (gloo on CPU, NCCL on
+GPUs). On a CPU the spec is each process's share when they outnumber the cores (`per_process`), with the cores
+recorded. The result loads with `--cluster cluster.yaml`.
 """
 
 from __future__ import annotations
@@ -79,7 +81,51 @@ def measure_compute(device: str, dtype_name: str) -> dict:
     bw = 2 * x.numel() * 4 / t
     tiny = torch.ones(8, device=device)
     t_op = _timeit(lambda: [tiny.add_(1) for _ in range(200)], sync=sync) / 200
-    return {"peak_flops": peak, "half_dim": half, "mem_bw": bw, "op_us": t_op * 1e6, "rates": rates}
+    return {"peak_flops": peak, "half_dim": half, "mem_bw": bw, "op_us": t_op * 1e6, "rates": rates,
+            "train_op_us": training_op_us(device, sync) * 1e6}
+
+
+def training_op_us(device: str, sync=lambda: None) -> float:
+    """Host seconds per operator as a training step pays it, in the cost model's units: the built-in tiny-gpt's
+    forward and backward at one token (device time ~0, so what is left is Python, autograd and dispatch) over
+    3 x its profiled operators (the model charges `kernel_launch_us` once per forward operator and twice in
+    backward: compute.py). ~9.5 us on this machine's CPU, where a bare op costs ~2 (session 10,
+    docs/notes/session-10/host_ops.py, whose measurement this is)."""
+    import torch
+
+    from .cost_models.profile import profile_from_spec
+    from .specs import load_model
+    from .zoo.model import build_model
+
+    spec = load_model("tiny-gpt")
+    model = build_model(spec).to(device)
+    ops = 3 * sum(p.kernels_fwd for p in profile_from_spec(spec))
+    x = torch.randint(0, spec.vocab_size, (1, 1), device=device)
+
+    def step():
+        model(x).float().sum().backward()
+
+    return _timeit(step, repeat=20, sync=sync) / ops
+
+
+def per_process(spec: dict, nproc: int, cores: int) -> dict:
+    """A CPU cluster spec in the cost model's units when `nproc` processes share `cores` cores: every rate measured
+    by one process alone (FLOP/s, bytes/s) is what each of them gets while all compute at once, cores / nproc of it,
+    and every host time grows by the inverse (the convention of the local-cpu preset and of
+    `ClusterSpec.compute_contention`, which gives the time back to layouts whose processes take turns); and the
+    cores are recorded, which turns on the oversubscription terms. Unchanged with a core per process."""
+    out = {**spec, "cores_per_node": cores}
+    share = min(1.0, cores / nproc)
+    if share >= 1.0:
+        return out
+    gpu = dict(spec["gpu"])
+    gpu["peak_tflops"] = {k: round(v * share, 5) for k, v in gpu["peak_tflops"].items()}
+    gpu["hbm_gbps"] = round(gpu["hbm_gbps"] * share, 2)
+    cal = dict(gpu["calibration"])
+    cal["kernel_launch_us"] = round(cal["kernel_launch_us"] / share, 2)
+    gpu["calibration"] = cal
+    out["gpu"] = gpu
+    return out
 
 
 def _allreduce_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -137,7 +183,7 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
         mem_gib = torch.cuda.get_device_properties(0).total_memory / 1024**3
         gpu_name = torch.cuda.get_device_name(0)
     peak_tf = c["peak_flops"] / 1e12
-    return {
+    spec = {
         "name": f"calibrated-{gpu_name.replace(' ', '-').lower()}",
         "gpu": {
             "name": gpu_name,
@@ -149,7 +195,9 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
                 "matmul_half_dim": round(c["half_dim"], 1),
                 "attention_efficiency": 0.5,
                 "memory_efficiency": 1.0,  # the measured bandwidth is achieved bandwidth
-                "kernel_launch_us": round(c["op_us"], 2),
+                # CPU processes run their operators themselves: the host time per operator of a training step;
+                # on a GPU the host launches ahead of the kernels, and the bare launch is what is measured
+                "kernel_launch_us": round(c["train_op_us"] if device == "cpu" else c["op_us"], 2),
                 "framework_overhead_gib": 0.3 if device == "cpu" else 2.0,
             },
         },
@@ -159,6 +207,7 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
         "inter_node": {"bandwidth_gbps": round(bus, 3), "latency_us": round(lat, 1), "efficiency": 1.0},
         "backend": "gloo" if device == "cpu" else "nccl",
     }
+    return per_process(spec, nproc, len(os.sched_getaffinity(0))) if device == "cpu" else spec
 
 
 def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[str]]:
@@ -223,6 +272,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if "RANK" in os.environ:  # under torchrun: the launch's shape is the cluster's
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         spec.update(gpus_per_node=local, num_nodes=max(1, int(os.environ["WORLD_SIZE"]) // local))
+        if "cores_per_node" in spec:  # CPU processes: the launch's own share of the cores (measured alone above)
+            spec = per_process(spec, local, spec["cores_per_node"])
     if args.bench_out:
         bench, spec, extra = run_bench(args, spec)
         if int(os.environ.get("RANK", 0)) != 0:

@@ -81,3 +81,44 @@ def test_peak_warning_flags_a_fit_above_the_measured_rate():
     assert peak_warning(767e12, 790e12) == []
     (line,) = peak_warning(767e12, 2332e12)
     assert line.startswith("warning:") and "3.04x" in line and "767" in line
+
+
+def test_cpu_spec_is_per_process_when_processes_outnumber_cores():
+    """calibrate measures one process alone; the cost model's CPU constants are each process's while all of a
+    node's processes compute (the local-cpu preset's convention): 4 processes on 2 cores get half the FLOP/s and
+    bandwidth each, and every operator's host time doubles. The cores are recorded either way."""
+    from autoplan.calibrate import per_process
+
+    spec = {"name": "c", "gpu": {"name": "cpu", "peak_tflops": {"fp32": 0.1}, "hbm_gib": 6, "hbm_gbps": 30.0,
+                                 "calibration": {"kernel_launch_us": 6.0, "matmul_max_efficiency": 1.0}},
+            "gpus_per_node": 4, "num_nodes": 1}
+    shared = per_process(spec, 4, 2)
+    assert shared["cores_per_node"] == 2 and shared["gpu"]["peak_tflops"]["fp32"] == pytest.approx(0.05)
+    assert shared["gpu"]["hbm_gbps"] == pytest.approx(15.0)
+    assert shared["gpu"]["calibration"]["kernel_launch_us"] == pytest.approx(12.0)
+    assert spec["gpu"]["peak_tflops"]["fp32"] == 0.1  # the measured spec is left as it was
+    alone = per_process(spec, 2, 4)  # a core each: only the cores are added
+    assert alone == {**spec, "cores_per_node": 4}
+
+
+def test_training_op_time_is_what_a_step_pays_per_operator():
+    """The host time per operator of tiny-gpt's forward + backward at one token, in the model's units (3 per
+    profiled operator): above a bare op's (autograd records and replays a graph), and microseconds, not more."""
+    from autoplan.calibrate import measure_compute
+
+    c = measure_compute("cpu", "fp32")
+    assert c["op_us"] < c["train_op_us"] < 1000.0
+
+
+def test_calibrate_writes_a_cpu_cluster_with_its_cores(tmp_path, capsys):
+    """The written CPU cluster records the cores its processes share (which turns the oversubscription terms on
+    when they are outnumbered) and loads as a cluster."""
+    from autoplan.cli import main
+    from autoplan.specs import load_cluster
+
+    out = tmp_path / "cpu.yaml"
+    assert main(["calibrate", "--nproc", "2", "-o", str(out)]) == 0
+    cluster = load_cluster(str(out))
+    cores = len(os.sched_getaffinity(0))
+    assert cluster.cores_per_node == cores and cluster.oversubscribed == (2 > cores)
+    assert cluster.gpu.calibration.kernel_launch_us > 0
