@@ -192,6 +192,31 @@ def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     return fwd, bwd, model_flops
 
 
+# A cross-entropy over vocabulary-sharded logits all-reduces over tp, per token of the micro-batch, the logits' max,
+# the target's logit and the sum of exponentials: torch's loss_parallel (torch.distributed.tensor.parallel.loss,
+# which autoplan's runtime uses under tp) and Megatron's _VocabParallelCrossEntropy alike. In fp32 (autocast runs
+# the softmax in fp32; Megatron casts the logits to float first).
+VOCAB_PARALLEL_LOSS_ALL_REDUCES = 3
+
+
+def vocab_parallel_loss_bytes(ctx: Context) -> float:
+    """Bytes of each of the vocab-parallel loss's all-reduces for one micro-batch: a float per token on the rank."""
+    return 4.0 * ctx.tokens
+
+
+def _vocab_parallel_loss_comm(ctx: Context, grp) -> float:
+    """The vocab-parallel cross-entropy's all-reduces for one micro-batch, back to back: the first finds the
+    tp ranks arriving from their heads' GEMMs and pays what any collective inside a step pays; the others follow
+    it with nothing in between, their peers already there (on an oversubscribed CPU node: no step or skew wait,
+    as for the step's scalar all-reduces, estimate.step_scalars_time; elsewhere the same)."""
+    nbytes = vocab_parallel_loss_bytes(ctx)
+    cluster = ctx.cluster
+    idle = cluster if cluster.cores_per_node is None else \
+        cluster.model_copy(update={"step_wait_us": 0.0, "skew_wait_us": 0.0})
+    return comm.all_reduce(cluster, grp, nbytes) \
+        + (VOCAB_PARALLEL_LOSS_ALL_REDUCES - 1) * comm.all_reduce(idle, grp, nbytes)
+
+
 def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, float]:
     """Exposed tensor-parallel communication (forward, backward) for one micro-batch."""
     if ctx.tp <= 1 or p.tp_allreduces == 0:
@@ -204,6 +229,8 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
     n_fwd = p.tp_allreduces if p.kind != "head" else 0
     n_bwd = p.tp_allreduces if p.kind != "embedding" else 0
     fwd, bwd = n_fwd * one_f, n_bwd * one_b
+    if p.kind == "head":
+        fwd += _vocab_parallel_loss_comm(ctx, grp)
     if ctx.training.tp_comm_overlap:
         # Chunked overlap (Megatron userbuffers): only the first of tp chunks is exposed, plus whatever
         # the GEMMs it pipelines with cannot hide.

@@ -24,7 +24,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .compute import Context, _attention, ep_routed_bytes, tp_units
+from .compute import (
+    VOCAB_PARALLEL_LOSS_ALL_REDUCES,
+    Context,
+    _attention,
+    ep_routed_bytes,
+    tp_units,
+    vocab_parallel_loss_bytes,
+)
 from .estimate import (
     StageCost,
     StageLayout,
@@ -144,6 +151,8 @@ def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times
         for units, n in ((fwd, n_f), (bwd, n_b)):
             for coll, nbytes in units.items():
                 comm.add(coll, "tp", nbytes, times * n)
+        if p.kind == "head":  # the vocab-parallel cross-entropy (compute.VOCAB_PARALLEL_LOSS_ALL_REDUCES)
+            comm.add("all_reduce", "tp", vocab_parallel_loss_bytes(ctx), times * VOCAB_PARALLEL_LOSS_ALL_REDUCES)
     if ctx.cp > 1 and p.attention is not None:
         a = p.attention
         kv_full = ctx.mbs * ctx.seq * (a.kv_heads / min(ctx.tp, a.kv_heads)) * a.head_dim * e
@@ -191,9 +200,12 @@ def rank_counts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Cont
 
 
 def dp_dim(cfg: ParallelConfig) -> str:
-    """The mesh dimension named for gradient reduction over dp x cp: "dp", or "cp" when dp is 1 (the group is then
-    the cp group, and a measurement cannot tell the two roles apart: runtime.measure.group_names)."""
-    return "cp" if cfg.dp == 1 and cfg.cp > 1 else "dp"
+    """The mesh dimension named for gradient reduction over dp x cp: "dp", or "cp" when dp is 1, or "ep" when
+    expert parallelism spans all of dp x cp (the group is then the cp or the ep group, and a measurement cannot tell
+    the roles apart: runtime.measure.group_names names a shared group by its most specific dimension)."""
+    if cfg.dp == 1 and cfg.cp > 1:
+        return "cp"
+    return "ep" if cfg.ep > 1 and cfg.ep == cfg.dp * cfg.cp else "dp"
 
 
 def dp_comm(dense: float, expert: float, cfg: ParallelConfig, training: TrainingSpec, m: int, comm: _Comm) -> None:
@@ -228,8 +240,9 @@ def step_comm(stages: list[StageCost], profiles: list[LayerProfile], ctx: Contex
               training: TrainingSpec, comm: _Comm) -> None:
     """Once-per-step collectives besides data parallelism: with sp, the gradients of the weights that see
     sequence-sharded inputs (norms, learned positions) are partial sums reduced over tp; a tied embedding/LM head
-    on the first and last pipeline stages sums its two gradients. (The scalar all-reduces of the gradient norm and
-    the loss are left out: a few bytes each.)"""
+    on the first and last pipeline stages sums its two gradients; and the step's scalar all-reduces
+    (`scalar_comm`)."""
+    scalar_comm(cfg, comm)
     g = training.grad_bytes
     if ctx.sp and ctx.tp > 1:
         for s in stages:
@@ -247,6 +260,45 @@ def step_comm(stages: list[StageCost], profiles: list[LayerProfile], ctx: Contex
         comm.add("all_reduce", "pp" if cfg.pp == 2 else "other",
                  tied_sync_bytes(head.gemms[0].n * head.gemms[0].k / ctx.tp, dp=cfg.dp, cp=cfg.cp, zero=cfg.zero,
                                  training=training))
+
+
+# The loss all-reduce carries the loss and one flag per stop signal the run listens for (runtime.faults.StopFlag:
+# SIGTERM, SIGINT), in float64; the gradient norm's partial sums of squares are float64 scalars.
+_LOSS_ALL_REDUCE_BYTES = 8 * (1 + 2)
+_NORM_BYTES = 8
+
+
+def world_dim(cfg: ParallelConfig) -> str:
+    """The name a measurement gives the group of all ranks (runtime.measure.group_names): the most specific mesh
+    dimension spanning every rank (tp, cp, ep, pp, then dp for dp x cp), else "world"."""
+    world = cfg.tp * cfg.cp * cfg.dp * cfg.pp
+    for name, size in (("tp", cfg.tp), ("cp", cfg.cp), ("ep", cfg.ep), ("pp", cfg.pp), ("dp", cfg.dp * cfg.cp)):
+        if size == world:
+            return name
+    return "world"
+
+
+def scalar_comm(cfg: ParallelConfig, comm: _Comm) -> None:
+    """The step's scalar all-reduces as autoplan's runtime issues them (runtime.engine.Trainer): the loss (with the
+    stop flags) over every rank; the gradient norm's sums of squares once per group of DTensor gradients that
+    shares a sharding, over each sharded mesh dimension of it (none for plain tensors: torch's DDP or a pipeline
+    stage without TP or FSDP) -- under FSDP2 and TP the TP-sharded weights over dp and tp and the tp-replicated ones
+    (norms) over dp, under TP alone (with or without `replicate`) the sharded weights over tp, under FSDP2 alone
+    everything over dp x cp --; then the experts' over ep and the total over pp. A few bytes each, but collectives
+    the runtime runs, which `estimate.step_scalars_time` prices."""
+    world = cfg.tp * cfg.cp * cfg.dp * cfg.pp
+    if world <= 1:
+        return
+    comm.add("all_reduce", world_dim(cfg), _LOSS_ALL_REDUCE_BYTES)
+    sharded = cfg.zero >= 1 and cfg.dp * cfg.cp > 1  # FSDP2's fully_shard (runtime.parallelize.apply_dp)
+    if sharded:
+        comm.add("all_reduce", dp_dim(cfg), _NORM_BYTES, 2 if cfg.tp > 1 else 1)
+    if cfg.tp > 1:
+        comm.add("all_reduce", "tp", _NORM_BYTES)
+    if cfg.ep > 1:
+        comm.add("all_reduce", "ep", _NORM_BYTES)
+    if cfg.pp > 1:
+        comm.add("all_reduce", "pp", _NORM_BYTES)
 
 
 def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec, rec: str = "") -> float:

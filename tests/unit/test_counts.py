@@ -13,7 +13,7 @@ import pytest
 from autoplan.api import make_plan
 from autoplan.counts import counts_of_plan
 from autoplan.plan import load_plan
-from autoplan.specs import TrainingSpec, load_cluster, load_model
+from autoplan.specs import ParallelConfig, TrainingSpec, load_cluster, load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -240,3 +240,25 @@ def test_a_vocabulary_parallel_embedding_keeps_its_whole_gradient(monkeypatch):
     assert extra[0] == [half, 0]  # the first stage's embedding; the last stage's tied head copy has its shard's
     assert extra[1] == [half]  # untied, under FSDP2's replicate
     assert extra[2] == [0] and extra[3] == [0]  # tied head on the rank; ZeRO
+
+
+def test_step_scalars_are_counted_where_a_measurement_names_them():
+    """The loss's all-reduce (loss + two stop flags, float64) over every rank, named by the most specific mesh
+    dimension spanning them (runtime.measure.group_names), and the gradient norm's float64 partial sums: none for
+    plain tensors (DDP, a pipeline stage without TP or FSDP), per sharded dimension of each DTensor sharding
+    otherwise, then over ep and pp."""
+    from autoplan.cost_models.counts import _Comm, scalar_comm, world_dim
+
+    def scalars(cfg: str) -> dict:
+        comm = _Comm()
+        scalar_comm(ParallelConfig.parse(cfg).resolve(4), comm)
+        return {f"{d['collective']}@{d['mesh_dim']}": (d["count"], d["bytes"]) for d in comm.as_list()}
+
+    assert scalars("dp=4") == {"all_reduce@dp": (1, 24)}
+    assert scalars("pp=2,dp=2") == {"all_reduce@world": (1, 24), "all_reduce@pp": (1, 8)}
+    assert scalars("dp=4,zero=1") == {"all_reduce@dp": (2, 32)}
+    assert scalars("tp=2,dp=2,zero=1") == {"all_reduce@world": (1, 24), "all_reduce@dp": (2, 16),
+                                           "all_reduce@tp": (1, 8)}
+    assert scalars("tp=2,dp=2") == {"all_reduce@world": (1, 24), "all_reduce@tp": (1, 8)}
+    assert scalars("tp=4") == {"all_reduce@tp": (2, 32)}
+    assert world_dim(ParallelConfig.parse("dp=4,ep=4").resolve(4)) == "ep"

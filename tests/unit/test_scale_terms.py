@@ -447,8 +447,9 @@ def test_megatron_float16_optimizer_runs_its_passes_separately():
 def test_lm_head_reduces_its_input_gradient_over_tp(sp):
     """The LM head is column-parallel over the vocabulary: its input's gradient is summed over tp in the backward
     (Megatron's `copy_to_tensor_model_parallel_region` / async all-reduce, with sp a reduce-scatter), one
-    h-wide collective per micro-batch, nothing in the forward, nothing at tp=1 (session 9). counts.layer_comm
-    counted it already; the step time now prices it too."""
+    h-wide collective per micro-batch, nothing at tp=1 (session 9). counts.layer_comm counted it already; the step
+    time now prices it too. Its forward has the vocab-parallel cross-entropy's three all-reduces of a float per
+    token (max, target logit, sum of exponentials; session 14)."""
     from autoplan.cost_models.compute import Context, layer_cost
 
     head = profile_from_spec(load_model("gpt3-13b"))[-1]
@@ -458,7 +459,7 @@ def test_lm_head_reduces_its_input_gradient_over_tp(sp):
     nbytes = 4 * 2048 * head.hidden * 2
     one = (comm.reduce_scatter(A100, grp, nbytes) + comm.all_gather(A100, grp, nbytes) if sp
            else comm.all_reduce(A100, grp, nbytes))
-    assert c.comm_fwd_s == 0.0
+    assert c.comm_fwd_s == pytest.approx(3 * comm.all_reduce(A100, grp, 4.0 * 4 * 2048))
     assert c.comm_bwd_s == pytest.approx(one)
     assert layer_cost(head, Context(A100, t, tp=1, cp=1, sp=False, ep=1, mbs=4)).comm_bwd_s == 0.0
 
@@ -494,3 +495,24 @@ def test_zero0_all_reduces_are_the_runtimes(config, replicate):
     hooks = fsdp_unit_time(fsdp_units(stages), 1e5, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp, zero=0, m=4,
                            cluster=cluster, training=training)
     assert (hooks > 0) == replicate
+
+
+def test_vocab_parallel_loss_all_reduces_follow_each_other():
+    """The cross-entropy's three all-reduces over tp run back to back: on an oversubscribed CPU node the first pays
+    the step's waits (its peers still in their heads' GEMMs), the two after it find their peers there (no step or
+    skew wait, as the step's scalar all-reduces); on accelerators all three cost the same."""
+    from autoplan.cost_models.compute import Context, _vocab_parallel_loss_comm, vocab_parallel_loss_bytes
+
+    t = _train(batch=4)
+    cpu = load_cluster("local-cpu").model_copy(update={"cores_per_node": 2, "step_wait_us": 2000.0,
+                                                       "skew_wait_us": 1000.0, "oversubscription_wait_us": 500.0})
+    ctx = Context(cpu, t, tp=4, cp=1, sp=False, ep=1, mbs=1)
+    grp = comm.group_of(cpu, 4, 1)
+    n = vocab_parallel_loss_bytes(ctx)
+    idle = cpu.model_copy(update={"step_wait_us": 0.0, "skew_wait_us": 0.0})
+    got = _vocab_parallel_loss_comm(ctx, grp)
+    assert got == pytest.approx(comm.all_reduce(cpu, grp, n) + 2 * comm.all_reduce(idle, grp, n))
+    assert got < 3 * comm.all_reduce(cpu, grp, n)
+    gpu = Context(A100, t, tp=8, cp=1, sp=False, ep=1, mbs=1)
+    g8 = comm.group_of(A100, 8, 1)
+    assert _vocab_parallel_loss_comm(gpu, g8) == pytest.approx(3 * comm.all_reduce(A100, g8, 4.0 * 2048))
