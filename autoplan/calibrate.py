@@ -89,8 +89,8 @@ def training_op_us(device: str, sync=lambda: None) -> float:
     """Host seconds per operator as a training step pays it, in the cost model's units: the built-in tiny-gpt's
     forward and backward at one token (device time ~0, so what is left is Python, autograd and dispatch) over
     3 x its profiled operators (the model charges `kernel_launch_us` once per forward operator and twice in
-    backward: compute.py). ~9.5 us on this machine's CPU, where a bare op costs ~2 (session 10,
-    docs/notes/session-10/host_ops.py, whose measurement this is)."""
+    backward: compute.py). About 6 us on this machine's CPU (session 14; session 10's median read 9.5), where a
+    bare op costs ~2 (docs/notes/session-10/host_ops.py, whose measurement this is)."""
     import torch
 
     from .cost_models.profile import profile_from_spec

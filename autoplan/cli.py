@@ -24,7 +24,8 @@ def add_workload_args(p: argparse.ArgumentParser, *, gpus_required: bool = False
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: model max)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
-                   help="compute dtype (default: the stack's, else fp32 on a CPU (gloo) cluster, bf16 on accelerators)")
+                   help="compute dtype (default: the stack's, else fp32 on a CPU (gloo) cluster, bf16 on "
+                   "accelerators)")
     p.add_argument("--kernels", default=None, choices=["fused", "torch", "megatron"],
                    help="kernel set (default: the stack's; autoplan's is fused Triton kernels)")
     add_stack_args(p)
@@ -80,9 +81,9 @@ def add_json(p: argparse.ArgumentParser) -> None:
 
 def default_dtype(cluster, stack: str | None) -> str:
     """The compute dtype when --dtype is not given: bf16 on accelerators; fp32 on a CPU cluster (gloo, which the
-    runtime runs on CPU tensors, or one whose `cores_per_node` is set) without a --stack, where bf16 is CPU autocast, slower than fp32 (the cpu preset's
-    peaks: 0.01 vs 0.05 TF/s), and not what a run on CPU cores is for. Said on stderr, so a user can pick the
-    other. A stack brings its own dtype."""
+    runtime runs on CPU tensors, or one whose `cores_per_node` is set) without a --stack, where bf16 is CPU
+    autocast, slower than fp32 (the cpu preset's peaks: 0.01 vs 0.05 TF/s), and not what a run on CPU cores is
+    for. Said on stderr, so a user can pick the other. A stack brings its own dtype."""
     if (cluster.backend != "gloo" and cluster.cores_per_node is None) or stack is not None:
         return "bf16"
     print(f"autoplan: note: {cluster.name} runs on CPU cores: training in fp32 (pass --dtype bf16 for CPU "

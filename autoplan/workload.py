@@ -37,7 +37,8 @@ def resolve_model(ref: str | ModelSpec) -> tuple[ModelSpec, list[LayerProfile] |
     if path.suffix == ".json" and path.exists():
         data = _read_mapping(path)  # a syntax error is one line naming the file and the position
         if isinstance(data, dict) and ("model_type" in data or "architectures" in data):
-            spec = model_from_hf_config(data, name=path.resolve().parent.name or path.stem)  # bad input fails here first
+            # named by its folder; bad input fails here first
+            spec = model_from_hf_config(data, name=path.resolve().parent.name or path.stem)
             from .models.source import warn_unsupported
 
             warn_unsupported(data)

@@ -229,8 +229,8 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
     n_fwd = p.tp_allreduces if p.kind != "head" else 0
     n_bwd = p.tp_allreduces if p.kind != "embedding" else 0
     fwd, bwd = n_fwd * one_f, n_bwd * one_b
-    if p.kind == "head":
-        fwd += _vocab_parallel_loss_comm(ctx, grp)
+    # after the head's GEMM, not beside it: no overlap below applies to it
+    loss = _vocab_parallel_loss_comm(ctx, grp) if p.kind == "head" else 0.0
     if ctx.training.tp_comm_overlap:
         # Chunked overlap (Megatron userbuffers): only the first of tp chunks is exposed, plus whatever
         # the GEMMs it pipelines with cannot hide.
@@ -255,7 +255,7 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
         async_part = bwd - sync
         bwd_exp = sync + max(0.0, async_part - gemm_fwd / 2)  # the wgrad GEMMs of the column-parallel linears
         bwd = bwd_exp + k * (bwd - bwd_exp)
-    return fwd, bwd
+    return fwd + loss, bwd
 
 
 def _cp_comm(p: LayerProfile, ctx: Context, attn_fwd: float) -> tuple[float, float]:
