@@ -193,3 +193,20 @@ def test_repeats_stay_within_the_budget(monkeypatch):
     # 3 first launches (30 s), then one more (40 s); a fifth would end at 50 s, past the 45 s budget
     assert len(calls) == 4 and calls[3] == res.candidates[-1].config
     assert [len(c.launches) for c in res.candidates] == [1, 1, 2]
+
+
+def test_routing_dependent_mismatches_are_marked_for_moe_plans():
+    """A MoE rank's FLOPs and expert all-to-all bytes follow the router's load in the profiled step; tune marks
+    those mismatches as expected, and leaves every other one (and every dense plan's) as it is."""
+    from autoplan.api import make_plan
+    from autoplan.specs import TrainingSpec, load_cluster, load_model
+    from autoplan.tune.core import routing_note
+
+    tr = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
+    moe = make_plan(load_model("tiny-moe"), load_cluster("local-cpu"), tr, "dp=4,ep=4", kernels="torch")
+    dense = make_plan(load_model("tiny-gpt"), load_cluster("local-cpu"), tr, "dp=4", kernels="torch")
+    a2a = "rank 0 all_to_all@ep bytes: measured 1.085e+06, predicted 1.049e+06"
+    flops = "rank 0 flops.forward: measured 6.366e+07, predicted 6.108e+07"
+    other = "rank 0 all_reduce@dp bytes: measured 24, predicted 0"
+    assert "expert routing" in routing_note(a2a, moe) and "expert routing" in routing_note(flops, moe)
+    assert routing_note(other, moe) == other and routing_note(flops, dense) == flops
