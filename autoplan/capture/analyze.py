@@ -684,8 +684,10 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
     act_input, hidden = _layer_input(L)
     top_k = round(max((gm.tokens_per_token for gm in gemms if gm.expert), default=0))
     row_groups = sum(1 for gm in gemms if gm.tp == "row")
-    vocab_lookup = any(o.kind == "embedding" and o.token_dependent for o in L.ops)
+    vocab_lookup = any(_vocab_parallel_lookup(o, g) for o in L.ops)
     head_gemm = next((gm for gm in gemms if gm.tp == "vocab"), None)
+    # the logits: the vocab-parallel GEMM, or a replicated one making them (a weight applied with F.linear)
+    logits_gemm = head_gemm or max((gm for gm in gemms if L.kind == "head"), key=lambda gm: gm.n, default=None)
     fus = _fusable_ops(L.ops, L.norm_of, L.T, attention, L.kind, g)
     return LayerProfile(
         **fus,
@@ -698,7 +700,7 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
         tp_allreduces=(row_groups if L.kind == "block" else 1 if (L.kind == "embedding" and vocab_lookup)
                        or (L.kind == "head" and head_gemm is not None) else 0),
         moe_top_k=top_k if L.n_experts else 0, moe_experts=L.n_experts,
-        logits_per_token=head_gemm.n if head_gemm is not None and L.kind == "head" else 0,
+        logits_per_token=logits_gemm.n if logits_gemm is not None and L.kind == "head" else 0,
     )
 
 
@@ -795,8 +797,30 @@ def _gemm_role(L: _Layer, o: OpNode) -> str:
             return "replicated"
         return "row" if x_sh == "S" else "col"
     if L.kind == "head" and (n == L.g.vocab or _feeds_loss(o.name, L.g)):
-        return "vocab"
+        return "vocab" if _is_linear_module(o) else "replicated"
     return "replicated"
+
+
+def _is_linear_module(o: OpNode) -> bool:
+    """An nn.Linear call: the only weight use tensor parallelism shards (ColwiseParallel / RowwiseParallel act on
+    modules). A weight applied with F.linear or a matmul -- a tied head written by hand -- stays replicated
+    (autoplan.models.factory: the head, and its tp layout, codegen.program.factory_tp_layout)."""
+    return o.opname == "linear" and o.module_type == "Linear"
+
+
+def _vocab_parallel_lookup(o: OpNode, g: _Ctx) -> bool:
+    """Whether a token embedding is split over vocabulary rows under tp: an nn.Embedding of the vocabulary whose
+    table nothing else reads but a tied nn.Linear head (the rule of autoplan.models.factory, which the runtime's
+    tp layout follows; a table also read elsewhere stays replicated)."""
+    if not (o.kind == "embedding" and o.token_dependent and o.module_type == "Embedding"):
+        return False
+    table = g.param_of(o.inputs[0]) if o.inputs else None
+    for other in g.ops.values():
+        if other is o or table is None or not any(g.param_of(i) == table for i in other.inputs):
+            continue
+        if not (other.kind == "gemm" and _is_linear_module(other)):
+            return False
+    return True
 
 
 def _propagate_shards(L: _Layer) -> None:
@@ -846,7 +870,7 @@ def _parameters(L: _Layer) -> tuple[set[str], int, int]:
         for i in o.inputs:
             p = g.param_of(i)
             if own(p):
-                if o.kind == "embedding" and o.token_dependent:
+                if _vocab_parallel_lookup(o, g):
                     shard += g.params[p].numel
                 else:
                     rep += g.params[p].numel

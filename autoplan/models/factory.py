@@ -360,12 +360,14 @@ def _find_attention_core(st: FactoryStructure, graph, profiles: dict) -> None:
 
 
 def _find_vocabulary(st: FactoryStructure, graph, users: dict[str, list[str]]) -> None:
-    """The vocabulary head (the head GEMM the capture marks vocab-parallel), sharded when it is an nn.Linear; the
-    token embedding (the nn.Embedding looking up the input ids), sharded when nothing else reads its weight (a
-    head applying it with F.linear would meet a sharded weight); otherwise both stay replicated."""
+    """The vocabulary head (the head GEMM making the logits), sharded when it is an nn.Linear; the token embedding
+    (the nn.Embedding looking up the input ids), sharded when nothing else reads its weight (a head applying it
+    with F.linear would meet a sharded weight); otherwise both stay replicated. The capture prices the same rule
+    (autoplan.capture.analyze: `_vocab_parallel_lookup`, the head GEMM's role)."""
     ops = graph.ops
-    head_gemm = next((g for g in graph.profiles[-1].gemms if g.tp == "vocab"), None)
-    st.vocab = head_gemm.n if head_gemm is not None else 0
+    head = graph.profiles[-1]
+    head_gemm = next((g for g in head.gemms if g.tp == "vocab"), None)
+    st.vocab = head.logits_per_token or (head_gemm.n if head_gemm is not None else 0)
     readers: dict[str, list[str]] = {}
     for o in ops.values():
         for i in o.inputs:

@@ -183,3 +183,20 @@ def test_a_meta_module_that_cannot_be_initialised_is_refused_and_a_cpu_one_shard
     assert tp_head_counts(st.ref, 2) == ((), ())
     assert (st.pre_modules, st.post_modules) == (["model.embed_tokens"], ["model.norm", "lm_head"])
     assert st.fanout == ["input_layernorm", "post_attention_layernorm"]
+
+
+def test_capture_prices_the_vocabulary_as_the_tp_layout_splits_it():
+    """The capture's profiles follow the module's tensor-parallel layout (factory_tp_layout): an nn.Linear head is
+    vocab-parallel (its GEMM split, its input gradient all-reduced, the loss over sharded logits) and an
+    nn.Embedding read by nothing else split over vocabulary rows; a head applying the embedding's table with
+    F.linear leaves both replicated (no vocab GEMM split, no all-reduce at either end), its logits still known."""
+    from autoplan.workload import resolve_model
+
+    _, split = resolve_model(f"{M}:split_lm")
+    assert [g.tp for g in split[-1].gemms] == ["vocab"] and split[-1].tp_allreduces == 1
+    assert split[0].tp_allreduces == 1 and split[0].params_sharded > 0
+    _, functional = resolve_model(f"{M}:functional_head_lm")
+    head, emb = functional[-1], functional[0]
+    assert [g.tp for g in head.gemms] == ["replicated"] and head.tp_allreduces == 0
+    assert head.logits_per_token == 96
+    assert emb.tp_allreduces == 0 and emb.params_sharded == 0 and emb.params_replicated > 0
