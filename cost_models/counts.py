@@ -142,16 +142,18 @@ def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times
         # the vocabulary) reduces its input's gradient in backward. With sp each becomes a reduce-scatter and an
         # all-gather (forward and backward swap them). Bytes per point: compute.tp_units.
         # A MoE block's experts are not tensor-parallel: only its attention reduces.
+        # (An embedding or head the layout leaves replicated -- a user module's table read by an F.linear head --
+        # has tp_allreduces 0: nothing at either end, and no vocab-parallel loss.)
         per_block = 1 if p.moe_top_k else p.tp_allreduces
-        n_f = {"block": per_block, "embedding": 1, "head": 0}[p.kind]
-        n_b = {"block": per_block, "embedding": 0, "head": 1}[p.kind]
+        n_f = {"block": per_block, "embedding": p.tp_allreduces, "head": 0}[p.kind]
+        n_b = {"block": per_block, "embedding": 0, "head": p.tp_allreduces}[p.kind]
         if recompute == "full":  # the recomputed forward reduces again, except after the last GEMM (early stop)
             n_f += 1 if not p.moe_top_k else per_block
         fwd, bwd = tp_units(p, ctx)
         for units, n in ((fwd, n_f), (bwd, n_b)):
             for coll, nbytes in units.items():
                 comm.add(coll, "tp", nbytes, times * n)
-        if p.kind == "head":  # the vocab-parallel cross-entropy (compute.VOCAB_PARALLEL_LOSS_ALL_REDUCES)
+        if p.kind == "head" and p.tp_allreduces:  # the vocab-parallel cross-entropy (compute.VOCAB_PARALLEL_...)
             comm.add("all_reduce", "tp", vocab_parallel_loss_bytes(ctx), times * VOCAB_PARALLEL_LOSS_ALL_REDUCES)
     if ctx.cp > 1 and p.attention is not None:
         a = p.attention

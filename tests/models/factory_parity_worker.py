@@ -32,10 +32,11 @@ from autoplan.models.factory import build_factory, factory_structure  # noqa: E4
 from autoplan.models.source import attach  # noqa: E402
 from autoplan.runtime.data import SyntheticDataset  # noqa: E402
 from autoplan.runtime.engine import Trainer  # noqa: E402
-from autoplan.runtime.measure import memory_step  # noqa: E402
+from autoplan.runtime.measure import memory_step, profile_record  # noqa: E402
 from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
 from autoplan.runtime.train import trainer_parameter_count  # noqa: E402
 from autoplan.specs import TrainingSpec, load_cluster  # noqa: E402
+from autoplan.tune.records import parse_profile_record  # noqa: E402
 from autoplan.workload import resolve_model  # noqa: E402
 from tests.dist.worker_loop import capture_first_grads, compare_with_reference, reference_run, worker_main  # noqa: E402
 
@@ -83,9 +84,17 @@ def run_case(case: str, world: int, refs: dict) -> dict:
             "blocks": sum(len(s.module.layers) for s in trainer.pm.stages)}
     captured = capture_first_grads(trainer)
     data = SyntheticDataset(spec.vocab_size, SEQ, GBS, seed=SEED)
-    # step 2 runs under the memory tracker, as `autoplan run` measures it on the CPU (runtime.measure)
-    losses = [(memory_step(trainer, data.batch(s))[0] if s == 1 else trainer.step(data.batch(s))).loss
-              for s in range(STEPS)]
+    # step 2 runs under the memory tracker, as `autoplan run` measures it on the CPU (runtime.measure), and step 3
+    # is profiled as `--profile-step` does: its counts against the plan's (autoplan.counts.counts_of_plan)
+    losses, record = [], None
+    for s in range(STEPS):
+        if s == 1:
+            res = memory_step(trainer, data.batch(s))[0]
+        elif s == STEPS - 1:
+            res, record = profile_record(trainer, s + 1, data.batch(s))
+        else:
+            res = trainer.step(data.batch(s))
+        losses.append(res.loss)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, captured)
     ranks: list = [None] * world
@@ -93,6 +102,7 @@ def run_case(case: str, world: int, refs: dict) -> dict:
     result = {"case": case, "seconds": 0.0, "parameters_trained": n_params,
               "parameters_captured": factory_structure(ref).num_parameters, "ranks": ranks}
     if rank == 0:
+        result["count_mismatches"] = parse_profile_record(record).count_mismatches()
         if ref not in refs:
             refs[ref] = reference(ref)
         ref_losses, ref_grads = refs[ref]

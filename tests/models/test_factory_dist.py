@@ -71,6 +71,12 @@ def test_factory_module_sharded_over_4_ranks_matches_one_process(results4, case)
 def _check(results: dict, case: str, world: int) -> None:
     r = assert_parity(results, case)
     assert r["parameters_trained"] == r["parameters_captured"]
+    # the profiled step's FLOPs and bytes per collective and mesh dimension equal the plan's counts, which follow
+    # the module's capture (autoplan.counts.plan_profiles). Known gap: a head whose logits the forward transforms
+    # (soft-capping) is gathered over the vocabulary, an all-gather the model does not price yet.
+    gap = ("all_gather@tp",) if case.startswith(SOFTCAP) else ()
+    left = [m for m in r["count_mismatches"] if not any(f" {k} " in m for k in gap)]
+    assert left == [], (case, left)
     # the layout was applied, not run unsharded
     layout = case.rpartition("@")[2]
     ranks = r["ranks"]
