@@ -85,6 +85,16 @@ def _hierarchical(cluster: ClusterSpec, grp: Group, nbytes: float, factor: float
     return intra + inter + skew_wait(cluster)
 
 
+def peers_present(cluster: ClusterSpec) -> ClusterSpec:
+    """`cluster` as a collective sees it when every member is already in it, none in the middle of its compute:
+    no step wait and no skew wait (a micro-benchmark loop, the step's scalar all-reduces after the gradient
+    reduction, the collectives that follow another with nothing in between). The same cluster where those waits
+    do not apply (accelerators, where they are 0)."""
+    if cluster.cores_per_node is None:
+        return cluster
+    return cluster.model_copy(update={"step_wait_us": 0.0, "skew_wait_us": 0.0})
+
+
 def skew_wait(cluster: ClusterSpec) -> float:
     """Seconds a collective inside a training step waits for its last member on an oversubscribed node
     (`ClusterSpec.skew_wait_us`; 0 elsewhere)."""

@@ -210,11 +210,8 @@ def _vocab_parallel_loss_comm(ctx: Context, grp) -> float:
     it with nothing in between, their peers already there (on an oversubscribed CPU node: no step or skew wait,
     as for the step's scalar all-reduces, estimate.step_scalars_time; elsewhere the same)."""
     nbytes = vocab_parallel_loss_bytes(ctx)
-    cluster = ctx.cluster
-    idle = cluster if cluster.cores_per_node is None else \
-        cluster.model_copy(update={"step_wait_us": 0.0, "skew_wait_us": 0.0})
-    return comm.all_reduce(cluster, grp, nbytes) \
-        + (VOCAB_PARALLEL_LOSS_ALL_REDUCES - 1) * comm.all_reduce(idle, grp, nbytes)
+    return comm.all_reduce(ctx.cluster, grp, nbytes) \
+        + (VOCAB_PARALLEL_LOSS_ALL_REDUCES - 1) * comm.all_reduce(comm.peers_present(ctx.cluster), grp, nbytes)
 
 
 def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, float]:

@@ -270,10 +270,14 @@ _LOSS_ALL_REDUCE_BYTES = 8 * (1 + 2)
 _NORM_BYTES = 8
 
 
+def _world(cfg: ParallelConfig) -> int:
+    return cfg.tp * cfg.cp * cfg.dp * cfg.pp
+
+
 def world_dim(cfg: ParallelConfig) -> str:
     """The name a measurement gives the group of all ranks (runtime.measure.group_names): the most specific mesh
     dimension spanning every rank (tp, cp, ep, pp, then dp for dp x cp), else "world"."""
-    world = cfg.tp * cfg.cp * cfg.dp * cfg.pp
+    world = _world(cfg)
     for name, size in (("tp", cfg.tp), ("cp", cfg.cp), ("ep", cfg.ep), ("pp", cfg.pp), ("dp", cfg.dp * cfg.cp)):
         if size == world:
             return name
@@ -288,8 +292,7 @@ def scalar_comm(cfg: ParallelConfig, comm: _Comm) -> None:
     (norms) over dp, under TP alone (with or without `replicate`) the sharded weights over tp, under FSDP2 alone
     everything over dp x cp --; then the experts' over ep and the total over pp. A few bytes each, but collectives
     the runtime runs, which `estimate.step_scalars_time` prices."""
-    world = cfg.tp * cfg.cp * cfg.dp * cfg.pp
-    if world <= 1:
+    if _world(cfg) <= 1:
         return
     comm.add("all_reduce", world_dim(cfg), _LOSS_ALL_REDUCE_BYTES)
     sharded = cfg.zero >= 1 and cfg.dp * cfg.cp > 1  # FSDP2's fully_shard (runtime.parallelize.apply_dp)

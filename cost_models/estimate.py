@@ -603,10 +603,8 @@ def step_scalars_time(*, tp: int, cp: int, dp: int, pp: int, ep: int, zero: int,
         groups.append((ep, tp))
     if pp > 1:
         groups.append((pp, tp * cp * dp))
-    # they follow the gradient reduction, which has already brought the ranks together: no peer is in the middle
-    # of its compute (no step_wait_us; both waits are 0 on accelerators, where no copy is needed)
-    idle = cluster if cluster.cores_per_node is None else \
-        cluster.model_copy(update={"step_wait_us": 0.0, "skew_wait_us": 0.0})
+    # they follow the gradient reduction, which has already brought the ranks together
+    idle = comm.peers_present(cluster)
     return sum(comm.scalar_all_reduce(idle, comm.group_of(idle, n, stride)) for n, stride in groups if n > 1)
 
 

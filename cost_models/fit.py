@@ -239,8 +239,8 @@ def predict_region(cluster: ClusterSpec, r: RegionSample) -> float:
 
 def predict_collective(cluster: ClusterSpec, c: CollectiveSample) -> float:
     """Time of one collective by the cost model's alpha-beta formulas, on the group the sample describes."""
-    # a micro-benchmark is not a training step: its peers idle in the same loop (no step_wait_us)
-    cluster = cluster.model_copy(update={"step_wait_us": 0.0, "skew_wait_us": 0.0})
+    # a micro-benchmark is not a training step: its peers idle in the same loop
+    cluster = comm.peers_present(cluster)
     if c.level == "intra":
         node = cluster.model_copy(update={"gpus_per_node": c.processes_per_node, "num_nodes": 1})
         grp = comm.Group(c.ranks, c.ranks)
