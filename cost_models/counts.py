@@ -41,6 +41,7 @@ from .estimate import (
     estimate,
     num_microbatches,
     rank_params,
+    step_scalar_all_reduces,
     tied_copy,
     tied_sync_bytes,
 )
@@ -285,25 +286,14 @@ def world_dim(cfg: ParallelConfig) -> str:
 
 
 def scalar_comm(cfg: ParallelConfig, comm: _Comm) -> None:
-    """The step's scalar all-reduces as autoplan's runtime issues them (runtime.engine.Trainer): the loss (with the
-    stop flags) over every rank; the gradient norm's sums of squares once per group of DTensor gradients that
-    shares a sharding, over each sharded mesh dimension of it (none for plain tensors: torch's DDP or a pipeline
-    stage without TP or FSDP) -- under FSDP2 and TP the TP-sharded weights over dp and tp and the tp-replicated ones
-    (norms) over dp, under TP alone (with or without `replicate`) the sharded weights over tp, under FSDP2 alone
-    everything over dp x cp --; then the experts' over ep and the total over pp. A few bytes each, but collectives
-    the runtime runs, which `estimate.step_scalars_time` prices."""
-    if _world(cfg) <= 1:
-        return
-    comm.add("all_reduce", world_dim(cfg), _LOSS_ALL_REDUCE_BYTES)
-    sharded = cfg.zero >= 1 and cfg.dp * cfg.cp > 1  # FSDP2's fully_shard (runtime.parallelize.apply_dp)
-    if sharded:
-        comm.add("all_reduce", dp_dim(cfg), _NORM_BYTES, 2 if cfg.tp > 1 else 1)
-    if cfg.tp > 1:
-        comm.add("all_reduce", "tp", _NORM_BYTES)
-    if cfg.ep > 1:
-        comm.add("all_reduce", "ep", _NORM_BYTES)
-    if cfg.pp > 1:
-        comm.add("all_reduce", "pp", _NORM_BYTES)
+    """Counts of the step's scalar all-reduces (`step_scalar_all_reduces`), named as a measurement names their
+    groups: the loss's by `world_dim` (and 24 bytes: the float64 loss and two stop flags), the norm's 8 bytes
+    each, over dp x cp by `dp_dim`."""
+    names = {"world": world_dim(cfg), "dp": dp_dim(cfg)}
+    for role, _, _, n in step_scalar_all_reduces(tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, pp=cfg.pp, ep=cfg.ep,
+                                                 zero=cfg.zero):
+        comm.add("all_reduce", names.get(role, role), _LOSS_ALL_REDUCE_BYTES if role == "world" else _NORM_BYTES,
+                 n)
 
 
 def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec, rec: str = "") -> float:

@@ -569,7 +569,7 @@ def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: Cl
         casts = weight_casts_per_step(pp=cfg.pp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp, tp=cfg.tp, m=m)
         opt = optimizer_time(dense + expert, cfg.dp * cfg.cp if cfg.zero >= 1 else 1, cluster, training, casts) \
             + step_scalars_time(tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, pp=cfg.pp, ep=cfg.ep, zero=cfg.zero,
-                                experts=expert > 0, cluster=cluster)
+                                cluster=cluster)
         fsdp = fsdp_unit_time(fsdp_units(stages), dense, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp,
                               zero=cfg.zero, m=m, cluster=cluster, training=training)
         n_sp, e_sp = _sum_pairs(s.sp_grads for s in stages)
@@ -583,29 +583,39 @@ def _rank_tails(by_rank: list[list[StageCost]], cfg: ParallelConfig, cluster: Cl
     return out
 
 
-def step_scalars_time(*, tp: int, cp: int, dp: int, pp: int, ep: int, zero: int, experts: bool,
-                      cluster: ClusterSpec) -> float:
-    """The scalar all-reduces each step of the runtime makes on the optimizer's path (runtime.engine.Trainer): the
-    global gradient norm sums its squares over every mesh dimension that shards a gradient (tp for tensor-parallel
-    weights, dp x cp for FSDP's shards at ZeRO >= 1, ep for experts, then pp across stages; plain DDP gradients
-    need none), and the loss for the log is one all-reduce over every rank. A few bytes each, so latency only --
-    nothing on NVLink, but on an oversubscribed CPU node each waits for descheduled peers."""
-    world = tp * cp * dp * pp
-    if world <= 1:
-        return 0.0
-    # (size, stride) of each group, in the runtime's order; tp innermost, then cp, dp, pp (see comm.group_of)
-    groups = [(world, 1)]  # the loss
+def step_scalar_all_reduces(*, tp: int, cp: int, dp: int, pp: int, ep: int, zero: int) -> list[tuple[str, int, int, int]]:
+    """The step's scalar all-reduces as autoplan's runtime issues them (runtime.engine.Trainer), as (role, group
+    size, stride, count) with tp innermost, then cp, dp, pp (comm.group_of): the loss (with the stop flags) over
+    every rank ("world"); the gradient norm's sums of squares once per group of DTensor gradients that shares a
+    sharding, over each sharded mesh dimension of it (none for plain tensors: torch's DDP or a pipeline stage
+    without TP or FSDP) -- under FSDP2 and TP the TP-sharded weights over dp and tp and the tp-replicated ones
+    (norms) over dp, under TP alone (with or without `replicate`) the sharded weights over tp, under FSDP2 alone
+    everything over dp x cp --; then the experts' over ep (whenever ep > 1, experts on the rank or not) and the
+    total over pp. A few bytes each, but collectives the runtime runs: `counts.scalar_comm` counts them and
+    `step_scalars_time` prices them, both from this one list."""
+    if tp * cp * dp * pp <= 1:
+        return []
+    out = [("world", tp * cp * dp * pp, 1, 1)]
+    if zero >= 1 and dp * cp > 1:  # FSDP2's fully_shard (runtime.parallelize.apply_dp)
+        out.append(("dp", dp * cp, tp, 2 if tp > 1 else 1))
     if tp > 1:
-        groups.append((tp, 1))
-    if zero >= 1 and dp * cp > 1:
-        groups.append((dp * cp, tp))
-    if experts and ep > 1:
-        groups.append((ep, tp))
+        out.append(("tp", tp, 1, 1))
+    if ep > 1:
+        out.append(("ep", ep, tp, 1))
     if pp > 1:
-        groups.append((pp, tp * cp * dp))
+        out.append(("pp", pp, tp * cp * dp, 1))
+    return out
+
+
+def step_scalars_time(*, tp: int, cp: int, dp: int, pp: int, ep: int, zero: int, cluster: ClusterSpec) -> float:
+    """The scalar all-reduces each step of the runtime makes on the optimizer's path
+    (`step_scalar_all_reduces`: the loss over every rank, the gradient norm's sums of squares over each
+    dimension that shards a gradient, then ep and pp). A few bytes each, so latency only -- nothing on NVLink, but
+    on an oversubscribed CPU node each waits for descheduled peers."""
     # they follow the gradient reduction, which has already brought the ranks together
     idle = comm.peers_present(cluster)
-    return sum(comm.scalar_all_reduce(idle, comm.group_of(idle, n, stride)) for n, stride in groups if n > 1)
+    return sum(n * comm.scalar_all_reduce(idle, comm.group_of(idle, size, stride))
+               for _, size, stride, n in step_scalar_all_reduces(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, zero=zero))
 
 
 def fsdp_units(stages: list[StageCost]) -> int:

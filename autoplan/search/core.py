@@ -442,20 +442,20 @@ class _Searcher:
                                       units=units if uses_replicate(tp=mesh.tp, zero=zero, dp_cp=n) else vp)
             casts = weight_casts_per_step(pp=mesh.pp, zero=zero, dp_cp=n, tp=mesh.tp, m=self.micro_batches(mesh))
             opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl, tr, casts) \
-                + self.step_scalars(mesh, zero, expert > 0, cl)
+                + self.step_scalars(mesh, zero, cl)
             fsdp = fsdp_unit_time(units, dense, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, zero=zero,
                                   m=self.micro_batches(mesh), cluster=cl, training=tr)
             out.append((r, (red, tl, opt + param_gather_exposed(gather, cl, tr) + fsdp)))
         self._dp[key] = out
         return out
 
-    def step_scalars(self, mesh: Mesh, zero: int, experts: bool, cl: ClusterSpec) -> float:
+    def step_scalars(self, mesh: Mesh, zero: int, cl: ClusterSpec) -> float:
         """`estimate.step_scalars_time` for `mesh` (the same for every pipeline rank and micro-batch size)."""
-        key = (mesh.tp, mesh.cp, mesh.dp, mesh.pp, mesh.ep, zero, experts, id(cl))
+        key = (mesh.tp, mesh.cp, mesh.dp, mesh.pp, mesh.ep, zero, id(cl))
         got = self._scalars.get(key)
         if got is None:
             got = self._scalars[key] = step_scalars_time(tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, pp=mesh.pp, ep=mesh.ep,
-                                                         zero=zero, experts=experts, cluster=cl)
+                                                         zero=zero, cluster=cl)
         return got
 
     def sp_grad_tail(self, mesh: Mesh, r: int) -> float:

@@ -450,6 +450,8 @@ def test_scalar_all_reduce_costs_two_latencies_on_gloo():
     ("pp=2,dp=2", 2),          # stages: the norm over pp
     ("tp=2,dp=2", 2),          # tensor-parallel shards: the norm over tp
     ("tp=2,pp=2", 3),          # the norm over tp, then over pp, then the loss
+    ("tp=2,dp=2,zero=1", 4),   # FSDP2 + TP: sharded weights over dp and tp, the norms' over dp, then the loss
+    ("dp=4,ep=4", 2),          # the experts' squares over ep (every rank of an ep group), then the loss
 ])
 def test_step_scalars_are_the_reductions_the_runtime_issues(cfg, groups):
     """runtime.engine.Trainer: grad_norm sums squares over every mesh dimension that shards a gradient, then
@@ -459,8 +461,26 @@ def test_step_scalars_are_the_reductions_the_runtime_issues(cfg, groups):
 
     cl = with_knobs(_base(), {"intra_latency_us": 100.0}).with_gpus(4)
     c = ParallelConfig.parse(cfg)
-    t = step_scalars_time(tp=c.tp, cp=c.cp, dp=c.dp or 1, pp=c.pp, ep=c.ep, zero=c.zero, experts=False, cluster=cl)
+    t = step_scalars_time(tp=c.tp, cp=c.cp, dp=c.dp or 1, pp=c.pp, ep=c.ep, zero=c.zero, cluster=cl)
     assert t == pytest.approx(groups * 200e-6, rel=1e-12)
+
+
+@pytest.mark.parametrize("cfg", ["dp=4", "dp=4,zero=1", "dp=4,zero=3", "pp=2,dp=2", "tp=2,dp=2", "tp=2,dp=2,zero=1",
+                                 "tp=2,pp=2", "tp=4", "pp=4", "cp=2,dp=2,zero=2", "dp=4,ep=4", "dp=4,ep=2,zero=2",
+                                 "tp=2,dp=2,ep=2", "pp=2,dp=2,ep=2"])
+def test_step_scalars_priced_are_the_ones_counted(cfg):
+    """The time and the counts of the step's scalar all-reduces come from one list: as many priced as counted
+    (they differed under FSDP2 + TP and at ep > 1 when each kept its own)."""
+    from autoplan.cost_models.counts import _Comm, scalar_comm
+    from autoplan.cost_models.estimate import step_scalars_time
+
+    cl = with_knobs(_base(), {"intra_latency_us": 100.0}).with_gpus(4)
+    c = ParallelConfig.parse(cfg).resolve(4)
+    comm = _Comm()
+    scalar_comm(c, comm)
+    counted = sum(n for (kind, _), (n, _) in comm.d.items() if kind == "all_reduce")
+    t = step_scalars_time(tp=c.tp, cp=c.cp, dp=c.dp, pp=c.pp, ep=c.ep, zero=c.zero, cluster=cl)
+    assert counted >= 1 and t == pytest.approx(counted * 200e-6, rel=1e-12)
 
 
 def test_a_knob_that_ends_on_a_bound_is_flagged_not_reported_as_measured():
