@@ -214,6 +214,27 @@ def _vocab_parallel_loss_comm(ctx: Context, grp) -> float:
         + (VOCAB_PARALLEL_LOSS_ALL_REDUCES - 1) * comm.all_reduce(comm.peers_present(ctx.cluster), grp, nbytes)
 
 
+def gathered_logits_bytes(p: LayerProfile, ctx: Context) -> float:
+    """Bytes of the all-gather that makes a vocabulary-parallel head's logits whole on every tp rank for one
+    micro-batch when the forward transforms them (LayerProfile.logits_gathered: ColwiseParallel with a
+    Replicate output, codegen.program.factory_tp_layout), counted as the gathered tensor (runtime.measure's
+    convention): the GEMM's output, at the activation width. Its backward takes the rank's slice: no collective.
+    0 where the logits stay split or the head is replicated."""
+    if p.kind != "head" or ctx.tp <= 1 or not p.logits_gathered or not p.tp_allreduces:
+        return 0.0
+    return ctx.tokens * p.logits_per_token * ctx.act_bytes
+
+
+def _head_logits_comm(p: LayerProfile, ctx: Context, grp) -> float:
+    """What the head's logits cost on the wire after its GEMM, one micro-batch: the vocab-parallel loss's
+    all-reduces where the logits reach the loss split (`LayerProfile.vocab_split`), or their all-gather where the
+    forward transforms them first."""
+    if p.vocab_split(ctx.tp) > 1:
+        return _vocab_parallel_loss_comm(ctx, grp)
+    gathered = gathered_logits_bytes(p, ctx)
+    return comm.all_gather(ctx.cluster, grp, gathered) if gathered else 0.0
+
+
 def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, float]:
     """Exposed tensor-parallel communication (forward, backward) for one micro-batch."""
     if ctx.tp <= 1 or p.tp_allreduces == 0:
@@ -227,7 +248,7 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
     n_bwd = p.tp_allreduces if p.kind != "embedding" else 0
     fwd, bwd = n_fwd * one_f, n_bwd * one_b
     # after the head's GEMM, not beside it: no overlap below applies to it
-    loss = _vocab_parallel_loss_comm(ctx, grp) if p.kind == "head" else 0.0
+    loss = _head_logits_comm(p, ctx, grp) if p.kind == "head" else 0.0
     if ctx.training.tp_comm_overlap:
         # Chunked overlap (Megatron userbuffers): only the first of tp chunks is exposed, plus whatever
         # the GEMMs it pipelines with cannot hide.
@@ -399,7 +420,7 @@ def loss_transient(p: LayerProfile, ctx: Context) -> float:
     if p.kind != "head" or not p.logits_per_token or not ctx.training.runtime_memory:
         return 0.0
     per_logit = ctx.act_bytes + 4 if ctx.act_bytes < 4 else 4
-    return ctx.tokens * p.logits_per_token / ctx.tp * per_logit
+    return ctx.tokens * p.logits_per_token / p.vocab_split(ctx.tp) * per_logit
 
 
 def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:

@@ -29,6 +29,7 @@ from .compute import (
     Context,
     _attention,
     ep_routed_bytes,
+    gathered_logits_bytes,
     tp_units,
     vocab_parallel_loss_bytes,
 )
@@ -39,8 +40,10 @@ from .estimate import (
     cached_layer_cost,
     context,
     estimate,
+    fsdp_units,
     num_microbatches,
     rank_params,
+    runtime_dp_units,
     step_scalar_all_reduces,
     tied_copy,
     tied_sync_bytes,
@@ -154,8 +157,10 @@ def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times
         for units, n in ((fwd, n_f), (bwd, n_b)):
             for coll, nbytes in units.items():
                 comm.add(coll, "tp", nbytes, times * n)
-        if p.kind == "head" and p.tp_allreduces:  # the vocab-parallel cross-entropy (compute.VOCAB_PARALLEL_...)
+        if p.kind == "head" and p.vocab_split(ctx.tp) > 1:  # the vocab-parallel cross-entropy (compute.VOCAB_...)
             comm.add("all_reduce", "tp", vocab_parallel_loss_bytes(ctx), times * VOCAB_PARALLEL_LOSS_ALL_REDUCES)
+        if gathered_logits_bytes(p, ctx):  # logits the forward transforms, gathered whole
+            comm.add("all_gather", "tp", gathered_logits_bytes(p, ctx), times)
     if ctx.cp > 1 and p.attention is not None:
         a = p.attention
         kv_full = ctx.mbs * ctx.seq * (a.kv_heads / min(ctx.tp, a.kv_heads)) * a.head_dim * e
@@ -211,28 +216,33 @@ def dp_dim(cfg: ParallelConfig) -> str:
     return "ep" if cfg.ep > 1 and cfg.ep == cfg.dp * cfg.cp else "dp"
 
 
-def dp_comm(dense: float, expert: float, cfg: ParallelConfig, training: TrainingSpec, m: int, comm: _Comm) -> None:
+def dp_comm(dense: float, expert: float, cfg: ParallelConfig, training: TrainingSpec, m: int, comm: _Comm,
+            units: int = 1) -> None:
     """Gradient reduction and parameter gathers over dp x cp of one rank's `dense`/`expert` parameters, as FSDP2
     (zero 1-3) and torch's DDP or replicate (zero 0, `estimate.uses_replicate`: the same bytes, in buckets or per
     unit) run them: zero 0/1 reduce once per step, zero 2/3 after every micro-batch
     (once under pipeline parallelism, which defers the sync to the last micro-batch); zero 1/2 gather parameters
-    once per step, zero 3 per unit for every forward and backward."""
+    once per step, zero 3 per unit for every forward and backward. Each of FSDP2's and replicate's `units` (one
+    per block and stage root: `estimate.fsdp_units`) issues its own collectives, so the calls are `units` times
+    those, the bytes the same; torch's DDP is counted as one bucket per stage (`estimate.runtime_dp_units`: a
+    floor, its 25 MiB buckets split larger models further)."""
     n = cfg.dp * cfg.cp
     g, w = training.grad_bytes, training.weight_bytes
     edp = n // cfg.ep
     dim = dp_dim(cfg)
+    units = max(1, units)
     if n > 1:
         if cfg.zero == 0:
-            comm.add("all_reduce", dim, dense * g)
+            comm.add("all_reduce", dim, dense * g / units, units)
         else:
             syncs = m if cfg.zero >= 2 and cfg.pp == 1 else 1
-            comm.add("reduce_scatter", dim, dense * g, syncs)
+            comm.add("reduce_scatter", dim, dense * g / units, syncs * units)
             # FSDP2 reshards after every backward unless the sync is deferred (zero 1, or the pipeline schedule):
             # zero 2 gathers again for every micro-batch's forward, zero 3 for every forward and backward
             gathers = 1 if cfg.zero == 1 or cfg.pp > 1 else (m if cfg.zero == 2 else 2 * m)
             if cfg.zero >= 3 and cfg.pp > 1:
                 gathers = m + 1
-            comm.add("all_gather", dim, dense * w, gathers)
+            comm.add("all_gather", dim, dense * w / units, gathers * units)
     if expert and edp > 1:
         # one bucketed all-reduce over the ranks holding the same experts (runtime.engine._all_reduce_bucketed):
         # the edp group, which without expert parallelism is the data-parallel group itself
@@ -460,9 +470,10 @@ def _head_parts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Cont
     head = profiles[-1]
     if ctx.training.fused_kernels:
         return cached_layer_cost(head, ctx).act_none, 0.0
-    n = 3 if ctx.tp > 1 else 2
-    tmp = n * ctx.tokens * head.logits_per_token / ctx.tp * 4
-    if ctx.tp > 1:
+    split = head.vocab_split(ctx.tp)  # loss_parallel's backward where the logits reach it split
+    n = 3 if split > 1 else 2
+    tmp = n * ctx.tokens * head.logits_per_token / split * 4
+    if split > 1:
         tmp += ctx.tokens * _LOSS_PARALLEL_INDEX_BYTES
     return cached_layer_cost(head, ctx).act_none, tmp
 
@@ -497,7 +508,8 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
            "activations": mem.activations, "temporaries": 0.0}
     head = profiles[-1]
     if cfg.pp > 1 and any(s.has_head for s in stages):
-        out["activations"] += m * ctx.tokens * head.logits_per_token / ctx.tp * 4  # fp32 logits kept per micro-batch
+        # fp32 logits kept per micro-batch
+        out["activations"] += m * ctx.tokens * head.logits_per_token / head.vocab_split(ctx.tp) * 4
     out["activations"] += in_flight * sum(_eager_extra_act(p, ctx, training, rec) for s in stages
                                           for p, rec in _stage_layers(s, profiles) if rec != "full")
     out["activations"] += pipeline_act(stages, profiles, ctx, cfg, training, m, in_flight)
@@ -657,7 +669,7 @@ def _head_forward(head: LayerProfile, ctx: Context) -> float:
     norm's and the LM head's inputs, the profile's act_seq) and the logits (the LM head's output, in the model's
     dtype: the engine upcasts them for the loss after the forward, zoo.model.cross_entropy_loss)."""
     saved = ctx.tokens * head.act_seq / (ctx.tp if ctx.sp else 1) * ctx.act_bytes / 2.0
-    return saved + ctx.tokens * head.logits_per_token / ctx.tp * ctx.act_bytes
+    return saved + ctx.tokens * head.logits_per_token / head.vocab_split(ctx.tp) * ctx.act_bytes
 
 
 def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec,
@@ -677,7 +689,8 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
     for r, stages in enumerate(_stages_by_rank(est.stages, cfg.pp)):
         flops, comm = rank_counts(stages, profiles, ctx, cfg, m, n_stages, training)
         dense, expert = rank_params(stages, cfg)
-        dp_comm(dense, expert, cfg, training, m, comm)
+        units = fsdp_units(stages) if cfg.zero >= 1 else runtime_dp_units(stages, cfg)
+        dp_comm(dense, expert, cfg, training, m, comm, units)
         step_comm(stages, profiles, ctx, cfg, training, comm)
         mem, moment = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m, fl[r])
         out.append({"flops": {k: int(round(v)) for k, v in flops.items()}, "comm": comm.as_list(),

@@ -86,12 +86,22 @@ class LayerProfile(_Frozen):
     moe_top_k: int = Field(default=0, description="Experts per token (0 = dense).")
     moe_experts: int = Field(default=0, description="Experts in the layer.")
     logits_per_token: int = Field(default=0, description="Vocabulary size of the logits (head only).")
+    logits_gathered: bool = Field(
+        default=False, description="Head only: the forward transforms the vocabulary-parallel head's logits "
+        "(soft-capping, scaling), so under tp the runtime gathers them whole on every rank and runs a plain loss "
+        "instead of the vocab-parallel one (`vocab_split`).")
     # What the fusable ops process, so the kernel set (fused / eager torch / Megatron) can be costed.
     norm_kind: Literal["layernorm", "rmsnorm"] | None = Field(default=None, description="Normalisation op.")
     norm_elems: float = Field(default=0.0, description="Elements per token through norms (residual stream).")
     act_kind: Literal["gelu", "swiglu", "relu"] | None = Field(default=None, description="MLP activation op.")
     act_elems: float = Field(default=0.0, description="Activation output elements per token (TP region).")
     rope_elems: float = Field(default=0.0, description="Elements of q and k rotated per token (TP region).")
+
+    def vocab_split(self, tp: int) -> int:
+        """Over how many ranks the logits reach the loss split: tp for a vocabulary-parallel head whose logits the
+        forward returns as they are (the runtime's loss_parallel), else 1 (a replicated head, tp 1, or logits
+        gathered because the forward transforms them). Head only."""
+        return tp if tp > 1 and self.tp_allreduces and not self.logits_gathered else 1
 
     @property
     def params(self) -> int:

@@ -701,6 +701,7 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
                        or (L.kind == "head" and head_gemm is not None) else 0),
         moe_top_k=top_k if L.n_experts else 0, moe_experts=L.n_experts,
         logits_per_token=logits_gemm.n if logits_gemm is not None and L.kind == "head" else 0,
+        logits_gathered=any(r == "vocab" and L.shard[n] == "R" for n, r in L.roles.items()),
     )
 
 
@@ -808,6 +809,23 @@ def _is_linear_module(o: OpNode) -> bool:
     return o.opname == "linear" and o.module_type == "Linear"
 
 
+def logits_transformed(name: str, consumers: dict[str, list[str]], ops: dict[str, OpNode]) -> bool:
+    """Whether the forward computes on the logits op `name` makes (soft-capping, scaling) rather than returning
+    them as they are or handing them to the loss (nothing but views, casts and a log-softmax between them and a
+    captured cross-entropy: what loss_parallel computes over vocabulary shards). The vocabulary-parallel head's
+    logits are then gathered whole over tp and the loss runs on them replicated: autoplan.models.factory
+    applies this rule (FactoryStructure.head_is_output) and the capture prices it (LayerProfile.logits_gathered)."""
+    todo = [name]
+    while todo:
+        for u in consumers.get(todo.pop(), ()):
+            o = ops[u]
+            if o.kind in ("view", "alias", "skip") or o.opname in CAST_OPS or o.opname in SOFTMAX_OPS:
+                todo.append(u)
+            elif o.kind != "loss":
+                return True
+    return False
+
+
 def _vocab_parallel_lookup(o: OpNode, g: _Ctx) -> bool:
     """Whether a token embedding is split over vocabulary rows under tp: an nn.Embedding of the vocabulary whose
     table nothing else reads but a tied nn.Linear head (the rule of autoplan.models.factory, which the runtime's
@@ -830,6 +848,8 @@ def _propagate_shards(L: _Layer) -> None:
         if o.kind == "gemm":
             L.roles[o.name] = _gemm_role(L, o)
             L.shard[o.name] = "S" if L.roles[o.name] in ("col", "vocab") else "R"
+            if L.roles[o.name] == "vocab" and logits_transformed(o.name, L.g.consumers, L.g.ops):
+                L.shard[o.name] = "R"  # gathered whole over tp: what the forward does to them runs replicated
         elif o.kind == "attention" or o.name in L.core_members:
             L.shard[o.name] = "S"
         elif o.name in L.norm_of or o.name in L.loss_members:

@@ -363,7 +363,9 @@ def _find_vocabulary(st: FactoryStructure, graph, users: dict[str, list[str]]) -
     """The vocabulary head (the head GEMM making the logits), sharded when it is an nn.Linear; the token embedding
     (the nn.Embedding looking up the input ids), sharded when nothing else reads its weight (a head applying it
     with F.linear would meet a sharded weight); otherwise both stay replicated. The capture prices the same rule
-    (autoplan.capture.analyze: `_vocab_parallel_lookup`, the head GEMM's role)."""
+    (autoplan.capture.analyze: `_vocab_parallel_lookup`, the head GEMM's role, `logits_transformed`)."""
+    from autoplan.capture.analyze import logits_transformed
+
     ops = graph.ops
     head = graph.profiles[-1]
     head_gemm = next((g for g in head.gemms if g.tp == "vocab"), None)
@@ -381,14 +383,7 @@ def _find_vocabulary(st: FactoryStructure, graph, users: dict[str, list[str]]) -
                 break  # F.linear / matmul with a weight: the head stays replicated
             st.head = o.module
             head_param = next((ops[i].param for i in o.inputs if ops[i].kind == "param"), None)
-            todo, ok = [n], True  # the logits leave the forward unchanged: nothing but views consumes them
-            while todo:
-                for u in users.get(todo.pop(), []):
-                    if ops[u].kind in ("view", "alias", "skip"):
-                        todo.append(u)
-                    else:
-                        ok = False
-            st.head_is_output = ok
+            st.head_is_output = not logits_transformed(n, users, ops)  # the capture's rule, which prices it
             break
     inputs = {o.name for o in ops.values() if o.kind == "input"}
     for n in graph.layer("embedding").order:

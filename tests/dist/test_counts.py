@@ -64,6 +64,8 @@ def test_counts_agree(records, case):
     wire = [m for m in parse_profile_record({k: rec[k] for k in ("event", "step", "ranks")}).count_mismatches()
             if "bytes" in m]
     assert wire == [], (case, wire)
+    # and as many calls of each collective as the runtime makes (FSDP2 and replicate: one per unit)
+    assert c["calls_off"] == [], (case, c["calls_off"])
     for r in rec["ranks"]:  # only scalars (the loss's all-reduce, not run on private copies) may go off-thread
         assert r["measured"]["memory_freed_off_thread"][1] < 1024, (case, r["rank"], r["measured"])
     for rank, _stage, p, m, at, _moment, _phase in c["memory"]:

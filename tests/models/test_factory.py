@@ -200,3 +200,37 @@ def test_capture_prices_the_vocabulary_as_the_tp_layout_splits_it():
     assert [g.tp for g in head.gemms] == ["replicated"] and head.tp_allreduces == 0
     assert head.logits_per_token == 96
     assert emb.tp_allreduces == 0 and emb.params_sharded == 0 and emb.params_replicated > 0
+
+
+def test_logits_the_forward_transforms_are_priced_gathered():
+    """A head whose logits the forward soft-caps is vocab-parallel in its GEMM but gathers the logits whole on every
+    tp rank (factory_tp_layout: a Replicate output) and runs a plain loss on them: the capture marks it, and the
+    counts hold the all-gather (the gathered tensor, forward only) instead of the vocab-parallel loss's three
+    all-reduces per micro-batch; the loss's fp32 temporaries cover the whole vocabulary. The same module with
+    its logits returned as they are keeps loss_parallel."""
+    from autoplan.cost_models.compute import loss_transient
+    from autoplan.cost_models.counts import predict_counts
+    from autoplan.cost_models.estimate import context
+
+    spec, profiles = resolve_model(f"{M}:softcap_lm")
+    head = profiles[-1]
+    assert head.logits_gathered and head.vocab_split(2) == 1 and head.tp_allreduces == 1
+    assert factory_structure(f"{M}:softcap_lm").head_is_output is False
+    plain = [*profiles[:-1], head.model_copy(update={"logits_gathered": False})]
+    assert plain[-1].vocab_split(2) == 2
+
+    plan = _plan(f"{M}:softcap_lm", "tp=2")
+    cluster = load_cluster("local-cpu").with_gpus(2)
+
+    def tp_comm(profs):
+        got = predict_counts(profs, cluster, plan.training, plan.parallel)[0]["comm"]
+        return {(c["collective"]): (c["count"], c["bytes"]) for c in got if c["mesh_dim"] == "tp"}
+
+    gathered, split = tp_comm(profiles), tp_comm(plain)
+    m = plan.training.global_batch_size // plan.parallel.mbs
+    tokens = plan.parallel.mbs * plan.training.seq_length
+    assert gathered["all_gather"] == (m, m * tokens * 96 * 4)
+    assert "all_gather" not in split
+    assert split["all_reduce"][0] - gathered["all_reduce"][0] == 3 * m  # loss_parallel's max, target, sum of exp
+    ctx = context(cluster, plan.training, plan.parallel)
+    assert loss_transient(head, ctx) == 2 * loss_transient(plain[-1], ctx)
