@@ -6,7 +6,8 @@ rows to FILE for `autoplan tune --bench FILE`; see docs/calibrate.md for a multi
 
 It measures what the cost model needs, on whatever device torch sees (CUDA if present, else the CPU):
 matmul throughput at several sizes (giving the peak and the GEMM half-efficiency size), memory bandwidth
-(a large copy), the host time per eager op (on a CPU, per operator of a training step's forward and backward),
+(a large copy), the host time per eager op (on a CPU, per operator of a training step's forward and backward) and
+what DTensor adds to it per operator of a tensor-parallel layer,
 and the all-reduce bandwidth and latency between `--nproc` processes on the default backend (gloo on CPU, NCCL on
 GPUs). On a CPU the spec is each process's share when they outnumber the cores (`per_process`), with the cores
 recorded. The result loads with `--cluster cluster.yaml`.
@@ -122,7 +123,9 @@ def per_process(spec: dict, nproc: int, cores: int) -> dict:
     gpu["peak_tflops"] = {k: round(v * share, 5) for k, v in gpu["peak_tflops"].items()}
     gpu["hbm_gbps"] = round(gpu["hbm_gbps"] * share, 2)
     cal = dict(gpu["calibration"])
-    cal["kernel_launch_us"] = round(cal["kernel_launch_us"] / share, 2)
+    for k in ("kernel_launch_us", "tp_op_overhead_us"):
+        if k in cal:
+            cal[k] = round(cal[k] / share, 2)
     gpu["calibration"] = cal
     out["gpu"] = gpu
     return out
@@ -175,6 +178,9 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     c = measure_compute(device, dtype)
+    from .calibrate_bench import bench_tp_ops
+
+    tp_ops = bench_tp_ops(device)
     bus, lat = measure_allreduce(nproc) if nproc > 1 else (100.0, 1.0)
     if device == "cpu":
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3 / nproc
@@ -198,6 +204,9 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
                 # CPU processes run their operators themselves: the host time per operator of a training step;
                 # on a GPU the host launches ahead of the kernels, and the bare launch is what is measured
                 "kernel_launch_us": round(c["train_op_us"] if device == "cpu" else c["op_us"], 2),
+                # DTensor's sharding propagation and dispatch per operator of a tensor-parallel layer (the
+                # runtime's tp layout on a one-process mesh, against the plain model: calibrate_bench)
+                "tp_op_overhead_us": round(tp_ops["seconds"] / tp_ops["ops"] * 1e6, 2),
                 "framework_overhead_gib": 0.3 if device == "cpu" else 2.0,
             },
         },
@@ -217,7 +226,13 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
 
     from autoplan.cost_models.fit import CollectiveSample, GemmSample, RegionSample, fit_cluster
 
-    from .calibrate_bench import bench_gemms, bench_recompute_region, model_gemm_shapes, run_collectives
+    from .calibrate_bench import (
+        bench_gemms,
+        bench_recompute_region,
+        bench_tp_ops,
+        model_gemm_shapes,
+        run_collectives,
+    )
     from .specs import cluster_from_mapping
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -230,8 +245,10 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
         shapes += model_gemm_shapes(args.model, args.seq_len, args.mbs, spec["gpus_per_node"])
     gemms = bench_gemms(shapes, device, args.dtype)
     regions = bench_recompute_region(device)
+    # the measurement `calibrate` wrote as tp_op_overhead_us (calibrate_bench.bench_tp_ops), kept for the record
+    tp_ops = bench_tp_ops(device)
     bench = {"device": device, "model": args.model, "seq_len": args.seq_len, "mbs": args.mbs,
-             "gemm": gemms, "collectives": colls, "recompute": regions}
+             "gemm": gemms, "collectives": colls, "recompute": regions, "tp_ops": [tp_ops]}
     cluster = cluster_from_mapping(spec, where="calibrate")
     if device == "cpu":
         cluster = cluster.model_copy(update={"cores_per_node": len(os.sched_getaffinity(0))})

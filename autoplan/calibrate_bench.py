@@ -5,7 +5,8 @@ RegionSample).
 - GEMMs at the model's own shapes: every GEMM of a transformer block, embedding and head, for one micro-batch of
   `--seq-len` tokens, unsharded and sharded as tensor parallelism of each degree up to the node's size would
   shard it (column-parallel N/tp, row-parallel K/tp).
-- The host time of one checkpointed region (torch.utils.checkpoint, as the runtime's recompute uses it).
+- The host time of one checkpointed region (torch.utils.checkpoint, as the runtime's recompute uses it), and
+  the host time DTensor adds per operator of a tensor-parallel step.
 - Collectives at several sizes on each level of the hierarchy: all-reduce, all-gather, reduce-scatter,
   all-to-all among the processes of one node ("intra"), and among one process per node ("inter") when the
   benchmark runs on several nodes under torchrun; send/recv between two processes of a node, and between two
@@ -155,6 +156,79 @@ def bench_recompute_region(device: str, repeats: int = 41, seq: int = 16) -> lis
         rows.append({"ops": int(ops), "seconds": max(med(t_ckpt) - med(t_plain) - med(t_fwd), 1e-7),
                      "processes": 1})
     return rows
+
+
+def bench_tp_ops(device: str, repeats: int = 31) -> dict:
+    """The host time DTensor adds per operator of a tensor-parallel step (GPUCalibration.tp_op_overhead_us):
+    tiny-gpt at one token (device time ~0), its forward and backward with the runtime's tensor-parallel layout
+    (runtime.parallelize.apply_tp on a one-process mesh, the loss under loss_parallel) against the same model
+    unsharded, the two alternating, medians over `repeats`; the difference over 3 x the model's operators, the
+    units the cost model charges it in (compute.layer_cost: once per forward operator, twice in backward). On a
+    one-process mesh no collective runs: what is left is DTensor's sharding propagation and dispatch, which a
+    mesh of any size pays per operator (the collectives themselves are priced as communication). Run in a
+    process of its own, with its own one-process group, so that it works beside any process group of the caller
+    (torchrun). Returns {"ops", "seconds" (the step's extra time), "processes": 1}; about 60 us per operator on
+    this machine's CPU (session 15), against ~6 for the plain operator."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        mp.spawn(_tp_ops_worker, args=(device, port, out, repeats), nprocs=1, join=True)
+        return json.loads(Path(out).read_text())
+    finally:
+        Path(out).unlink(missing_ok=True)
+
+
+def _tp_ops_worker(rank: int, device: str, port: int, out: str, repeats: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from autoplan.cost_models.profile import profile_from_spec
+    from autoplan.runtime.parallelize import apply_tp
+    from autoplan.specs import load_model
+    from autoplan.zoo.model import build_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cuda":  # under torchrun, each rank's own GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        spec = load_model("tiny-gpt")
+        ops = 3 * sum(p.kernels_fwd for p in profile_from_spec(spec))
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        plain = build_model(spec).to(device)
+        sharded = build_model(spec).to(device)
+        apply_tp(sharded, init_device_mesh(device, (1,), mesh_dim_names=("tp",)), sp=False)
+        x = torch.randint(0, spec.vocab_size, (1, 1), device=device)
+
+        def step(m) -> float:
+            t0 = time.perf_counter()
+            with loss_parallel():
+                F.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
+            sync()
+            return time.perf_counter() - t0
+
+        for _ in range(5):
+            step(plain)
+            step(sharded)
+        t_plain, t_tp = [], []
+        for _ in range(repeats):
+            t_plain.append(step(plain))
+            t_tp.append(step(sharded))
+        extra = max(statistics.median(t_tp) - statistics.median(t_plain), 1e-7)
+        Path(out).write_text(json.dumps({"ops": int(ops), "seconds": extra, "processes": 1}))
+    finally:
+        dist.destroy_process_group()
 
 
 def _timed(fn, sync, barrier) -> float:

@@ -112,6 +112,12 @@ GPU_PRESETS: dict[str, GPUSpec] = {
             # full over no recompute (~375 and ~940 us per region, the re-run forward included).
             recompute_region_us=390.0,
             recompute_op_us=70.0,
+            # DTensor's sharding propagation and dispatch per operator of a tensor-parallel layer: 54-62 us in
+            # one process (the runtime's tp layout on a one-process mesh against the plain model, tiny-gpt at one
+            # token: `autoplan.calibrate_bench.bench_tp_ops`, session 15), doubled by two processes per core.
+            # `autoplan tune` fits 250-300 here, which also holds what the tensor-parallel collectives' host
+            # work costs beyond their latency.
+            tp_op_overhead_us=120.0,
             framework_overhead_gib=0.5,
             overlap_interference=1.0,  # gloo runs on the same cores as the compute: nothing is hidden
         ),

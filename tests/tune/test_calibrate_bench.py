@@ -90,12 +90,14 @@ def test_cpu_spec_is_per_process_when_processes_outnumber_cores():
     from autoplan.calibrate import per_process
 
     spec = {"name": "c", "gpu": {"name": "cpu", "peak_tflops": {"fp32": 0.1}, "hbm_gib": 6, "hbm_gbps": 30.0,
-                                 "calibration": {"kernel_launch_us": 6.0, "matmul_max_efficiency": 1.0}},
+                                 "calibration": {"kernel_launch_us": 6.0, "tp_op_overhead_us": 60.0,
+                                                 "matmul_max_efficiency": 1.0}},
             "gpus_per_node": 4, "num_nodes": 1}
     shared = per_process(spec, 4, 2)
     assert shared["cores_per_node"] == 2 and shared["gpu"]["peak_tflops"]["fp32"] == pytest.approx(0.05)
     assert shared["gpu"]["hbm_gbps"] == pytest.approx(15.0)
     assert shared["gpu"]["calibration"]["kernel_launch_us"] == pytest.approx(12.0)
+    assert shared["gpu"]["calibration"]["tp_op_overhead_us"] == pytest.approx(120.0)
     assert spec["gpu"]["peak_tflops"]["fp32"] == 0.1  # the measured spec is left as it was
     alone = per_process(spec, 2, 4)  # a core each: only the cores are added
     assert alone == {**spec, "cores_per_node": 4}
@@ -121,4 +123,20 @@ def test_calibrate_writes_a_cpu_cluster_with_its_cores(tmp_path, capsys):
     cluster = load_cluster(str(out))
     cores = len(os.sched_getaffinity(0))
     assert cluster.cores_per_node == cores and cluster.oversubscribed == (cores < 2)
-    assert cluster.gpu.calibration.kernel_launch_us > 0
+    cal = cluster.gpu.calibration
+    assert cal.kernel_launch_us > 0
+    # DTensor's per-operator cost, measured (calibrate_bench.bench_tp_ops): above the plain operator's
+    assert cal.tp_op_overhead_us > cal.kernel_launch_us
+
+
+def test_dtensor_per_operator_cost_is_measured_against_the_plain_model():
+    """bench_tp_ops: the tensor-parallel layout's extra host time for tiny-gpt's step at one token, over the cost
+    model's operator count (3 x kernels_fwd): tens of microseconds per operator on a CPU, not zero (the layout
+    was applied) and not milliseconds (the step is not device-bound)."""
+    from autoplan.calibrate_bench import bench_tp_ops
+    from autoplan.cost_models.profile import profile_from_spec
+    from autoplan.specs import load_model
+
+    row = bench_tp_ops("cpu", repeats=7)
+    assert row["ops"] == 3 * sum(p.kernels_fwd for p in profile_from_spec(load_model("tiny-gpt")))
+    assert row["processes"] == 1 and 5e-6 < row["seconds"] / row["ops"] < 1e-3
