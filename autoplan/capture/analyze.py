@@ -139,6 +139,14 @@ def _classify(o: OpNode) -> str:
 # ------------------------------------------------------------------------------------------ the context
 
 
+def param_of(name: str, ops: dict[str, OpNode]) -> str | None:
+    """The parameter operand `name` is (through views and casts), if any."""
+    o = ops[name]
+    while (o.kind in ("view", "alias") or o.opname in CAST_OPS) and o.inputs:
+        o = ops[o.inputs[0]]
+    return o.param if o.kind == "param" else None
+
+
 @dataclass
 class _Ctx:
     ops: dict[str, OpNode]
@@ -152,6 +160,8 @@ class _Ctx:
     owner: dict[str, str] = field(default_factory=dict)  # param -> layer that owns it
     vocab: int | None = None
     hidden: int | None = None
+    head_linear: str | None = None  # the vocabulary-parallel head's module (`_find_head`)
+    logits_width: int = 0  # the logits' width (the head profile's logits_per_token)
 
     def base(self, name: str) -> str:
         """Follow views back to the op that produced the storage."""
@@ -162,10 +172,7 @@ class _Ctx:
 
     def param_of(self, name: str) -> str | None:
         """The parameter an operand is (through views and casts), if any."""
-        o = self.ops[name]
-        while (o.kind in ("view", "alias") or o.opname in CAST_OPS) and o.inputs:
-            o = self.ops[o.inputs[0]]
-        return o.param if o.kind == "param" else None
+        return param_of(name, self.ops)
 
     def per_token(self, meta: TensorMeta | None) -> float:
         """Memory traffic of one tensor per token, in activation elements of the model's precision (bytes /
@@ -307,6 +314,7 @@ def analyze(raw: RawCapture, *, name: str, batch: int, seq_captured: int, seq: i
     _assign_owners(raw, g, layer_ops, blocks, stacks)
     infos = {lname: _layer_info(lname, names, blocks, g) for lname, names in layer_ops.items()}
     block_groups = _group_blocks(blocks, infos)
+    _find_head(infos["head"], g)
     profiles = _profiles(blocks, infos, g)
     total = sum(m.numel for m in raw.params.values())
     prof_total = sum(p.params for p in profiles)
@@ -827,16 +835,26 @@ def logits_transformed(name: str, consumers: dict[str, list[str]], ops: dict[str
 
 
 def _vocab_parallel_lookup(o: OpNode, g: _Ctx) -> bool:
-    """Whether a token embedding is split over vocabulary rows under tp: an nn.Embedding of the vocabulary whose
-    table nothing else reads but a tied nn.Linear head (the rule of autoplan.models.factory, which the runtime's
-    tp layout follows; a table also read elsewhere stays replicated)."""
-    if not (o.kind == "embedding" and o.token_dependent and o.module_type == "Embedding"):
+    return vocab_parallel_lookup(o, g.ops, g.logits_width, g.head_linear)
+
+
+def vocab_parallel_lookup(o: OpNode, ops: dict[str, OpNode], vocab: int, head: str | None) -> bool:
+    """Whether tensor parallelism splits token embedding `o` over vocabulary rows: an nn.Embedding looking up
+    token ids, in a table of `vocab` rows (the logits' width) that nothing else reads but the vocabulary-parallel
+    nn.Linear head module `head` it is tied to. Any other reader (a head applying the table with F.linear, another
+    lookup) would meet a sharded table, so it stays replicated; so does a table of another size (token types).
+    The one rule: autoplan.models.factory applies it (FactoryStructure.embedding, which the runtime's tp layout
+    shards) and the capture prices it (the embedding's sharded parameters and its all-reduce)."""
+    if not (o.kind == "embedding" and o.token_dependent and o.module_type == "Embedding" and len(o.inputs) >= 2):
         return False
-    table = g.param_of(o.inputs[0]) if o.inputs else None
-    for other in g.ops.values():
-        if other is o or table is None or not any(g.param_of(i) == table for i in other.inputs):
-            continue
-        if not (other.kind == "gemm" and _is_linear_module(other)):
+    table = param_of(o.inputs[0], ops)
+    if table is None or o.in_meta[0] is None or not o.in_meta[0].shape or o.in_meta[0].shape[0] != vocab:
+        return False
+    for other in ops.values():
+        if other is o or other.kind in ("view", "alias", "param") or other.opname in CAST_OPS:
+            continue  # a view or cast of the table is followed to whatever reads it
+        reads = any(param_of(i, ops) == table for i in other.inputs)
+        if reads and not (other.kind == "gemm" and _is_linear_module(other) and head and other.module == head):
             return False
     return True
 
@@ -856,6 +874,18 @@ def _propagate_shards(L: _Layer) -> None:
             L.shard[o.name] = "R"
         else:
             L.shard[o.name] = "S" if any(L.sh(i) == "S" for i in o.inputs if L.g.live(i)) else "R"
+
+
+def _find_head(info: LayerInfo, g: _Ctx) -> None:
+    """The head GEMM making the logits, before any layer is profiled (the embedding's split depends on it): the
+    first nn.Linear GEMM of the head making `g.vocab` outputs or feeding the loss (the vocabulary-parallel one,
+    `_gemm_role`), else the widest GEMM there (a weight applied with F.linear: replicated)."""
+    gemms = [g.ops[n] for n in info.order if g.ops[n].kind == "gemm"]
+    head = next((o for o in gemms if _is_linear_module(o)
+                 and (_gemm_shape(o, g)[0] == g.vocab or _feeds_loss(o.name, g))), None)
+    g.head_linear = head.module if head is not None else None
+    widths = [_gemm_shape(o, g)[0] for o in ([head] if head is not None else gemms)]
+    g.logits_width = max(widths, default=0)
 
 
 # ------------------------------------------------------------------------------- parameters

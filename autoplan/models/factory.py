@@ -360,21 +360,16 @@ def _find_attention_core(st: FactoryStructure, graph, profiles: dict) -> None:
 
 
 def _find_vocabulary(st: FactoryStructure, graph, users: dict[str, list[str]]) -> None:
-    """The vocabulary head (the head GEMM making the logits), sharded when it is an nn.Linear; the token embedding
-    (the nn.Embedding looking up the input ids), sharded when nothing else reads its weight (a head applying it
-    with F.linear would meet a sharded weight); otherwise both stay replicated. The capture prices the same rule
-    (autoplan.capture.analyze: `_vocab_parallel_lookup`, the head GEMM's role, `logits_transformed`)."""
-    from autoplan.capture.analyze import logits_transformed
+    """The vocabulary head (the head GEMM making the logits), sharded when it is an nn.Linear; the token embedding,
+    sharded when nothing else reads its table (a head applying it with F.linear would meet a sharded weight);
+    otherwise both stay replicated. The capture's rules, which price the same layout (autoplan.capture.analyze:
+    `vocab_parallel_lookup`, the head GEMM's role, `logits_transformed`)."""
+    from autoplan.capture.analyze import logits_transformed, param_of, vocab_parallel_lookup
 
     ops = graph.ops
     head = graph.profiles[-1]
     head_gemm = next((g for g in head.gemms if g.tp == "vocab"), None)
     st.vocab = head.logits_per_token or (head_gemm.n if head_gemm is not None else 0)
-    readers: dict[str, list[str]] = {}
-    for o in ops.values():
-        for i in o.inputs:
-            if ops[i].kind == "param" and ops[i].param is not None:
-                readers.setdefault(ops[i].param, []).append(o.name)
     head_param = None
     for n in graph.layer("head").order:
         o = ops[n]
@@ -382,18 +377,15 @@ def _find_vocabulary(st: FactoryStructure, graph, users: dict[str, list[str]]) -
             if o.module_type != "Linear":
                 break  # F.linear / matmul with a weight: the head stays replicated
             st.head = o.module
-            head_param = next((ops[i].param for i in o.inputs if ops[i].kind == "param"), None)
+            head_param = next((p for i in o.inputs if (p := param_of(i, ops)) is not None), None)
             st.head_is_output = not logits_transformed(n, users, ops)  # the capture's rule, which prices it
             break
-    inputs = {o.name for o in ops.values() if o.kind == "input"}
     for n in graph.layer("embedding").order:
         o = ops[n]
-        if o.kind == "embedding" and len(o.inputs) >= 2 and o.inputs[1] in inputs and o.module_type == "Embedding":
-            w = ops[o.inputs[0]].param
-            shared = w == head_param  # a tied nn.Linear head: both sharded alike
-            others = [r for r in readers.get(w, []) if r != n and not (shared and ops[r].module == st.head)]
-            if o.in_meta[0] is not None and o.in_meta[0].shape[0] == st.vocab and not others:
-                st.embedding, st.tied = o.module, shared
+        if o.kind == "embedding" and o.token_dependent and o.module_type == "Embedding":
+            split = vocab_parallel_lookup(o, ops, st.vocab, st.head)
+            st.embedding = o.module if split else st.embedding
+            st.tied = split and head_param is not None and param_of(o.inputs[0], ops) == head_param
             break
 
 

@@ -155,11 +155,14 @@ class SplitBlock(nn.Module):
 class Embeddings(nn.Module):
     """Token + learned position embeddings in one module (what a pipeline's first stage keeps)."""
 
-    def __init__(self, vocab: int, h: int, max_seq: int) -> None:
+    def __init__(self, vocab: int, h: int, max_seq: int, viewed_ids: bool = False) -> None:
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, h), nn.Embedding(max_seq, h)
+        self.viewed_ids = viewed_ids
 
     def forward(self, tokens):
+        if self.viewed_ids:  # GPT-2's `input_ids.view(-1, input_shape[-1])` before the lookup
+            tokens = tokens.view(-1, tokens.shape[-1])
         return self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
 
 
@@ -168,15 +171,15 @@ class SplitLM(nn.Module):
     `root_scale` scales the embeddings in the model's own forward (outside any module), which a pipeline stage
     cannot skip; `softcap` soft-caps the logits there (the head's output is not the model's); `tied` shares the
     head's weight with the token embedding; `functional_head` computes the logits with F.linear on the token
-    embedding's weight (and has no `head` module)."""
+    embedding's weight (and has no `head` module); `viewed_ids` views the ids before the lookup."""
 
     def __init__(self, vocab: int = 96, h: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 3,
                  max_seq: int = 64, root_scale: bool = False, softcap: float | None = None, tied: bool = False,
-                 functional_head: bool = False, pad_mask: bool = False, **attn) -> None:
+                 functional_head: bool = False, pad_mask: bool = False, viewed_ids: bool = False, **attn) -> None:
         super().__init__()
         self.root_scale, self.softcap, self.functional_head = root_scale, softcap, functional_head
         self.pad_mask = pad_mask
-        self.embed = Embeddings(vocab, h, max_seq)
+        self.embed = Embeddings(vocab, h, max_seq, viewed_ids)
         mixed = attn.pop("mixed", False)  # alternate SDPA and explicit attention cores
         self.layers = nn.ModuleList(SplitBlock(h, heads, kv_heads, **attn, **({"explicit_core": i % 2 == 1}
                                                                               if mixed else {}))
@@ -248,6 +251,11 @@ def pad_mask_lm():
     """Its blocks zero padding positions with a mask the root forward computes from the token ids: not pipelined
     (a later stage sees only the hidden state)."""
     return _meta_factory(pad_mask=True)
+
+
+def viewed_ids_lm():
+    """Views the token ids before the lookup (as GPT-2 does): the embedding is still split over the vocabulary."""
+    return _meta_factory(viewed_ids=True)
 
 
 def tied_lm():

@@ -200,6 +200,13 @@ def test_capture_prices_the_vocabulary_as_the_tp_layout_splits_it():
     assert [g.tp for g in head.gemms] == ["replicated"] and head.tp_allreduces == 0
     assert head.logits_per_token == 96
     assert emb.tp_allreduces == 0 and emb.params_sharded == 0 and emb.params_replicated > 0
+    # one rule for the capture's pricing and the factory's layout (capture.analyze.vocab_parallel_lookup): ids
+    # viewed before the lookup (GPT-2) leave the table split in both; before, the factory required the lookup to
+    # read the input itself and left it replicated while the capture priced it split
+    _, viewed = resolve_model(f"{M}:viewed_ids_lm")
+    assert viewed[0].tp_allreduces == 1 and viewed[0].params_sharded > 0
+    assert factory_structure(f"{M}:viewed_ids_lm").embedding == "embed.tok"
+    assert factory_structure(f"{M}:functional_head_lm").embedding is None
 
 
 def test_logits_the_forward_transforms_are_priced_gathered():

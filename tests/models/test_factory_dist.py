@@ -37,6 +37,7 @@ CASES = [
     f"{TIED}@dp=2,zero=3",  # the tie survives materialising the meta-device module
     "tests/capture/_models.py:split_lm4@pp=2,vp=2",  # interleaved 1F1B, one block per virtual stage
     "tests/capture/_models.py:functional_head_lm@tp=2",  # logits by F.linear on the embedding: vocab replicated
+    "tests/capture/_models.py:viewed_ids_lm@tp=2",  # ids viewed before the lookup: the embedding still split
 ]
 if importlib.util.find_spec("transformers") is not None:  # transformers' own LlamaForCausalLM as the user's module
     CASES += [f"{HF}@tp=2", f"{HF}@pp=2,recompute=selective"]
