@@ -30,7 +30,9 @@ def resolve_model(ref: str | ModelSpec) -> tuple[ModelSpec, list[LayerProfile] |
 
         module, inputs = load_module_factory(ref)
         graph = capture(module, inputs, name=ref.split(":")[-1])
-        return spec_from_profiles(graph.profiles, name=ref.split(":")[-1], seq=graph.seq), graph.profiles
+        # the longest sequence is the learned position table's, not the example input's (which only traces)
+        return spec_from_profiles(graph.profiles, name=ref.split(":")[-1], seq=graph.max_positions()), \
+            graph.profiles
     path = Path(ref)
     if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face checkpoint directory
         path = path / "config.json"

@@ -172,6 +172,15 @@ class ModelGraph:
     def layer(self, name: str) -> LayerInfo:
         return self.layers.nodes[name]["info"]
 
+    def max_positions(self) -> int | None:
+        """Rows of the model's learned position table -- a lookup whose indices do not depend on the tokens, in a
+        table that is a parameter -- the longest sequence it can take; None without one (rotary or no
+        positions: the capture knows no limit)."""
+        rows = [o.in_meta[0].shape[0] for o in self.ops.values()
+                if o.kind == "embedding" and not o.token_dependent and len(o.inputs) >= 2 and o.in_meta
+                and o.in_meta[0] is not None and o.in_meta[0].shape and self.ops[o.inputs[0]].kind == "param"]
+        return max(rows) if rows else None
+
     def layer_infos(self) -> list[LayerInfo]:
         return [self.layer(n) for n in [*self.pre, *self.blocks, *self.post]]
 

@@ -241,3 +241,17 @@ def test_logits_the_forward_transforms_are_priced_gathered():
     assert split["all_reduce"][0] - gathered["all_reduce"][0] == 3 * m  # loss_parallel's max, target, sum of exp
     ctx = context(cluster, plan.training, plan.parallel)
     assert loss_transient(head, ctx) == 2 * loss_transient(plain[-1], ctx)
+
+
+def test_the_longest_sequence_is_the_position_tables_not_the_example_inputs():
+    """A module traced with a 16-token example takes sequences up to its learned position table's rows (64 in
+    split_lm), and no longer: before, it was refused above 16 tokens (`autoplan tune --seq-len 32` on split_lm
+    said seq=32 > max_seq_length=16)."""
+    spec, _ = resolve_model(f"{M}:split_lm")
+    assert spec.max_seq_length == 64 and spec.position == "learned"
+    training = TrainingSpec(global_batch_size=4, seq_length=32, dtype="fp32")
+    plan = make_plan(spec, load_cluster("local-cpu").with_gpus(2), training, "dp=2", kernels="torch")
+    assert plan.training.seq_length == 32
+    with pytest.raises(ConfigError, match="learned positions"):
+        make_plan(spec, load_cluster("local-cpu").with_gpus(2), training.model_copy(update={"seq_length": 128}),
+                  "dp=2", kernels="torch")
