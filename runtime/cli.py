@@ -19,7 +19,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         extra += ["--init-from", str(args.init_from)]
     return run(args.plan, nproc_per_node=args.nproc_per_node, train_args=extra, nnodes=args.nnodes,
                rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, print_command=args.print_command,
-               max_restarts=args.max_restarts, term_timeout=args.term_timeout, force=args.force)
+               max_restarts=args.max_restarts, term_timeout=args.term_timeout, force=args.force,
+               trusted_module=args.model)
 
 
 def register(sub) -> None:
@@ -44,5 +45,8 @@ def register(sub) -> None:
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from a Hugging Face checkpoint directory (safetensors + config.json of the planned "
                         "model); each rank reads only its slices")
+    p.add_argument("--model", default=None, metavar="MODULE:FACTORY",
+                   help="for a plan of your own module (planned with --model pkg.mod:factory): name that module "
+                        "again to run it; a plan file alone never imports code (SECURITY.md)")
     p.epilog = "Arguments after -- go to runtime.train: --steps N --data FILE --log FILE --lr ..."
     p.set_defaults(func=cmd_run)

@@ -175,10 +175,11 @@ def _resume_dir(train_args: Sequence[str]) -> str | None:
 def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Sequence[str] = (),
         env: dict[str, str] | None = None, *, nnodes: int = 1, rdzv_endpoint: str | None = None,
         rdzv_id: str = "autoplan", print_command: bool = False, max_restarts: int = 0,
-        term_timeout: float = 60.0, force: bool = False) -> int:
+        term_timeout: float = 60.0, force: bool = False, trusted_module: str | None = None) -> int:
     """Check the plan, the process count and the machine, then run torchrun in the foreground (or print its
     command); returns its exit code (128+signal after SIGTERM/SIGINT). Raises PlanError (a bad or tampered plan,
-    a launch the plan was not made for, or a machine it does not suit without --force)."""
+    a plan naming a Python module the user did not name as `trusted_module` (--model), a launch the plan was not
+    made for, or a machine it does not suit without --force)."""
     import shlex
 
     from autoplan.cost_models.errors import PlanError
@@ -190,7 +191,11 @@ def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Se
         raise PlanError("--term-timeout must be > 0 seconds", f"got {term_timeout}", "pass --term-timeout 60")
     plan = load_plan(plan_path)
     from autoplan.models import check_plan_model
+    from autoplan.models.source import TRUSTED_MODULE_ENV, check_module_trusted, plan_module
 
+    module = plan_module(plan)
+    check_module_trusted(plan, trusted_module, f"if you trust that code, run `autoplan run {plan_path} --model "
+                                               f"{module}`")
     check_plan_model(plan)  # the recorded architecture builds as planned: refused before launch, not in torchrun
     nproc, warnings = check_launch(plan, nproc_per_node, nnodes, rdzv_endpoint)
     problems = check_machine(plan, nproc)
@@ -209,10 +214,13 @@ def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Se
         checkpoint.check_trusted(checkpoint.resolve(resume), checksums=False)
     cmd = torchrun_command(plan_path, nproc, args, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                            max_restarts=max_restarts)
+    trust = {TRUSTED_MODULE_ENV: module} if module else {}
     if print_command:
-        print(f"PYTHONPATH={shlex.quote(str(ROOT))} OMP_NUM_THREADS=1 " + shlex.join(cmd))
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in trust.items())
+              + (" " if trust else "") + f"PYTHONPATH={shlex.quote(str(ROOT))} OMP_NUM_THREADS=1 " + shlex.join(cmd))
         return 0
     full_env = dict(os.environ if env is None else env)
+    full_env.update(trust)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH", "")]))
     return supervise(cmd, full_env, term_timeout)

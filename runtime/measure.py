@@ -570,7 +570,7 @@ def profile_record(trainer, step: int, batch: torch.Tensor, sites: bool = False)
     dims = trainer.dims
     res, measured = measure_step(trainer, batch, sites)
     pp_rank = dims.rank("pp") if dims.pp_enabled else 0
-    predicted = counts_of_plan(trainer.plan)[pp_rank]
+    predicted = counts_of_plan(trainer.plan, module_loaded=True)[pp_rank]  # this process runs the plan's module
     mine = {"rank": dist.get_rank(), "pp_stage": pp_rank, "measured": measured, "predicted": predicted}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

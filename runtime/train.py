@@ -142,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
 
         plan = load_plan(args.plan)
         from autoplan.models import check_plan_model
+        from autoplan.models.source import TRUSTED_MODULE_ENV, check_module_trusted, plan_module
 
+        check_module_trusted(plan, os.environ.get(TRUSTED_MODULE_ENV),
+                             f"launch it with `autoplan run PLAN --model {plan_module(plan)}` (which sets "
+                             f"{TRUSTED_MODULE_ENV} for the workers) if you trust that code")
         check_plan_model(plan)  # the recorded architecture builds as planned (refuses unsupported fields)
         if args.model:
             from autoplan.specs import load_model

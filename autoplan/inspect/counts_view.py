@@ -37,5 +37,11 @@ def render_counts(con: Console, plan: Plan) -> None:
                                                                "activations", "temporaries", "peak"))
         t.add_row(str(r), " / ".join(_si(f[k], "") for k in ("forward", "backward", "recompute")), comm, mtxt)
     con.print(t)
+    from autoplan.counts import is_captured_elsewhere
+
+    if is_captured_elsewhere(plan):
+        con.print(f"[dim]counted from the analytic profile of {plan.model.name}'s spec: the plan was priced from a "
+                  "capture of its module, which reading a plan file never imports (SECURITY.md); `--profile-step` "
+                  "compares a run with the capture's counts[/dim]")
     for k, v in plan.runtime_semantics.items():
         con.print(f"[dim]runtime semantics ({k}): {v}[/dim]")

@@ -271,8 +271,12 @@ def render_explain(con: Console, plan: Plan) -> None:
     con.print(Text(f"Plan {plan.short_hash}: {short_config(plan.parallel)}", style="bold"))
     con.print(Text(f"predicted step {fmt_s(base_s)}, compute {100 * b['compute_share']:.0f}% of it"))
     if abs(base_s - d["plan_step_time_s"]) > 0.01 * base_s:
-        con.print(Text(f"(the plan file says {fmt_s(d['plan_step_time_s'])}: made with another cost model)",
-                       style="yellow"))
+        from autoplan.counts import is_captured_elsewhere
+
+        why = ("priced from a capture of its module, which reading a plan file never imports: this and the "
+               "neighbours below use the analytic profile of its spec" if is_captured_elsewhere(plan)
+               else "made with another cost model")
+        con.print(Text(f"(the plan file says {fmt_s(d['plan_step_time_s'])}: {why})", style="yellow"))
     con.print()
     if b["compute_share"] >= 0.9:
         con.print(Text(f"The step is compute-bound ({100 * b['compute_share']:.0f}% compute); the largest "

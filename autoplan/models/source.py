@@ -23,6 +23,43 @@ def source_record(ref: Any) -> dict | None:
     return None
 
 
+# The module:factory reference the user named on the command line of `autoplan run` or `autoplan tune`, passed to
+# the workers it launches: a plan's factory is imported only when it equals this (`check_module_trusted`).
+TRUSTED_MODULE_ENV = "AUTOPLAN_TRUSTED_MODULE"
+
+
+def plan_module(plan) -> str | None:
+    """The module:factory reference a plan trains (None: a preset, spec file or Hugging Face config, which are
+    data)."""
+    return (plan.model_source or {}).get("factory")
+
+
+def same_module(a: str, b: str) -> bool:
+    """Whether two module:factory references name the same factory (a file path resolved, a package as written)."""
+    from pathlib import Path
+
+    def norm(ref: str) -> tuple[str, str]:
+        mod, _, fn = ref.rpartition(":")
+        return (str(Path(mod).resolve()) if mod.endswith(".py") else mod), fn
+
+    return norm(a) == norm(b)
+
+
+def check_module_trusted(plan, trusted: str | None, fix: str) -> None:
+    """Refuse to build a plan's module:factory unless the user named that module themselves (`trusted`: their
+    --model, or TRUSTED_MODULE_ENV in the workers). A plan file is data (SECURITY.md): one that names Python code
+    must not run it because someone shared the file. Nothing to check for other plans."""
+    from autoplan.cost_models.errors import PlanError
+
+    module = plan_module(plan)
+    if module is None or (trusted and same_module(module, trusted)):
+        return
+    named = f"; you named {trusted!r}" if trusted else ""
+    raise PlanError(f"plan {plan.short_hash} trains the Python module {module!r}",
+                    "a plan file is data: autoplan imports the module a plan names only when you name it yourself "
+                    f"(SECURITY.md){named}", fix)
+
+
 def attach(plan, ref: Any):
     """The plan with the model source of `ref` recorded (and re-sealed)."""
     record = source_record(ref)

@@ -50,13 +50,27 @@ def _workload(args: argparse.Namespace):
         from autoplan.plan import load_plan
 
         plan = load_plan(args.plan)
-        return plan.model, plan.cluster, plan.training, None, plan
+        # a plan of a user module: re-priced from its capture when the user names the module (--model), as
+        # search priced it; a plan file alone never imports it (tune refuses to run it without --model)
+        profiles = None
+        if args.model and plan.model_source and plan.model_source.get("factory"):
+            from autoplan.models.source import same_module
+
+            if same_module(args.model, plan.model_source["factory"]):
+                profiles = _captured(args.model)
+        return plan.model, plan.cluster, plan.training, profiles, plan
     missing = [f"--{n.replace('_', '-')}" for n in ("model", "cluster", "global_batch") if getattr(args, n) is None]
     if missing:
         raise SpecError("autoplan tune needs a workload", f"missing {', '.join(missing)}",
                         "pass --model M --cluster C --global-batch B (as for search), or --plan plan.json")
     model, cluster, training, profiles = load_workload(args)
     return model, cluster, training, profiles, None
+
+
+def _captured(ref: str):
+    from autoplan.workload import resolve_model
+
+    return resolve_model(ref)[1]
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -74,9 +88,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise SpecError("nothing to measure", "--top 0 and --diverse 0", "pass --top 1 or more")
     model, cluster, training, profiles, seed = _workload(args)
     kernels = seed.kernels if seed is not None else args.kernels
+    from autoplan.models import is_factory
+
+    trusted = args.model if args.model and is_factory(args.model) else None
     kw = dict(top=args.top, diverse=args.diverse, steps=args.steps, budget_s=args.budget, profiles=profiles,
               fix=parse_fix_args(args.fix), kernels=kernels, seed_plan=seed, bench=args.bench, repeats=args.repeats,
-              workdir=Path(args.workdir) if args.workdir else None)
+              workdir=Path(args.workdir) if args.workdir else None, trusted_module=trusted,
+              # the runs build what `autoplan run` of the searched plan would: the user's own module or HF family
+              source=None if seed is not None else args.model)
     if not args.json and sys.stderr.isatty():
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -94,7 +113,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         header = [f"refit by `autoplan tune` on {len(result.measured)} measured runs of {model.name}",
                   *result.fit.summary_lines()]
         Path(args.cluster_out).write_text(cluster_yaml(result.fit.cluster, header))
-    best = fastest_plan(result)
+    best = fastest_plan(result, profiles)
     if best is not None and args.output:
         best.save(args.output)
     if args.json:

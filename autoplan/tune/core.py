@@ -166,10 +166,19 @@ class TuneResult:
 
 def select_candidates(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top: int, diverse: int,
                       profiles=None, fix: dict[str, str] | None = None, kernels: str = "torch",
-                      seed_plan=None) -> list[Candidate]:
-    """The search's `top` best plans plus up to `diverse` plans each pinning one knob away from them."""
+                      seed_plan=None, source=None) -> list[Candidate]:
+    """The search's `top` best plans plus up to `diverse` plans each pinning one knob away from them. `source`:
+    the model reference the user gave (autoplan.models.source.attach): each plan records it, so the runs build
+    the user's own module or Hugging Face architecture, as `autoplan run` would, not the zoo model of its spec."""
     from autoplan.api import plan_from_estimate
+    from autoplan.models.source import attach
     from autoplan.search.core import search
+
+    if source is not None:
+        _from_estimate = plan_from_estimate
+
+        def plan_from_estimate(*a, **kw):  # noqa: F811 - the same plans, with their model source
+            return attach(_from_estimate(*a, **kw), source)
 
     training = training.model_copy(update={"kernels": kernels})
     out: list[Candidate] = []
@@ -241,6 +250,7 @@ def run_candidate(c: Candidate, workdir: Path, *, steps: int, profile_step: int 
     split the steps from that one on into time components (the runtime's --time-from). `memory_step`: the step
     the runtime measures memory on (CPU; default the profiled step, else step 3); it is left out of the
     measurement like the profiled one."""
+    from autoplan.models.source import TRUSTED_MODULE_ENV, plan_module
     from autoplan.runtime.launch import ROOT, torchrun_command
 
     plan_path = c.plan.save(workdir / f"plan-{c.plan.short_hash}.json")
@@ -254,6 +264,9 @@ def run_candidate(c: Candidate, workdir: Path, *, steps: int, profile_step: int 
         args += ["--memory-step", str(memory_step)]
     cmd = torchrun_command(plan_path, c.plan.world_size, args)
     env = dict(os.environ)
+    module = plan_module(c.plan)
+    if module:  # the user named it (tune checked every candidate: check_module_trusted)
+        env[TRUSTED_MODULE_ENV] = module
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     t0 = time.perf_counter()
@@ -411,12 +424,20 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top:
          steps: int = 8, budget_s: float = 600.0, profiles=None, fix: dict[str, str] | None = None,
          kernels: str = "torch", seed_plan=None, bench: str | Path | None = None, workdir: Path | None = None,
          progress: Callable[[str, int, int], None] | None = None, run_timeout_s: float | None = None,
-         repeats: int = 1) -> TuneResult:
-    """The whole loop (see the module docstring). Ctrl-C while measuring keeps what was measured."""
+         repeats: int = 1, source=None, trusted_module: str | None = None) -> TuneResult:
+    """The whole loop (see the module docstring). Ctrl-C while measuring keeps what was measured. `source`: the
+    model reference the user gave (`select_candidates`); `trusted_module`: the module:factory they named, the only
+    one a run may import (a seed plan naming another is refused: autoplan.models.source.check_module_trusted)."""
+    from autoplan.models.source import check_module_trusted, planner_pins
+
     bench_rows = load_bench(bench)  # a bad file fails now, not after the runs
     cluster = prepare_cluster(cluster)
+    if source is not None:  # what the runtime would refuse for this module, as search pins it
+        fix = {**{k: v for k, v in planner_pins(source).items() if k not in (fix or {})}, **(fix or {})}
     cands = select_candidates(model, cluster, training, top=top, diverse=diverse, profiles=profiles, fix=fix,
-                              kernels=kernels, seed_plan=seed_plan)
+                              kernels=kernels, seed_plan=seed_plan, source=source)
+    for c in cands:
+        check_module_trusted(c.plan, trusted_module, "name the module with --model as well, if you trust that code")
     profile_step = profile_step_for(steps) if runtime_supports_profile_step() else None
     # the steps after the warm-up and the profiled one are split into time components (cheap: they run at speed)
     time_from = (profile_step or 1) + 1 if runtime_supports("--time-from") and steps > 2 else None
@@ -505,8 +526,10 @@ def _refit_choice(result: TuneResult, model, training, profiles, fix, kernels) -
             result.refit_choice_measured_s = c.measured_s
 
 
-def fastest_plan(result: TuneResult):
-    """The measured fastest candidate's plan, re-predicted with the refit cluster (what `-o` writes)."""
+def fastest_plan(result: TuneResult, profiles=None):
+    """The measured fastest candidate's plan, re-predicted with the refit cluster from `profiles` (those the
+    candidates were priced with: a user module's capture; None: the spec's analytic profile), its model source
+    kept (what `-o` writes)."""
     from autoplan.api import make_plan
 
     best = result.fastest
@@ -516,7 +539,10 @@ def fastest_plan(result: TuneResult):
         return best.plan
     p = best.plan
     try:
-        return make_plan(p.model, result.fit.cluster.with_gpus(p.world_size), p.training, p.parallel,
-                         kernels=p.kernels, stage_layers=[tuple(s.layers) for s in p.stages])
+        plan = make_plan(p.model, result.fit.cluster.with_gpus(p.world_size), p.training, p.parallel,
+                         kernels=p.kernels, stage_layers=[tuple(s.layers) for s in p.stages], profiles=profiles)
     except AutoplanError:
         return best.plan
+    if p.model_source is None:
+        return plan
+    return plan.model_copy(update={"model_source": p.model_source, "content_hash": ""}).sealed()

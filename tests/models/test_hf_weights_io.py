@@ -140,7 +140,8 @@ def test_module_factory_trains_the_factory_module_with_fsdp(tmp_path):
     training = TrainingSpec(global_batch_size=4, seq_length=8, dtype="fp32")
     plan = attach(make_plan(spec, cluster, training, "dp=2,zero=3", kernels="torch"), ref).save(tmp_path / "p.json")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "autoplan.cli", "run", str(plan), "--", "--steps", "2", "--quiet",
+    # the module named again: a plan file alone never imports it (tests/models/test_plan_module_trust.py)
+    cmd = [sys.executable, "-m", "autoplan.cli", "run", str(plan), "--model", ref, "--", "--steps", "2", "--quiet",
            "--log-file", str(tmp_path / "log.jsonl"), "--save", str(tmp_path / "ck")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
