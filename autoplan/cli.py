@@ -183,7 +183,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
         plan = plan_from_estimate(model, cluster, training, est, kernels=args.kernels,
                                   command=" ".join(sys.argv))
-        attach(with_stack(plan, args), args.model).save(args.output)
+        attach(with_stack(plan, args), args.model, profiles).save(args.output)
     if args.json:
         d = est.as_dict()
         d["memory_breakdown_gib"] = [m.gib() for m in est.memory]

@@ -24,7 +24,10 @@ def plan_profiles(plan, *, module_loaded: bool = False):
     and search price it (autoplan.workload.resolve_model), but only where the caller already runs that module
     (`module_loaded`: the runtime, which built it to train it). A plan file is data (SECURITY.md): reading one
     never imports the module it names, so `show` and the other inspections count such a plan from the analytic
-    profile of its model spec, as they do every other plan (`is_captured_elsewhere` says when)."""
+    profile of its model spec, as they do every other plan (`is_captured_elsewhere` says when), unless the plan
+    records the profiles it was priced from (Plan.profiles, written by search, estimate and tune)."""
+    if plan.profiles:  # recorded with the plan (data): what it was priced from
+        return plan.profiles
     factory = (plan.model_source or {}).get("factory")
     if factory and module_loaded:
         from autoplan.workload import resolve_model
@@ -38,4 +41,4 @@ def plan_profiles(plan, *, module_loaded: bool = False):
 def is_captured_elsewhere(plan) -> bool:
     """Whether `plan` was priced from a capture of a user module that inspecting the plan does not import: its
     counts and re-estimates here are the analytic profile's of its model spec, not the plan's own."""
-    return bool((plan.model_source or {}).get("factory"))
+    return bool((plan.model_source or {}).get("factory")) and not plan.profiles

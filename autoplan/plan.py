@@ -16,12 +16,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from autoplan.cost_models.errors import AutoplanError, PlanError
+from autoplan.cost_models.profile import LayerProfile
 from autoplan.cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, Recompute, TrainingSpec
 
 SCHEMA_VERSION = 1
 # Fields added after version 1, hashed only when set (see Plan.compute_hash).
 _LATER_FIELDS: dict[str, tuple[str, ...]] = {
-    "plan": ("stack", "runtime_semantics", "model_source"),
+    "plan": ("stack", "runtime_semantics", "model_source", "profiles"),
     "parallel": ("layout",),
     "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                  "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "runtime_memory", "sp_grads_coalesced"),
@@ -125,6 +126,11 @@ class Plan(_Frozen):
     model_source: dict[str, Any] | None = Field(
         default=None, description="What the runtime builds with autoplan.models.load: {'hf_config': {...}} (the "
         "Hugging Face config) or {'factory': 'pkg.module:fn'}; null = the zoo model of `model` (presets, spec files).")
+    profiles: list[LayerProfile] | None = Field(
+        default=None, description="The layer profiles (embedding, blocks, head) the prediction was made from when "
+        "they are not the analytic ones of `model`: the capture of a user's module (model_source factory). Data, "
+        "so that show, explain, compare and the runtime's counts re-price the plan as it was priced without "
+        "importing the module; null = `model`'s analytic profile.")
     content_hash: str = Field(default="", description="sha256 of the plan without this field.")
 
     # ---- hashing and files
@@ -271,3 +277,9 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
                           f"layout {c.layout} gives it {want}")
     if not (math.isfinite(plan.prediction.step_time_s) and plan.prediction.step_time_s > 0):
         raise bad("the predicted step time is a positive number", f"got {plan.prediction.step_time_s}")
+    if plan.profiles is not None:  # one per layer of the model, in order
+        kinds = [p.kind for p in plan.profiles]
+        want = ["embedding", *["block"] * plan.model.num_layers, "head"]
+        if kinds != want:
+            raise bad("profiles are the embedding's, one per block, then the head's",
+                      f"{len(kinds)} profiles ({', '.join(dict.fromkeys(kinds))}) for {plan.model.num_layers} blocks")

@@ -29,10 +29,12 @@ def layout_of(plan: Plan) -> list[StageLayout]:
 
 def reestimate(plan: Plan, *, keep_timeline: bool = False) -> Estimate:
     """The cost model on exactly this plan (its stage layout included); used for timelines and as the
-    baseline of `explain`. Plans of captured models are re-estimated from the analytic profile of their
-    ModelSpec (the captured profile is not stored in the plan)."""
+    baseline of `explain`. From the profiles the plan was priced from (autoplan.counts.plan_profiles: a user
+    module's capture when the plan records it, never by importing the module)."""
+    from autoplan.counts import plan_profiles
+
     return estimate_config(plan.model, plan.cluster, plan.training, plan.parallel, layout=layout_of(plan),
-                           keep_timeline=keep_timeline)
+                           keep_timeline=keep_timeline, profiles=plan_profiles(plan))
 
 
 @dataclass
@@ -93,7 +95,9 @@ def evaluate(plan: Plan, cfg: ParallelConfig, *, keep_layout: bool = False) -> O
                 resolved = check_config(cfg, model, cluster, training, stage_layers=False)
                 layout = even_layout(model.num_layers, resolved)
                 note = "near-even stages"
-        est = estimate_config(model, cluster, training, resolved, layout=layout)
+        from autoplan.counts import plan_profiles
+
+        est = estimate_config(model, cluster, training, resolved, layout=layout, profiles=plan_profiles(plan))
         return Outcome(resolved, est=est, note=note)
     except AutoplanError as e:
         return Outcome(cfg, error=e, note=note)

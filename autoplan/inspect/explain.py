@@ -12,7 +12,6 @@ from rich.text import Text
 from autoplan.cost_models.errors import AutoplanError, ConfigError
 from autoplan.cost_models.estimate import estimate, even_layout, num_microbatches
 from autoplan.cost_models.pipeline import bubble_fraction
-from autoplan.cost_models.profile import profile_from_spec
 from autoplan.cost_models.specs import ParallelConfig
 
 from ..plan import Plan
@@ -141,7 +140,9 @@ def _hypothetical(plan: Plan, cfg: ParallelConfig) -> float | None:
             return None
         if plan.training.global_batch_size < (resolved.dp or 1) * resolved.mbs:
             return None
-        est = estimate(profile_from_spec(plan.model), plan.cluster, plan.training, resolved,
+        from autoplan.counts import plan_profiles
+
+        est = estimate(plan_profiles(plan), plan.cluster, plan.training, resolved,
                        even_layout(plan.model.num_layers, resolved))
         return est.step_time_s
     except Exception:  # noqa: BLE001 - a what-if that the cost model cannot evaluate is simply not shown

@@ -60,12 +60,17 @@ def check_module_trusted(plan, trusted: str | None, fix: str) -> None:
                     f"(SECURITY.md){named}", fix)
 
 
-def attach(plan, ref: Any):
-    """The plan with the model source of `ref` recorded (and re-sealed)."""
+def attach(plan, ref: Any, profiles=None):
+    """The plan with the model source of `ref` recorded (and re-sealed); for a user's module also the `profiles`
+    of its capture that the plan was priced from (Plan.profiles: inspecting the plan re-prices it from them, never
+    by importing the module)."""
     record = source_record(ref)
     if record is None:
         return plan
-    return plan.model_copy(update={"model_source": record, "content_hash": ""}).sealed()
+    update = {"model_source": record, "content_hash": ""}
+    if "factory" in record and profiles:
+        update["profiles"] = list(profiles)
+    return plan.model_copy(update=update).sealed()
 
 
 def runtime_source(plan) -> Any:

@@ -78,7 +78,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from autoplan.models.source import attach
 
     # the plan as written, model source included: the hash printed and the JSON's are the file's
-    result.plan = attach(with_stack(result.plan, args), args.model)
+    result.plan = attach(with_stack(result.plan, args), args.model, profiles)
     if args.output:
         result.plan.save(args.output)
     if args.json:

@@ -178,7 +178,7 @@ def select_candidates(model: ModelSpec, cluster: ClusterSpec, training: Training
         _from_estimate = plan_from_estimate
 
         def plan_from_estimate(*a, **kw):  # noqa: F811 - the same plans, with their model source
-            return attach(_from_estimate(*a, **kw), source)
+            return attach(_from_estimate(*a, **kw), source, profiles)
 
     training = training.model_copy(update={"kernels": kernels})
     out: list[Candidate] = []
@@ -545,4 +545,5 @@ def fastest_plan(result: TuneResult, profiles=None):
         return best.plan
     if p.model_source is None:
         return plan
-    return plan.model_copy(update={"model_source": p.model_source, "content_hash": ""}).sealed()
+    return plan.model_copy(update={"model_source": p.model_source, "profiles": p.profiles,
+                                   "content_hash": ""}).sealed()

@@ -93,3 +93,30 @@ def test_tune_runs_the_users_module_not_the_zoo_model_of_its_spec():
     assert len(cands) >= 3
     assert all(c.plan.model_source == {"factory": ref} for c in cands)
     assert all(c.plan.parallel.sp == 0 and c.plan.parallel.cp == 1 for c in cands)
+
+
+def test_a_plan_records_the_capture_it_was_priced_from(tmp_path, capsys):
+    """`autoplan search -o` of a user module writes the capture's profiles into the plan (data): explain and the
+    counts of `show` re-price it from them, as search priced it (before, from the spec's analytic profile: split_lm
+    read 13.4 ms in explain against the plan's 12.3), without importing the module. An edited plan whose profiles
+    do not match its model is refused on load."""
+    import json
+
+    from autoplan.counts import counts_of_plan
+    from autoplan.inspect.common import reestimate
+    from autoplan.plan import load_plan
+
+    ref = f"{MODELS}:split_lm"
+    out = tmp_path / "plan.json"
+    assert main(["search", "--model", ref, "--cluster", "local-cpu", "--gpus", "4", "--global-batch", "8",
+                 "--seq-len", "32", "-o", str(out)]) == 0
+    plan = load_plan(out)
+    _, captured = resolve_model(ref)
+    assert plan.profiles == captured
+    assert reestimate(plan).step_time_s == pytest.approx(plan.prediction.step_time_s, rel=1e-9)
+    assert counts_of_plan(plan) == counts_of_plan(plan.model_copy(update={"profiles": None}), module_loaded=True)
+    data = json.loads(out.read_text())
+    data["profiles"] = data["profiles"][:-1]  # the head's dropped, the plan re-hashed
+    bad = plan.model_validate(data).model_copy(update={"content_hash": ""}).sealed().save(tmp_path / "bad.json")
+    with pytest.raises(PlanError, match="profiles are the embedding's, one per block, then the head's"):
+        load_plan(bad)
