@@ -98,8 +98,8 @@ def run_demo(args: argparse.Namespace) -> int:
     con.print(f"step time: predicted {plan.prediction.step_time_s:.4f} s, measured {measured:.4f} s "
               "(median after the first step)")
     con.print(f"measured / predicted = {measured / plan.prediction.step_time_s:.2f} (local-cpu: 4 processes share "
-              "2 cores; the local-cpu preset leaves DTensor's and FSDP's host overheads at 0: `autoplan tune` "
-              "fits them to your machine)")
+              "2 cores; the local-cpu preset is this machine's, measured once: `autoplan calibrate` and "
+              "`autoplan tune` fit yours)")
     summary["tiny"].update(steps=len(rows), loss_first=rows[0]["loss"], loss_last=rows[-1]["loss"],
                            measured_step_time_s=measured)
     return _done(summary, as_json)
