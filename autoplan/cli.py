@@ -116,6 +116,13 @@ def load_workload(args: argparse.Namespace):
                             f"got {limit} GiB, {cluster.gpu.name} has {cluster.gpu.hbm_gib} GiB",
                             f"pass a value in (0, {cluster.gpu.hbm_gib}]")
         cluster = cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"hbm_gib": limit})})
+    from .workload import UNLIMITED_SEQ
+
+    if args.seq_len is None and model.max_seq_length >= UNLIMITED_SEQ:
+        from autoplan.cost_models.errors import SpecError
+
+        raise SpecError("--seq-len is needed", f"{model.name} states no maximum sequence length to default to (a "
+                        "module without a learned position table)", "pass --seq-len N, the length you will train at")
     seq = model.max_seq_length if args.seq_len is None else args.seq_len
     dtype = getattr(args, "dtype", None) or default_dtype(cluster, stack_of(args)[0])
     try:

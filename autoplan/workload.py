@@ -54,6 +54,11 @@ def resolve_model(ref: str | ModelSpec) -> tuple[ModelSpec, list[LayerProfile] |
     return load_model(ref), None
 
 
+# The max_seq_length of a captured module that has no limit of its own (no learned position table): the CLI asks
+# for --seq-len rather than default to it
+UNLIMITED_SEQ = 1 << 20
+
+
 def spec_from_profiles(profiles: list[LayerProfile], name: str, seq: int | None = None) -> ModelSpec:
     """A ModelSpec describing a captured model (sizes for validation: heads, KV heads, FFN, vocab, layers)."""
     blocks = [p for p in profiles if p.kind == "block"]
@@ -77,6 +82,6 @@ def spec_from_profiles(profiles: list[LayerProfile], name: str, seq: int | None 
     return ModelSpec(
         name=name, num_layers=len(blocks), hidden_size=b0.hidden, num_attention_heads=heads, num_kv_heads=kv,
         head_dim=dhead, ffn_hidden_size=ffn, vocab_size=head.logits_per_token if head and head.logits_per_token else 1,
-        max_seq_length=seq or 1 << 20, activation="swiglu" if gated else "gelu",
+        max_seq_length=seq or UNLIMITED_SEQ, activation="swiglu" if gated else "gelu",
         position="learned" if emb is not None and emb.params_replicated > 0 else "rope", moe=moe,
     )

@@ -255,3 +255,15 @@ def test_the_longest_sequence_is_the_position_tables_not_the_example_inputs():
     with pytest.raises(ConfigError, match="learned positions"):
         make_plan(spec, load_cluster("local-cpu").with_gpus(2), training.model_copy(update={"seq_length": 128}),
                   "dp=2", kernels="torch")
+
+
+def test_a_module_without_a_position_table_needs_its_sequence_length(capsys):
+    """A module whose capture shows no learned position table (rotary positions: transformers' Llama) states no
+    maximum sequence length: the CLI asks for --seq-len instead of planning for its 2^20 placeholder."""
+    pytest.importorskip("transformers")
+    from autoplan.cli import main
+
+    args = ["search", "--model", f"{M}:hf_llama", "--cluster", "local-cpu", "--gpus", "2", "--global-batch", "4"]
+    assert main(args) == 2
+    assert "--seq-len is needed" in capsys.readouterr().err
+    assert main([*args, "--seq-len", "32"]) == 0
