@@ -79,16 +79,14 @@ def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def default_dtype(cluster, stack: str | None) -> str:
-    """The compute dtype when --dtype is not given: bf16 on accelerators; fp32 on a CPU cluster (gloo, which the
-    runtime runs on CPU tensors, or one whose `cores_per_node` is set) without a --stack, where bf16 is CPU
-    autocast, slower than fp32 (the cpu preset's peaks: 0.01 vs 0.05 TF/s), and not what a run on CPU cores is
-    for. Said on stderr, so a user can pick the other. A stack brings its own dtype."""
+def default_dtype(cluster, stack: str | None) -> tuple[str, str | None]:
+    """(the compute dtype when --dtype is not given, a note saying why where a user may want the other): bf16 on
+    accelerators; fp32 on a CPU cluster (gloo, which the runtime runs on CPU tensors, or one whose
+    `cores_per_node` is set) without a --stack, where bf16 is CPU autocast, slower than fp32 (the cpu preset's
+    peaks: 0.01 vs 0.05 TF/s), and not what a run on CPU cores is for. A stack brings its own dtype."""
     if (cluster.backend != "gloo" and cluster.cores_per_node is None) or stack is not None:
-        return "bf16"
-    print(f"autoplan: note: {cluster.name} runs on CPU cores: training in fp32 (pass --dtype bf16 for CPU "
-          "autocast)", file=sys.stderr)
-    return "fp32"
+        return "bf16", None
+    return "fp32", f"{cluster.name} runs on CPU cores: training in fp32 (pass --dtype bf16 for CPU autocast)"
 
 
 def load_workload(args: argparse.Namespace):
@@ -124,7 +122,11 @@ def load_workload(args: argparse.Namespace):
         raise SpecError("--seq-len is needed", f"{model.name} states no maximum sequence length to default to (a "
                         "module without a learned position table)", "pass --seq-len N, the length you will train at")
     seq = model.max_seq_length if args.seq_len is None else args.seq_len
-    dtype = getattr(args, "dtype", None) or default_dtype(cluster, stack_of(args)[0])
+    dtype = getattr(args, "dtype", None)
+    if dtype is None:
+        dtype, note = default_dtype(cluster, stack_of(args)[0])
+        if note:  # said on stderr, so a user can pick the other
+            print(f"autoplan: note: {note}", file=sys.stderr)
     try:
         training = TrainingSpec(global_batch_size=args.global_batch, seq_length=seq, dtype=dtype,
                                 kernels=getattr(args, "kernels", None) or "fused")
