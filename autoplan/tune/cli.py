@@ -50,10 +50,10 @@ def _workload(args: argparse.Namespace):
         from autoplan.plan import load_plan
 
         plan = load_plan(args.plan)
-        # a plan of a user module: re-priced from its capture when the user names the module (--model), as
-        # search priced it; a plan file alone never imports it (tune refuses to run it without --model)
-        profiles = None
-        if args.model and plan.model_source and plan.model_source.get("factory"):
+        # a plan of a user module: priced from the profiles it records (data), else from a capture of the module
+        # when the user names it (--model); a plan file alone never imports it (tune refuses to run it then)
+        profiles = plan.profiles
+        if profiles is None and args.model and plan.model_source and plan.model_source.get("factory"):
             from autoplan.models.source import same_module
 
             if same_module(args.model, plan.model_source["factory"]):

@@ -174,11 +174,14 @@ def select_candidates(model: ModelSpec, cluster: ClusterSpec, training: Training
     from autoplan.models.source import attach
     from autoplan.search.core import search
 
+    _from_estimate = plan_from_estimate
     if source is not None:
-        _from_estimate = plan_from_estimate
-
         def plan_from_estimate(*a, **kw):  # noqa: F811 - the same plans, with their model source
             return attach(_from_estimate(*a, **kw), source, profiles)
+    elif seed_plan is not None and seed_plan.model_source:  # tuning around a plan: its model, as it records it
+        def plan_from_estimate(*a, **kw):  # noqa: F811
+            return _from_estimate(*a, **kw).model_copy(update={
+                "model_source": seed_plan.model_source, "profiles": seed_plan.profiles, "content_hash": ""}).sealed()
 
     training = training.model_copy(update={"kernels": kernels})
     out: list[Candidate] = []
@@ -428,12 +431,15 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top:
     """The whole loop (see the module docstring). Ctrl-C while measuring keeps what was measured. `source`: the
     model reference the user gave (`select_candidates`); `trusted_module`: the module:factory they named, the only
     one a run may import (a seed plan naming another is refused: autoplan.models.source.check_module_trusted)."""
-    from autoplan.models.source import check_module_trusted, planner_pins
+    from autoplan.models.source import check_module_trusted, plan_module, planner_pins
 
     bench_rows = load_bench(bench)  # a bad file fails now, not after the runs
     cluster = prepare_cluster(cluster)
-    if source is not None:  # what the runtime would refuse for this module, as search pins it
-        fix = {**{k: v for k, v in planner_pins(source).items() if k not in (fix or {})}, **(fix or {})}
+    if seed_plan is not None:  # before anything imports the module it names
+        check_module_trusted(seed_plan, trusted_module, "name the module with --model as well, if you trust that code")
+    pin_ref = source if source is not None else (plan_module(seed_plan) if seed_plan is not None else None)
+    if pin_ref is not None:  # what the runtime would refuse for this module, as search pins it
+        fix = {**{k: v for k, v in planner_pins(pin_ref).items() if k not in (fix or {})}, **(fix or {})}
     cands = select_candidates(model, cluster, training, top=top, diverse=diverse, profiles=profiles, fix=fix,
                               kernels=kernels, seed_plan=seed_plan, source=source)
     for c in cands:

@@ -120,3 +120,20 @@ def test_a_plan_records_the_capture_it_was_priced_from(tmp_path, capsys):
     bad = plan.model_validate(data).model_copy(update={"content_hash": ""}).sealed().save(tmp_path / "bad.json")
     with pytest.raises(PlanError, match="profiles are the embedding's, one per block, then the head's"):
         load_plan(bad)
+
+
+def test_tune_around_a_plan_keeps_its_model_for_every_candidate(tmp_path):
+    """`autoplan tune --plan P --model REF`: the search's candidates beside the given plan train the plan's module
+    too (its model source and profiles copied), not the zoo model of its spec."""
+    from autoplan.plan import load_plan
+    from autoplan.tune.core import select_candidates
+
+    ref = f"{MODELS}:split_lm"
+    out = tmp_path / "plan.json"
+    assert main(["search", "--model", ref, "--cluster", "local-cpu", "--gpus", "4", "--global-batch", "8",
+                 "--seq-len", "32", "-o", str(out)]) == 0
+    seed = load_plan(out)
+    cands = select_candidates(seed.model, seed.cluster, seed.training, top=2, diverse=1, profiles=seed.profiles,
+                              fix={"sp": "0", "cp": "1", "ep": "1"}, seed_plan=seed)
+    assert len(cands) >= 2
+    assert all(c.plan.model_source == {"factory": ref} and c.plan.profiles == seed.profiles for c in cands)
