@@ -216,8 +216,8 @@ def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Se
                            max_restarts=max_restarts)
     trust = {TRUSTED_MODULE_ENV: module} if module else {}
     if print_command:
-        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in trust.items())
-              + (" " if trust else "") + f"PYTHONPATH={shlex.quote(str(ROOT))} OMP_NUM_THREADS=1 " + shlex.join(cmd))
+        env_words = {**trust, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env_words.items()) + " " + shlex.join(cmd))
         return 0
     full_env = dict(os.environ if env is None else env)
     full_env.update(trust)

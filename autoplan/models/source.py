@@ -73,6 +73,14 @@ def attach(plan, ref: Any, profiles=None):
     return plan.model_copy(update=update).sealed()
 
 
+def with_model_of(plan, other):
+    """`plan` (re-sealed) training what `other` trains: its model source and the profiles it was priced from."""
+    if other.model_source is None:
+        return plan
+    return plan.model_copy(update={"model_source": other.model_source, "profiles": other.profiles,
+                                   "content_hash": ""}).sealed()
+
+
 def runtime_source(plan) -> Any:
     """What autoplan.models.build takes for this plan: the HF config dict, the factory reference, or the spec."""
     src = plan.model_source or {}

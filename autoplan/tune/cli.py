@@ -52,12 +52,11 @@ def _workload(args: argparse.Namespace):
         plan = load_plan(args.plan)
         # a plan of a user module: priced from the profiles it records (data), else from a capture of the module
         # when the user names it (--model); a plan file alone never imports it (tune refuses to run it then)
-        profiles = plan.profiles
-        if profiles is None and args.model and plan.model_source and plan.model_source.get("factory"):
-            from autoplan.models.source import same_module
+        from autoplan.models.source import plan_module, same_module
 
-            if same_module(args.model, plan.model_source["factory"]):
-                profiles = _captured(args.model)
+        profiles, module = plan.profiles, plan_module(plan)
+        if profiles is None and args.model and module and same_module(args.model, module):
+            profiles = _captured(args.model)
         return plan.model, plan.cluster, plan.training, profiles, plan
     missing = [f"--{n.replace('_', '-')}" for n in ("model", "cluster", "global_batch") if getattr(args, n) is None]
     if missing:

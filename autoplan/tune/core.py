@@ -171,17 +171,15 @@ def select_candidates(model: ModelSpec, cluster: ClusterSpec, training: Training
     the model reference the user gave (autoplan.models.source.attach): each plan records it, so the runs build
     the user's own module or Hugging Face architecture, as `autoplan run` would, not the zoo model of its spec."""
     from autoplan.api import plan_from_estimate
-    from autoplan.models.source import attach
+    from autoplan.models.source import attach, with_model_of
     from autoplan.search.core import search
 
-    _from_estimate = plan_from_estimate
-    if source is not None:
-        def plan_from_estimate(*a, **kw):  # noqa: F811 - the same plans, with their model source
-            return attach(_from_estimate(*a, **kw), source, profiles)
-    elif seed_plan is not None and seed_plan.model_source:  # tuning around a plan: its model, as it records it
-        def plan_from_estimate(*a, **kw):  # noqa: F811
-            return _from_estimate(*a, **kw).model_copy(update={
-                "model_source": seed_plan.model_source, "profiles": seed_plan.profiles, "content_hash": ""}).sealed()
+    def planned(est):
+        """The plan of a search result, training the user's model: `source`, else the seed plan's."""
+        plan = plan_from_estimate(model, cluster, training, est, kernels=kernels)
+        if source is not None:
+            return attach(plan, source, profiles)
+        return with_model_of(plan, seed_plan) if seed_plan is not None else plan
 
     training = training.model_copy(update={"kernels": kernels})
     out: list[Candidate] = []
@@ -199,7 +197,7 @@ def select_candidates(model: ModelSpec, cluster: ClusterSpec, training: Training
         add(seed_plan, "the given plan")
     res = search(model, cluster, training, profiles=profiles, fix=fix, top=max(1, top), kernels=kernels)
     for i, f in enumerate(res.finalists[:top]):
-        add(plan_from_estimate(model, cluster, training, f.estimate, kernels=kernels), f"search #{i + 1}")
+        add(planned(f.estimate), f"search #{i + 1}")
     want = len(out) + diverse
     for name, pin_fn in DIVERSE_PINS:
         if len(out) >= want:
@@ -214,7 +212,7 @@ def select_candidates(model: ModelSpec, cluster: ClusterSpec, training: Training
             continue  # that knob cannot move here (too few GPUs, heads, layers or memory)
         # the best plan with the pin that is not measured already
         for f in r.finalists[:3]:
-            plan = plan_from_estimate(model, cluster, training, f.estimate, kernels=kernels)
+            plan = planned(f.estimate)
             if key(plan) not in seen:
                 add(plan, f"different: {name}")
                 break
@@ -268,7 +266,7 @@ def run_candidate(c: Candidate, workdir: Path, *, steps: int, profile_step: int 
     cmd = torchrun_command(plan_path, c.plan.world_size, args)
     env = dict(os.environ)
     module = plan_module(c.plan)
-    if module:  # the user named it (tune checked every candidate: check_module_trusted)
+    if module:  # the user named it (tune: its --model, or the seed plan checked by check_module_trusted)
         env[TRUSTED_MODULE_ENV] = module
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
@@ -440,10 +438,9 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top:
     pin_ref = source if source is not None else (plan_module(seed_plan) if seed_plan is not None else None)
     if pin_ref is not None:  # what the runtime would refuse for this module, as search pins it
         fix = {**{k: v for k, v in planner_pins(pin_ref).items() if k not in (fix or {})}, **(fix or {})}
+    # every candidate trains `source` (the user's own --model) or the checked seed plan's model
     cands = select_candidates(model, cluster, training, top=top, diverse=diverse, profiles=profiles, fix=fix,
                               kernels=kernels, seed_plan=seed_plan, source=source)
-    for c in cands:
-        check_module_trusted(c.plan, trusted_module, "name the module with --model as well, if you trust that code")
     profile_step = profile_step_for(steps) if runtime_supports_profile_step() else None
     # the steps after the warm-up and the profiled one are split into time components (cheap: they run at speed)
     time_from = (profile_step or 1) + 1 if runtime_supports("--time-from") and steps > 2 else None
@@ -549,7 +546,6 @@ def fastest_plan(result: TuneResult, profiles=None):
                          kernels=p.kernels, stage_layers=[tuple(s.layers) for s in p.stages], profiles=profiles)
     except AutoplanError:
         return best.plan
-    if p.model_source is None:
-        return plan
-    return plan.model_copy(update={"model_source": p.model_source, "profiles": p.profiles,
-                                   "content_hash": ""}).sealed()
+    from autoplan.models.source import with_model_of
+
+    return with_model_of(plan, p)

@@ -75,6 +75,17 @@ class ProfileRecord(_Rec):
                        tolerance)
         return out
 
+    def call_mismatches(self) -> list[str]:
+        """Collectives whose measured and predicted number of calls differ, per rank, collective and mesh
+        dimension: exactly (a few-byte collective, or one split per FSDP unit, hides in `count_mismatches`'
+        tolerance on bytes)."""
+        out = []
+        for r in self.ranks:
+            mc, pc = _comm_totals(r.measured.comm, "count"), _comm_totals(r.predicted.comm, "count")
+            out += [f"rank {r.rank} {k[0]}@{k[1] or '-'}: measured {mc.get(k, 0):.0f}, predicted {pc.get(k, 0):.0f}"
+                    for k in sorted(set(mc) | set(pc)) if mc.get(k, 0) != pc.get(k, 0)]
+        return out
+
 
 # The runtime's timing buckets (autoplan.runtime.timing: "<phase or section>[/<wait>]") that make up each
 # component of the cost model's breakdown (cost_models.estimate: Estimate.breakdown), with "pp_wait" for its
@@ -133,11 +144,12 @@ class TimingRecord(_Rec):
                    default={})
 
 
-def _comm_totals(items: list[CommCount]) -> dict[tuple[str, str], float]:
+def _comm_totals(items: list[CommCount], field: str = "bytes") -> dict[tuple[str, str], float]:
+    """(collective, mesh dimension) -> the sum of `field` ("bytes" or "count") over `items`."""
     out: dict[tuple[str, str], float] = {}
     for c in items:
         key = (c.collective, c.mesh_dim)
-        out[key] = out.get(key, 0.0) + c.bytes
+        out[key] = out.get(key, 0.0) + getattr(c, field)
     return out
 
 
