@@ -151,6 +151,9 @@ def _allreduce_worker(rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         Path(out).write_text(yaml.safe_dump({int(k): float(v) for k, v in res.items()}))
     dist.destroy_process_group()
+    from .calibrate_bench import leave_spawned
+
+    leave_spawned()
 
 
 def measure_allreduce(nproc: int) -> tuple[float, float]:

@@ -229,6 +229,18 @@ def _tp_ops_worker(rank: int, device: str, port: int, out: str, repeats: int) ->
         Path(out).write_text(json.dumps({"ops": int(ops), "seconds": extra, "processes": 1}))
     finally:
         dist.destroy_process_group()
+    leave_spawned()
+
+
+def leave_spawned() -> None:
+    """End a process mp.spawn started, once its work has succeeded, without the interpreter's finalisation. A
+    spawned child finalises like a script, and there gloo's worker thread can abort a process whose collectives all
+    finished ("terminate called without an active exception", see `autoplan.runtime.train.exit_process`): mp.spawn
+    would report the finished benchmark as failed and `autoplan calibrate` would stop. A failure still raises
+    before this, so mp.spawn shows its traceback."""
+    from autoplan.runtime.train import exit_process
+
+    exit_process(0)
 
 
 def _timed(fn, sync, barrier) -> float:
@@ -353,6 +365,7 @@ def _spawned(rank: int, world: int, port: int, out: str, device: str, sizes) -> 
         Path(out).write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
+    leave_spawned()
 
 
 def run_collectives(nproc: int, device: str, sizes: tuple[int, ...] | None = None) -> list[dict]:

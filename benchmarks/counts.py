@@ -238,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cases = args.layouts or MATRIX
-    if args.worker:
-        return worker(args.worker, cases, args.steps_before, args.sites, args.dtype)
+    if args.worker:  # a torchrun worker leaves without the interpreter's finalisation (see exit_process)
+        from autoplan.runtime.train import exit_process
+
+        exit_process(worker(args.worker, cases, args.steps_before, args.sites, args.dtype))
     from rich.console import Console
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -644,8 +644,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker:
-        return worker(args)
+    if args.worker:  # a torchrun worker leaves without the interpreter's finalisation (see exit_process)
+        from autoplan.runtime.train import exit_process
+
+        exit_process(worker(args))
     root = Path(args.root).resolve()
     results = []
     # One launch per layout: fresh processes, so no layout is timed in a process that earlier layouts left with

@@ -48,4 +48,6 @@ def main(out: str, config: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    from autoplan.runtime.train import exit_process  # a worker leaves without finalising: see there
+
+    exit_process(main(sys.argv[1], sys.argv[2]))

@@ -140,3 +140,46 @@ def test_dtensor_per_operator_cost_is_measured_against_the_plain_model():
     row = bench_tp_ops("cpu", repeats=7)
     assert row["ops"] == 3 * sum(p.kernels_fwd for p in profile_from_spec(load_model("tiny-gpt")))
     assert row["processes"] == 1 and 5e-6 < row["seconds"] / row["ops"] < 1e-3
+
+
+_SPAWN_SCRIPT = """
+import atexit, sys
+from pathlib import Path
+import torch.multiprocessing as mp
+from autoplan.calibrate_bench import leave_spawned
+
+def child(rank, tmp, fail):
+    atexit.register(lambda: Path(tmp, f"finalised{rank}").write_text("x"))
+    Path(tmp, f"done{rank}").write_text("x")
+    if fail:
+        raise ValueError("the benchmark broke")
+    leave_spawned()
+
+if __name__ == "__main__":
+    try:
+        mp.spawn(child, args=(sys.argv[1], sys.argv[2] == "fail"), nprocs=2, join=True)
+    except Exception as e:
+        print(type(e).__name__, e)
+        sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_spawned_benchmark_leaves_without_finalising(tmp_path, fail):
+    """calibrate's spawned workers (all-reduce, collectives, DTensor operators) end through `leave_spawned`: after a
+    successful run the child skips the interpreter's finalisation, where gloo's worker thread could abort a process
+    whose work had finished (autoplan.runtime.train.exit_process), so its atexit handlers never run; a failure
+    still reaches mp.spawn with its error."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "spawn_child.py"
+    script.write_text(_SPAWN_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path), "fail" if fail else "ok"],
+                       capture_output=True, text=True, timeout=120)
+    assert all((tmp_path / f"done{i}").exists() for i in range(2))
+    if fail:
+        assert r.returncode == 3 and "the benchmark broke" in r.stdout, r.stdout + r.stderr
+    else:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert not any((tmp_path / f"finalised{i}").exists() for i in range(2))
