@@ -123,7 +123,7 @@ def per_process(spec: dict, nproc: int, cores: int) -> dict:
     gpu["peak_tflops"] = {k: round(v * share, 5) for k, v in gpu["peak_tflops"].items()}
     gpu["hbm_gbps"] = round(gpu["hbm_gbps"] * share, 2)
     cal = dict(gpu["calibration"])
-    for k in ("kernel_launch_us", "tp_op_overhead_us"):
+    for k in ("kernel_launch_us", "tp_op_overhead_us", "dtensor_param_us"):
         if k in cal:
             cal[k] = round(cal[k] / share, 2)
     gpu["calibration"] = cal
@@ -210,6 +210,8 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
                 # DTensor's sharding propagation and dispatch per operator of a tensor-parallel layer (the
                 # runtime's tp layout on a one-process mesh, against the plain model: calibrate_bench)
                 "tp_op_overhead_us": round(tp_ops["seconds"] / tp_ops["ops"] * 1e6, 2),
+                # and the optimizer step's per parameter tensor over DTensors (the same model's AdamW step)
+                "dtensor_param_us": round(tp_ops["optimizer_seconds"] / tp_ops["optimizer_tensors"] * 1e6, 2),
                 "framework_overhead_gib": 0.3 if device == "cpu" else 2.0,
             },
         },

@@ -168,7 +168,9 @@ def bench_tp_ops(device: str, repeats: int = 31) -> dict:
     mesh of any size pays per operator (the collectives themselves are priced as communication). Run in a
     process of its own, with its own one-process group, so that it works beside any process group of the caller
     (torchrun). Returns {"ops", "seconds" (the step's extra time), "processes": 1}; about 60 us per operator on
-    this machine's CPU (session 15), against ~6 for the plain operator."""
+    this machine's CPU (session 15), against ~6 for the plain operator. Also the optimizer step's extra host time
+    over the same parameters as DTensors (GPUCalibration.dtensor_param_us): {"optimizer_tensors",
+    "optimizer_seconds"}."""
     import socket
 
     import torch.multiprocessing as mp
@@ -226,7 +228,35 @@ def _tp_ops_worker(rank: int, device: str, port: int, out: str, repeats: int) ->
             t_plain.append(step(plain))
             t_tp.append(step(sharded))
         extra = max(statistics.median(t_tp) - statistics.median(t_plain), 1e-7)
-        Path(out).write_text(json.dumps({"ops": int(ops), "seconds": extra, "processes": 1}))
+        # the optimizer step over the same parameters plain and as DTensors: every parameter FSDP2-sharded on a
+        # one-process mesh (what ZeRO >= 1 steps; tensor parallelism alone leaves the norms plain), the runtime's
+        # AdamW (fused where torch has the kernel) with its groups, alternating, medians
+        from torch.distributed.fsdp import fully_shard
+
+        from autoplan.runtime.engine import make_adamw, optimizer_groups
+
+        dmodel = build_model(spec).to(device)
+        fully_shard(dmodel, mesh=init_device_mesh(device, (1,), mesh_dim_names=("dp",)))
+        F.cross_entropy(dmodel(x).flatten(0, 1), x.flatten()).backward()
+        opts = [make_adamw(optimizer_groups(m.parameters()), torch.device(device), lr=1e-12) for m in (plain, dmodel)]
+
+        def opt_step(o) -> float:
+            t0 = time.perf_counter()
+            o.step()
+            sync()
+            return time.perf_counter() - t0
+
+        for _ in range(3):
+            opt_step(opts[0])
+            opt_step(opts[1])
+        t_opt: tuple[list[float], list[float]] = ([], [])
+        for _ in range(repeats):
+            for o, ts in zip(opts, t_opt, strict=True):
+                ts.append(opt_step(o))
+        tensors = len(list(plain.parameters()))
+        opt_extra = max(statistics.median(t_opt[1]) - statistics.median(t_opt[0]), 1e-9)
+        Path(out).write_text(json.dumps({"ops": int(ops), "seconds": extra, "processes": 1,
+                                         "optimizer_tensors": tensors, "optimizer_seconds": opt_extra}))
     finally:
         dist.destroy_process_group()
     leave_spawned()

@@ -26,6 +26,7 @@ _LATER_FIELDS: dict[str, tuple[str, ...]] = {
     "parallel": ("layout",),
     "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                  "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "runtime_memory", "sp_grads_coalesced"),
+    "cluster.gpu.calibration": ("dtensor_param_us",),
 }
 
 
@@ -139,13 +140,24 @@ class Plan(_Frozen):
         # that does not use them hashes as before they existed and older plan files still load.
         exclude: dict = {"content_hash": True}
         for part, names in _LATER_FIELDS.items():
-            obj = self if part == "plan" else getattr(self, part)
+            obj = self
+            for attr in () if part == "plan" else part.split("."):
+                obj = getattr(obj, attr)
             unset = {n for n in names
                      if getattr(obj, n) == type(obj).model_fields[n].get_default(call_default_factory=True)}
             if part == "plan":
                 exclude.update(dict.fromkeys(unset, True))
-            elif unset:
-                exclude[part] = unset
+            elif unset:  # nested: {"cluster": {"gpu": {"calibration": {...}}}}
+                where = exclude
+                *outer, last = part.split(".")
+                for attr in outer:
+                    where = where.setdefault(attr, {})
+                where[last] = unset
+        # the same for a field added to LayerProfile after `profiles` (plans of session 15 recorded profiles
+        # without a tensor count): left out of the hash while unset
+        unrecorded = {i: {"param_tensors"} for i, p in enumerate(self.profiles or ()) if not p.param_tensors}
+        if unrecorded:
+            exclude["profiles"] = unrecorded
         body = self.model_dump(mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 

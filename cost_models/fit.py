@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from . import comm
 from .compute import gemm_efficiency
 from .errors import SpecError
-from .estimate import StageLayout, estimate, uses_replicate, uses_torch_ddp
+from .estimate import StageLayout, dtensor_parameters, estimate, uses_replicate, uses_torch_ddp
 from .profile import LayerProfile, profile_from_spec
 from .specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec
 
@@ -69,6 +69,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "host time per operator (Python, dispatch, launch), us"),
     Knob("tp_op_overhead_us", ("gpu", "calibration", "tp_op_overhead_us"), 1e-2, 1e6,
          "extra host time per operator of a tensor-parallel (DTensor) layer, us"),
+    Knob("dtensor_param_us", ("gpu", "calibration", "dtensor_param_us"), 1e-2, 1e6,
+         "extra host time per parameter tensor of the optimizer step over DTensor parameters, us"),
     Knob("fsdp_collective_overhead_us", ("gpu", "calibration", "fsdp_collective_overhead_us"), 1e-2, 1e6,
          "host time FSDP2 spends around each per-unit all-gather / reduce-scatter (ZeRO-1/2/3), us"),
     Knob("intra_latency_us", ("intra_node", "latency_us"), 1e-2, 1e6, "intra-node hop latency (alpha), us"),
@@ -349,6 +351,9 @@ def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
             "kernel_launch_us", "intra_latency_us", "intra_bandwidth_gbps"]
     if any(r.parallel.tp > 1 for r in runs):
         free.append("tp_op_overhead_us")
+    if any(dtensor_parameters(tp=r.parallel.tp, zero=r.parallel.zero, dp_cp=r.parallel.dp * r.parallel.cp)
+           for r in runs):
+        free.append("dtensor_param_us")
     if any(r.parallel.zero >= 1 and r.parallel.dp * r.parallel.cp > 1 for r in runs):
         free.append("fsdp_collective_overhead_us")
     if any(_fsdp_hooked(r.parallel) for r in runs):
@@ -501,7 +506,8 @@ class _Problem:
 
         start = knob_values(self.cluster)
         # Knobs stuck at 0 (e.g. the oversubscription wait of a preset) start from a small physical value.
-        starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0, "fsdp_collective_overhead_us": 1000.0,
+        starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0, "dtensor_param_us": 10.0,
+                  "fsdp_collective_overhead_us": 1000.0,
                   "step_wait_us": 500.0, "skew_wait_us": 500.0, "fsdp_hook_us": 100.0, "recompute_region_us": 200.0,
                   "recompute_op_us": 30.0}
         x0_vals = {k: start[k] if start[k] > 0 else starts.get(k, 1.0) for k in free}

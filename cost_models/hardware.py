@@ -118,6 +118,10 @@ GPU_PRESETS: dict[str, GPUSpec] = {
             # `autoplan tune` fits 250-300 here, which also holds what the tensor-parallel collectives' host
             # work costs beyond their latency.
             tp_op_overhead_us=120.0,
+            # the optimizer step over DTensor parameters, per tensor beyond a plain one: 10.8-11.0 us in one process
+            # (tiny-gpt's 68 tensors FSDP2-sharded on a one-process mesh against plain, the runtime's fused AdamW:
+            # `autoplan.calibrate_bench.bench_tp_ops`, session 16), doubled by two processes per core
+            dtensor_param_us=22.0,
             framework_overhead_gib=0.5,
             overlap_interference=1.0,  # gloo runs on the same cores as the compute: nothing is hidden
         ),

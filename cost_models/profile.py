@@ -71,6 +71,11 @@ class LayerProfile(_Frozen):
     hidden: int = Field(description="Width of the residual stream h.")
     params_replicated: int = Field(default=0, description="Parameters copied on every tp rank (norms, biases of row layers).")
     params_sharded: int = Field(default=0, description="Non-GEMM parameters split across tp (col biases, embeddings).")
+    param_tensors: int = Field(
+        default=0, ge=0,
+        description="Parameter tensors the layer owns (weights, biases, norm scales; a tied head's weight is the "
+        "embedding's): the optimizer's host work goes per tensor. 0 = not recorded (a plan written before the field "
+        "existed): `tensors()` estimates it.")
     # Memory-bound work, elements read+written per token in the forward pass, split by where it runs.
     elementwise_tp: float = Field(default=0.0, description="Inside the TP region (divided by tp).")
     elementwise_seq: float = Field(default=0.0, description="On the residual stream (divided by tp only with sp).")
@@ -106,6 +111,23 @@ class LayerProfile(_Frozen):
     @property
     def params(self) -> int:
         return sum(g.params for g in self.gemms) + self.params_replicated + self.params_sharded
+
+    def tensors(self) -> int:
+        """Parameter tensors of the layer (`param_tensors`), or for a profile that did not record them one per
+        GEMM weight held, norm and embedding table (biases and norm shifts unknown: an undercount)."""
+        if self.param_tensors:
+            return self.param_tensors
+        norms = round(self.norm_elems / self.hidden) if self.hidden else 0
+        tables = (self.params_sharded > 0) + (self.params_replicated > 0) if self.kind == "embedding" else 0
+        return sum(g.count for g in self.gemms) + norms + tables
+
+    def tp_plain_tensors(self) -> int:
+        """Of `tensors()`, those tensor parallelism alone leaves plain rather than DTensor (runtime.parallelize.
+        apply_tp): the norms' scales and shifts and a learned position table (the embedding's replicated
+        elements); GEMM weights and biases and the token table become DTensors."""
+        norms = round(self.norm_elems / self.hidden) if self.hidden else 0
+        per_norm = 2 if self.norm_kind == "layernorm" else 1 if self.norm_kind else 0
+        return norms * per_norm + (1 if self.kind == "embedding" and self.params_replicated > 0 else 0)
 
     def model_flops_per_token(self, seq: int) -> float:
         """Forward model FLOPs per token (no recompute)."""
@@ -145,6 +167,10 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
     norm_p = 2 * h * (2 if model.norm == "layernorm" else 1)
     col_bias = (qkv_out + (ffn * (2 if gated else 1)) * (n_exp or 1)) if bias else 0
     row_bias = (h + h * (n_exp or 1)) if bias else 0
+    # the tensors the optimizer steps: each weight (experts are separate modules, autoplan.zoo.model.MoE) with its
+    # bias (none on the router), and the two norms' scales (+ shifts for LayerNorm)
+    tensors = sum(gm.count * (1 + (bias and gm.name != "router")) for gm in gemms) \
+        + 2 * (2 if model.norm == "layernorm" else 1)
     # Elementwise traffic (elements per token, forward), counting what eager Megatron-style kernels read and
     # write: 2 norms (read x, write y), 2 bias+dropout+residual adds (read 2, write 1, +mask), activation
     # (read fc1 output, write fc2 input), RoPE on q and k (read+write).
@@ -166,7 +192,7 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
         name=f"layers.{i}", kind="block", gemms=tuple(gemms),
         attention=Attention(heads=a, kv_heads=kv, head_dim=d, causal=True, dropout=dropout,
                             score_bias=model.position == "alibi"),
-        hidden=h, params_replicated=norm_p + row_bias, params_sharded=col_bias,
+        hidden=h, params_replicated=norm_p + row_bias, params_sharded=col_bias, param_tensors=tensors,
         elementwise_tp=ew_tp, elementwise_seq=ew_seq,
         # one kernel per GEMM, the attention core, 2 norms, the activation and 2 residual adds, RoPE on q and k,
         # and for MoE the router's softmax/top-k, dispatch, combine and its auxiliary loss
@@ -188,6 +214,7 @@ def profile_from_spec(model: ModelSpec, dropout: bool | None = None) -> list[Lay
     embedding = LayerProfile(
         name="embedding", kind="embedding", hidden=h,
         params_sharded=v * h, params_replicated=emb_params - v * h,
+        param_tensors=1 + (model.position == "learned"),
         elementwise_seq=2 * h + (0.5 * h if drop else 0), kernels_fwd=3,
         act_seq=(1 * h if drop else 0), tp_allreduces=1,  # vocab-parallel lookup ends in an all-reduce
     )
@@ -196,6 +223,7 @@ def profile_from_spec(model: ModelSpec, dropout: bool | None = None) -> list[Lay
     head = LayerProfile(
         name="head", kind="head", gemms=(head_gemm,), hidden=h,
         params_replicated=norm_p,
+        param_tensors=(2 if model.norm == "layernorm" else 1) + (not model.tie_embeddings),
         # final norm (read, write h); cross-entropy as eager PyTorch / Megatron runs it on fp32 logits:
         # upcast (read 2, write 4 bytes), max (read 4), subtract and exp (read 8, write 8), sum (read 4),
         # normalise for backward (read 4, write 4) ~ 38 bytes ~ 19 two-byte elements per logit.

@@ -158,6 +158,13 @@ class GPUCalibration(_Frozen):
         "propagation and redistribution run in Python for every op (autoplan's runtime); 0 where tensor "
         "parallelism is hand-written (Megatron-LM). Fitted by `autoplan tune`.",
     )
+    dtensor_param_us: float = Field(
+        default=0.0, ge=0,
+        description="Extra host time per parameter tensor of the optimizer step when the parameters are DTensors "
+        "(autoplan's runtime under tensor parallelism or FSDP2), microseconds: the fused AdamW op's per-tensor "
+        "arguments go through DTensor's dispatch in Python. 0 where parameters are plain tensors (Megatron-LM, "
+        "torch's DDP) or where it was not measured. Measured by `autoplan calibrate`, fitted by `autoplan tune`.",
+    )
     fsdp_collective_overhead_us: float = Field(
         default=0.0, ge=0,
         description="Host time FSDP2 spends around each per-unit all-gather or reduce-scatter of ZeRO-1/2/3 "

@@ -700,7 +700,7 @@ def _profile(info: LayerInfo, g: _Ctx) -> LayerProfile:
     return LayerProfile(
         **fus,
         name=info.name, kind=L.kind, gemms=gemms, attention=attention, hidden=hidden,
-        params_replicated=params_rep, params_sharded=params_shard,
+        params_replicated=params_rep, params_sharded=params_shard, param_tensors=len(info.param_names),
         elementwise_tp=ew["S"], elementwise_seq=ew["R"], kernels_fwd=kernels + len(gemms) + n_cores,
         act_tp=act_tp, act_seq=act_seq, act_scores_per_seq=scores_per_seq, act_input=act_input,
         # blocks: one per row-parallel group; the vocab-parallel lookup reduces its output, the vocabulary-parallel

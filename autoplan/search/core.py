@@ -56,6 +56,8 @@ from autoplan.cost_models.estimate import (
     crowded_for,
     dp_exposed,
     dp_sync,
+    dtensor_optimizer_time,
+    dtensor_parameters,
     embedding_grad_extra,
     estimate,
     fsdp_unit_time,
@@ -430,18 +432,30 @@ class _Searcher:
         n = mesh.dp * mesh.cp
         a = self.agg(mesh)
         out = []
+        # `estimate.rank_dtensors`: every tensor under FSDP2, all but the norms and position table under tp alone
+        fsdp2 = (zero >= 1 and n > 1) or uses_replicate(tp=mesh.tp, zero=zero, dp_cp=n)
+        dt = dtensor_parameters(tp=mesh.tp, zero=zero, dp_cp=n)
+
+        def dtensors(p: LayerProfile) -> int:
+            return 0 if not dt else p.tensors() - (0 if fsdp2 else p.tp_plain_tensors())
+
+        block_dtensors = sum(dtensors(p) for p in self.profiles[1:-1])
         for r in sorted({0, mesh.pp // 2, mesh.pp - 1}):
             dense, expert = a.blk_dense / mesh.pp, a.blk_expert / mesh.pp
+            n_dt = block_dtensors / mesh.pp
             if r == 0:
                 dense += a.emb.params_local - a.emb.expert_params_local
+                n_dt += dtensors(self.profiles[0])
             if r == mesh.pp - 1:  # and a tied head's own copy (`estimate.rank_params`)
                 dense += a.head.params_local - a.head.expert_params_local + self.costs.tied_copy(mesh)
+                n_dt += dtensors(self.profiles[-1]) + (1 if dt and self.costs.tied_copy(mesh) else 0)
             units = len(self.profiles[1:-1]) / mesh.pp + vp  # blocks and stage roots on the rank
             red, gather, tl = dp_sync(dense, expert, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep, zero=zero,
                                       cluster=cl, training=tr,
                                       units=units if uses_replicate(tp=mesh.tp, zero=zero, dp_cp=n) else vp)
             casts = weight_casts_per_step(pp=mesh.pp, zero=zero, dp_cp=n, tp=mesh.tp, m=self.micro_batches(mesh))
             opt = optimizer_time(dense + expert, n if zero >= 1 else 1, cl, tr, casts) \
+                + dtensor_optimizer_time(n_dt, cl) \
                 + self.step_scalars(mesh, zero, cl)
             fsdp = fsdp_unit_time(units, dense, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, zero=zero,
                                   m=self.micro_batches(mesh), cluster=cl, training=tr)

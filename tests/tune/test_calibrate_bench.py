@@ -127,6 +127,8 @@ def test_calibrate_writes_a_cpu_cluster_with_its_cores(tmp_path, capsys):
     assert cal.kernel_launch_us > 0
     # DTensor's per-operator cost, measured (calibrate_bench.bench_tp_ops): above the plain operator's
     assert cal.tp_op_overhead_us > cal.kernel_launch_us
+    # and the optimizer's per DTensor parameter, measured beside it
+    assert cal.dtensor_param_us > 0
 
 
 def test_dtensor_per_operator_cost_is_measured_against_the_plain_model():
@@ -140,6 +142,10 @@ def test_dtensor_per_operator_cost_is_measured_against_the_plain_model():
     row = bench_tp_ops("cpu", repeats=7)
     assert row["ops"] == 3 * sum(p.kernels_fwd for p in profile_from_spec(load_model("tiny-gpt")))
     assert row["processes"] == 1 and 5e-6 < row["seconds"] / row["ops"] < 1e-3
+    # the optimizer step over the same model's parameters as DTensors (FSDP2 on a one-process mesh) against plain:
+    # ~11 us a tensor here (session 16), the count the cost model's profiles give
+    assert row["optimizer_tensors"] == sum(p.param_tensors for p in profile_from_spec(load_model("tiny-gpt")))
+    assert 1e-6 < row["optimizer_seconds"] / row["optimizer_tensors"] < 2e-4
 
 
 _SPAWN_SCRIPT = """

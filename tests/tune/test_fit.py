@@ -36,7 +36,7 @@ TRUTH = {"matmul_max_efficiency": 0.6, "matmul_half_dim": 40.0, "attention_effic
          "memory_efficiency": 0.5, "kernel_launch_us": 25.0, "intra_latency_us": 300.0,
          "intra_bandwidth_gbps": 0.8, "oversubscription_wait_us": 900.0, "tp_op_overhead_us": 80.0,
          "fsdp_collective_overhead_us": 2000.0, "step_wait_us": 1500.0, "fsdp_hook_us": 300.0,
-         "skew_wait_us": 700.0, "recompute_region_us": 250.0, "recompute_op_us": 45.0}
+         "skew_wait_us": 700.0, "recompute_region_us": 250.0, "recompute_op_us": 45.0, "dtensor_param_us": 100.0}
 SMALL = ModelSpec(name="small-gpt", num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
                   vocab_size=512, max_seq_length=256)
 
@@ -49,11 +49,13 @@ def _synthetic(truth, with_components: bool = False):
     """Runs (host-bound tiny and device-bound small GPTs, 4 and 2 processes), GEMMs and collectives, all
     'measured' by the cost model with the true constants."""
     runs = []
-    for model, seq in ((MODEL_PRESETS["tiny-gpt"], 64), (SMALL, 256), (SMALL, 128)):
+    # the third at a larger batch: host time per step (the optimizer's) and per micro-batch (hooks, operators)
+    # then scale differently and the totals tell them apart
+    for model, seq, gbs in ((MODEL_PRESETS["tiny-gpt"], 64, 8), (SMALL, 256, 8), (SMALL, 128, 32)):
         for world, cfgs in ((4, ["dp=4", "tp=2,dp=2", "pp=2,dp=2", "dp=4,zero=3", "tp=2,pp=2,recompute=full"]),
                             (2, ["dp=2", "tp=2"])):
             for c in cfgs:
-                tr = TrainingSpec(global_batch_size=8, seq_length=seq, dtype="fp32", kernels="torch")
+                tr = TrainingSpec(global_batch_size=gbs, seq_length=seq, dtype="fp32", kernels="torch")
                 cfg = check_config(ParallelConfig.parse(c), model, truth.with_gpus(world), tr)
                 r = RunSample(model=model, training=tr, parallel=cfg, world=world, measured_step_s=1.0, label=c)
                 est = predict_run(truth, r)

@@ -157,3 +157,25 @@ def test_every_command_refuses_an_inconsistent_plan(small, tmp_path, capsys, mon
     err = capsys.readouterr().err.strip()
     assert "tp*pp*cp*dp must equal the world size" in err and "\n" not in err and "fix:" in err, err
     assert not (tmp_path / "prog").exists() and not (tmp_path / "t.json").exists()
+
+
+def test_profiles_recorded_before_tensor_counts_still_load(plan, tmp_path):
+    """A plan of a user's module records its layer profiles (Plan.profiles, session 15); `LayerProfile.
+    param_tensors` and the cluster's `dtensor_param_us` came later. data/plan-s15-module-profiles.json was written
+    by session 15's code (b6a0647, `autoplan estimate --model tests/capture/_models.py:split_lm ... -o`): it has
+    neither, hashes without them and still loads; a recorded count is hashed, so an edited one is caught."""
+    from pathlib import Path
+
+    from autoplan.cost_models.profile import profile_from_spec
+
+    old = load_plan(Path(__file__).parent / "data" / "plan-s15-module-profiles.json")
+    assert old.profiles and not any(p.param_tensors for p in old.profiles)
+    assert all(p.tensors() > 0 for p in old.profiles)  # estimated from the GEMMs and norms
+
+    new = plan.model_copy(update={"profiles": profile_from_spec(load_model("gpt3-1.3b"))}).sealed()
+    d = json.loads(new.to_json())
+    d["profiles"][1]["param_tensors"] += 1
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="modified after it was made"):
+        load_plan(path)
