@@ -206,6 +206,18 @@ def held_out_components(refit, plan, log) -> tuple[dict, dict]:
     return {k: v for k, v in meas.items() if k in COMPONENTS}, pred
 
 
+def _write_saved(path: str, data: dict) -> None:
+    """Write a --save file, gzip-compressed when `path` ends in .gz (as `replay` reads it)."""
+    text = json.dumps(data, default=float)
+    if str(path).endswith(".gz"):
+        import gzip
+
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        Path(path).write_text(text)
+
+
 def _saved_log(d: dict | None) -> RunLog | None:
     """A saved run log. Logs saved before RunLog kept the memory-measured step get the runtime's default back
     (`--memory-step`: the profiled step, else step 3, or the last of a shorter run), so that a replay measures
@@ -417,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                 known[choice.parallel.to_string()] = chosen_s
     ev = evaluate(rows, known, choice.parallel.to_string(), chosen_s)
     if args.save:
-        Path(args.save).write_text(json.dumps({
+        _write_saved(args.save, {
             "tuned": [{"parallel": c.config, "measured_s": c.measured_s, "launches_s": c.launches, "plan": json.loads(c.plan.to_json()),
                        "components": c.log.time_components() if c.log else None,
                        "log": c.log.model_dump() if c.log else None, "why": c.why} for c in res.measured],
@@ -425,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             "known": known, "chosen": choice.parallel.to_string(), "chosen_s": chosen_s,
             "loadavg_end": Path("/proc/loadavg").read_text().split()[:3],
             "fit_rows": res.fit.rows, "fit_after": res.fit.after, "fit_held": res.fit.held,
-            "held_out": rows, "controls": controls, "bench": json.loads(bench_file.read_text()) if bench_file else None}, default=float))
+            "held_out": rows, "controls": controls, "bench": json.loads(bench_file.read_text()) if bench_file else None})
     if args.json:
         print(json.dumps({"tune_s": t_tune, "bench_s": t_bench, "tuned": sorted(tuned), "fit_after": res.fit.after,
                           "undetermined": res.fit.undetermined, "held_out": rows, "controls": controls, **ev}, default=float))

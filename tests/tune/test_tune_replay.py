@@ -81,6 +81,18 @@ def test_replay_of_a_file_without_logs_uses_its_saved_components(tmp_path, capsy
     assert capsys.readouterr().out.splitlines()[-1].endswith("over 3 layouts")
 
 
+def test_a_save_file_named_gz_is_written_compressed_and_replays(tmp_path, capsys):
+    """`--save X.json.gz` writes gzip, which `--replay` reads (it wrote plain JSON under that name before)."""
+    import gzip
+
+    data = json.loads(_saved(tmp_path).read_text())
+    path = tmp_path / "set.json.gz"
+    tune_local._write_saved(str(path), data)
+    assert json.loads(gzip.open(path, "rt").read()) == data
+    assert tune_local.main(["--replay", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("over 3 layouts")
+
+
 def test_the_memory_measured_step_is_not_a_step_time(tmp_path):
     """On CPU the runtime measures memory (MemTracker) on one step, step 3 when nothing is profiled; that step ran
     5-10x a plain one here, and it was in the held-out runs' median."""
