@@ -324,6 +324,7 @@ class _Searcher:
         self._dp: dict[tuple, list] = {}
         self._sp_tail: dict[tuple, float] = {}  # `sp_grad_tail`
         self._scalars: dict[tuple, float] = {}  # `step_scalars`
+        self._tensors: tuple | None = None  # `_tensor_counts`
         self._agg: dict[tuple, _Agg] = {}
         self._occ: dict[tuple, tuple[float, float, float]] = {}
         self.closest: tuple[float, Mesh, dict] | None = None  # (memory deficit bytes, mesh, parts)
@@ -433,22 +434,19 @@ class _Searcher:
         a = self.agg(mesh)
         out = []
         # `estimate.rank_dtensors`: every tensor under FSDP2, all but the norms and position table under tp alone
-        fsdp2 = (zero >= 1 and n > 1) or uses_replicate(tp=mesh.tp, zero=zero, dp_cp=n)
         dt = dtensor_parameters(tp=mesh.tp, zero=zero, dp_cp=n)
-
-        def dtensors(p: LayerProfile) -> int:
-            return 0 if not dt else p.tensors() - (0 if fsdp2 else p.tp_plain_tensors())
-
-        block_dtensors = sum(dtensors(p) for p in self.profiles[1:-1])
+        fsdp2 = (zero >= 1 and n > 1) or uses_replicate(tp=mesh.tp, zero=zero, dp_cp=n)
+        emb_dt, blocks_dt, head_dt = ((0, 0, 0) if not dt else
+                                      tuple(t - (0 if fsdp2 else plain) for t, plain in self._tensor_counts()))
         for r in sorted({0, mesh.pp // 2, mesh.pp - 1}):
             dense, expert = a.blk_dense / mesh.pp, a.blk_expert / mesh.pp
-            n_dt = block_dtensors / mesh.pp
+            n_dt = blocks_dt / mesh.pp
             if r == 0:
                 dense += a.emb.params_local - a.emb.expert_params_local
-                n_dt += dtensors(self.profiles[0])
+                n_dt += emb_dt
             if r == mesh.pp - 1:  # and a tied head's own copy (`estimate.rank_params`)
                 dense += a.head.params_local - a.head.expert_params_local + self.costs.tied_copy(mesh)
-                n_dt += dtensors(self.profiles[-1]) + (1 if dt and self.costs.tied_copy(mesh) else 0)
+                n_dt += head_dt + (1 if dt and self.costs.tied_copy(mesh) else 0)
             units = len(self.profiles[1:-1]) / mesh.pp + vp  # blocks and stage roots on the rank
             red, gather, tl = dp_sync(dense, expert, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep, zero=zero,
                                       cluster=cl, training=tr,
@@ -462,6 +460,16 @@ class _Searcher:
             out.append((r, (red, tl, opt + param_gather_exposed(gather, cl, tr) + fsdp)))
         self._dp[key] = out
         return out
+
+    def _tensor_counts(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """(parameter tensors, of them left plain by tp alone) of the embedding, all blocks and the head
+        (LayerProfile.tensors / tp_plain_tensors), counted once per search."""
+        if self._tensors is None:
+            def count(ps):
+                return sum(p.tensors() for p in ps), sum(p.tp_plain_tensors() for p in ps)
+
+            self._tensors = (count(self.profiles[:1]), count(self.profiles[1:-1]), count(self.profiles[-1:]))
+        return self._tensors
 
     def step_scalars(self, mesh: Mesh, zero: int, cl: ClusterSpec) -> float:
         """`estimate.step_scalars_time` for `mesh` (the same for every pipeline rank and micro-batch size)."""

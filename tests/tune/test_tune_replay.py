@@ -88,7 +88,8 @@ def test_a_save_file_named_gz_is_written_compressed_and_replays(tmp_path, capsys
     data = json.loads(_saved(tmp_path).read_text())
     path = tmp_path / "set.json.gz"
     tune_local._write_saved(str(path), data)
-    assert json.loads(gzip.open(path, "rt").read()) == data
+    with gzip.open(path, "rt") as f:
+        assert json.loads(f.read()) == data
     assert tune_local.main(["--replay", str(path)]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("over 3 layouts")
 
