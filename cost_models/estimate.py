@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Literal
 
 from . import comm
 from .compute import Context, LayerCost, layer_cost
@@ -375,22 +376,28 @@ def tied_copy(stages: list[StageCost], cfg: ParallelConfig) -> float:
     return sum(s.tied_head for s in stages) if cfg.pp > 1 else 0.0
 
 
-def dtensor_parameters(*, tp: int, zero: int, dp_cp: int) -> bool:
-    """Whether autoplan's runtime holds parameters as DTensors: tensor parallelism shards them, FSDP2 shards
-    (`fully_shard`, ZeRO >= 1 over dp x cp > 1) or replicates them (`replicate`, `uses_replicate`); torch's DDP and
-    a single process keep plain tensors (runtime.parallelize.apply_tp / apply_dp)."""
-    return tp > 1 or (zero >= 1 and dp_cp > 1)
+def parameter_kind(*, tp: int, zero: int, dp_cp: int) -> Literal["fsdp2", "tp", "plain"]:
+    """How autoplan's runtime holds the parameters (runtime.parallelize.apply_tp / apply_dp): "fsdp2", every one a
+    DTensor (`fully_shard` at ZeRO >= 1 over dp x cp > 1, or `replicate`: `uses_replicate`); "tp", tensor
+    parallelism alone, which leaves the norms and a learned position table plain; "plain" (torch's DDP, one
+    process)."""
+    if (zero >= 1 and dp_cp > 1) or uses_replicate(tp=tp, zero=zero, dp_cp=dp_cp):
+        return "fsdp2"
+    return "tp" if tp > 1 else "plain"
 
 
-def rank_dtensors(stages: list[StageCost], cfg: ParallelConfig) -> int:
-    """DTensor parameters the optimizer of a pipeline rank holding `stages` steps: under FSDP2 every tensor of
-    its layers and a tied head's own copy (`tied_copy`); under tensor parallelism alone all but the norms and a
-    learned position table; none with plain parameters (`dtensor_parameters`)."""
-    if not dtensor_parameters(tp=cfg.tp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp):
-        return 0
+def dtensors_of(kind: str, tensors: float, tp_plain: float) -> float:
+    """Of `tensors` parameter tensors (`tp_plain` of them left plain by tp alone), the DTensors under `kind`
+    (`parameter_kind`)."""
+    return 0.0 if kind == "plain" else tensors - (tp_plain if kind == "tp" else 0.0)
+
+
+def rank_dtensors(stages: list[StageCost], cfg: ParallelConfig) -> float:
+    """DTensor parameters the optimizer of a pipeline rank holding `stages` steps (`dtensors_of`): its layers'
+    tensors and a tied head's own copy (`tied_copy`)."""
+    kind = parameter_kind(tp=cfg.tp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp)
     n = sum(s.tensors for s in stages) + (1 if tied_copy(stages, cfg) else 0)
-    fsdp2 = (cfg.zero >= 1 and cfg.dp * cfg.cp > 1) or uses_replicate(tp=cfg.tp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp)
-    return n if fsdp2 else n - sum(s.tp_plain_tensors for s in stages)
+    return dtensors_of(kind, n, sum(s.tp_plain_tensors for s in stages))
 
 
 def dtensor_optimizer_time(dtensors: float, cluster: ClusterSpec) -> float:

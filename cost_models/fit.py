@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from . import comm
 from .compute import gemm_efficiency
 from .errors import SpecError
-from .estimate import StageLayout, dtensor_parameters, estimate, uses_replicate, uses_torch_ddp
+from .estimate import StageLayout, estimate, parameter_kind, uses_replicate, uses_torch_ddp
 from .profile import LayerProfile, profile_from_spec
 from .specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec
 
@@ -351,7 +351,7 @@ def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
             "kernel_launch_us", "intra_latency_us", "intra_bandwidth_gbps"]
     if any(r.parallel.tp > 1 for r in runs):
         free.append("tp_op_overhead_us")
-    if any(dtensor_parameters(tp=r.parallel.tp, zero=r.parallel.zero, dp_cp=r.parallel.dp * r.parallel.cp)
+    if any(parameter_kind(tp=r.parallel.tp, zero=r.parallel.zero, dp_cp=r.parallel.dp * r.parallel.cp) != "plain"
            for r in runs):
         free.append("dtensor_param_us")
     if any(r.parallel.zero >= 1 and r.parallel.dp * r.parallel.cp > 1 for r in runs):

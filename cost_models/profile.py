@@ -114,20 +114,22 @@ class LayerProfile(_Frozen):
 
     def tensors(self) -> int:
         """Parameter tensors of the layer (`param_tensors`), or for a profile that did not record them one per
-        GEMM weight held, norm and embedding table (biases and norm shifts unknown: an undercount)."""
+        GEMM weight held, embedding table and norm scale or shift (biases unknown: an undercount)."""
         if self.param_tensors:
             return self.param_tensors
-        norms = round(self.norm_elems / self.hidden) if self.hidden else 0
         tables = (self.params_sharded > 0) + (self.params_replicated > 0) if self.kind == "embedding" else 0
-        return sum(g.count for g in self.gemms) + norms + tables
+        return sum(g.count for g in self.gemms) + tables + self._norm_tensors()
 
     def tp_plain_tensors(self) -> int:
         """Of `tensors()`, those tensor parallelism alone leaves plain rather than DTensor (runtime.parallelize.
         apply_tp): the norms' scales and shifts and a learned position table (the embedding's replicated
         elements); GEMM weights and biases and the token table become DTensors."""
+        return self._norm_tensors() + (1 if self.kind == "embedding" and self.params_replicated > 0 else 0)
+
+    def _norm_tensors(self) -> int:
+        """The norms' scales (and LayerNorm's shifts): one norm per `hidden` elements of `norm_elems`."""
         norms = round(self.norm_elems / self.hidden) if self.hidden else 0
-        per_norm = 2 if self.norm_kind == "layernorm" else 1 if self.norm_kind else 0
-        return norms * per_norm + (1 if self.kind == "embedding" and self.params_replicated > 0 else 0)
+        return norms * (2 if self.norm_kind == "layernorm" else 1 if self.norm_kind else 0)
 
     def model_flops_per_token(self, seq: int) -> float:
         """Forward model FLOPs per token (no recompute)."""

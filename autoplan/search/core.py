@@ -57,7 +57,7 @@ from autoplan.cost_models.estimate import (
     dp_exposed,
     dp_sync,
     dtensor_optimizer_time,
-    dtensor_parameters,
+    dtensors_of,
     embedding_grad_extra,
     estimate,
     fsdp_unit_time,
@@ -65,6 +65,7 @@ from autoplan.cost_models.estimate import (
     optimizer_time,
     p2p_occupancy,
     param_gather_exposed,
+    parameter_kind,
     pipeline_p2p_parts,
     pipeline_p2p_time,
     runtime_per_param,
@@ -433,11 +434,8 @@ class _Searcher:
         n = mesh.dp * mesh.cp
         a = self.agg(mesh)
         out = []
-        # `estimate.rank_dtensors`: every tensor under FSDP2, all but the norms and position table under tp alone
-        dt = dtensor_parameters(tp=mesh.tp, zero=zero, dp_cp=n)
-        fsdp2 = (zero >= 1 and n > 1) or uses_replicate(tp=mesh.tp, zero=zero, dp_cp=n)
-        emb_dt, blocks_dt, head_dt = ((0, 0, 0) if not dt else
-                                      tuple(t - (0 if fsdp2 else plain) for t, plain in self._tensor_counts()))
+        kind = parameter_kind(tp=mesh.tp, zero=zero, dp_cp=n)  # `estimate.rank_dtensors`
+        emb_dt, blocks_dt, head_dt = (dtensors_of(kind, t, plain) for t, plain in self._tensor_counts())
         for r in sorted({0, mesh.pp // 2, mesh.pp - 1}):
             dense, expert = a.blk_dense / mesh.pp, a.blk_expert / mesh.pp
             n_dt = blocks_dt / mesh.pp
@@ -446,7 +444,7 @@ class _Searcher:
                 n_dt += emb_dt
             if r == mesh.pp - 1:  # and a tied head's own copy (`estimate.rank_params`)
                 dense += a.head.params_local - a.head.expert_params_local + self.costs.tied_copy(mesh)
-                n_dt += head_dt + (1 if dt and self.costs.tied_copy(mesh) else 0)
+                n_dt += head_dt + dtensors_of(kind, 1 if self.costs.tied_copy(mesh) else 0, 0)
             units = len(self.profiles[1:-1]) / mesh.pp + vp  # blocks and stage roots on the rank
             red, gather, tl = dp_sync(dense, expert, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep, zero=zero,
                                       cluster=cl, training=tr,
