@@ -317,6 +317,13 @@ def uses_replicate(*, tp: int, zero: int, dp_cp: int) -> bool:
     return zero == 0 and dp_cp > 1 and tp > 1
 
 
+def uses_fsdp2(*, tp: int, zero: int, dp_cp: int) -> bool:
+    """Whether FSDP2 manages the parameters in autoplan's runtime: `fully_shard` at ZeRO >= 1 or `replicate`
+    (`uses_replicate`), over dp x cp > 1 ranks (runtime.parallelize.apply_dp): DTensor parameters, FSDP2's hooks on
+    every unit."""
+    return (zero >= 1 and dp_cp > 1) or uses_replicate(tp=tp, zero=zero, dp_cp=dp_cp)
+
+
 def uses_torch_ddp(*, tp: int, zero: int, dp_cp: int) -> bool:
     """Whether autoplan's runtime runs data parallelism as torch's DDP (ZeRO-0 over dp x cp > 1 ranks without
     `uses_replicate`), with or without a pipeline."""
@@ -381,7 +388,7 @@ def parameter_kind(*, tp: int, zero: int, dp_cp: int) -> Literal["fsdp2", "tp", 
     DTensor (`fully_shard` at ZeRO >= 1 over dp x cp > 1, or `replicate`: `uses_replicate`); "tp", tensor
     parallelism alone, which leaves the norms and a learned position table plain; "plain" (torch's DDP, one
     process)."""
-    if (zero >= 1 and dp_cp > 1) or uses_replicate(tp=tp, zero=zero, dp_cp=dp_cp):
+    if uses_fsdp2(tp=tp, zero=zero, dp_cp=dp_cp):
         return "fsdp2"
     return "tp" if tp > 1 else "plain"
 
@@ -753,8 +760,7 @@ def casts_once_per_step(*, pp: int, zero: int, dp_cp: int, tp: int) -> bool:
     over dp x cp > 1 ranks), where a cast cached across micro-batches lost gradients (session 13). The runtime
     decides it from its modules (Trainer.step_cast_cache); tests/dist/test_autocast_parity.py checks the two
     agree."""
-    fsdp2 = dp_cp > 1 and (zero >= 1 or uses_replicate(tp=tp, zero=zero, dp_cp=dp_cp))
-    return pp > 1 or not fsdp2
+    return pp > 1 or not uses_fsdp2(tp=tp, zero=zero, dp_cp=dp_cp)
 
 
 def weight_casts_per_step(*, pp: int, zero: int, dp_cp: int, tp: int, m: int) -> int:

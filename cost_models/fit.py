@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from . import comm
 from .compute import gemm_efficiency
 from .errors import SpecError
-from .estimate import StageLayout, estimate, parameter_kind, uses_replicate, uses_torch_ddp
+from .estimate import StageLayout, estimate, parameter_kind, uses_fsdp2, uses_torch_ddp
 from .profile import LayerProfile, profile_from_spec
 from .specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec
 
@@ -382,8 +382,7 @@ def _fsdp_hooked(cfg: ParallelConfig) -> bool:
     """Whether the runtime puts FSDP2 hooks on the model: fully_shard at ZeRO>=1, replicate at ZeRO-0 under
     tensor parallelism (`uses_replicate`; runtime.parallelize.apply_dp), over more than one data-parallel rank.
     Pipelined ZeRO-0 stages without tp are torch's DDP: no hooks."""
-    n = cfg.dp * cfg.cp
-    return (n > 1 and cfg.zero >= 1) or uses_replicate(tp=cfg.tp, zero=cfg.zero, dp_cp=n)
+    return uses_fsdp2(tp=cfg.tp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp)
 
 
 def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Sequence[GemmSample] = (),
