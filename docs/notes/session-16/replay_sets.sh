@@ -1,9 +1,9 @@
 #!/bin/bash
-# replay the saved tune sets K..Z and S16 with checkout $1 (default /work/main); per-set lines and the means. Sets saved before this session's fields (dtensor_param_us, param_tensors) replay with any code; S16 only with code that has them.
+# replay the saved tune sets K..Z, S16b and S16 with checkout $1 (default /work/main); per-set lines and the means. Sets saved before this session's fields (dtensor_param_us, param_tensors) replay with any code; S16 only with code that has them.
 NOTES=/work/main/docs/notes
 cd "${1:-/work/main}"
 for f in $NOTES/session-9/tune-set-{K,L,M,N}.json.gz $NOTES/session-10/tune-set-{P,Q,R,S,T}.json.gz \
-         $NOTES/session-11/tune-set-{U,V}.json.gz $NOTES/session-13/tune-set-W.json.gz $NOTES/session-14/tune-set-{X,Y}.json.gz $NOTES/session-15/tune-set-Z.json.gz $NOTES/session-16/tune-set-S16.json.gz; do
+         $NOTES/session-11/tune-set-{U,V}.json.gz $NOTES/session-13/tune-set-W.json.gz $NOTES/session-14/tune-set-{X,Y}.json.gz $NOTES/session-15/tune-set-Z.json.gz $NOTES/session-16/tune-set-S16b.json.gz $NOTES/session-16/tune-set-S16.json.gz; do
   n=$(basename $f .json.gz | sed 's/tune-set-//')
   echo "$n $(OMP_NUM_THREADS=1 PYTHONPATH=$PWD /work/main/.venv/bin/python benchmarks/tune_local.py --replay $f 2>&1 | grep '^tune:' | tail -1)"
 done > /tmp/replay16_${2:-out}.txt
