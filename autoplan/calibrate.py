@@ -181,9 +181,11 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     c = measure_compute(device, dtype)
-    from .calibrate_bench import bench_tp_ops
+    from .calibrate_bench import bench_fused_calls, bench_tp_ops
 
     tp_ops = bench_tp_ops(device)
+    # the fused modules' host time per call: only where the runtime substitutes them (a GPU; codegen.fuse)
+    fused = bench_fused_calls(device) if device == "cuda" else {"fused_call_us": 0.0}
     bus, lat = measure_allreduce(nproc) if nproc > 1 else (100.0, 1.0)
     if device == "cpu":
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3 / nproc
@@ -212,6 +214,8 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
                 "tp_op_overhead_us": round(tp_ops["seconds"] / tp_ops["ops"] * 1e6, 2),
                 # and the optimizer step's per parameter tensor over DTensors (the same model's AdamW step)
                 "dtensor_param_us": round(tp_ops["optimizer_seconds"] / tp_ops["optimizer_tensors"] * 1e6, 2),
+                # a fused Triton module's forward call beyond torch's op (calibrate_bench.bench_fused_calls)
+                "fused_call_us": round(fused["fused_call_us"], 2),
                 "framework_overhead_gib": 0.3 if device == "cpu" else 2.0,
             },
         },
@@ -260,8 +264,8 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
     levels = {c["level"] for c in colls}
     free = ["matmul_max_efficiency", "matmul_half_dim"]
     free += [f"{lv}_{k}" for lv in sorted(levels) for k in ("latency_us", "bandwidth_gbps")]
-    if device == "cpu":  # the checkpoint's host time is priced where the host is the critical path
-        free += ["recompute_region_us", "recompute_op_us"]
+    # the checkpoint's host time: priced on CPU hosts and for autoplan's runtime on a GPU host (compute.layer_cost)
+    free += ["recompute_region_us", "recompute_op_us"]
     res = fit_cluster(cluster, gemms=[GemmSample(**g) for g in gemms],
                       collectives=[CollectiveSample(**c) for c in colls],
                       regions=[RegionSample(**r) for r in regions], free=free)

@@ -158,6 +158,52 @@ def bench_recompute_region(device: str, repeats: int = 41, seq: int = 16) -> lis
     return rows
 
 
+def bench_fused_calls(device: str, calls: int = 50, repeats: int = 7, tokens: int = 64, hidden: int = 256) -> dict:
+    """Host time one call of autoplan's fused modules adds in the forward over the eager op it replaces
+    (GPUCalibration.fused_call_us): LayerNorm, RMSNorm, GeLU (tanh) and SwiGLU, the runtime's substitutions
+    (codegen.fuse), each as the Triton module and as torch's op at `tokens` x `hidden` (kernels too short to
+    matter, inputs requiring grad as in training), `calls` forwards queued back to back and then synchronised,
+    medians over `repeats`, the two alternating. Returns {"ops": {name: [fused_us, torch_us]}, "fused_call_us":
+    the mean of fused - torch}. Meaningful on a GPU (session 12 measured 64-124 us more per call on an H200's
+    host at a training shape, benchmarks/gpu/launch_overhead.py); under TRITON_INTERPRET it times the
+    interpreter."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from autoplan.kernels.modules import FusedGELU, FusedLayerNorm, FusedRMSNorm, FusedSwiGLU
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    x = torch.randn(tokens, hidden, device=device, requires_grad=True)
+    up = torch.randn(tokens, hidden, device=device, requires_grad=True)
+    ln, rms = nn.LayerNorm(hidden).to(device), nn.RMSNorm(hidden).to(device)
+    pairs = {
+        "layer_norm": (lambda m=FusedLayerNorm.from_torch(ln, impl="triton"): m(x), lambda: ln(x)),
+        "rms_norm": (lambda m=FusedRMSNorm.from_torch(rms, impl="triton"): m(x), lambda: rms(x)),
+        "gelu": (lambda m=FusedGELU("tanh", impl="triton"): m(x), lambda: F.gelu(x, approximate="tanh")),
+        "swiglu": (lambda m=FusedSwiGLU(impl="triton"): m(x, up), lambda: F.silu(x) * up),
+    }
+
+    def per_call(fn) -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / calls
+
+    ops = {}
+    for name, (fused, eager) in pairs.items():
+        for _ in range(2):  # compile and warm both
+            per_call(fused), per_call(eager)
+        tf, te = [], []
+        for _ in range(repeats):
+            tf.append(per_call(fused))
+            te.append(per_call(eager))
+        ops[name] = [statistics.median(tf) * 1e6, statistics.median(te) * 1e6]
+    extra = statistics.mean(f - e for f, e in ops.values())
+    return {"ops": ops, "fused_call_us": max(extra, 0.0)}
+
+
 def bench_tp_ops(device: str, repeats: int = 31) -> dict:
     """The host time DTensor adds per operator of a tensor-parallel step (GPUCalibration.tp_op_overhead_us):
     tiny-gpt at one token (device time ~0), its forward and backward with the runtime's tensor-parallel layout

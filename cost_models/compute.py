@@ -337,6 +337,14 @@ def _head_softmax_units(p: LayerProfile) -> float:
     return fp32 if p.act_tp >= fp32 else 0.0
 
 
+def fused_calls(p: LayerProfile) -> int:
+    """Calls of autoplan's fused Triton modules in one forward of layer `p` as the runtime substitutes them
+    (codegen.fuse: every LayerNorm / RMSNorm, and a block's GeLU or SwiGLU activation; RoPE and the loss stay
+    eager): one norm per `hidden` elements of the profile's norm_elems."""
+    norms = round(p.norm_elems / p.hidden) if p.norm_kind and p.hidden else 0
+    return norms + (1 if p.kind == "block" and p.act_kind in ("gelu", "swiglu") else 0)
+
+
 def _core_kernels(p: LayerProfile) -> int:
     """Kernels of the selective recompute region, the attention core (autoplan.zoo.model.AttentionCore): the
     SDPA, plus the two repeat_interleaves that expand K and V under grouped-query attention. (The profile's
@@ -442,7 +450,13 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # Host-side cost of issuing the layer's kernels (Python, dispatch, launch). The GPU runs ahead of the
     # host, so a layer takes the longer of the two: small layers become launch-bound.
     launch_us = cal.kernel_launch_us + (cal.tp_op_overhead_us if t > 1 else 0.0)
-    host_fwd = p.kernels_fwd * launch_us * 1e-6
+    cpu_host = ctx.cluster.cores_per_node is not None
+    # autoplan's own runtime on a GPU host (nccl: the runtime runs gloo on CPU processes only): its fused Triton
+    # modules cost host time beyond the eager ops they replace (fused_call_us), torch.utils.checkpoint's hooks
+    # too (below)
+    own_gpu_runtime = ctx.training.runtime_memory and not cpu_host and ctx.cluster.backend == "nccl"
+    host_fwd = p.kernels_fwd * launch_us * 1e-6 + (fused_calls(p) * cal.fused_call_us * 1e-6
+                                                   if own_gpu_runtime and ctx.training.kernels == "fused" else 0.0)
     tp_f, tp_b = _tp_comm(p, ctx, gemm_fwd)
     cp_f, cp_b = _cp_comm(p, ctx, attn_fwd)
     ep_f, ep_b = _ep_comm(p, ctx)
@@ -453,7 +467,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # CPU processes sharing cores compute faster while fewer of them compute at once (ClusterSpec.crowding)
     contention = ctx.cluster.compute_contention
     dev_f, dev_b, host_fwd = dev_f * contention, dev_b * contention, host_fwd * contention
-    if ctx.cluster.cores_per_node is not None:
+    if cpu_host:
         # CPU processes (a cluster whose cores are given): the thread that issues an operator also runs it, so
         # nothing of the host time hides under the kernels
         fwd, bwd = dev_f + host_fwd + comm_f, dev_b + 2 * host_fwd + comm_b
@@ -464,28 +478,39 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # (`runtime_memory`: the stack is autoplan's own) checkpoints the core, so the flash forward runs again
     # (runtime.parallelize.apply_recompute; counts.layer_flops books it as recompute FLOPs), and so does any run
     # on CPU processes (below).
-    cpu_host = ctx.cluster.cores_per_node is not None
     reruns_core = not ctx.training.flash_attention or ctx.training.runtime_memory or cpu_host
     sel = attn_fwd if reruns_core else 0.0
     full = fwd  # the whole forward, its TP communication included
     rec_sel_flops = attn_flops if reruns_core else 0.0
     ckpt_sel = ckpt_full = 0.0
+
+    def region(ops: int) -> float:
+        return (cal.recompute_region_us + ops * cal.recompute_op_us) * 1e-6 * contention
+
     if cpu_host:
         # On CPU processes the host is the critical path, and the runtime's recompute is torch.utils.checkpoint
         # (runtime.parallelize.apply_recompute: checkpoint_wrapper, non-reentrant, preserve_rng_state): each
         # checkpointed region costs its bookkeeping once per micro-batch (recompute_region_us) and a saved-tensor
         # hook per operator (recompute_op_us), and the selective region (the block's attention core: GQA expand
-        # + SDPA) issues its kernels again. GPU stacks hide this host time under the kernels (session 9: measured
-        # on local-cpu, selective cost most of what full did).
-        def region(ops: int) -> float:
-            return (cal.recompute_region_us + ops * cal.recompute_op_us) * 1e-6 * contention
-
+        # + SDPA) issues its kernels again (session 9: measured on local-cpu, selective cost most of what full did).
         ckpt_full = region(p.kernels_fwd)
         full = fwd + ckpt_full
         if p.attention is not None:
             core = _core_kernels(p)
             ckpt_sel = region(core)
             sel += core * launch_us * 1e-6 + ckpt_sel
+    elif own_gpu_runtime:
+        # The same checkpoint on a GPU host: its hooks are host time, which the region's kernels hide only where
+        # they outlast it. Session 17, one H200 (docs/notes/session-17): GPT-1.3B's block forward took 2.2 ms under
+        # full recompute against 1.6 without, and the recompute 2.6 ms: the host, not the GPU, bounds it there.
+        # The increase over the plain re-run is booked as checkpoint time, as on a CPU host.
+        full = max(dev_f, host_fwd + region(p.kernels_fwd)) + comm_f
+        ckpt_full = full - fwd
+        if p.attention is not None:
+            core = _core_kernels(p)
+            plain = sel
+            sel = max(plain, core * launch_us * 1e-6 + region(core))
+            ckpt_sel = sel - plain
     # Activations (bytes) of one micro-batch: Korthikanti et al. 2022 Table 2 generalised.
     tok = ctx.tokens
     scale = e / 2.0  # profiles count 2-byte activations

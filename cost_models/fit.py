@@ -71,6 +71,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "extra host time per operator of a tensor-parallel (DTensor) layer, us"),
     Knob("dtensor_param_us", ("gpu", "calibration", "dtensor_param_us"), 1e-2, 1e6,
          "extra host time per parameter tensor of the optimizer step over DTensor parameters, us"),
+    Knob("fused_call_us", ("gpu", "calibration", "fused_call_us"), 1e-2, 1e6,
+         "host time one fused Triton module call adds in the forward over the eager op (GPU hosts), us"),
     Knob("fsdp_collective_overhead_us", ("gpu", "calibration", "fsdp_collective_overhead_us"), 1e-2, 1e6,
          "host time FSDP2 spends around each per-unit all-gather / reduce-scatter (ZeRO-1/2/3), us"),
     Knob("intra_latency_us", ("intra_node", "latency_us"), 1e-2, 1e6, "intra-node hop latency (alpha), us"),

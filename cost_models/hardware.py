@@ -36,6 +36,15 @@ _HOPPER = GPUCalibration(
     # eagerly from Python, which is why small models are host-bound there (the reason MCore later added
     # CUDA graphs).
     kernel_launch_us=67.4,
+    # autoplan's own runtime (priced only for its stack, compute.layer_cost), measured on an H200's host:
+    # a fused Triton module's forward call against the eager op it replaces, host time per call (session 12,
+    # benchmarks/gpu/launch_overhead.py at 4096 tokens x 2048: LayerNorm 145.7 against 21.5 us, RMSNorm 122.6 /
+    # 22.1, GeLU 79.1 / 15.0, SwiGLU 93.3 / 24.5; the mean of the four differences)
+    fused_call_us=89.4,
+    # torch.utils.checkpoint's host time per region and per operator in it (session 17, `autoplan calibrate
+    # --bench-out` on the H200: tiny-gpt's attention core, 1 operator, 992 us; its block, 12 operators, 1,711 us)
+    recompute_region_us=926.9,
+    recompute_op_us=65.3,
     framework_overhead_gib=3.0,
 )
 # Blackwell: no published end-to-end run in the reference data; Hopper's efficiencies are assumed.

@@ -152,6 +152,14 @@ class GPUCalibration(_Frozen):
     kernel_launch_us: float = Field(
         default=4.0, ge=0, description="Host time to issue one kernel (Python, dispatch, launch), microseconds."
     )
+    fused_call_us: float = Field(
+        default=0.0, ge=0,
+        description="Host time one call of autoplan's fused Triton modules (norms, activations) adds in the "
+        "forward over the eager op it replaces, microseconds: argument checks, allocations, the autograd Function "
+        "and Triton's launch in Python. Priced for autoplan's own runtime on a GPU with kernels=fused, where the "
+        "forward is host-bound; twice in the backward. 0 where not measured. Measured by `autoplan calibrate` "
+        "on a GPU; fitted by `autoplan tune`.",
+    )
     tp_op_overhead_us: float = Field(
         default=0.0, ge=0,
         description="Extra host time per operator of a tensor-parallel layer, microseconds: DTensor's sharding "
@@ -183,7 +191,7 @@ class GPUCalibration(_Frozen):
         description="Host time of one checkpointed region in one micro-batch beyond re-running its operators "
         "(torch.utils.checkpoint, non-reentrant, preserve_rng_state: the RNG state saved and restored, the "
         "recompute's own frame in backward), microseconds. Priced where the host is on the critical path (CPU "
-        "clusters) for full (one region per recomputed block) and selective recompute (one per block's "
+        "clusters, and autoplan's own runtime on a GPU host where the region's kernels are shorter) for full (one region per recomputed block) and selective recompute (one per block's "
         "attention core). 0 where the GPU hides it. Measured by `autoplan calibrate --bench-out`; fitted by "
         "`autoplan tune`.",
     )
@@ -191,7 +199,7 @@ class GPUCalibration(_Frozen):
         default=0.0, ge=0,
         description="Further host time per operator inside a checkpointed region, microseconds: the saved-tensor "
         "hooks torch.utils.checkpoint runs for what each operator saves, in the forward and again in the "
-        "recompute. Priced with recompute_region_us (CPU clusters only). Measured by `autoplan calibrate "
+        "recompute. Priced with recompute_region_us. Measured by `autoplan calibrate "
         "--bench-out`; fitted by `autoplan tune`.",
     )
     framework_overhead_gib: float = Field(

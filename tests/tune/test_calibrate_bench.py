@@ -129,6 +129,31 @@ def test_calibrate_writes_a_cpu_cluster_with_its_cores(tmp_path, capsys):
     assert cal.tp_op_overhead_us > cal.kernel_launch_us
     # and the optimizer's per DTensor parameter, measured beside it
     assert cal.dtensor_param_us > 0
+    # the fused modules run only on a GPU (codegen.fuse): nothing of their host time on a CPU cluster
+    assert cal.fused_call_us == 0.0
+
+
+def test_fused_call_benchmark_times_the_triton_modules_against_torch(monkeypatch):
+    """bench_fused_calls times each fused module the runtime substitutes against torch's op; under the Triton
+    interpreter (this machine) the fused calls are far slower, which shows the Triton path ran, and the result is
+    the mean difference per call."""
+    import statistics
+
+    import torch
+
+    from autoplan.calibrate_bench import bench_fused_calls
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = bench_fused_calls("cpu", calls=3, repeats=3, tokens=8, hidden=32)
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(res["ops"]) == ["gelu", "layer_norm", "rms_norm", "swiglu"]
+    for fused_us, torch_us in res["ops"].values():
+        assert fused_us > 2 * torch_us > 0
+    assert res["fused_call_us"] == pytest.approx(statistics.mean(f - t for f, t in res["ops"].values()))
 
 
 def test_dtensor_per_operator_cost_is_measured_against_the_plain_model():

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoplan.cost_models.compute import Context, layer_cost
+from autoplan.cost_models.compute import Context, _core_kernels, fused_calls, layer_cost
 from autoplan.cost_models.estimate import estimate
 from autoplan.cost_models.pipeline import (
     bubble_fraction,
@@ -201,11 +201,12 @@ def test_closed_form_overstates_an_uneven_pipeline_and_the_bound_does_not():
     assert max(rank_end_lower_bounds(fwd, bwd, 2, 2)) == pytest.approx(4.0)
 
 
-def test_checkpoint_region_is_priced_on_cpu_hosts_only():
+def test_checkpoint_region_is_priced_where_the_host_bounds_it():
     """The runtime recomputes with torch.utils.checkpoint: on a CPU cluster (the host is the critical path) each
     checkpointed region costs recompute_region_us + its operators x recompute_op_us, and the selective region
-    (the attention core) also re-runs its kernel, flash or not; on a GPU cluster nothing of it is priced, even
-    with the constants set."""
+    (the attention core) also re-runs its kernel, flash or not. On a GPU the same hooks are host time of
+    autoplan's runtime, which the region's kernels hide only where they outlast it; a stack that is not
+    autoplan's runtime gets nothing of it, even with the constants set."""
     tiny = load_model("tiny-gpt")
     block = profile_from_spec(tiny)[1]
     tr = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", flash_attention=True)
@@ -230,12 +231,62 @@ def test_checkpoint_region_is_priced_on_cpu_hosts_only():
     assert with_.fwd_s == zero.fwd_s and with_.bwd_s == zero.bwd_s  # recompute is priced on its own
     gpu = load_cluster("dgx-h100")
     g0, g1 = cost(gpu, 0.0, 0.0), cost(gpu, 300.0, 40.0)
-    assert g1 == g0
-    # autoplan's runtime re-runs the flash core on a GPU too (its attention forward, no host term); a stack that
-    # keeps flash's outputs (runtime_memory false: not autoplan's runtime) recomputes nothing selectively
+    # tiny-gpt at 64 tokens: the host bounds the layer on a GPU, so the region's host time adds in full
+    gcal = gpu.gpu.calibration
+    host = (block.kernels_fwd * gcal.kernel_launch_us + fused_calls(block) * gcal.fused_call_us) * 1e-6
+    assert g0.fwd_s == pytest.approx(host)
+    assert g1.recompute_full_s - g0.recompute_full_s == pytest.approx((300 + 40 * block.kernels_fwd) * 1e-6)
+    assert g1.checkpoint_full_s == pytest.approx(g1.recompute_full_s - g1.fwd_s)
+    core_host = (_core_kernels(block) * (gcal.kernel_launch_us + 40) + 300) * 1e-6
+    assert g1.recompute_selective_s == pytest.approx(max(g0.recompute_selective_s, core_host))
+    assert g1.fwd_s == g0.fwd_s and g1.bwd_s == g0.bwd_s
+    # autoplan's runtime re-runs the flash core on a GPU too (its attention forward); a stack that keeps flash's
+    # outputs (runtime_memory false: not autoplan's runtime) recomputes nothing selectively and pays no hooks
     assert 0.0 < g0.recompute_selective_s < g0.fwd_s and g0.recompute_full_s == g0.fwd_s
     tr = tr.model_copy(update={"runtime_memory": False})
     assert cost(gpu, 0.0, 0.0).recompute_selective_s == 0.0
+    assert cost(gpu, 300.0, 40.0) == cost(gpu, 0.0, 0.0)
+    # a block whose kernels outlast the hooks (GPT-3 1.3B, 2 x 2048 tokens, torch's kernels): nothing of them shows
+    big = profile_from_spec(load_model("gpt3-1.3b"))[1]
+    tr = TrainingSpec(global_batch_size=8, seq_length=2048, dtype="bf16", kernels="torch")
+
+    def big_cost(region_us, op_us):
+        slow = gpu.gpu.model_copy(update={"calibration": gpu.gpu.calibration.model_copy(
+            update={"recompute_region_us": region_us, "recompute_op_us": op_us})})
+        return layer_cost(big, Context(cluster=gpu.model_copy(update={"gpu": slow}), training=tr, tp=1, cp=1,
+                                       sp=False, ep=1, mbs=2))
+
+    b0, b1 = big_cost(0.0, 0.0), big_cost(10.0, 1.0)
+    assert b1.recompute_full_s == b0.recompute_full_s and b1.checkpoint_full_s == 0.0
+
+
+def test_fused_module_calls_cost_host_time_in_autoplans_runtime_on_a_gpu():
+    """A fused Triton module's call costs host time beyond the eager op it replaces (fused_call_us, session 12's
+    H200 launch measurement): priced per call of the runtime's substitutions (norms and a block's GeLU/SwiGLU) in
+    the forward and twice in the backward, where the host bounds the layer, with kernels=fused on autoplan's
+    runtime on a GPU; not with torch's kernels, another stack's, or on a CPU host."""
+    tiny = load_model("tiny-gpt")
+    emb, block, head = (profile_from_spec(tiny)[i] for i in (0, 1, -1))
+    assert (fused_calls(emb), fused_calls(block), fused_calls(head)) == (0, 3, 1)
+    llama = profile_from_spec(load_model("tiny-llama"))
+    assert fused_calls(llama[1]) == 3 and fused_calls(llama[-1]) == 1
+
+    def cost(cluster_name, call_us, **training):
+        cluster = load_cluster(cluster_name)
+        gpu = cluster.gpu.model_copy(update={"calibration": cluster.gpu.calibration.model_copy(
+            update={"fused_call_us": call_us})})
+        tr = TrainingSpec(global_batch_size=8, seq_length=64, dtype="bf16", **training)
+        ctx = Context(cluster=cluster.model_copy(update={"gpu": gpu}), training=tr, tp=1, cp=1, sp=False, ep=1,
+                      mbs=1)
+        return layer_cost(block, ctx)
+
+    g0, g1 = cost("dgx-h100", 0.0, kernels="fused"), cost("dgx-h100", 100.0, kernels="fused")
+    assert g1.fwd_s - g0.fwd_s == pytest.approx(3 * 100e-6)  # tiny-gpt's layer is host-bound here
+    assert g1.bwd_s - g0.bwd_s == pytest.approx(2 * 3 * 100e-6)
+    assert cost("dgx-h100", 100.0, kernels="torch") == cost("dgx-h100", 0.0, kernels="torch")
+    assert cost("dgx-h100", 100.0, kernels="fused", runtime_memory=False) == \
+        cost("dgx-h100", 0.0, kernels="fused", runtime_memory=False)
+    assert cost("local-cpu", 100.0, kernels="fused") == cost("local-cpu", 0.0, kernels="fused")
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
@@ -271,7 +322,9 @@ def test_autocast_block_keeps_what_the_h200_census_measured(model, extra):
     cluster = load_cluster("dgx-h200", gpus=8)
     ctxs = {}
     for amp in (False, True):
-        train = TrainingSpec(global_batch_size=8, seq_length=2048, dtype="bf16", autocast_fp32_params=amp)
+        # torch's kernels: the fused modules' host time would bound GPT-1.3B's forward (fused_call_us)
+        train = TrainingSpec(global_batch_size=8, seq_length=2048, dtype="bf16", autocast_fp32_params=amp,
+                             kernels="torch")
         ctxs[amp] = Context(cluster=cluster, training=train, tp=1, cp=1, sp=False, ep=1, mbs=2)
     block = profile_from_spec(m)[1]
     off, on = layer_cost(block, ctxs[False]), layer_cost(block, ctxs[True])
