@@ -155,6 +155,8 @@ def render_search(con, result, model, cluster, training, output: str | None) -> 
     if len(set(sizes)) > 1:
         con.print(f"stages (blocks per stage): {sizes}  (embedding on stage 0, LM head on stage {len(sizes) - 1})")
     con.print(f"best: {best.config.to_string() if con.width >= _WIDE_COLUMNS else short_config(best.config)}  peak {best.peak_memory_gib:.1f} of {best.capacity_bytes / GIB:.1f} GiB")
+    if st.kernels_note:
+        con.print(st.kernels_note)
     con.print(f"searched {st.candidates} candidates on {st.meshes} meshes: {st.pruned_memory} cannot fit, "
               f"{st.pruned_bound} pruned by bound, {st.ranked} ranked, {st.ilp_solved} ILPs solved "
               f"(+{st.ilp_cached} cached), {st.estimated} simulated, in {st.search_time_s:.2f} s")

@@ -44,7 +44,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autoplan.cost_models.comm import native_reduce_scatter
 from autoplan.cost_models.compute import Context, LayerCost, layer_cost
@@ -118,6 +118,7 @@ class SearchStats:
     pruned_dominated: int = 0  # dominated by a twin that cannot fit (GPipe by 1F1B, sp=0 by sp=1), or priced
     # exactly as a twin that is searched (ZeRO-2 under pp, `distinct_zeros`)
     search_time_s: float = 0.0
+    kernels_note: str = ""  # why the plan runs torch's kernels where the stack's are autoplan's fused ones
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -788,6 +789,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *,
     from autoplan.plan import RunnerUp
 
     t0 = time.perf_counter()
+    choose_kernels = kernels is None  # the stack's kernel set, unless torch's are faster (_choose_kernels)
     if kernels is not None and kernels != training.kernels:  # predict with the kernels the plan will run
         training = training.model_copy(update={"kernels": kernels})
     kernels = "torch" if training.kernels == "torch" else "fused"
@@ -802,6 +804,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *,
     if not finalists:
         raise _does_not_fit(s, model, cluster, training, fixd)
     _settle(s, finalists, top)
+    if choose_kernels and _choose_kernels(s, finalists, top):
+        training, kernels = s.training, "torch"
     best, others = finalists[0], finalists[1:top]
     runners = [RunnerUp(parallel=f.config.as_dict(), step_time_s=f.estimate.step_time_s, mfu=f.estimate.mfu,
                         peak_memory_gib=f.estimate.peak_memory_gib,
@@ -832,6 +836,33 @@ def _settle(s: _Searcher, finalists: list[Finalist], top: int) -> None:
         f.simulated = True
         s.stats.estimated += 1
         finalists.sort(key=order)
+
+
+def _choose_kernels(s: _Searcher, finalists: list[Finalist], top: int) -> bool:
+    """autoplan's own runtime on a GPU: its fused Triton modules save memory traffic but cost host time per call
+    (GPUCalibration.fused_call_us), so where a step is bound by the host, torch's kernels are faster (session 17,
+    one H200: GPT-1.3B at 2 x 2048 tokens, 0.382 s with torch's, 0.429 with the fused ones). Re-estimate the
+    first `top` finalists with torch's kernels; where the fastest of them beats the best fused plan, they
+    replace the finalists (s.training too) and the plan runs torch's kernels. True when it did."""
+    t = s.training
+    if not (t.kernels == "fused" and t.runtime_memory and s.cluster.backend == "nccl"
+            and s.cluster.gpu.calibration.fused_call_us > 0):
+        return False
+    eager = t.model_copy(update={"kernels": "torch"})
+    alt = [estimate(s.profiles, s.cluster, eager, f.config, f.layout) for f in finalists[:top]]
+    s.stats.estimated += len(alt)
+    fitting = [a for a in alt if a.fits]
+    best = finalists[0].estimate.step_time_s
+    if not fitting or min(a.step_time_s for a in fitting) >= best:
+        return False
+    faster = min(a.step_time_s for a in fitting)
+    s.stats.kernels_note = (f"torch's kernels: {faster:.4f} s a step against {best:.4f} with autoplan's fused "
+                            "ones, whose host time per call the step cannot hide here (--kernels fused to keep them)")
+    kept = [replace(f, estimate=a) for f, a in zip(finalists[:top], alt, strict=True) if a.fits]
+    kept.sort(key=lambda f: (round(f.estimate.step_time_s, 12), f.config.to_string()))
+    finalists[:] = kept
+    s.training = eager
+    return True
 
 
 def _why_slower(est: Estimate, best: Estimate) -> str:

@@ -1,0 +1,49 @@
+"""The search runs torch's kernels where autoplan's fused modules' host time would make the step slower
+(search.core._choose_kernels): only for autoplan's own runtime on a GPU, only when the user left the kernel set
+to the stack, and the plan's prediction is then the torch kernels' own."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoplan.api import make_plan
+from autoplan.search.core import search
+from autoplan.specs import TrainingSpec, load_cluster, load_model
+
+MODEL = load_model("gpt3-1.3b")
+TRAINING = TrainingSpec(global_batch_size=8, seq_length=2048, dtype="bf16")  # autoplan's stack: fused kernels
+
+
+def _h200(fused_call_us: float | None = None):
+    cluster = load_cluster("dgx-h200", gpus=1)
+    if fused_call_us is None:
+        return cluster
+    cal = cluster.gpu.calibration.model_copy(update={"fused_call_us": fused_call_us})
+    return cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"calibration": cal})})
+
+
+def test_host_bound_step_runs_torch_kernels():
+    """GPT-1.3B at 2 x 2048 tokens on an H200: the forward is bound by the host (measured 0.382 s a step with
+    torch's kernels, 0.429 with the fused ones, session 17), and the search says so."""
+    res = search(MODEL, _h200(), TRAINING, fix={"mbs": "2"})
+    assert res.plan.kernels == "torch" and res.plan.training.kernels == "torch"
+    own = make_plan(MODEL, _h200(), TRAINING, res.plan.parallel, kernels="torch")
+    fused = make_plan(MODEL, _h200(), TRAINING, res.plan.parallel, kernels="fused")
+    assert res.plan.prediction.step_time_s == pytest.approx(own.prediction.step_time_s, rel=1e-9)
+    assert own.prediction.step_time_s < fused.prediction.step_time_s
+    assert "torch's kernels" in res.stats.kernels_note
+
+
+@pytest.mark.parametrize("case", ["pinned", "no host time", "device-bound"])
+def test_fused_kernels_stay_where_they_should(case):
+    """--kernels fused pins the set; a cluster that has not measured the fused modules' host time, or a step the
+    GPU bounds (8 sequences a micro-batch), keeps the stack's fused kernels."""
+    kw, cluster, fix = {}, _h200(), {"mbs": "2"}
+    if case == "pinned":
+        kw = {"kernels": "fused"}
+    elif case == "no host time":
+        cluster = _h200(0.0)
+    else:
+        fix = {"mbs": "8"}
+    res = search(MODEL, cluster, TRAINING, fix=fix, **kw)
+    assert res.plan.kernels == "fused" and res.stats.kernels_note == ""
