@@ -256,8 +256,13 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
     regions = bench_recompute_region(device)
     # the measurement `calibrate` wrote as tp_op_overhead_us (calibrate_bench.bench_tp_ops), kept for the record
     tp_ops = bench_tp_ops(device)
+    # a training step's host time per counted operator (kernel_launch_us on a CPU; on a GPU calibrate writes the
+    # bare launch, and this is kept for the record: session 17 found autoplan's runtime host-bound on an H200)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    train_op = training_op_us(device, sync) * 1e6
     bench = {"device": device, "model": args.model, "seq_len": args.seq_len, "mbs": args.mbs,
-             "gemm": gemms, "collectives": colls, "recompute": regions, "tp_ops": [tp_ops]}
+             "gemm": gemms, "collectives": colls, "recompute": regions, "tp_ops": [tp_ops],
+             "train_op_us": train_op}
     cluster = cluster_from_mapping(spec, where="calibrate")
     if device == "cpu":
         cluster = cluster.model_copy(update={"cores_per_node": len(os.sched_getaffinity(0))})
@@ -273,7 +278,9 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
                         res.cluster.gpu.peak_flops(args.dtype) * res.cluster.gpu.calibration.matmul_max_efficiency)
     header = [*warn, f"primitives fitted to {len(gemms)} GEMMs, {len(colls)} collective and {len(regions)} "
               "checkpoint timings "
-              "(autoplan calibrate --bench-out)", *res.summary_lines()]
+              "(autoplan calibrate --bench-out)",
+              f"a training step's host time per counted operator (tiny-gpt at one token): {train_op:.1f} us",
+              *res.summary_lines()]
     return bench, res.cluster.model_dump(mode="json", exclude_none=True), header
 
 
