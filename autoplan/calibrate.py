@@ -82,16 +82,21 @@ def measure_compute(device: str, dtype_name: str) -> dict:
     bw = 2 * x.numel() * 4 / t
     tiny = torch.ones(8, device=device)
     t_op = _timeit(lambda: [tiny.add_(1) for _ in range(200)], sync=sync) / 200
+    autocast = None if dtype_name == "fp32" else dtype  # the runtime trains 16-bit under autocast
     return {"peak_flops": peak, "half_dim": half, "mem_bw": bw, "op_us": t_op * 1e6, "rates": rates,
-            "train_op_us": training_op_us(device, sync) * 1e6}
+            "train_op_us": training_op_us(device, sync, autocast) * 1e6}
 
 
-def training_op_us(device: str, sync=lambda: None) -> float:
+def training_op_us(device: str, sync=lambda: None, autocast=None) -> float:
     """Host seconds per operator as a training step pays it, in the cost model's units: the built-in tiny-gpt's
     forward and backward at one token (device time ~0, so what is left is Python, autograd and dispatch) over
     3 x its profiled operators (the model charges `kernel_launch_us` once per forward operator and twice in
-    backward: compute.py). About 6 us on this machine's CPU (session 14; session 10's median read 9.5), where a
-    bare op costs ~2 (docs/notes/session-10/host_ops.py, whose measurement this is)."""
+    backward: compute.py), under torch.autocast to `autocast` when given (fp32 parameters, as the runtime runs
+    16-bit training: its casts are host time too). About 6 us on this machine's CPU in fp32 (session 14; session
+    10's median read 9.5), where a bare op costs ~2 (docs/notes/session-10/host_ops.py, whose measurement this
+    is)."""
+    import contextlib
+
     import torch
 
     from .cost_models.profile import profile_from_spec
@@ -104,7 +109,10 @@ def training_op_us(device: str, sync=lambda: None) -> float:
     x = torch.randint(0, spec.vocab_size, (1, 1), device=device)
 
     def step():
-        model(x).float().sum().backward()
+        region = torch.autocast(device, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        with region:
+            loss = model(x).float().sum()
+        loss.backward()
 
     return _timeit(step, repeat=20, sync=sync) / ops
 
@@ -206,9 +214,11 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
                 "matmul_half_dim": round(c["half_dim"], 1),
                 "attention_efficiency": 0.5,
                 "memory_efficiency": 1.0,  # the measured bandwidth is achieved bandwidth
-                # CPU processes run their operators themselves: the host time per operator of a training step;
-                # on a GPU the host launches ahead of the kernels, and the bare launch is what is measured
-                "kernel_launch_us": round(c["train_op_us"] if device == "cpu" else c["op_us"], 2),
+                # the host time per operator of a training step, on a GPU too: the host launches ahead of the
+                # kernels, and the cost model takes the longer of the two per layer (compute.layer_cost), so
+                # what it needs is the host's own time per operator, not the bare launch (session 17: the
+                # runtime's forward on an H200 is bound by its host at GPT-1.3B's size)
+                "kernel_launch_us": round(c["train_op_us"], 2),
                 # DTensor's sharding propagation and dispatch per operator of a tensor-parallel layer (the
                 # runtime's tp layout on a one-process mesh, against the plain model: calibrate_bench)
                 "tp_op_overhead_us": round(tp_ops["seconds"] / tp_ops["ops"] * 1e6, 2),
@@ -256,13 +266,8 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
     regions = bench_recompute_region(device)
     # the measurement `calibrate` wrote as tp_op_overhead_us (calibrate_bench.bench_tp_ops), kept for the record
     tp_ops = bench_tp_ops(device)
-    # a training step's host time per counted operator (kernel_launch_us on a CPU; on a GPU calibrate writes the
-    # bare launch, and this is kept for the record: session 17 found autoplan's runtime host-bound on an H200)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    train_op = training_op_us(device, sync) * 1e6
     bench = {"device": device, "model": args.model, "seq_len": args.seq_len, "mbs": args.mbs,
-             "gemm": gemms, "collectives": colls, "recompute": regions, "tp_ops": [tp_ops],
-             "train_op_us": train_op}
+             "gemm": gemms, "collectives": colls, "recompute": regions, "tp_ops": [tp_ops]}
     cluster = cluster_from_mapping(spec, where="calibrate")
     if device == "cpu":
         cluster = cluster.model_copy(update={"cores_per_node": len(os.sched_getaffinity(0))})
@@ -278,9 +283,7 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
                         res.cluster.gpu.peak_flops(args.dtype) * res.cluster.gpu.calibration.matmul_max_efficiency)
     header = [*warn, f"primitives fitted to {len(gemms)} GEMMs, {len(colls)} collective and {len(regions)} "
               "checkpoint timings "
-              "(autoplan calibrate --bench-out)",
-              f"a training step's host time per counted operator (tiny-gpt at one token): {train_op:.1f} us",
-              *res.summary_lines()]
+              "(autoplan calibrate --bench-out)", *res.summary_lines()]
     return bench, res.cluster.model_dump(mode="json", exclude_none=True), header
 
 

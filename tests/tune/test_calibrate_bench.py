@@ -112,6 +112,30 @@ def test_training_op_time_is_what_a_step_pays_per_operator():
     assert c["op_us"] < c["train_op_us"] < 1000.0
 
 
+def test_training_op_time_runs_the_step_under_autocast_for_16_bit(monkeypatch):
+    """For bf16 the step runs as the runtime runs it, fp32 parameters under torch.autocast: the forward's matmuls
+    come out bf16 (the casts are host time the step pays)."""
+    import torch
+
+    from autoplan import calibrate as cal
+
+    seen = []
+    real = torch.nn.functional.linear
+
+    def linear(x, w, b=None):
+        out = real(x, w, b)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    us = cal.training_op_us("cpu", autocast=torch.bfloat16) * 1e6
+    assert 0 < us < 1000.0
+    assert seen and set(seen) == {torch.bfloat16}
+    seen.clear()
+    cal.training_op_us("cpu")
+    assert seen and set(seen) == {torch.float32}
+
+
 def test_calibrate_writes_a_cpu_cluster_with_its_cores(tmp_path, capsys):
     """The written CPU cluster records the cores its processes share (which turns the oversubscription terms on
     when they are outnumbered) and loads as a cluster."""
