@@ -345,6 +345,71 @@ def fused_calls(p: LayerProfile) -> int:
     return norms + (1 if p.kind == "block" and p.act_kind in ("gelu", "swiglu") else 0)
 
 
+def runtime_saved_extra(p: LayerProfile, ctx: Context) -> tuple[float, float]:
+    """Activation bytes of one micro-batch that autoplan's runtime's eager modules save beyond the profile's
+    (Megatron's) counts, as (kept unless the layer is fully recomputed, kept unless its attention core is
+    recomputed too). Checked against the runtime by benchmarks/counts.py (fp32 and bf16 on CPU processes) and on
+    an H200 (session 17: Llama-3.2-1B's block keeps 42 bf16 bytes per token and hidden unit with the fused kernels,
+    50 with torch's; the profile counts 39):
+    - eager SwiGLU keeps silu(w1 x) as well as w1 x (a fused kernel recomputes it);
+    - the MoE combine keeps the k expert outputs of each token for the gradient of the router weights, and
+      experts are whole on every tp rank (the profile divides their saved activations by tp);
+    - torch runs rms_norm as its composite except on CUDA (`_norm_composite`);
+    - with sequence parallelism the column-parallel GEMMs save their gathered input (`_sp_gathered`);
+    - SDPA saves the K and V it is given: query-head-wide under GQA, whole-sequence under cp (`_core_saved`)."""
+    if p.kind != "block":
+        return 0.0, 0.0
+    per_token = 0.0
+    if p.act_kind == "swiglu" and ctx.training.kernels == "torch":
+        per_token += p.act_elems / (1 if p.moe_top_k else ctx.tp)
+    if p.moe_top_k:
+        per_token += p.moe_top_k * p.hidden
+    extra = ctx.tokens * per_token * ctx.act_bytes
+    if p.moe_top_k and ctx.tp > 1:
+        # 2-byte units as in profile._block: fc1 outputs, fc2 input, dispatched tokens, router probabilities
+        k, gated = p.moe_top_k, p.act_kind == "swiglu"
+        moe_act = 2 * p.act_elems * (2 if gated else 1) + 2 * p.act_elems + 2 * p.hidden * k + 4 * p.moe_experts
+        extra += ctx.tokens * moe_act * (1 - 1 / ctx.tp) * ctx.act_bytes / 2.0
+    return extra + _norm_composite(p, ctx) + _sp_gathered(p, ctx), _core_saved(p, ctx)
+
+
+def _sp_gathered(p: LayerProfile, ctx: Context) -> float:
+    """With sequence parallelism, DTensor's SequenceParallel -> ColwiseParallel all-gathers a norm's output over
+    the sequence before the column-parallel GEMMs, and those GEMMs save the gathered (whole-sequence) input; the
+    profile counts the sharded norm output (Megatron keeps the shard and gathers again in backward). Once before
+    the attention, once before a dense MLP (a MoE block's experts are not tensor-parallel)."""
+    if not ctx.sp or ctx.tp == 1:
+        return 0.0
+    gathers = 1 if p.moe_top_k else 2
+    return gathers * ctx.tokens * p.hidden * (1 - 1 / ctx.tp) * ctx.act_bytes
+
+
+def _core_saved(p: LayerProfile, ctx: Context) -> float:
+    """What the runtime's attention core saves beyond the profile's local Q, K, V. SDPA saves the K and V it is
+    given: the eager core repeats K/V heads to the query heads for GQA (repeat_interleave before SDPA,
+    zoo.model.AttentionCore) and, with context parallelism, gathers them over the whole sequence
+    (runtime.parallelize.ContextParallelAttentionCore), so it saves cp x seq/cp tokens of a query-head-wide K and
+    V instead of the local kv-head-wide ones (which nothing else keeps). With cp the core passes a boolean
+    (s/cp, s) mask that SDPA turns into an additive fp32 mask (`where`), saved for the backward."""
+    a = p.attention
+    if a is None:
+        return 0.0
+    d_tp = a.head_dim / ctx.tp
+    extra = ctx.tokens * 2 * d_tp * (ctx.cp * a.heads - a.kv_heads) * ctx.act_bytes
+    if ctx.cp > 1:
+        extra += ctx.seq / ctx.cp * ctx.seq * 4
+    return extra
+
+
+def _norm_composite(p: LayerProfile, ctx: Context) -> float:
+    """torch runs rms_norm as its composite (x * rsqrt(mean(x^2) + eps) * w) except on CUDA, where
+    `_fused_rms_norm` saves only the input and the rstd: the composite also saves the normalised x (for the
+    weight's gradient), one more residual-stream-wide tensor per norm (two per block)."""
+    if p.norm_kind != "rmsnorm" or ctx.cluster.gpu.name != "cpu":
+        return 0.0
+    return 2 * ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * ctx.act_bytes
+
+
 def _core_kernels(p: LayerProfile) -> int:
     """Kernels of the selective recompute region, the attention core (autoplan.zoo.model.AttentionCore): the
     SDPA, plus the two repeat_interleaves that expand K and V under grouped-query attention. (The profile's
@@ -522,8 +587,11 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         scores = tok * p.act_scores_per_seq * (ctx.seq) / t * scale
     elif p.attention is not None:
         scores = tok * p.attention.heads / t * 4.0  # flash keeps the fp32 log-sum-exp per row and head
-    act_none = base + scores + ac.saved
-    act_sel = base + (scores if ctx.training.flash_attention else 0.0) + ac.saved
+    # what autoplan's runtime saves beyond the profile's counts: all of it kept without recompute, the attention
+    # core's part dropped by selective recompute (the core is the checkpointed region), none under full
+    mlp_x, core_x = runtime_saved_extra(p, ctx) if ctx.training.runtime_memory else (0.0, 0.0)
+    act_none = base + scores + ac.saved + mlp_x + core_x
+    act_sel = base + (scores if ctx.training.flash_attention else 0.0) + ac.saved + mlp_x
     act_full = tok * p.act_input / seq_div * scale + ac.saved_full if p.kind == "block" else act_none
     params = 0.0
     expert = 0.0

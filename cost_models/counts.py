@@ -306,66 +306,6 @@ def scalar_comm(cfg: ParallelConfig, comm: _Comm) -> None:
                  n)
 
 
-def _eager_extra_act(p: LayerProfile, ctx: Context, training: TrainingSpec, rec: str = "") -> float:
-    """Activation bytes of one micro-batch that the runtime's eager modules save beyond the profile's (Megatron's)
-    counts: eager SwiGLU keeps silu(w1 x) as well as w1 x (a fused kernel recomputes it), the MoE combine keeps
-    the k expert outputs of each token for the gradient of the router weights, and experts are whole on every tp
-    rank."""
-    if p.kind != "block":
-        return 0.0
-    per_token = 0.0
-    if p.act_kind == "swiglu" and training.kernels == "torch":
-        per_token += p.act_elems / (1 if p.moe_top_k else ctx.tp)
-    if p.moe_top_k:
-        per_token += p.moe_top_k * p.hidden
-    extra = ctx.tokens * per_token * ctx.act_bytes
-    if p.moe_top_k and ctx.tp > 1:
-        # the profile divides the experts' saved activations by tp; the runtime runs whole experts on every tp
-        # rank (2-byte units as in profile._block: fc1 outputs, fc2 input, dispatched tokens, router probabilities)
-        k, gated = p.moe_top_k, p.act_kind == "swiglu"
-        moe_act = 2 * p.act_elems * (2 if gated else 1) + 2 * p.act_elems + 2 * p.hidden * k + 4 * p.moe_experts
-        extra += ctx.tokens * moe_act * (1 - 1 / ctx.tp) * ctx.act_bytes / 2.0
-    return extra + _eager_attention_act(p, ctx, rec) + _eager_norm_act(p, ctx) + _sp_gathered_act(p, ctx)
-
-
-def _sp_gathered_act(p: LayerProfile, ctx: Context) -> float:
-    """With sequence parallelism, DTensor's SequenceParallel -> ColwiseParallel all-gathers a norm's output over
-    the sequence before the column-parallel GEMMs, and those GEMMs save the gathered (whole-sequence) input; the
-    profile counts the sharded norm output (Megatron keeps the shard and gathers again in backward). Once before
-    the attention, once before a dense MLP (a MoE block's experts are not tensor-parallel)."""
-    if p.kind != "block" or not ctx.sp or ctx.tp == 1:
-        return 0.0
-    gathers = 1 if p.moe_top_k else 2
-    return gathers * ctx.tokens * p.hidden * (1 - 1 / ctx.tp) * ctx.act_bytes
-
-
-def _eager_attention_act(p: LayerProfile, ctx: Context, rec: str) -> float:
-    """What the runtime's attention core saves beyond the profile's local Q, K, V (one micro-batch), unless it is
-    recomputed (selective or full: then only its inputs are kept). SDPA saves the K and V it is given: the eager
-    core repeats K/V heads to the query heads for GQA (repeat_interleave before SDPA) and, with context
-    parallelism, gathers them over the whole sequence (runtime.parallelize.ContextParallelAttentionCore), so it
-    saves cp x seq/cp tokens of a query-head-wide K and V instead of the local kv-head-wide ones (which nothing
-    else keeps). With cp the core passes a boolean (s/cp, s) mask that SDPA turns into an additive fp32 mask
-    (`where`), saved for the backward."""
-    a = p.attention
-    if a is None or rec:
-        return 0.0
-    d_tp = a.head_dim / ctx.tp
-    extra = ctx.tokens * 2 * d_tp * (ctx.cp * a.heads - a.kv_heads) * ctx.act_bytes
-    if ctx.cp > 1:
-        extra += ctx.seq / ctx.cp * ctx.seq * 4
-    return extra
-
-
-def _eager_norm_act(p: LayerProfile, ctx: Context) -> float:
-    """torch runs rms_norm as its composite (x * rsqrt(mean(x^2) + eps) * w) except on CUDA, where
-    `_fused_rms_norm` saves only the input and the rstd: the composite also saves the normalised x (for the
-    weight's gradient), one more residual-stream-wide tensor per norm (two per block)."""
-    if p.kind != "block" or p.norm_kind != "rmsnorm" or ctx.cluster.gpu.name != "cpu":
-        return 0.0
-    return 2 * ctx.tokens * p.hidden / (ctx.tp if ctx.sp else 1) * ctx.act_bytes
-
-
 def _block_backward(p: LayerProfile, ctx: Context, training: TrainingSpec,
                     residual: bool = True) -> tuple[float, float]:
     """(temporaries, activations already released) at the widest point of a block's backward.
@@ -488,8 +428,9 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     - the pipeline schedule keeps the last stage's output (the logits) of every micro-batch until the step ends,
       one activation receive buffer per micro-batch and stage, each sending stage's outputs (`pipeline_act`)
       and one gradient receive buffer per micro-batch and stage;
-    - eager modules save more than the profile's (Megatron's) activation counts (`_eager_extra_act`: SwiGLU,
-      MoE combine, GQA/CP K and V, composite RMSNorm, SP's gathered GEMM inputs);
+    - (in `mem`'s activations: compute.runtime_saved_extra, what the runtime's eager modules save beyond the
+      profile's (Megatron's) counts: SwiGLU, MoE combine, GQA/CP K and V, composite RMSNorm, SP's gathered GEMM
+      inputs);
     - the step's token ids;
     - under ZeRO-3 the root unit stays gathered, and a block's unit is gathered or prefetched (`_moments`);
     - the categories at the moment of the peak (`_moments`): a block's backward at its widest, the head's
@@ -510,8 +451,6 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     if cfg.pp > 1 and any(s.has_head for s in stages):
         # fp32 logits kept per micro-batch
         out["activations"] += m * ctx.tokens * head.logits_per_token / head.vocab_split(ctx.tp) * 4
-    out["activations"] += in_flight * sum(_eager_extra_act(p, ctx, training, rec) for s in stages
-                                          for p, rec in _stage_layers(s, profiles) if rec != "full")
     out["activations"] += pipeline_act(stages, profiles, ctx, cfg, training, m, in_flight)
     # the gradient receive buffers: one per micro-batch for every stage before the last
     # (PipelineStage._create_grad_recv_info), kept across steps. MemTracker sees a buffer once this step touches

@@ -84,7 +84,8 @@ GPT = ModelSpec(name="t2", num_layers=8, hidden_size=4096, num_attention_heads=3
 def _act(t: int, sp: bool, mode: str) -> float:
     cluster = load_cluster("dgx-a100-80g", gpus=8)
     train = TrainingSpec(global_batch_size=8, seq_length=2048, dtype="fp16", flash_attention=False,
-                         autocast_fp32_params=False)  # Megatron's 16-bit weights, as the paper counts
+                         autocast_fp32_params=False,  # Megatron's 16-bit weights, as the paper counts
+                         runtime_memory=False)  # and Megatron's layers (not autoplan's runtime's eager saves)
     ctx = Context(cluster=cluster, training=train, tp=t, cp=1, sp=sp, ep=1, mbs=4)
     c = layer_cost(profile_from_spec(GPT)[1], ctx)
     return {"none": c.act_none, "selective": c.act_selective, "full": c.act_full}[mode]
@@ -332,3 +333,28 @@ def test_autocast_block_keeps_what_the_h200_census_measured(model, extra):
     assert on.act_none - off.act_none == pytest.approx(tokens * h * extra)
     assert on.weight_copies == pytest.approx(2 * sum(g.params for g in block.gemms)) and off.weight_copies == 0
     assert on.fwd_s > off.fwd_s and on.bwd_s > off.bwd_s  # the casts and the fp32 gradient accumulation
+
+
+@pytest.mark.parametrize("kernels,census", [("fused", 8.13 + 42.0), ("torch", 8.13 + 50.0)])
+def test_runtime_block_keeps_what_the_h200_census_measured_under_gqa(kernels, census):
+    """Llama-3.2-1B's block under autoplan's runtime keeps, per token and hidden unit, 8.13 fp32 and 42 bf16 bytes
+    with the fused kernels, 50 with torch's (session 17, benchmarks/gpu/saved.py on an H200): SDPA saves the
+    query-head-wide K and V the core expands for GQA (+3 over the profile's kv-head-wide ones) and eager SwiGLU
+    keeps silu(w1 x) too (+8 with torch's kernels). Selective recompute drops the core's part (the checkpointed
+    region keeps its inputs), full recompute all of it; a stack that is not autoplan's runtime keeps the profile's."""
+    m = load_model("benchmarks/gpu/llama-3.2-1b.config.json")
+    block = profile_from_spec(m)[1]
+    cluster = load_cluster("dgx-h200", gpus=1)
+
+    def cost(**kw):
+        train = TrainingSpec(global_batch_size=8, seq_length=2048, dtype="bf16", kernels=kernels, **kw)
+        return layer_cost(block, Context(cluster=cluster, training=train, tp=1, cp=1, sp=False, ep=1, mbs=2))
+
+    own, megatron = cost(), cost(runtime_memory=False)
+    units = 2 * 2048 * m.hidden_size
+    assert own.act_none / units == pytest.approx(census, rel=0.005)
+    a = block.attention
+    core = 2 * 2048 * 2 * (a.heads - a.kv_heads) * a.head_dim * 2  # tokens x K and V x extra heads x bf16
+    assert own.act_none - own.act_selective == pytest.approx(core)
+    assert own.act_full == megatron.act_full
+    assert megatron.act_none < own.act_none
