@@ -166,6 +166,7 @@ class SearchResult:
             d["runners_up"].append(r)
         d["search_time_s"] = self.stats.search_time_s
         d["stack"] = getattr(self.plan, "stack", None) or "autoplan"
+        d["kernels"] = self.plan.kernels  # the stack's, or torch's where they are faster (_choose_kernels)
         d["stats"] = self.stats.as_dict()
         return d
 

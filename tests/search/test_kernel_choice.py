@@ -32,6 +32,7 @@ def test_host_bound_step_runs_torch_kernels():
     assert res.plan.prediction.step_time_s == pytest.approx(own.prediction.step_time_s, rel=1e-9)
     assert own.prediction.step_time_s < fused.prediction.step_time_s
     assert "torch's kernels" in res.stats.kernels_note
+    assert res.as_json()["kernels"] == "torch"
 
 
 @pytest.mark.parametrize("case", ["pinned", "no host time", "device-bound"])
