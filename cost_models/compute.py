@@ -345,6 +345,14 @@ def fused_calls(p: LayerProfile) -> int:
     return norms + (1 if p.kind == "block" and p.act_kind in ("gelu", "swiglu") else 0)
 
 
+def fused_host_priced(training, cluster) -> bool:
+    """Whether the fused modules' host time is priced for this run (layer_cost): autoplan's own runtime with its
+    fused kernels on a GPU cluster that has a measured fused_call_us. Only then can torch's kernels be the faster
+    set (search.core._choose_kernels, the estimate command's hint)."""
+    return (training.kernels == "fused" and training.runtime_memory and cluster.backend == "nccl"
+            and cluster.cores_per_node is None and cluster.gpu.calibration.fused_call_us > 0)
+
+
 def runtime_saved_extra(p: LayerProfile, ctx: Context) -> tuple[float, float]:
     """Activation bytes of one micro-batch that autoplan's runtime's eager modules save beyond the profile's
     (Megatron's) counts, as (kept unless the layer is fully recomputed, kept unless its attention core is

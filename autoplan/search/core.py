@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from autoplan.cost_models.comm import native_reduce_scatter
-from autoplan.cost_models.compute import Context, LayerCost, layer_cost
+from autoplan.cost_models.compute import Context, LayerCost, fused_host_priced, layer_cost
 from autoplan.cost_models.errors import ConfigError, DoesNotFitError
 from autoplan.cost_models.estimate import (
     GIB,
@@ -846,8 +846,7 @@ def _choose_kernels(s: _Searcher, finalists: list[Finalist], top: int) -> bool:
     first `top` finalists with torch's kernels; where the fastest of them beats the best fused plan, they
     replace the finalists (s.training too) and the plan runs torch's kernels. True when it did."""
     t = s.training
-    if not (t.kernels == "fused" and t.runtime_memory and s.cluster.backend == "nccl"
-            and s.cluster.gpu.calibration.fused_call_us > 0):
+    if not fused_host_priced(t, s.cluster):
         return False
     eager = t.model_copy(update={"kernels": "torch"})
     alt = [estimate(s.profiles, s.cluster, eager, f.config, f.layout) for f in finalists[:top]]

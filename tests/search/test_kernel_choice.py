@@ -48,3 +48,24 @@ def test_fused_kernels_stay_where_they_should(case):
         fix = {"mbs": "8"}
     res = search(MODEL, cluster, TRAINING, fix=fix, **kw)
     assert res.plan.kernels == "fused" and res.stats.kernels_note == ""
+
+
+def test_estimate_says_when_torch_kernels_would_be_faster(capsys):
+    """`autoplan estimate` prices the configuration it is given with the stack's kernels, and where torch's are
+    predicted faster says so (text and --json); with --kernels given it says nothing."""
+    import json
+
+    from autoplan.cli import main
+
+    args = ["estimate", "--model", "gpt3-1.3b", "--cluster", "dgx-h200", "--gpus", "1", "--global-batch", "8",
+            "--seq-len", "2048", "--parallel", "tp=1,pp=1,dp=1,mbs=2"]
+    assert main([*args, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    own = make_plan(MODEL, _h200(), TRAINING, "tp=1,pp=1,dp=1,mbs=2", kernels="torch")
+    assert d["faster_kernels"]["kernels"] == "torch"
+    assert d["faster_kernels"]["step_time_s"] == pytest.approx(own.prediction.step_time_s, rel=1e-9)
+    assert d["faster_kernels"]["step_time_s"] < d["step_time_s"]
+    assert main(args) == 0
+    assert "--kernels torch" in capsys.readouterr().out.replace("\n", " ")
+    assert main([*args, "--kernels", "fused", "--json"]) == 0
+    assert "faster_kernels" not in json.loads(capsys.readouterr().out)
