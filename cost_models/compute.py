@@ -491,17 +491,43 @@ def autocast_terms(p: LayerProfile, ctx: Context, seq_div: int) -> AutocastTerms
                          saved_full=tok * (p.act_input / 2) * 2 if p.kind == "block" else 0.0)
 
 
+# Bytes per token of the index tensors loss_parallel's backward makes beside its three logit-sized ones
+# (torch.distributed.tensor.parallel.loss._nll_loss_and_log_softmax_backward): the safe target (where, int64),
+# the masked target (int64), arange (int64), grad_update (fp32), the masked output gradient (where, fp32) and the
+# mask (bool): 8 + 8 + 8 + 4 + 4 + 1.
+LOSS_PARALLEL_INDEX_BYTES = 33
+
+
+def loss_backward_temporaries(p: LayerProfile, ctx: Context) -> float:
+    """Bytes the loss's backward holds beside the kept log-softmax, one micro-batch: the gradient of the
+    log-softmax and then of the logits (nll_loss_backward, _log_softmax_backward_data), two fp32 tensors of the
+    local logits. Under tensor parallelism the engine runs the loss in `loss_parallel`, whose fused backward
+    (torch.distributed.tensor.parallel.loss._nll_loss_and_log_softmax_backward) holds three at its widest:
+    grad_input (zeros_like), exp(x) and their sum, and per token the index tensors (LOSS_PARALLEL_INDEX_BYTES).
+    The same with autoplan's fused kernels (the loss is eager): on an H200 (session 17, benchmarks/gpu/saved.py)
+    the step's allocator peak exceeds the forward's by 2 bytes per logit (8 here against the forward's 6),
+    0.39 GiB for GPT-1.3B at V 51,200 and 0.98 for Llama-3.2-1B at V 128,256, 2 x 2048 tokens."""
+    if p.kind != "head" or not p.logits_per_token:
+        return 0.0
+    split = p.vocab_split(ctx.tp)  # loss_parallel's backward where the logits reach it split
+    tmp = (3 if split > 1 else 2) * ctx.tokens * p.logits_per_token / split * 4
+    return tmp + (ctx.tokens * LOSS_PARALLEL_INDEX_BYTES if split > 1 else 0.0)
+
+
 def loss_transient(p: LayerProfile, ctx: Context) -> float:
     """Bytes the runtime's loss holds beyond the head's kept activations while it runs, one micro-batch (autoplan's
-    stack, `runtime_memory`): zoo.model.cross_entropy_loss upcasts the logits (`logits.float()`) and log-softmax
-    writes its fp32 output (the kept softmax, in act_tp) while the logits and their fp32 copy are alive: 2 + 4
-    bytes per logit from 16-bit logits, 4 from fp32 ones (the upcast is then the same tensor). Measured on an H200
-    (session 12, benchmarks/gpu/saved.py): the forward's allocator peak is the kept tensors plus 2.9 GiB for
-    Llama-3.2-1B-shaped at V 128,256 and mbs 2 x 2048 tokens (6 bytes x 4096 x 128,256 = 2.94 GiB)."""
+    stack, `runtime_memory`), the wider of its forward and its backward (both come while every kept activation
+    of the micro-batch is alive). Forward: zoo.model.cross_entropy_loss upcasts the logits (`logits.float()`) and
+    log-softmax writes its fp32 output (the kept softmax, in act_tp) while the logits and their fp32 copy are
+    alive: 2 + 4 bytes per logit from 16-bit logits, 4 from fp32 ones (the upcast is then the same tensor).
+    Measured on an H200 (session 12, benchmarks/gpu/saved.py): the forward's allocator peak is the kept tensors
+    plus 2.9 GiB for Llama-3.2-1B-shaped at V 128,256 and mbs 2 x 2048 tokens (6 bytes x 4096 x 128,256 = 2.94
+    GiB). Backward: `loss_backward_temporaries`, 8 bytes per logit (12 under loss_parallel)."""
     if p.kind != "head" or not p.logits_per_token or not ctx.training.runtime_memory:
         return 0.0
     per_logit = ctx.act_bytes + 4 if ctx.act_bytes < 4 else 4
-    return ctx.tokens * p.logits_per_token / p.vocab_split(ctx.tp) * per_logit
+    forward = ctx.tokens * p.logits_per_token / p.vocab_split(ctx.tp) * per_logit
+    return max(forward, loss_backward_temporaries(p, ctx))
 
 
 def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:

@@ -30,6 +30,7 @@ from .compute import (
     _attention,
     ep_routed_bytes,
     gathered_logits_bytes,
+    loss_backward_temporaries,
     tp_units,
     vocab_parallel_loss_bytes,
 )
@@ -62,11 +63,6 @@ MOMENT_PHASE = {"block": "backward", "head": "backward", "forward": "forward", "
 # transformer block's forward or backward, "<phase>/other" outside every block (the head, the loss, the root's hooks).
 MOMENT_AT = {"block": "backward/block", "head": "backward/other", "forward": "forward/other",
              "dispatch": "forward/block"}
-# Bytes per token of the index tensors loss_parallel's backward makes beside its three logit-sized ones
-# (torch.distributed.tensor.parallel.loss._nll_loss_and_log_softmax_backward): the safe target (where, int64),
-# the masked target (int64), arange (int64), grad_update (fp32), the masked output gradient (where, fp32) and the
-# mask (bool): 8 + 8 + 8 + 4 + 4 + 1.
-_LOSS_PARALLEL_INDEX_BYTES = 33
 # Bytes of one expert-count entry in the EP split-size exchange (an int64 tensor of num_experts entries).
 _COUNT_BYTES = 8
 
@@ -398,24 +394,12 @@ def token_ids_bytes(cfg: ParallelConfig, training: TrainingSpec) -> float:
 
 
 def _head_parts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context) -> tuple[float, float]:
-    """(the head's saved activations per micro-batch, as estimate counts them, the temporaries of its backward)
-    on a rank holding the head, else zeros. Its backward makes the gradient of the log-softmax and then of the
-    logits (nll_loss_backward, _log_softmax_backward_data): two fp32 tensors of the local logits. Under tensor
-    parallelism the engine runs the loss in `loss_parallel`, whose fused backward
-    (torch.distributed.tensor.parallel.loss._nll_loss_and_log_softmax_backward) holds three at its widest:
-    grad_input (zeros_like), exp(x) and their sum, and per token the int64 safe and masked targets and arange,
-    the fp32 update and masked output gradient, and the bool mask (`_LOSS_PARALLEL_INDEX_BYTES`)."""
+    """(the head's saved activations per micro-batch, as estimate counts them, the temporaries of its backward:
+    compute.loss_backward_temporaries) on a rank holding the head, else zeros."""
     if not any(s.has_head for s in stages):
         return 0.0, 0.0
     head = profiles[-1]
-    if ctx.training.fused_kernels:
-        return cached_layer_cost(head, ctx).act_none, 0.0
-    split = head.vocab_split(ctx.tp)  # loss_parallel's backward where the logits reach it split
-    n = 3 if split > 1 else 2
-    tmp = n * ctx.tokens * head.logits_per_token / split * 4
-    if split > 1:
-        tmp += ctx.tokens * _LOSS_PARALLEL_INDEX_BYTES
-    return cached_layer_cost(head, ctx).act_none, tmp
+    return cached_layer_cost(head, ctx).act_none, loss_backward_temporaries(head, ctx)
 
 
 def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,

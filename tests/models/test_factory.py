@@ -215,7 +215,7 @@ def test_logits_the_forward_transforms_are_priced_gathered():
     counts hold the all-gather (the gathered tensor, forward only) instead of the vocab-parallel loss's three
     all-reduces per micro-batch; the loss's fp32 temporaries cover the whole vocabulary. The same module with
     its logits returned as they are keeps loss_parallel."""
-    from autoplan.cost_models.compute import loss_transient
+    from autoplan.cost_models.compute import LOSS_PARALLEL_INDEX_BYTES, loss_transient
     from autoplan.cost_models.counts import predict_counts
     from autoplan.cost_models.estimate import context
 
@@ -240,7 +240,11 @@ def test_logits_the_forward_transforms_are_priced_gathered():
     assert "all_gather" not in split
     assert split["all_reduce"][0] - gathered["all_reduce"][0] == 3 * m  # loss_parallel's max, target, sum of exp
     ctx = context(cluster, plan.training, plan.parallel)
-    assert loss_transient(head, ctx) == 2 * loss_transient(plain[-1], ctx)
+    # the backward's fp32 gradients of the log-softmax and of the logits, whole (plain loss) or split with
+    # loss_parallel's third and its index tensors (compute.loss_backward_temporaries)
+    v = head.logits_per_token
+    assert loss_transient(head, ctx) == pytest.approx(ctx.tokens * v * 2 * 4)
+    assert loss_transient(plain[-1], ctx) == pytest.approx(ctx.tokens * (3 * v / 2 * 4 + LOSS_PARALLEL_INDEX_BYTES))
 
 
 def test_the_longest_sequence_is_the_position_tables_not_the_example_inputs():

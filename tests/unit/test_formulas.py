@@ -358,3 +358,19 @@ def test_runtime_block_keeps_what_the_h200_census_measured_under_gqa(kernels, ce
     assert own.act_none - own.act_selective == pytest.approx(core)
     assert own.act_full == megatron.act_full
     assert megatron.act_none < own.act_none
+
+
+@pytest.mark.parametrize("model,gib", [("gpt3-1.3b", 0.39), ("benchmarks/gpu/llama-3.2-1b.config.json", 0.98)])
+def test_loss_backward_is_the_wider_transient(model, gib):
+    """The loss's transient is the wider of its forward (bf16 logits and their fp32 copy beside the kept
+    log-softmax: 6 bytes per logit) and its backward (the fp32 gradients of the log-softmax and of the logits: 8):
+    on an H200 (session 17, benchmarks/gpu/saved.py) the step's allocator peak exceeded the forward's by 0.39 GiB
+    for GPT-1.3B and 0.98 GiB for Llama-3.2-1B at 2 x 2048 tokens, 2 bytes per logit."""
+    from autoplan.cost_models.compute import loss_transient
+
+    head = profile_from_spec(load_model(model))[-1]
+    train = TrainingSpec(global_batch_size=8, seq_length=2048, dtype="bf16")
+    ctx = Context(cluster=load_cluster("dgx-h200", gpus=1), training=train, tp=1, cp=1, sp=False, ep=1, mbs=2)
+    logits = 2 * 2048 * head.logits_per_token
+    assert loss_transient(head, ctx) == pytest.approx(8 * logits)
+    assert (8 - 6) * logits / 2**30 == pytest.approx(gib, abs=0.005)
