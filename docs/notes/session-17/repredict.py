@@ -1,18 +1,27 @@
 # ruff: noqa
-"""Re-estimate each lent-GPU plan with the current model; print measured / predicted."""
-import json, statistics, sys
+"""Re-estimate each lent-GPU plan with the current model (the dgx-h200 preset's calibration, not the one the plan
+recorded); print measured / predicted step time and the allocator peak against the peak less the framework
+overhead.
+
+    python docs/notes/session-17/repredict.py DIR   # NAME.plan.json and NAME.jsonl pairs (gunzip the logs first)
+"""
+import json, sys
 from pathlib import Path
+
 sys.path.insert(0, "benchmarks/gpu")
 from summary import summarise
 from autoplan.plan import Plan
 from autoplan.estimate_api import estimate_config
-d = Path(sys.argv[1])  # a folder of NAME.plan.json and NAME.jsonl (gunzip the logs here first)
+from autoplan.cost_models.hardware import GPU_PRESETS
+
+d = Path(sys.argv[1])
 for plan_path in sorted(d.glob("*.plan.json")):
     name = plan_path.name[:-len(".plan.json")]
     plan = Plan.model_validate_json(plan_path.read_text())
     row = summarise(name, json.loads(plan_path.read_text()), d / f"{name}.jsonl")
-    from autoplan.cost_models.hardware import GPU_PRESETS
     cluster = plan.cluster.model_copy(update={"gpu": GPU_PRESETS["h200"]})
     est = estimate_config(plan.model, cluster, plan.training, plan.parallel, profiles=plan.profiles or None)
-    bd = {k: round(v, 4) for k, v in est.breakdown.items() if v} if hasattr(est, "breakdown") else ""
-    print(f"{name:22s} meas {row['measured_s']:.4f} stored {row['predicted_s']:.4f} ({row['measured_s']/row['predicted_s']:.2f}) now {est.step_time_s:.4f} ({row['measured_s']/est.step_time_s:.2f}) {bd}")
+    other = cluster.gpu.calibration.framework_overhead_gib
+    mem = est.peak_memory_gib - other
+    print(f"{name:22s} step meas {row['measured_s']:.4f} pred {est.step_time_s:.4f} m/p {row['measured_s'] / est.step_time_s:.2f}"
+          f"  |  peak meas {row['measured_peak_gib']:.2f} pred-other {mem:.2f} ({100 * (row['measured_peak_gib'] / mem - 1):+.1f}%)")
