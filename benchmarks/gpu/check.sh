@@ -12,11 +12,13 @@
 #   7. launch: host vs device time per call of the fused modules and torch's (launch_overhead.py).
 # Usage (the device tool, from the repository root; .whl holds the wheels the image lacks, see docs/notes):
 #   bash benchmarks/gpu/check.sh [PARTS]        PARTS: any of "run tests kernels calibrate census profile launch"
-#                                               (default: the first four)
+#                                               (default: "calibrate run tests", ~450 s on an H200; each part
+#                                               runs in the order of this file, calibrate first. Session 17:
+#                                               "run tests census profile calibrate" needed ~600 s)
 #   SMOKE=1 bash benchmarks/gpu/check.sh run     the same commands on this CPU machine (local-cpu, tiny models)
 # Results: $OUT/summary.txt (the tables) and $OUT/all.tgz (plans, logs, outputs).
 set -u
-PARTS=${1:-"run tests kernels calibrate"}
+PARTS=${1:-"calibrate run tests"}
 OUT=${OUT:-/tmp/gpu_check_out}
 W=/tmp/gpu_check
 mkdir -p "$OUT" "$W"
@@ -51,6 +53,14 @@ one_run() {  # NAME MODEL PARALLEL [estimate options...]
   echo "$name: $((SECONDS - t0)) s"
 }
 
+# calibrate first: the host constants the cost model's GPU terms take (fused_call_us, kernel_launch_us, the
+# checkpoint region), in ~50 s
+if [[ " $PARTS " == *" calibrate "* ]]; then
+  timeout 90 $AP calibrate --nproc 1 --dtype bf16 -o "$W/calibrated.yaml" --bench-out "$W/bench.json" \
+    --model gpt3-1.3b --seq-len 2048 --mbs 2 > "$W/calibrate.txt" 2>&1
+  echo "calibrate rc=$?"; tail -25 "$W/calibrate.txt"; pack
+fi
+
 if [[ " $PARTS " == *" run "* ]]; then
   PROFILE="--profile-step 3"
   one_run gpt1.3b-mbs2 gpt3-1.3b mbs=2
@@ -58,6 +68,8 @@ if [[ " $PARTS " == *" run "* ]]; then
   PROFILE=""
   one_run gpt1.3b-mbs2-torch gpt3-1.3b mbs=2 --kernels torch
   one_run gpt1.3b-mbs2-full gpt3-1.3b mbs=2,recompute=full
+  one_run gpt1.3b-mbs2-sel gpt3-1.3b mbs=2,recompute=selective  # the checkpointed core's host time (session 17)
+  one_run llama1b-mbs2-torch $L mbs=2 --kernels torch            # the search's kernel choice, on Llama
   one_run gpt1.3b-mbs4 gpt3-1.3b mbs=4
   one_run gpt2.7b-mbs2 gpt3-2.7b mbs=2
   python3 benchmarks/gpu/summary.py "$W" > "$W/summary.txt" 2>&1
@@ -112,9 +124,4 @@ if [[ " $PARTS " == *" launch "* ]]; then
   pack
 fi
 
-if [[ " $PARTS " == *" calibrate "* ]]; then
-  timeout 90 $AP calibrate --nproc 1 --dtype bf16 -o "$W/calibrated.yaml" --bench-out "$W/bench.json" \
-    --model gpt3-1.3b --seq-len 2048 --mbs 2 > "$W/calibrate.txt" 2>&1
-  echo "calibrate rc=$?"; tail -25 "$W/calibrate.txt"; pack
-fi
 date -u
