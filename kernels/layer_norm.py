@@ -139,9 +139,10 @@ def _check(x, weight, bias, eps) -> None:
         raise ValueError(f"{OP}: eps must be a non-negative number, got {eps!r}.")
 
 
-def layer_norm_forward(x, weight, bias, eps: float = 1e-5):
+def layer_norm_forward(x, weight, bias, eps: float = 1e-5, checked: bool = False):
     """Launch the forward kernel (no autograd). Returns (y, mean[rows] fp32, rstd[rows] fp32)."""
-    _check(x, weight, bias, eps)
+    if not checked:  # the autograd entry point has checked its arguments
+        _check(x, weight, bias, eps)
     check_triton_device(OP, x)
     x2 = as_rows(OP, "x", x)
     n_rows, n_cols = x2.shape
@@ -203,7 +204,7 @@ def layer_norm_backward(dy, x, weight, bias, mean, rstd, compute_dw: bool = True
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        y, mean, rstd = layer_norm_forward(x, weight, bias, eps)
+        y, mean, rstd = layer_norm_forward(x, weight, bias, eps, checked=True)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         return y
 

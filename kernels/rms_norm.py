@@ -139,9 +139,10 @@ def _check(x, weight, eps) -> None:
         raise ValueError(f"{OP}: eps must be a non-negative number or None, got {eps!r}.")
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None = 1e-6):
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None = 1e-6, checked: bool = False):
     """Launch the forward kernel (no autograd). Returns (y, rstd[rows] fp32)."""
-    _check(x, weight, eps)
+    if not checked:  # the autograd entry point has checked its arguments
+        _check(x, weight, eps)
     check_triton_device(OP, x)
     x2 = as_rows(OP, "x", x)
     n_rows, n_cols = x2.shape
@@ -199,7 +200,7 @@ def rms_norm_backward(dy, x, weight, rstd, compute_dw: bool = True):
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, rstd = rms_norm_forward(x, weight, eps)
+        y, rstd = rms_norm_forward(x, weight, eps, checked=True)
         ctx.save_for_backward(x, weight, rstd)
         return y
 

@@ -105,3 +105,7 @@ def test_elementwise_bad_inputs():
         bias_gelu(torch.randn(4, 8), None, "erf")
     with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
         bias_gelu(torch.randn(4, 8), torch.randn(4, 8))
+    from autoplan.kernels.bias_gelu import bias_gelu_forward  # the launcher without autograd checks too
+
+    with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
+        bias_gelu_forward(torch.randn(4, 8), torch.randn(4, 8))

@@ -114,6 +114,14 @@ def test_bad_inputs_raise_typed_errors(monkeypatch):
         layer_norm(x, None, None, eps=-1.0)
     with pytest.raises(ValueError, match="64 KiB"):
         rms_norm(torch.randn(2, 20000), None)
+    # the launchers without autograd check their arguments themselves (the autograd path checks once, at entry)
+    from autoplan.kernels.layer_norm import layer_norm_forward
+    from autoplan.kernels.rms_norm import rms_norm_forward
+
+    with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
+        rms_norm_forward(x, torch.ones(7))
+    with pytest.raises(ValueError, match="eps must be a non-negative number"):
+        layer_norm_forward(x, None, None, eps=-1.0)
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(KernelUnavailableError, match="TRITON_INTERPRET=1"):
         rms_norm(x, None)
