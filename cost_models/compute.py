@@ -340,17 +340,22 @@ def _head_softmax_units(p: LayerProfile) -> float:
 def fused_calls(p: LayerProfile) -> int:
     """Calls of autoplan's fused Triton modules in one forward of layer `p` as the runtime substitutes them
     (codegen.fuse: every LayerNorm / RMSNorm, and a block's GeLU or SwiGLU activation; RoPE and the loss stay
-    eager): one norm per `hidden` elements of the profile's norm_elems."""
-    norms = round(p.norm_elems / p.hidden) if p.norm_kind and p.hidden else 0
-    return norms + (1 if p.kind == "block" and p.act_kind in ("gelu", "swiglu") else 0)
+    eager)."""
+    return p.norms() + (1 if p.kind == "block" and p.act_kind in ("gelu", "swiglu") else 0)
+
+
+def own_gpu_runtime(training, cluster) -> bool:
+    """autoplan's own runtime (`runtime_memory`) on a GPU host (nccl, no cores given: the runtime runs gloo on CPU
+    processes only), where its fused modules' and checkpoint's host time is priced (layer_cost)."""
+    return training.runtime_memory and cluster.backend == "nccl" and cluster.cores_per_node is None
 
 
 def fused_host_priced(training, cluster) -> bool:
     """Whether the fused modules' host time is priced for this run (layer_cost): autoplan's own runtime with its
     fused kernels on a GPU cluster that has a measured fused_call_us. Only then can torch's kernels be the faster
     set (search.core._choose_kernels, the estimate command's hint)."""
-    return (training.kernels == "fused" and training.runtime_memory and cluster.backend == "nccl"
-            and cluster.cores_per_node is None and cluster.gpu.calibration.fused_call_us > 0)
+    return (training.kernels == "fused" and own_gpu_runtime(training, cluster)
+            and cluster.gpu.calibration.fused_call_us > 0)
 
 
 def runtime_saved_extra(p: LayerProfile, ctx: Context) -> tuple[float, float]:
@@ -550,12 +555,11 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # host, so a layer takes the longer of the two: small layers become launch-bound.
     launch_us = cal.kernel_launch_us + (cal.tp_op_overhead_us if t > 1 else 0.0)
     cpu_host = ctx.cluster.cores_per_node is not None
-    # autoplan's own runtime on a GPU host (nccl: the runtime runs gloo on CPU processes only): its fused Triton
-    # modules cost host time beyond the eager ops they replace (fused_call_us), torch.utils.checkpoint's hooks
-    # too (below)
-    own_gpu_runtime = ctx.training.runtime_memory and not cpu_host and ctx.cluster.backend == "nccl"
+    # autoplan's own runtime on a GPU host: its fused Triton modules cost host time beyond the eager ops they
+    # replace (fused_call_us), torch.utils.checkpoint's hooks too (below)
+    own_gpu = own_gpu_runtime(ctx.training, ctx.cluster)
     host_fwd = p.kernels_fwd * launch_us * 1e-6 + (fused_calls(p) * cal.fused_call_us * 1e-6
-                                                   if own_gpu_runtime and ctx.training.kernels == "fused" else 0.0)
+                                                   if own_gpu and ctx.training.kernels == "fused" else 0.0)
     tp_f, tp_b = _tp_comm(p, ctx, gemm_fwd)
     cp_f, cp_b = _cp_comm(p, ctx, attn_fwd)
     ep_f, ep_b = _ep_comm(p, ctx)
@@ -598,7 +602,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
             core = _core_kernels(p)
             ckpt_sel = region(core)
             sel += core * launch_us * 1e-6 + ckpt_sel
-    elif own_gpu_runtime:
+    elif own_gpu:
         # The same checkpoint on a GPU host: its hooks are host time, which the region's kernels hide only where
         # they outlast it. Session 17, one H200 (docs/notes/session-17): GPT-1.3B's block forward took 2.2 ms under
         # full recompute against 1.6 without, and the recompute 2.6 ms: the host, not the GPU, bounds it there.

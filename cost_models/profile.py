@@ -126,10 +126,13 @@ class LayerProfile(_Frozen):
         elements); GEMM weights and biases and the token table become DTensors."""
         return self._norm_tensors() + (1 if self.kind == "embedding" and self.params_replicated > 0 else 0)
 
+    def norms(self) -> int:
+        """The layer's normalisations: one per `hidden` elements of `norm_elems`."""
+        return round(self.norm_elems / self.hidden) if self.norm_kind and self.hidden else 0
+
     def _norm_tensors(self) -> int:
-        """The norms' scales (and LayerNorm's shifts): one norm per `hidden` elements of `norm_elems`."""
-        norms = round(self.norm_elems / self.hidden) if self.hidden else 0
-        return norms * (2 if self.norm_kind == "layernorm" else 1 if self.norm_kind else 0)
+        """The norms' scales (and LayerNorm's shifts)."""
+        return self.norms() * (2 if self.norm_kind == "layernorm" else 1)
 
     def model_flops_per_token(self, seq: int) -> float:
         """Forward model FLOPs per token (no recompute)."""

@@ -851,11 +851,10 @@ def _choose_kernels(s: _Searcher, finalists: list[Finalist], top: int) -> bool:
     eager = t.model_copy(update={"kernels": "torch"})
     alt = [estimate(s.profiles, s.cluster, eager, f.config, f.layout) for f in finalists[:top]]
     s.stats.estimated += len(alt)
-    fitting = [a for a in alt if a.fits]
     best = finalists[0].estimate.step_time_s
-    if not fitting or min(a.step_time_s for a in fitting) >= best:
+    faster = min((a.step_time_s for a in alt if a.fits), default=best)
+    if faster >= best:
         return False
-    faster = min(a.step_time_s for a in fitting)
     s.stats.kernels_note = (f"torch's kernels: {faster:.4f} s a step against {best:.4f} with autoplan's fused "
                             "ones, whose host time per call the step cannot hide here (--kernels fused to keep them)")
     kept = [replace(f, estimate=a) for f, a in zip(finalists[:top], alt, strict=True) if a.fits]
