@@ -161,6 +161,8 @@ def published_step(run: dict, est) -> float:
     pub = run["published"]
     if "step_s" in pub:
         return float(pub["step_s"])
+    if "tokens_per_gpu_s" in pub:  # torchtitan's "WPS": tokens per second per GPU
+        return run["global_batch"] * run["seq_len"] / (pub["tokens_per_gpu_s"] * run["gpus"])
     if "mfu" in pub:  # autoplan's model FLOPs are Korthikanti eq. 7, the convention of these sources
         return est.model_flops / (pub["mfu"] * est.peak_flops * est.num_gpus)
     flops = _sc21_hw_flops(run["model"], run["global_batch"], run["seq_len"])

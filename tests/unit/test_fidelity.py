@@ -37,7 +37,8 @@ def test_heldout_runs_are_cli_commands_and_stay_guarded():
     from benchmarks.fidelity import evaluate_heldout, trend
 
     rows = evaluate_heldout()
-    assert len(rows) >= 10 and {r["stack"] for r in rows} >= {"megatron-2022", "megatron-deepspeed", "megatron-core"}
+    assert len(rows) >= 10 and {r["stack"] for r in rows} >= {"megatron-2022", "megatron-deepspeed", "megatron-core",
+                                                              "torchtitan"}
     assert all(r["command"].startswith("autoplan estimate --model ") for r in rows)
     assert any("--layout" in r["command"] for r in rows) and any("--stack-set" in r["command"] for r in rows)
     errs = [abs(r["step_error"]) for r in rows]
@@ -60,3 +61,13 @@ def test_a_heldout_command_runs_from_the_command_line(capsys):
     assert main(heldout_command(run) + ["--json"]) == 0
     d = _json.loads(capsys.readouterr().out)
     assert d["stack"] == run["stack"] and d["parallel"]["layout"]
+
+
+def test_published_tokens_per_gpu_second_is_a_step_time():
+    """torchtitan publishes throughput as tokens per second per GPU ("WPS"): the step is the global batch's tokens
+    over the whole cluster's rate (Llama 3 8B on 64 A100: 64 x 8192 tokens at 2904 per GPU = 2.821 s)."""
+    from benchmarks.fidelity import published_step
+
+    run = {"global_batch": 64, "seq_len": 8192, "gpus": 64, "published": {"tokens_per_gpu_s": 2904}}
+    assert abs(published_step(run, None) - 64 * 8192 / (2904 * 64)) < 1e-12
+    assert abs(published_step(run, None) - 2.8209) < 1e-3
