@@ -11,8 +11,9 @@ Long runs: `--max-restarts N` lets torchrun restart every worker when one fails 
 resumes from the newest checkpoint in --save that verifies (`--auto-resume`). SIGTERM/SIGINT to `autoplan run`
 are forwarded to torchrun, which forwards them to every worker; the workers save and exit, and whatever is
 still alive after --term-timeout seconds is killed (the whole process group: no orphans). The plan is checked
-against this machine (`check_machine`): too many processes for the cores or GPUs, another GPU type, or a plan
-predicted not to fit is an error, or a warning with --force.
+against this machine (`check_machine`): too many processes for the cores or GPUs, another GPU type, a plan
+predicted not to fit, or one priced for another software stack (`check_stack`) is an error, or a warning with
+--force.
 
 The launch is checked against the plan first (same check and message as the runtime's start-up), so a wrong
 process count fails in the parent without starting torchrun. Training arguments are passed after `--`, which
@@ -86,7 +87,7 @@ MAX_PROCS_PER_CORE = 2
 def check_machine(plan, nproc_per_node: int) -> list[str]:
     """What about this machine contradicts the plan: too many processes for the cores or GPUs, another GPU type,
     a plan predicted not to fit. Each item is a one-line problem (errors unless --force)."""
-    problems = []
+    problems = check_stack(plan)
     if not plan.prediction.fits:
         peak = plan.prediction.memory_gib.get("peak")
         problems.append(f"plan {plan.short_hash} is predicted not to fit: peak {peak} GiB per GPU on "
@@ -105,6 +106,37 @@ def check_machine(plan, nproc_per_node: int) -> list[str]:
     elif names and not any(_same_gpu(plan.cluster.gpu.name, n) for n in names):
         problems.append(f"the plan was made for {plan.cluster.gpu.name} but this machine has {names[0]}")
     return problems
+
+
+# Stack knobs (`autoplan stacks`, `--stack-set`) autoplan's runtime honours: it runs its fused Triton kernels or
+# torch's (runtime.parallelize.apply_fused_kernels). Every other knob of the autoplan stack describes what the
+# runtime always does (SDPA attention, FSDP2's overlaps, blocking-free pipeline sends, ...).
+RUNTIME_KNOBS = frozenset({"kernels"})
+
+
+def check_stack(plan) -> list[str]:
+    """The plan must price the program autoplan's runtime executes. One priced for another software stack
+    (`--stack megatron-2022`, `deepspeed-zero3`, `torchtitan`, ...: for comparison and for `autoplan export`) or
+    with a `--stack-set` knob the runtime does not have predicts another program's step time and memory; run
+    as it is, the prediction the run reports against would be silently wrong. Plans of autoplan's stack (or
+    written before stacks, `stack` None) pass."""
+    from autoplan.cost_models.stacks import DEFAULT_STACK, stack_knobs
+
+    if plan.stack is None:
+        return []
+    base = plan.stack.split("+", 1)[0]
+    if base != DEFAULT_STACK:
+        return [f"plan {plan.short_hash} is priced for the {base} stack, not for autoplan's runtime, which is what "
+                f"`autoplan run` trains with: re-plan it with --stack {DEFAULT_STACK} to run it here, or `autoplan "
+                f"export` it for {base}"]
+    own = stack_knobs(DEFAULT_STACK)
+    foreign = [f"{k}={str(getattr(plan.training, k)).lower()}" for k, v in own.items()
+               if k not in RUNTIME_KNOBS and getattr(plan.training, k) != v]
+    if foreign:
+        return [f"plan {plan.short_hash} sets stack knobs autoplan's runtime does not have ({', '.join(foreign)}): "
+                f"its prediction is for another program; re-plan without them (only "
+                f"{', '.join(sorted(RUNTIME_KNOBS))} can be set for a run)"]
+    return []
 
 
 def _local_gpus() -> tuple[int, list[str]]:

@@ -299,6 +299,31 @@ def test_plan_against_the_machine(tmp_path, monkeypatch):
     assert launch._same_gpu("h100-sxm", "NVIDIA H100 80GB HBM3") and not launch._same_gpu("a100-80g", "NVIDIA H100")
 
 
+def test_a_plan_priced_for_another_stack_is_not_run_as_if_it_were_autoplans(tmp_path):
+    """`autoplan run` trains with autoplan's runtime: a plan priced for Megatron's stack, or with a stack knob the
+    runtime lacks, is refused (its prediction is another program's); the kernels knob is the runtime's own."""
+    from autoplan.plan import load_plan
+    from autoplan.runtime import launch
+
+    plan = load_plan(_plan(tmp_path))
+    assert launch.check_stack(plan) == []
+    assert launch.check_stack(plan.model_copy(update={"stack": None}).sealed()) == []
+    torch_kernels = plan.model_copy(update={"stack": "autoplan+kernels=torch", "training": plan.training.model_copy(
+        update={"kernels": "torch"})}).sealed()
+    assert launch.check_stack(torch_kernels) == []
+    megatron = plan.model_copy(update={"stack": "megatron-2022"}).sealed()
+    assert any("priced for the megatron-2022 stack" in p for p in launch.check_machine(megatron, 1))
+    unfused = plan.model_copy(update={"stack": "autoplan+flash_attention=false", "training": plan.training.model_copy(
+        update={"flash_attention": False})}).sealed()
+    (problem,) = launch.check_stack(unfused)
+    assert "flash_attention=false" in problem and "re-plan without them" in problem
+    path = tmp_path / "megatron.json"
+    path.write_text(megatron.model_dump_json())
+    with pytest.raises(PlanError, match="priced for the megatron-2022 stack"):
+        launch.run(str(path), train_args=["--steps", "1"])
+    assert launch.run(str(path), force=True, print_command=True) == 0
+
+
 def test_restarts_need_save_and_resume_from_it(tmp_path):
     from autoplan.runtime.launch import restart_args
 
