@@ -135,9 +135,9 @@ def _mem_time(ctx: Context, nbytes: float) -> float:
     return nbytes / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
 
 
-def _gemms(p: LayerProfile, ctx: Context) -> tuple[float, float]:
-    """Forward GEMM time and FLOPs on this GPU."""
-    t, total_t, total_f = ctx.tp, 0.0, 0.0
+def _gemm_parts(p: LayerProfile, ctx: Context) -> list[tuple[float, float]]:
+    """(forward time, forward FLOPs) on this GPU of each of the layer's weight GEMMs, in `p.gemms` order."""
+    t, out = ctx.tp, []
     for g in p.gemms:
         n, k = g.n, g.k
         if g.tp in ("col", "vocab"):
@@ -151,9 +151,33 @@ def _gemms(p: LayerProfile, ctx: Context) -> tuple[float, float]:
             local_experts = max(1, g.count // ctx.ep)
             # each local expert sees an equal share of the tokens routed to this rank (balanced routing)
             m = rows / local_experts
-        total_t += _gemm_time(ctx, flops, m, n, k)
-        total_f += flops
-    return total_t, total_f
+        out.append((_gemm_time(ctx, flops, m, n, k), flops))
+    return out
+
+
+def _gemms(p: LayerProfile, ctx: Context) -> tuple[float, float]:
+    """Forward GEMM time and FLOPs on this GPU."""
+    parts = _gemm_parts(p, ctx)
+    return sum(x for x, _ in parts), sum(f for _, f in parts)
+
+
+def op_sac_reruns(p: LayerProfile) -> list[bool]:
+    """Per GEMM of a block (forward order), whether torchtitan's per-op selective checkpointing re-runs it in the
+    backward (`TrainingSpec.selective_policy` 'every_other_matmul'). SelectiveAC's policy (torchtitan/distributed/
+    activation_checkpoint.py) saves the outputs of torch's compute-intensive ops (torch._functorch.partitioners.
+    get_default_op_list: mm, addmm, bmm, the SDPA kernels, ...) "except every second mm/linear", counting the
+    block's mm calls in order; the MoE router's gate is always re-run (`force_recompute_mm_shapes_by_fqns`
+    default "moe.router.gate"); the experts' grouped GEMMs (aten._grouped_mm, not in that list) are re-run too.
+    Shortcut: every dense GEMM is counted as an aten.mm, as a bias-free (Llama-style) linear runs; a linear with a
+    bias runs as addmm, which the policy saves without counting."""
+    out, count = [], 0
+    for g in p.gemms:
+        if g.name == "router" or g.expert:
+            out.append(True)
+            continue
+        count += 1
+        out.append(count % 2 == 0)
+    return out
 
 
 def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
@@ -535,6 +559,58 @@ def loss_transient(p: LayerProfile, ctx: Context) -> float:
     return max(forward, loss_backward_temporaries(p, ctx))
 
 
+def _op_sac_recompute(p: LayerProfile, ctx: Context, elementwise_f: float, host_fwd: float, contention: float,
+                      cpu_host: bool, region, tp_fwd: float) -> tuple[float, float, float]:
+    """(time, FLOPs, checkpoint bookkeeping time) of re-running a block under torchtitan's per-op selective
+    checkpointing (`op_sac_reruns`), one micro-batch: the re-run GEMMs, every elementwise op of the forward (norms,
+    activations, RoPE, residual adds: `elementwise_f`, contention applied here), the host time of every re-run
+    kernel (all but the saved GEMMs and the attention kernel), and the forward's tensor-parallel collectives except
+    the reduce-scatters (SelectiveAC saves reduce_scatter_tensor outputs; an all-gather or an all-reduce runs
+    again), exposed as the forward's are (`tp_fwd`). The attention core is saved, and with it context parallelism's exchange; expert-parallel all-to-alls
+    are saved. On a CPU host the block is one torch.utils.checkpoint region (`region`)."""
+    reruns = op_sac_reruns(p)
+    parts = _gemm_parts(p, ctx)
+    gemm_t = sum(x for (x, _), r in zip(parts, reruns, strict=True) if r)
+    flops = sum(f for (_, f), r in zip(parts, reruns, strict=True) if r)
+    kept_kernels = sum(1 for r in reruns if not r) + (1 if p.attention is not None else 0)
+    frac = max(0.0, p.kernels_fwd - kept_kernels) / p.kernels_fwd if p.kernels_fwd else 0.0
+    dev = (gemm_t + elementwise_f) * contention
+    host = host_fwd * frac
+    comm_t = 0.0
+    if ctx.tp > 1 and p.tp_allreduces and tp_fwd > 0:
+        # the forward's exposed TP time (overlap included, as the forward pays it), the share of it that is not a
+        # reduce-scatter
+        grp = comm.group_of(ctx.cluster, ctx.tp, 1)
+        run = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather, "reduce_scatter": comm.reduce_scatter}
+        times = {c: run[c](ctx.cluster, grp, b) for c, b in tp_units(p, ctx)[0].items()}
+        total = sum(times.values())
+        comm_t = tp_fwd * (total - times.get("reduce_scatter", 0.0)) / total if total > 0 else 0.0
+    if cpu_host:
+        ckpt = region(p.kernels_fwd)
+        return dev + host + comm_t + ckpt, flops, ckpt
+    return max(dev, host) + comm_t, flops, 0.0
+
+
+def _op_sac_kept(p: LayerProfile, ctx: Context, attention_saved: float) -> float:
+    """Bytes a block keeps per micro-batch under torchtitan's per-op selective checkpointing beyond the region's
+    input: the outputs of the GEMMs it saves (a column-parallel GEMM's n/tp features, a row-parallel one's whole
+    pre-reduction output, over every token of the micro-batch with sequence parallelism too), the reduce-scatters'
+    outputs under sp (saved as communication results), and the attention kernel's outputs: its context (heads x
+    head_dim / tp) and `attention_saved` (flash: the fp32 log-sum-exp; unfused: the scores)."""
+    e, t = ctx.act_bytes, ctx.tp
+    kept = 0.0
+    for g, rerun in zip(p.gemms, op_sac_reruns(p), strict=True):
+        if rerun:
+            continue
+        width = -(-g.n // t) if g.tp in ("col", "vocab") else g.n
+        kept += ctx.tokens * g.tokens_per_token * width * e
+    if ctx.sp and t > 1:
+        kept += p.tp_allreduces * ctx.tokens * p.hidden / t * e
+    if p.attention is not None:
+        kept += ctx.tokens * p.attention.heads / t * p.attention.head_dim * e + attention_saved
+    return kept
+
+
 def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     """Time, memory and FLOPs of layer `p` for one micro-batch on one GPU."""
     cal = ctx.cluster.gpu.calibration
@@ -614,6 +690,10 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
             plain = sel
             sel = max(plain, core * launch_us * 1e-6 + region(core))
             ckpt_sel = sel - plain
+    op_sac = ctx.training.selective_policy == "every_other_matmul" and p.kind == "block"
+    if op_sac:
+        sel, rec_sel_flops, ckpt_sel = _op_sac_recompute(p, ctx, ew_fwd + ew_extra_f + _mem_time(ctx, ac.fwd_bytes),
+                                                         host_fwd, contention, cpu_host, region, tp_f)
     # Activations (bytes) of one micro-batch: Korthikanti et al. 2022 Table 2 generalised.
     tok = ctx.tokens
     scale = e / 2.0  # profiles count 2-byte activations
@@ -631,6 +711,8 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     act_none = base + scores + ac.saved + mlp_x + core_x
     act_sel = base + (scores if ctx.training.flash_attention else 0.0) + ac.saved + mlp_x
     act_full = tok * p.act_input / seq_div * scale + ac.saved_full if p.kind == "block" else act_none
+    if op_sac:
+        act_sel = act_full + _op_sac_kept(p, ctx, scores)
     params = 0.0
     expert = 0.0
     for g in p.gemms:

@@ -486,6 +486,15 @@ class TrainingSpec(_Frozen):
             return 4
         return DTYPE_BYTES[self.grad_reduce_dtype or ("bf16" if self.dtype == "fp8" else self.dtype)]
 
+    selective_policy: Literal["attention_core", "every_other_matmul"] = Field(
+        default="attention_core",
+        description="What `recompute=selective` re-runs in the backward. 'attention_core': the attention core "
+        "(Korthikanti et al. 2022's selective recomputation: Megatron-LM, and autoplan's runtime, which checkpoints "
+        "the core); 'every_other_matmul': torchtitan's per-op selective checkpointing (SelectiveAC, `selective_ac_"
+        "option = 'op'`), one checkpointed region per block that keeps the outputs of its matmuls and of the "
+        "attention kernel except every second matmul, and re-runs everything else (the second matmuls, norms, "
+        "activations, RoPE, and the collectives other than reduce-scatter).",
+    )
     kernels: Literal["fused", "torch", "megatron"] = Field(
         default="fused",
         description="Kernel set: 'fused' = autoplan's Triton kernels as its runtime substitutes them (fused norms "

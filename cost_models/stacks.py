@@ -25,7 +25,7 @@ DEFAULT_STACK = "autoplan"
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory",
-               "autocast_fp32_params", "kernels")
+               "autocast_fp32_params", "selective_policy", "kernels")
 # Values every stack has unless it says otherwise (TrainingSpec's defaults for these knobs). runtime_memory (what
 # autoplan's runtime holds beyond Megatron's memory count, estimate.runtime_extra) is autoplan's alone. torchtitan
 # also runs FSDP2 and DTensor, but: it has no replicate-with-TP at ZeRO-0 (its DDP is 1-D only), its MoE shards
@@ -34,7 +34,8 @@ STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_re
 # shard (reshard_after_forward=False), is left out with the rest: torchtitan's typical run is ZeRO-3.
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
            "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "grad_sync_all_reduce": False,
-           "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False}
+           "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False,
+           "selective_policy": "attention_core"}
 
 
 class Stack(BaseModel):
@@ -172,10 +173,15 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         knobs={"dtype": "bf16", "flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                "tp_comm_overlap": True, "kernels": "fused", "grad_reduce_dtype": "fp32",
                # its sequence-parallel norms' Partial gradients are redistributed per tensor by FSDP2, as ours
-               "sp_grads_coalesced": False},
+               "sp_grads_coalesced": False,
+               # its selective checkpointing is per operator (SelectiveAC; `selective_ac_option = "op"` before 0.3):
+               # torchtitan/distributed/activation_checkpoint.py saves matmul and attention outputs, "except every
+               # second mm/linear" (parallelize_llama.py `_save_list`, `mm_count % 2` in the 2024 code)
+               "selective_policy": "every_other_matmul"},
         assumes="bf16 parameters with FSDP2 reducing gradients in fp32 (mixed_precision_reduce=float32); SDPA "
                 "flash attention; torch.compile fusing the elementwise ops; async TP overlapping the TP "
-                "collectives with the GEMMs; FSDP2 prefetch overlapping gathers and reduce-scatters",
+                "collectives with the GEMMs; FSDP2 prefetch overlapping gathers and reduce-scatters; "
+                "recompute=selective is its per-op policy (every second matmul and all elementwise ops re-run)",
         typical="zero=3 (FSDP2), tp=8 inside a node, pp for the largest models",
         source="Liang et al. 2024, 'TorchTitan' (arXiv 2410.06511); torchtitan job_config defaults",
     ),

@@ -74,6 +74,10 @@ def _megatron_recompute(plan: Plan, warnings: list[str]) -> list[tuple[str, obje
         warnings.append(f"stages recompute differently ({', '.join(sorted(modes))}); Megatron applies one mode to "
                         "all stages: exported the strongest")
     mode = "full" if "full" in modes else "selective"
+    if "selective" in modes and plan.training.selective_policy != "attention_core":
+        warnings.append("the plan's selective recomputation is torchtitan's per-op policy (selective_policy="
+                        f"{plan.training.selective_policy}); Megatron's selective granularity recomputes the "
+                        "attention core only: a different step time and memory (re-plan with a Megatron --stack)")
     if mode == "selective":
         return [("--recompute-granularity", "selective")]
     full = [s for s in plan.stages if s.recompute == "full"]
@@ -273,6 +277,11 @@ def _titan_recompute(plan: Plan, warnings: list[str]) -> str:
     modes = {s.recompute for s in plan.stages}
     if modes == {"none"}:
         return "none"
+    if modes == {"selective"} and plan.training.selective_policy != "every_other_matmul":
+        warnings.append("the plan's selective recomputation re-runs the attention core (selective_policy="
+                        f"{plan.training.selective_policy}); torchtitan's SelectiveAC keeps the matmul and attention "
+                        "outputs except every second matmul and re-runs the rest: a different step time and memory "
+                        "(estimate the plan with --stack torchtitan to see them)")
     if "full" in modes:
         full = [s for s in plan.stages if s.recompute == "full"]
         if len(modes) > 1:

@@ -179,3 +179,22 @@ def test_torchtitan_mixed_recompute_warns(gpt175):
 def toml_loads(text: str) -> dict:
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     return tomllib.loads(text)
+
+
+def test_selective_recomputation_is_named_when_the_tools_mean_another_policy(plan_interleaved, gpt175):
+    """autoplan's (and Megatron's) selective recomputation re-runs the attention core; torchtitan's SelectiveAC
+    re-runs every second matmul and the elementwise ops. Each export says so when the plan's policy is not the
+    tool's, and stays quiet when it is."""
+    from autoplan.cost_models.stacks import apply_stack
+
+    def policy_warnings(d):
+        return [w for w in d["warnings"] if "selective_policy=" in w]
+
+    assert policy_warnings(export_torchtitan(plan_interleaved))
+    assert not policy_warnings(export_megatron(plan_interleaved))
+    m, c, tr = gpt175
+    titan = make_plan(m, c, apply_stack(tr, "torchtitan"), "tp=8,pp=8,vp=3,mbs=1,sp=1,recompute=selective")
+    assert titan.training.selective_policy == "every_other_matmul"
+    assert not policy_warnings(export_torchtitan(titan))
+    (w,) = policy_warnings(export_megatron(titan))
+    assert "attention core" in w and "Megatron" in w
