@@ -120,9 +120,10 @@ def training_op_us(device: str, sync=lambda: None, autocast=None) -> float:
 def per_process(spec: dict, nproc: int, cores: int) -> dict:
     """A CPU cluster spec in the cost model's units when `nproc` processes share `cores` cores: every rate measured
     by one process alone (FLOP/s, bytes/s) is what each of them gets while all compute at once, cores / nproc of it,
-    and every host time grows by the inverse (the convention of the local-cpu preset and of
-    `ClusterSpec.compute_contention`, which gives the time back to layouts whose processes take turns); and the
-    cores are recorded, which turns on the oversubscription terms. Unchanged with a core per process."""
+    and every host time grows by the inverse (the convention of the local-cpu preset, which prices every layout's
+    compute so: session 18 found the runtime's pipelines no faster per unit of work when their stages take turns,
+    `estimate.crowded_for`); and the cores are recorded, which turns on the oversubscription terms. Unchanged with
+    a core per process."""
     out = {**spec, "cores_per_node": cores}
     share = min(1.0, cores / nproc)
     if share >= 1.0:

@@ -559,11 +559,11 @@ def loss_transient(p: LayerProfile, ctx: Context) -> float:
     return max(forward, loss_backward_temporaries(p, ctx))
 
 
-def _op_sac_recompute(p: LayerProfile, ctx: Context, elementwise_f: float, host_fwd: float, contention: float,
-                      cpu_host: bool, region, tp_fwd: float) -> tuple[float, float, float]:
+def _op_sac_recompute(p: LayerProfile, ctx: Context, elementwise_f: float, host_fwd: float, cpu_host: bool,
+                      region, tp_fwd: float) -> tuple[float, float, float]:
     """(time, FLOPs, checkpoint bookkeeping time) of re-running a block under torchtitan's per-op selective
     checkpointing (`op_sac_reruns`), one micro-batch: the re-run GEMMs, every elementwise op of the forward (norms,
-    activations, RoPE, residual adds: `elementwise_f`, contention applied here), the host time of every re-run
+    activations, RoPE, residual adds: `elementwise_f`), the host time of every re-run
     kernel (all but the saved GEMMs and the attention kernel), and the forward's tensor-parallel collectives except
     the reduce-scatters (SelectiveAC saves reduce_scatter_tensor outputs; an all-gather or an all-reduce runs
     again), exposed as the forward's are (`tp_fwd`). The attention core is saved, and with it context parallelism's exchange; expert-parallel all-to-alls
@@ -574,7 +574,7 @@ def _op_sac_recompute(p: LayerProfile, ctx: Context, elementwise_f: float, host_
     flops = sum(f for (_, f), r in zip(parts, reruns, strict=True) if r)
     kept_kernels = sum(1 for r in reruns if not r) + (1 if p.attention is not None else 0)
     frac = max(0.0, p.kernels_fwd - kept_kernels) / p.kernels_fwd if p.kernels_fwd else 0.0
-    dev = (gemm_t + elementwise_f) * contention
+    dev = gemm_t + elementwise_f
     host = host_fwd * frac
     comm_t = 0.0
     if ctx.tp > 1 and p.tp_allreduces and tp_fwd > 0:
@@ -643,9 +643,6 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     ac = autocast_terms(p, ctx, seq_div)
     dev_f = gemm_fwd + attn_fwd + ew_fwd + ew_extra_f + _mem_time(ctx, ac.fwd_bytes)
     dev_b = 2 * gemm_fwd + attn_bwd + 2 * ew_fwd + ew_extra_b + _mem_time(ctx, ac.bwd_bytes)
-    # CPU processes sharing cores compute faster while fewer of them compute at once (ClusterSpec.crowding)
-    contention = ctx.cluster.compute_contention
-    dev_f, dev_b, host_fwd = dev_f * contention, dev_b * contention, host_fwd * contention
     if cpu_host:
         # CPU processes (a cluster whose cores are given): the thread that issues an operator also runs it, so
         # nothing of the host time hides under the kernels
@@ -664,7 +661,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     ckpt_sel = ckpt_full = 0.0
 
     def region(ops: int) -> float:
-        return (cal.recompute_region_us + ops * cal.recompute_op_us) * 1e-6 * contention
+        return (cal.recompute_region_us + ops * cal.recompute_op_us) * 1e-6
 
     if cpu_host:
         # On CPU processes the host is the critical path, and the runtime's recompute is torch.utils.checkpoint
@@ -693,7 +690,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     op_sac = ctx.training.selective_policy == "every_other_matmul" and p.kind == "block"
     if op_sac:
         sel, rec_sel_flops, ckpt_sel = _op_sac_recompute(p, ctx, ew_fwd + ew_extra_f + _mem_time(ctx, ac.fwd_bytes),
-                                                         host_fwd, contention, cpu_host, region, tp_f)
+                                                         host_fwd, cpu_host, region, tp_f)
     # Activations (bytes) of one micro-batch: Korthikanti et al. 2022 Table 2 generalised.
     tok = ctx.tokens
     scale = e / 2.0  # profiles count 2-byte activations

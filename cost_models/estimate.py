@@ -908,27 +908,23 @@ def crowded(cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig) -
 
 def crowded_for(cluster: ClusterSpec, training: TrainingSpec, *, tp: int, cp: int, dp: int, pp: int,
                 mbs: int) -> ClusterSpec:
-    """`cluster` with a configuration's `crowding` on an oversubscribed CPU node (ClusterSpec.crowded_fraction,
-    ClusterSpec.compute_contention): the processes of one pipeline stage (tp x cp x dp); the fraction of the step
-    a stage computes, m/(m + pp - 1) (each stage idles for pp - 1 micro-batch slots of fill and drain); and the
-    fraction of a stage's compute during which another stage computes too (`stage_overlap`). Unchanged
-    elsewhere."""
+    """`cluster` with a configuration's `crowding` on an oversubscribed CPU node (ClusterSpec.crowded_fraction):
+    the processes of one pipeline stage (tp x cp x dp) and the fraction of the step a stage computes,
+    m/(m + pp - 1) (each stage idles for pp - 1 micro-batch slots of fill and drain). Unchanged elsewhere.
+
+    Compute itself does not follow the crowding: the CPU calibration's rates (every process of the node computing
+    at once) price every layout's compute. Session 18 compared the runtime's measured compute (`--time-from`,
+    17 saved tune sets of tiny-gpt on this 2-core machine, 4 processes) with the estimate's, per unit of work:
+    unpipelined layouts 0.74-1.04 of it, pipelines with one micro-batch (stages taking turns) 0.74-0.82, with two
+    or more 1.13-1.38; the turn-taking model this replaced (a stage computing alone on whole cores) predicted
+    0.5 and 0.75-0.88 of it for those, too fast on every pipelined class, and made the tune's search pick
+    pipelines that ran slower than plain DDP (chosen / fastest within 1.05 in 7 of 17 replayed sets; 13 of 17
+    without it, docs/notes/session-18)."""
     if not cluster.oversubscribed:
         return cluster
     m = training.global_batch_size // (dp * mbs)
     frac = m / (m + pp - 1) if pp > 1 else 1.0
-    return cluster.model_copy(update={"crowding": (tp * cp * dp, frac, stage_overlap(pp, m))})
-
-
-def stage_overlap(pp: int, m: int) -> float:
-    """The mean fraction of a pipeline stage's busy slots in which another given stage is busy too: in a flushed
-    schedule (GPipe, 1F1B) stage s works micro-batch slots s .. s + m - 1 of each phase, so stages d apart share
-    max(0, m - d) of their m slots. With one micro-batch the stages never compute at once; 1 without a
-    pipeline."""
-    if pp <= 1:
-        return 1.0
-    total = sum(max(0, m - abs(s - o)) / m for s in range(pp) for o in range(pp) if o != s)
-    return total / (pp * (pp - 1))
+    return cluster.model_copy(update={"crowding": (tp * cp * dp, frac)})
 
 
 def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig,

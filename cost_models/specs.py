@@ -283,12 +283,11 @@ class ClusterSpec(_Frozen):
         "collective waits; micro-benchmarks do not see it.",
     )
 
-    crowding: tuple[int, float, float] | None = Field(
+    crowding: tuple[int, float] | None = Field(
         default=None, exclude=True,
         description="Not part of a cluster file: set by the estimate on an oversubscribed CPU node for the "
         "configuration it prices, (processes of one pipeline stage, fraction of the step a stage computes: "
-        "m/(m+pp-1), fraction of a stage's compute during which another stage computes: "
-        "`estimate.stage_overlap`), for `crowded_fraction` and `compute_contention`.",
+        "m/(m+pp-1)), for `crowded_fraction`.",
     )
     skew_wait_us: float = Field(
         default=0.0, ge=0,
@@ -332,7 +331,7 @@ class ClusterSpec(_Frozen):
         if self.crowding is None:
             busy = max(0, P - members)
         else:
-            stage, frac = self.crowding[:2]
+            stage, frac = self.crowding
             stage = min(P, stage)
             if pair:
                 same, other = 2 * (stage - 1), P - 2 * stage
@@ -340,22 +339,6 @@ class ClusterSpec(_Frozen):
                 same, other = stage - members, P - stage
             busy = max(0, same) + max(0, other) * frac
         return max(0.0, 1.0 - self.cores_per_node / (busy + 1))
-
-    @property
-    def compute_contention(self) -> float:
-        """How much longer a process's compute takes under the configuration's `crowding` than the calibration
-        assumes (every process of the node computing at once, each on cores/processes of a core): with `busy`
-        of the node's processes computing at a time it gets min(1, cores/busy) of a core. The processes of its
-        own stage compute alongside it; those of another stage for the share of its compute the two stages
-        overlap (none with one micro-batch: a pipeline's stages then take turns, and each runs on whole cores).
-        1 on accelerators, without crowding, or where processes do not outnumber cores."""
-        if not self.oversubscribed or self.crowding is None:
-            return 1.0
-        P, cores = self.gpus_per_node, self.cores_per_node
-        stage, _, overlap = self.crowding
-        stage = min(P, stage)
-        busy = stage + (P - stage) * overlap
-        return max(1.0, busy / cores) / (P / cores)
 
     @property
     def num_gpus(self) -> int:
