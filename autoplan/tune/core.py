@@ -47,7 +47,7 @@ from autoplan.cost_models.fit import (
 )
 from autoplan.cost_models.specs import ClusterSpec, ModelSpec, TrainingSpec
 
-from .records import RunLog, read_run_log
+from .records import RunLog, read_run_log, warmup_before
 
 # Knob pins that make a candidate deliberately different from the leaders, in the order they are tried. Each
 # is a function of the world size and the plans chosen so far (their ParallelConfigs), returning the pins or None
@@ -294,7 +294,7 @@ def run_candidate(c: Candidate, workdir: Path, *, steps: int, profile_step: int 
         c.log = read_run_log(log_path)
         # the steps before the profiled one are warm-up (DDP's bucket rebuild in step 2 among them); without a
         # profiled step, step 1 alone
-        c.measured_s = c.log.measured_step_s(warmup=profile_step - 1 if profile_step else 1)
+        c.measured_s = c.log.measured_step_s(warmup=warmup_before(profile_step))
     except (AutoplanError, ValueError) as e:
         c.error = str(e)[:200]
 

@@ -232,6 +232,13 @@ class RunLog(BaseModel):
         return statistics.median(times)
 
 
+def warmup_before(profile_step: int | None) -> int:
+    """Steps a tuned run's time leaves out as warm-up: those before its profiled step (DDP's bucket rebuild in
+    step 2 among them), or the first when nothing was profiled. `autoplan tune` times its runs so, and a replay of
+    a saved run must too (`log.profile.step`)."""
+    return profile_step - 1 if profile_step else 1
+
+
 def read_run_log(path: str | Path) -> RunLog:
     """Parse a runtime log (JSON lines): step rows and an optional profile record; other events are skipped."""
     log = RunLog()

@@ -133,3 +133,22 @@ def test_spread_line_reads_repeated_launches():
     # held out: 20% and 50% apart (the single launch has no spread); tuned: 10% (a failed launch left out)
     assert "held-out median 35% over 2" in line and "tuned median 10% over 1" in line
     assert "not repeated" in tune_local.spread_line([[0.1]], [])
+
+
+def test_a_replay_times_a_tuned_run_as_tune_did(tmp_path):
+    """tune times its runs from the profiled step on (`records.warmup_before`: DDP's bucket rebuild in step 2 is
+    warm-up); a replay of the saved run must measure the same, or its fit and its chosen / fastest are not the
+    live run's (session 18: 24.3 against 22.3 ms for one DDP run)."""
+    from autoplan.tune.records import ProfileRecord, warmup_before
+
+    steps = [1, 2, 3, 4, 5]
+    times = [0.3, 0.09, 0.5, 0.05, 0.06]  # step 2 slow (warm-up), step 3 profiled
+    log = RunLog(steps=steps, step_times_s=times)
+    profiled = log.model_copy(update={"profile": ProfileRecord(event="profile", step=3, ranks=[])})
+    assert warmup_before(3) == 2 and warmup_before(None) == 1
+    assert profiled.measured_step_s(warmup_before(3)) == pytest.approx(0.055)  # steps 4 and 5
+    assert profiled.measured_step_s() == pytest.approx(0.06)  # step 2 in the median: what replays did
+    model, cluster, training = tune_local.workload("tiny-gpt", 4, 8, 64)
+    plan = make_plan(model, cluster.with_gpus(4), training, "dp=4,mbs=2", kernels="torch")
+    sample = tune_local._sample_of_saved({"log": profiled.model_dump(), "why": "saved"}, plan)
+    assert sample.measured_step_s == pytest.approx(0.055)
