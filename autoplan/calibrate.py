@@ -267,8 +267,13 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
     regions = bench_recompute_region(device)
     # the measurement `calibrate` wrote as tp_op_overhead_us (calibrate_bench.bench_tp_ops), kept for the record
     tp_ops = bench_tp_ops(device)
+    # the host time per operator of a training step (what kernel_launch_us prices), one process: tune's fit takes
+    # it as a row, so that it cannot trade this constant for the compute rates (cost_models.fit.HostOpSample)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)  # 16-bit trains under autocast
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    host_op = {"seconds": training_op_us(device, sync, autocast), "processes": 1}
     bench = {"device": device, "model": args.model, "seq_len": args.seq_len, "mbs": args.mbs,
-             "gemm": gemms, "collectives": colls, "recompute": regions, "tp_ops": [tp_ops]}
+             "gemm": gemms, "collectives": colls, "recompute": regions, "tp_ops": [tp_ops], "host_op": [host_op]}
     cluster = cluster_from_mapping(spec, where="calibrate")
     if device == "cpu":
         cluster = cluster.model_copy(update={"cores_per_node": len(os.sched_getaffinity(0))})

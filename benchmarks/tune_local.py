@@ -73,9 +73,10 @@ HELD_OUT = [
 def micro_benchmarks(model: str, seq: int, nproc: int) -> dict:
     """What `autoplan calibrate --bench-out` measures: GEMMs at the model's shapes (one micro-batch of 1-2
     sequences), collectives among `nproc` and 2 processes (two process counts separate the descheduling wait
-    from the hop latency)."""
+    from the hop latency), the checkpoint regions, and the host time per operator of a training step."""
     import os
 
+    from autoplan.calibrate import training_op_us
     from autoplan.calibrate_bench import (
         bench_gemms,
         bench_recompute_region,
@@ -87,7 +88,7 @@ def micro_benchmarks(model: str, seq: int, nproc: int) -> dict:
     shapes = sorted(set(model_gemm_shapes(model, seq, 1, nproc) + model_gemm_shapes(model, seq, 2, nproc)))
     colls = run_collectives(nproc, "cpu") + (run_collectives(2, "cpu") if nproc > 2 else [])
     return {"gemm": bench_gemms(shapes, "cpu", "fp32"), "collectives": colls,
-            "recompute": bench_recompute_region("cpu")}
+            "recompute": bench_recompute_region("cpu"), "host_op": [{"seconds": training_op_us("cpu"), "processes": 1}]}
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -251,7 +252,14 @@ def replay(path: str, components: bool = False, as_json: bool = False, saved_sta
     this checkout's local-cpu preset (a preset constant is code, judged like the rest), or with `saved_start`
     from the cluster the live run started from."""
     from autoplan.cost_models.errors import SpecError
-    from autoplan.cost_models.fit import CollectiveSample, GemmSample, RegionSample, fit_cluster, predict_run
+    from autoplan.cost_models.fit import (
+        CollectiveSample,
+        GemmSample,
+        HostOpSample,
+        RegionSample,
+        fit_cluster,
+        predict_run,
+    )
     from autoplan.cost_models.specs import ClusterSpec
     from autoplan.search.core import search
 
@@ -278,12 +286,13 @@ def replay(path: str, components: bool = False, as_json: bool = False, saved_sta
     gemms = [GemmSample.model_validate(g) for g in bench.get("gemm", [])]
     colls = [CollectiveSample.model_validate(c) for c in bench.get("collectives", [])]
     regions = [RegionSample.model_validate(r) for r in bench.get("recompute", [])]
+    host_ops = [HostOpSample.model_validate(h) for h in bench.get("host_op", [])]  # sets saved since session 18
     tuned = [e for e in data["tuned"] if e.get("measured_s")]
     plans = [Plan.model_validate(e["plan"]) for e in tuned]
     samples = [_sample_of_saved(e, p) for e, p in zip(tuned, plans, strict=True)]
     if not samples:
         raise SpecError("nothing to replay", f"{path}: no measured tuned runs", "save a run with --save")
-    fit = fit_cluster(cluster, samples, gemms, colls, regions)
+    fit = fit_cluster(cluster, samples, gemms, colls, regions, host_ops=host_ops)
     refit = fit.cluster
     tuned_rows = [{"parallel": e["parallel"], "measured_s": s.measured_step_s, "error": None,
                    "after_s": predict_run(refit, s).step_time_s} for e, s in zip(tuned, samples, strict=True)]

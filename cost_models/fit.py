@@ -178,6 +178,18 @@ class RegionSample(_Obs):
                            "(calibrate's benchmark runs in one).")
 
 
+class HostOpSample(_Obs):
+    """The host time of one operator as a training step pays it (autoplan.calibrate.training_op_us: tiny-gpt's
+    forward and backward at one token over 3 x its counted operators): what `GPUCalibration.kernel_launch_us`
+    prices. The runs see it only in combination with the compute rates (a layer's time is its operators' host
+    time plus its FLOPs and bytes), so without this row the fit trades one for the other (session 18: a live tune
+    ended at kernel_launch_us 0.01, its lower bound, and priced the pipelines' small actions 20-30% fast)."""
+
+    seconds: float = Field(gt=0, description="Measured host time per operator (median over repeats).")
+    processes: int = Field(default=1, ge=1, description="Processes sharing the node's cores while it was measured "
+                           "(calibrate's benchmark runs in one).")
+
+
 class TimedComponents(_Obs):
     """Measured time of some components of a step, keyed like `Estimate.breakdown` (others are ignored)."""
 
@@ -239,6 +251,13 @@ def predict_region(cluster: ClusterSpec, r: RegionSample) -> float:
     cal = cluster.gpu.calibration
     us = cal.recompute_region_us + r.ops * cal.recompute_op_us
     return us * 1e-6 * _core_share(cluster, cluster.gpus_per_node) / _core_share(cluster, r.processes)
+
+
+def predict_host_op(cluster: ClusterSpec, h: HostOpSample) -> float:
+    """Host time per operator (GPUCalibration.kernel_launch_us) as a process of a run has it, rescaled to the
+    benchmark's share of a core like a GEMM's (`predict_gemm`)."""
+    us = cluster.gpu.calibration.kernel_launch_us
+    return us * 1e-6 * _core_share(cluster, cluster.gpus_per_node) / _core_share(cluster, h.processes)
 
 
 def predict_collective(cluster: ClusterSpec, c: CollectiveSample) -> float:
@@ -389,7 +408,7 @@ def _fsdp_hooked(cfg: ParallelConfig) -> bool:
 
 def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Sequence[GemmSample] = (),
                 collectives: Sequence[CollectiveSample] = (), regions: Sequence[RegionSample] = (), *,
-                free: Sequence[str] | None = None,
+                host_ops: Sequence[HostOpSample] = (), free: Sequence[str] | None = None,
                 prior_weight: float = 1e-3, profiles: dict[str, list[LayerProfile]] | None = None,
                 max_evaluations: int = 400, hold_undetermined: bool = True) -> FitResult:
     """Least-squares refit of `free` knobs of `cluster` to the measurements (see the module docstring).
@@ -401,10 +420,10 @@ def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Seq
     (session 5 saw memory_efficiency 961 and attention_efficiency 0.008 from 7 runs for 9 knobs), and the held-out
     layouts that do use it would pay. Raises SpecError when there is nothing to fit.
     """
-    if not (runs or gemms or collectives or regions):
+    if not (runs or gemms or collectives or regions or host_ops):
         raise SpecError("nothing to fit", "no runs and no micro-benchmarks", "measure some runs first")
     free = list(free if free is not None else default_free_knobs(cluster, runs, collectives, regions))
-    problem = _Problem(cluster, runs, gemms, collectives, prior_weight, profiles, max_evaluations, regions)
+    problem = _Problem(cluster, runs, gemms, collectives, prior_weight, profiles, max_evaluations, regions, host_ops)
     first = problem.solve(free)
     undetermined, collinear = first.undetermined, first.collinear
     fitted, held = first, []
@@ -466,14 +485,16 @@ class _Problem:
     """The measurements and the cost model's predictions of them, for any set of free knobs (the others keep
     `cluster`'s values)."""
 
-    def __init__(self, cluster, runs, gemms, collectives, prior_weight, profiles, max_evaluations, regions=()):
+    def __init__(self, cluster, runs, gemms, collectives, prior_weight, profiles, max_evaluations, regions=(),
+                 host_ops=()):
         import numpy as np
 
         self.cluster, self.runs, self.gemms, self.collectives = cluster, list(runs), list(gemms), list(collectives)
-        self.regions = list(regions)
+        self.regions, self.host_ops = list(regions), list(host_ops)
         self.prior_weight, self.max_evaluations = prior_weight, max_evaluations
         self.profs = {r.model.name: (profiles or {}).get(r.model.name) or profile_from_spec(r.model) for r in runs}
         measured = [g.seconds for g in gemms] + [c.seconds for c in collectives] + [r.seconds for r in self.regions]
+        measured += [h.seconds for h in self.host_ops]
         self.n_micro = len(measured)
         # A component the cost model has no term for in this run (predicted 0: e.g. a flash attention core
         # recomputed under selective recomputation) is left out: no knob can move it.
@@ -494,6 +515,7 @@ class _Problem:
         out = [predict_gemm(cl, g) for g in self.gemms]
         out += [predict_collective(cl, c) for c in self.collectives]
         out += [max(predict_region(cl, r), 1e-12) for r in self.regions]  # 0 where the cluster has no value
+        out += [max(predict_host_op(cl, h), 1e-12) for h in self.host_ops]
         for i, r in enumerate(self.runs if with_runs else ()):
             est = predict_run(cl, r, self.profs[r.model.name])
             out.append(est.step_time_s)
@@ -563,7 +585,7 @@ class _Problem:
         before = self.predictions({})  # the cluster as given
         after = self.predictions(s.after)
         return _rows(self.gemms, self.collectives, self.runs, self.comp_keys, self.measured, before, after,
-                     self.regions)
+                     self.regions, self.host_ops)
 
 
 # A knob whose data rows move by less than this (root-sum-square of d log(predicted) / d log(knob)) is reported
@@ -648,10 +670,11 @@ def _components(r: RunSample, stage: int = 0) -> dict[str, float]:
     return {k: v for k, v in sorted(seconds.items()) if k in COMPONENTS and v > floor}
 
 
-def _rows(gemms, collectives, runs, comp_keys, measured, before, after, regions=()) -> list[dict]:
+def _rows(gemms, collectives, runs, comp_keys, measured, before, after, regions=(), host_ops=()) -> list[dict]:
     labels = [("gemm", f"gemm {g.m}x{g.n}x{g.k}") for g in gemms]
     labels += [("collective", f"{c.collective} {c.level} x{c.ranks} {c.nbytes / 1024:.0f} KiB") for c in collectives]
     labels += [("region", f"checkpoint region of {r.ops} ops, {r.processes} process(es)") for r in regions]
+    labels += [("host", f"host time per operator, {h.processes} process(es)") for h in host_ops]
     for r, keys in zip(runs, comp_keys, strict=True):
         labels.append(("run", r.label or r.parallel.to_string()))
         labels.extend(("component", f"{r.label or r.parallel.to_string()} {k}") for k in keys)

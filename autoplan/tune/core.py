@@ -40,6 +40,7 @@ from autoplan.cost_models.fit import (
     CollectiveSample,
     FitResult,
     GemmSample,
+    HostOpSample,
     RegionSample,
     RunSample,
     TimedComponents,
@@ -359,14 +360,16 @@ def run_sample(c: Candidate) -> RunSample:
                      components=comps, label=c.config)
 
 
-def load_bench(paths) -> tuple[list[GemmSample], list[CollectiveSample], list[RegionSample]]:
+def load_bench(paths) -> tuple[list[GemmSample], list[CollectiveSample], list[RegionSample], list[HostOpSample]]:
     """Micro-benchmarks written by `autoplan calibrate --bench-out FILE` (JSON: {"gemm": [...], "collectives":
-    [...], "recompute": [...]}); `paths` is one file, several (e.g. one per process count), or None."""
+    [...], "recompute": [...], "host_op": [...]}); `paths` is one file, several (e.g. one per process count), or
+    None."""
     if paths is None:
-        return [], [], []
+        return [], [], [], []
     gemms: list[GemmSample] = []
     colls: list[CollectiveSample] = []
     regions: list[RegionSample] = []
+    host_ops: list[HostOpSample] = []
     for path in [paths] if isinstance(paths, (str, Path)) else paths:
         p = Path(path)
         if not p.exists():
@@ -377,10 +380,11 @@ def load_bench(paths) -> tuple[list[GemmSample], list[CollectiveSample], list[Re
             gemms += [GemmSample.model_validate(g) for g in data.get("gemm", [])]
             colls += [CollectiveSample.model_validate(c) for c in data.get("collectives", [])]
             regions += [RegionSample.model_validate(r) for r in data.get("recompute", [])]
+            host_ops += [HostOpSample.model_validate(h) for h in data.get("host_op", [])]
         except (ValueError, TypeError, AttributeError) as e:
             raise SpecError("malformed micro-benchmark file", f"{p}: {str(e).splitlines()[0]}",
                             "re-run `autoplan calibrate --bench-out FILE`") from None
-    return gemms, colls, regions
+    return gemms, colls, regions, host_ops
 
 
 def prepare_cluster(cluster: ClusterSpec) -> ClusterSpec:
@@ -391,18 +395,18 @@ def prepare_cluster(cluster: ClusterSpec) -> ClusterSpec:
 
 
 def refit(cluster: ClusterSpec, candidates: list[Candidate],
-          bench: tuple[list, list, list] = ([], [], []), profiles=None) -> FitResult | None:
+          bench: tuple[list, list, list, list] = ([], [], [], []), profiles=None) -> FitResult | None:
     """Fit the cluster to the measured candidates (and micro-benchmark rows); fills each candidate's
     predicted-after."""
     from autoplan.cost_models.fit import predict_run
 
     measured = [c for c in candidates if c.measured_s is not None]
-    gemms, colls, regions = bench  # load_bench's rows
-    if not measured and not (gemms or colls or regions):
+    gemms, colls, regions, host_ops = bench  # load_bench's rows
+    if not measured and not (gemms or colls or regions or host_ops):
         return None
     samples = [run_sample(c) for c in measured]
     prof = {measured[0].plan.model.name: profiles} if profiles and measured else None
-    res = fit_cluster(cluster, samples, gemms, colls, regions, profiles=prof)
+    res = fit_cluster(cluster, samples, gemms, colls, regions, host_ops=host_ops, profiles=prof)
     for c in measured:
         if c.log is not None and c.log.profile is not None:
             res.count_mismatches.extend(f"{c.config}: {routing_note(m, c.plan)}"

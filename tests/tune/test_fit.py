@@ -501,3 +501,34 @@ def test_cpu_fraction_from_timing_records():
     assert log.cpu_fraction() == pytest.approx((0.6 + 0.8) / 2)
     old = RunLog(timings=[TimingRecord(event="timing", step=2, ranks=[TimingRank(rank=0, step_s=0.1)])])
     assert old.cpu_fraction() is None  # a log written before cpu_s was recorded
+
+
+def test_a_host_op_benchmark_pins_kernel_launch_us():
+    """The host time per operator measured by calibrate (one process) is a row of the fit against
+    kernel_launch_us at a run's share of the cores: alone it recovers the constant, and it keeps a fit on runs
+    from trading it for the compute rates (session 18: a live tune ended at its 0.01 us bound without it)."""
+    from autoplan.cost_models.fit import HostOpSample, predict_host_op
+
+    truth = with_knobs(_base(), {"kernel_launch_us": 14.0}).with_gpus(4)  # 4 processes on 2 cores
+    one = HostOpSample(seconds=1.0)
+    assert predict_host_op(truth, one) == pytest.approx(7e-6)  # alone in a process it had a whole core
+    sample = HostOpSample(seconds=predict_host_op(truth, one))
+    start = with_knobs(truth, {"kernel_launch_us": 40.0})
+    res = fit_cluster(start, host_ops=[sample], free=["kernel_launch_us"])
+    assert res.after["kernel_launch_us"] == pytest.approx(14.0, rel=0.01)
+    assert [r["kind"] for r in res.rows] == ["host"]
+
+
+def test_load_bench_reads_the_host_op_rows(tmp_path):
+    import json as _json
+
+    from autoplan.cost_models.errors import SpecError
+    from autoplan.tune.core import load_bench
+
+    path = tmp_path / "bench.json"
+    path.write_text(_json.dumps({"gemm": [], "collectives": [], "host_op": [{"seconds": 6e-6, "processes": 1}]}))
+    gemms, colls, regions, host_ops = load_bench(path)
+    assert (gemms, colls, regions) == ([], [], []) and host_ops[0].seconds == 6e-6
+    path.write_text(_json.dumps({"host_op": [{"seconds": -1}]}))
+    with pytest.raises(SpecError, match="malformed micro-benchmark file"):
+        load_bench(path)
