@@ -14,6 +14,7 @@ GEMMs they are chunked with when the runtime overlaps them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import comm
@@ -560,14 +561,15 @@ def loss_transient(p: LayerProfile, ctx: Context) -> float:
 
 
 def _op_sac_recompute(p: LayerProfile, ctx: Context, elementwise_f: float, host_fwd: float, cpu_host: bool,
-                      region, tp_fwd: float) -> tuple[float, float, float]:
+                      region: Callable[[int], float], tp_fwd: float) -> tuple[float, float, float]:
     """(time, FLOPs, checkpoint bookkeeping time) of re-running a block under torchtitan's per-op selective
     checkpointing (`op_sac_reruns`), one micro-batch: the re-run GEMMs, every elementwise op of the forward (norms,
-    activations, RoPE, residual adds: `elementwise_f`), the host time of every re-run
-    kernel (all but the saved GEMMs and the attention kernel), and the forward's tensor-parallel collectives except
-    the reduce-scatters (SelectiveAC saves reduce_scatter_tensor outputs; an all-gather or an all-reduce runs
-    again), exposed as the forward's are (`tp_fwd`). The attention core is saved, and with it context parallelism's exchange; expert-parallel all-to-alls
-    are saved. On a CPU host the block is one torch.utils.checkpoint region (`region`)."""
+    activations, RoPE, residual adds: `elementwise_f`), the host time of every re-run kernel (all but the saved
+    GEMMs and the attention kernel), and the forward's tensor-parallel collectives except the reduce-scatters
+    (SelectiveAC saves reduce_scatter_tensor outputs; an all-gather or an all-reduce runs again), exposed as the
+    forward's are (`tp_fwd`). The attention kernel is saved, and with it context parallelism's exchange; the
+    expert-parallel all-to-alls are saved. On a CPU host the block is one torch.utils.checkpoint region
+    (`region`)."""
     reruns = op_sac_reruns(p)
     parts = _gemm_parts(p, ctx)
     gemm_t = sum(x for (x, _), r in zip(parts, reruns, strict=True) if r)
