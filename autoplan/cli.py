@@ -294,8 +294,9 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     t = Table(title="Software stacks (--stack NAME; override one knob with --stack-set KEY=VAL)", show_lines=True)
     for c in ("name", "knobs", "assumes"):
         t.add_column(c, overflow="fold")
-    short = {"flash_attention": "flash", "overlap_grad_reduce": "overlap_grad", "overlap_param_gather":
-             "overlap_gather", "tp_comm_overlap": "tp_overlap", "grad_reduce_dtype": "grad_dtype"}
+    from autoplan.cost_models.stacks import KNOB_ALIASES
+
+    short = {field: alias for alias, field in KNOB_ALIASES.items()}  # --stack-set takes either name
     for r in rows:
         knobs = "\n".join(f"{short.get(k, k)}={'compute' if v is None else str(v).lower()}"
                           for k, v in r["knobs"].items())

@@ -26,6 +26,10 @@ STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_re
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory",
                "autocast_fp32_params", "selective_policy", "kernels")
+# The short names `autoplan stacks` prints for some knobs; --stack-set takes them as well as the field names.
+KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce",
+                "overlap_gather": "overlap_param_gather", "tp_overlap": "tp_comm_overlap",
+                "grad_dtype": "grad_reduce_dtype"}
 # Values every stack has unless it says otherwise (TrainingSpec's defaults for these knobs). runtime_memory (what
 # autoplan's runtime holds beyond Megatron's memory count, estimate.runtime_extra) is autoplan's alone. torchtitan
 # also runs FSDP2 and DTensor, but: it has no replicate-with-TP at ZeRO-0 (its DDP is 1-D only), its MoE shards
@@ -227,6 +231,7 @@ def parse_stack_set(text: str | None) -> dict[str, object]:
             raise ConfigError("--stack-set items are key=value", f"got {raw!r}", "write e.g. tp_comm_overlap=true")
         key, val = (x.strip() for x in raw.split("=", 1))
         key = key.lower().replace("-", "_")
+        key = KNOB_ALIASES.get(key, key)
         if key not in STACK_KNOBS:
             raise ConfigError(f"unknown stack knob {key!r}", f"in --stack-set {text!r}",
                               "knobs: " + ", ".join(STACK_KNOBS))

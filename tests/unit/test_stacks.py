@@ -96,7 +96,7 @@ def test_search_and_scaling_take_a_stack(capsys):
 
 @pytest.mark.parametrize("extra,needle", [
     (["--stack", "megatron-1999"], "unknown stack"),
-    (["--stack-set", "flash=1"], "unknown stack knob"),
+    (["--stack-set", "flashy=1"], "unknown stack knob"),
     (["--stack-set", "flash_attention=maybe"], "takes true or false"),
     (["--stack-set", "kernels=torch,kernels=fused"], "given twice"),
     (["--stack-set", "grad_reduce_dtype=int4"], "stack knob grad_reduce_dtype"),
@@ -111,3 +111,7 @@ def test_parse_stack_set():
     assert parse_stack_set("tp_comm_overlap=on, grad_reduce_dtype=fp32") == {"tp_comm_overlap": True,
                                                                               "grad_reduce_dtype": "fp32"}
     assert parse_stack_set("grad-reduce-dtype=none") == {"grad_reduce_dtype": None}
+    # the short names `autoplan stacks` prints are accepted too
+    assert parse_stack_set("flash=false,grad_dtype=fp32") == {"flash_attention": False, "grad_reduce_dtype": "fp32"}
+    with pytest.raises(Exception, match="given twice"):
+        parse_stack_set("flash=false,flash_attention=true")
