@@ -156,12 +156,6 @@ def _gemm_parts(p: LayerProfile, ctx: Context) -> list[tuple[float, float]]:
     return out
 
 
-def _gemms(p: LayerProfile, ctx: Context) -> tuple[float, float]:
-    """Forward GEMM time and FLOPs on this GPU."""
-    parts = _gemm_parts(p, ctx)
-    return sum(x for x, _ in parts), sum(f for _, f in parts)
-
-
 def op_sac_reruns(p: LayerProfile) -> list[bool]:
     """Per GEMM of a block (forward order), whether torchtitan's per-op selective checkpointing re-runs it in the
     backward (`TrainingSpec.selective_policy` 'every_other_matmul'). SelectiveAC's policy (torchtitan/distributed/
@@ -260,6 +254,10 @@ def _head_logits_comm(p: LayerProfile, ctx: Context, grp) -> float:
     return comm.all_gather(ctx.cluster, grp, gathered) if gathered else 0.0
 
 
+# The collectives of `tp_units`, by name.
+_TP_COLLECTIVE = {"all_reduce": comm.all_reduce, "reduce_scatter": comm.reduce_scatter, "all_gather": comm.all_gather}
+
+
 def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, float]:
     """Exposed tensor-parallel communication (forward, backward) for one micro-batch."""
     if ctx.tp <= 1 or p.tp_allreduces == 0:
@@ -267,8 +265,7 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
     grp = comm.group_of(ctx.cluster, ctx.tp, 1)
     # With sp, each all-reduce becomes a reduce-scatter + all-gather pair: the same bytes and hops on an NCCL
     # ring, but more on gloo (whose reduce-scatter is a whole all-reduce, see comm.reduce_scatter).
-    run = {"all_reduce": comm.all_reduce, "reduce_scatter": comm.reduce_scatter, "all_gather": comm.all_gather}
-    one_f, one_b = (sum(run[c](ctx.cluster, grp, b) for c, b in u.items()) for u in tp_units(p, ctx))
+    one_f, one_b = (sum(_TP_COLLECTIVE[c](ctx.cluster, grp, b) for c, b in u.items()) for u in tp_units(p, ctx))
     n_fwd = p.tp_allreduces if p.kind != "head" else 0
     n_bwd = p.tp_allreduces if p.kind != "embedding" else 0
     fwd, bwd = n_fwd * one_f, n_bwd * one_b
@@ -560,8 +557,9 @@ def loss_transient(p: LayerProfile, ctx: Context) -> float:
     return max(forward, loss_backward_temporaries(p, ctx))
 
 
-def _op_sac_recompute(p: LayerProfile, ctx: Context, elementwise_f: float, host_fwd: float, cpu_host: bool,
-                      region: Callable[[int], float], tp_fwd: float) -> tuple[float, float, float]:
+def _op_sac_recompute(p: LayerProfile, ctx: Context, parts: list[tuple[float, float]], elementwise_f: float,
+                      host_fwd: float, cpu_host: bool, region: Callable[[int], float],
+                      tp_fwd: float) -> tuple[float, float, float]:
     """(time, FLOPs, checkpoint bookkeeping time) of re-running a block under torchtitan's per-op selective
     checkpointing (`op_sac_reruns`), one micro-batch: the re-run GEMMs, every elementwise op of the forward (norms,
     activations, RoPE, residual adds: `elementwise_f`), the host time of every re-run kernel (all but the saved
@@ -569,9 +567,8 @@ def _op_sac_recompute(p: LayerProfile, ctx: Context, elementwise_f: float, host_
     (SelectiveAC saves reduce_scatter_tensor outputs; an all-gather or an all-reduce runs again), exposed as the
     forward's are (`tp_fwd`). The attention kernel is saved, and with it context parallelism's exchange; the
     expert-parallel all-to-alls are saved. On a CPU host the block is one torch.utils.checkpoint region
-    (`region`)."""
+    (`region`). `parts`: the layer's `_gemm_parts`."""
     reruns = op_sac_reruns(p)
-    parts = _gemm_parts(p, ctx)
     gemm_t = sum(x for (x, _), r in zip(parts, reruns, strict=True) if r)
     flops = sum(f for (_, f), r in zip(parts, reruns, strict=True) if r)
     kept_kernels = sum(1 for r in reruns if not r) + (1 if p.attention is not None else 0)
@@ -583,8 +580,7 @@ def _op_sac_recompute(p: LayerProfile, ctx: Context, elementwise_f: float, host_
         # the forward's exposed TP time (overlap included, as the forward pays it), the share of it that is not a
         # reduce-scatter
         grp = comm.group_of(ctx.cluster, ctx.tp, 1)
-        run = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather, "reduce_scatter": comm.reduce_scatter}
-        times = {c: run[c](ctx.cluster, grp, b) for c, b in tp_units(p, ctx)[0].items()}
+        times = {c: _TP_COLLECTIVE[c](ctx.cluster, grp, b) for c, b in tp_units(p, ctx)[0].items()}
         total = sum(times.values())
         comm_t = tp_fwd * (total - times.get("reduce_scatter", 0.0)) / total if total > 0 else 0.0
     if cpu_host:
@@ -617,7 +613,8 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     """Time, memory and FLOPs of layer `p` for one micro-batch on one GPU."""
     cal = ctx.cluster.gpu.calibration
     t, e = ctx.tp, ctx.act_bytes
-    gemm_fwd, gemm_flops = _gemms(p, ctx)
+    parts = _gemm_parts(p, ctx)
+    gemm_fwd, gemm_flops = sum(x for x, _ in parts), sum(f for _, f in parts)
     attn_fwd, attn_bwd, attn_flops = _attention(p, ctx)
     seq_div = t if ctx.sp else 1
     # The loss is eager cross-entropy on every stack that uses autoplan's kernels: the runtime's loss_fn
@@ -691,8 +688,8 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
             ckpt_sel = sel - plain
     op_sac = ctx.training.selective_policy == "every_other_matmul" and p.kind == "block"
     if op_sac:
-        sel, rec_sel_flops, ckpt_sel = _op_sac_recompute(p, ctx, ew_fwd + ew_extra_f + _mem_time(ctx, ac.fwd_bytes),
-                                                         host_fwd, cpu_host, region, tp_f)
+        sel, rec_sel_flops, ckpt_sel = _op_sac_recompute(
+            p, ctx, parts, ew_fwd + ew_extra_f + _mem_time(ctx, ac.fwd_bytes), host_fwd, cpu_host, region, tp_f)
     # Activations (bytes) of one micro-batch: Korthikanti et al. 2022 Table 2 generalised.
     tok = ctx.tokens
     scale = e / 2.0  # profiles count 2-byte activations

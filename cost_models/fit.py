@@ -230,7 +230,13 @@ def predict_gemm(cluster: ClusterSpec, g: GemmSample) -> float:
     absurdly slow attention instead (session 5: attention_efficiency 0.008)."""
     peak = cluster.gpu.peak_flops(g.dtype)
     roofline = 2.0 * g.m * g.n * g.k / (peak * gemm_efficiency(cluster, g.m, g.n, g.k))
-    return roofline * _core_share(cluster, cluster.gpus_per_node) / _core_share(cluster, g.processes) + g.call_s
+    return roofline * _bench_scale(cluster, g.processes) + g.call_s
+
+
+def _bench_scale(cluster: ClusterSpec, processes: int) -> float:
+    """A run's time over a benchmark's run in `processes` processes on one node: the run's share of a core over
+    the benchmark's (`_core_share`; 1 on accelerators)."""
+    return _core_share(cluster, cluster.gpus_per_node) / _core_share(cluster, processes)
 
 
 def _core_share(cluster: ClusterSpec, processes: int) -> float:
@@ -250,14 +256,14 @@ def predict_region(cluster: ClusterSpec, r: RegionSample) -> float:
     rescaled to the benchmark's share of a core like a GEMM's (`predict_gemm`)."""
     cal = cluster.gpu.calibration
     us = cal.recompute_region_us + r.ops * cal.recompute_op_us
-    return us * 1e-6 * _core_share(cluster, cluster.gpus_per_node) / _core_share(cluster, r.processes)
+    return us * 1e-6 * _bench_scale(cluster, r.processes)
 
 
 def predict_host_op(cluster: ClusterSpec, h: HostOpSample) -> float:
     """Host time per operator (GPUCalibration.kernel_launch_us) as a process of a run has it, rescaled to the
     benchmark's share of a core like a GEMM's (`predict_gemm`)."""
     us = cluster.gpu.calibration.kernel_launch_us
-    return us * 1e-6 * _core_share(cluster, cluster.gpus_per_node) / _core_share(cluster, h.processes)
+    return us * 1e-6 * _bench_scale(cluster, h.processes)
 
 
 def predict_collective(cluster: ClusterSpec, c: CollectiveSample) -> float:
