@@ -65,6 +65,11 @@ def test_megatron_partial_full_recompute_uses_block(gpt175):
     plan = make_plan(m, c, tr, "tp=8,pp=8,mbs=1,sp=1,recompute=full,recompute_layers=6")
     ns = parse(plan)
     assert (ns.recompute_granularity, ns.recompute_method, ns.recompute_num_layers) == ("full", "block", 6)
+    # the stage's other 6 layers recompute their attention core in the plan, nothing under the block method
+    warned = [w for w in export_megatron(plan)["warnings"] if "block method recomputes nothing" in w]
+    assert len(warned) == 1 and "up to 6 layer(s)" in warned[0], export_megatron(plan)["warnings"]
+    every = make_plan(m, c, tr, "tp=8,pp=8,mbs=1,sp=1,recompute=full")
+    assert not [w for w in export_megatron(every)["warnings"] if "block method" in w]
 
 
 def test_megatron_model_shape_flags_llama_and_moe():
