@@ -132,7 +132,7 @@ def per_process(spec: dict, nproc: int, cores: int) -> dict:
     gpu["peak_tflops"] = {k: round(v * share, 5) for k, v in gpu["peak_tflops"].items()}
     gpu["hbm_gbps"] = round(gpu["hbm_gbps"] * share, 2)
     cal = dict(gpu["calibration"])
-    for k in ("kernel_launch_us", "tp_op_overhead_us", "dtensor_param_us"):
+    for k in ("kernel_launch_us", "tp_op_overhead_us", "dtensor_param_us", "pipeline_action_us"):
         if k in cal:
             cal[k] = round(cal[k] / share, 2)
     gpu["calibration"] = cal
@@ -190,9 +190,10 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     c = measure_compute(device, dtype)
-    from .calibrate_bench import bench_fused_calls, bench_tp_ops
+    from .calibrate_bench import bench_fused_calls, bench_pipeline_actions, bench_tp_ops
 
     tp_ops = bench_tp_ops(device)
+    actions = bench_pipeline_actions()
     # the fused modules' host time per call: only where the runtime substitutes them (a GPU; codegen.fuse)
     fused = bench_fused_calls(device) if device == "cuda" else {"fused_call_us": 0.0}
     bus, lat = measure_allreduce(nproc) if nproc > 1 else (100.0, 1.0)
@@ -225,6 +226,8 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
                 "tp_op_overhead_us": round(tp_ops["seconds"] / tp_ops["ops"] * 1e6, 2),
                 # and the optimizer step's per parameter tensor over DTensors (the same model's AdamW step)
                 "dtensor_param_us": round(tp_ops["optimizer_seconds"] / tp_ops["optimizer_tensors"] * 1e6, 2),
+                # the pipeline schedule's host time per action, two processes (calibrate_bench.bench_pipeline_actions)
+                "pipeline_action_us": round(actions["seconds"] / actions["actions"] * 1e6, 2),
                 # a fused Triton module's forward call beyond torch's op (calibrate_bench.bench_fused_calls)
                 "fused_call_us": round(fused["fused_call_us"], 2),
                 "framework_overhead_gib": 0.3 if device == "cpu" else 2.0,
@@ -248,6 +251,7 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
 
     from .calibrate_bench import (
         bench_gemms,
+        bench_pipeline_actions,
         bench_recompute_region,
         bench_tp_ops,
         model_gemm_shapes,
@@ -272,8 +276,14 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)  # 16-bit trains under autocast
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     host_op = {"seconds": training_op_us(device, sync, autocast), "processes": 1}
+    # and per action of the runtime's pipeline schedule (what pipeline_action_us prices), two processes: a row of
+    # the fit too, which the pipelined runs would otherwise trade for the compute rates
+    actions = bench_pipeline_actions()
+    host_action = {"seconds": actions["seconds"] / actions["actions"], "processes": actions["processes"],
+                   "knob": "pipeline_action_us"}
     bench = {"device": device, "model": args.model, "seq_len": args.seq_len, "mbs": args.mbs,
-             "gemm": gemms, "collectives": colls, "recompute": regions, "tp_ops": [tp_ops], "host_op": [host_op]}
+             "gemm": gemms, "collectives": colls, "recompute": regions, "tp_ops": [tp_ops],
+             "host_op": [host_op, host_action]}
     cluster = cluster_from_mapping(spec, where="calibrate")
     if device == "cpu":
         cluster = cluster.model_copy(update={"cores_per_node": len(os.sched_getaffinity(0))})

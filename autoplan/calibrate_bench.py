@@ -5,8 +5,9 @@ RegionSample).
 - GEMMs at the model's own shapes: every GEMM of a transformer block, embedding and head, for one micro-batch of
   `--seq-len` tokens, unsharded and sharded as tensor parallelism of each degree up to the node's size would
   shard it (column-parallel N/tp, row-parallel K/tp).
-- The host time of one checkpointed region (torch.utils.checkpoint, as the runtime's recompute uses it), and
-  the host time DTensor adds per operator of a tensor-parallel step.
+- The host time of one checkpointed region (torch.utils.checkpoint, as the runtime's recompute uses it), the
+  host time DTensor adds per operator of a tensor-parallel step, and the host time the pipeline schedule
+  (torch.distributed.pipelining) adds per action.
 - Collectives at several sizes on each level of the hierarchy: all-reduce, all-gather, reduce-scatter,
   all-to-all among the processes of one node ("intra"), and among one process per node ("inter") when the
   benchmark runs on several nodes under torchrun; send/recv between two processes of a node, and between two
@@ -303,6 +304,79 @@ def _tp_ops_worker(rank: int, device: str, port: int, out: str, repeats: int) ->
         opt_extra = max(statistics.median(t_opt[1]) - statistics.median(t_opt[0]), 1e-9)
         Path(out).write_text(json.dumps({"ops": int(ops), "seconds": extra, "processes": 1,
                                          "optimizer_tensors": tensors, "optimizer_seconds": opt_extra}))
+    finally:
+        dist.destroy_process_group()
+    leave_spawned()
+
+
+def bench_pipeline_actions(microbatches: int = 8, repeats: int = 41, hidden: int = 16) -> dict:
+    """The host time torch.distributed.pipelining's schedule adds per action, one stage's forward or backward of
+    one micro-batch (GPUCalibration.pipeline_action_us): two processes, one stage each (a `hidden`-wide Linear,
+    device time ~0), the runtime's 1F1B schedule over `microbatches` micro-batches, against the same module's
+    forward and backward run `microbatches` times in a plain loop; the difference in the main thread's CPU time
+    (time.thread_time: the schedule's Python and the posting of its receives and sends, not gloo's transfer
+    threads nor the waits for the peer) over the 2 x `microbatches` actions, the median over `repeats` steps,
+    the mean of the two ranks. gloo on CPU tensors on any host: it is the schedule's host time, which a GPU host
+    pays the same way, and the two processes may then share one GPU-less pair of cores. Returns {"actions",
+    "seconds" (per step, beyond the plain loop), "processes": 2}; ~90-100 us per action on this machine's CPU
+    (session 19)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        mp.spawn(_pipeline_actions_worker, args=(port, out, microbatches, repeats, hidden), nprocs=2, join=True)
+        return json.loads(Path(out).read_text())
+    finally:
+        Path(out).unlink(missing_ok=True)
+
+
+def _pipeline_actions_worker(rank: int, port: int, out: str, m: int, repeats: int, hidden: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(rank)
+        module = torch.nn.Linear(hidden, hidden)
+        stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, m, loss_fn=lambda out, target: out.sum())
+        x, target = torch.randn(m, hidden), torch.zeros(m, hidden)
+
+        def step() -> float:
+            dist.barrier()
+            t0 = time.thread_time()
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=target)
+            return time.thread_time() - t0
+
+        def plain() -> float:
+            t0 = time.thread_time()
+            for k in range(m):
+                module(x[k:k + 1].requires_grad_(rank > 0)).sum().backward()
+            return time.thread_time() - t0
+
+        for _ in range(5):
+            step()
+            plain()
+        t_step, t_plain = [], []
+        for _ in range(repeats):
+            t_step.append(step())
+            t_plain.append(plain())
+        extra = max(statistics.median(t_step) - statistics.median(t_plain), 0.0)
+        both: list = [None, None]
+        dist.all_gather_object(both, extra)
+        if rank == 0:
+            Path(out).write_text(json.dumps({"actions": 2 * m, "seconds": sum(both) / 2, "processes": 2}))
     finally:
         dist.destroy_process_group()
     leave_spawned()

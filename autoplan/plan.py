@@ -26,7 +26,7 @@ _LATER_FIELDS: dict[str, tuple[str, ...]] = {
     "parallel": ("layout",),
     "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                  "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "runtime_memory", "sp_grads_coalesced", "selective_policy"),
-    "cluster.gpu.calibration": ("dtensor_param_us", "fused_call_us"),
+    "cluster.gpu.calibration": ("dtensor_param_us", "fused_call_us", "pipeline_action_us"),
 }
 
 

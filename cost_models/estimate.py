@@ -901,6 +901,18 @@ def p2p_occupancy(index: int, n_stages: int, p2p_s: float, cluster: ClusterSpec,
     return per_phase, per_phase
 
 
+def pipeline_action_time(cluster: ClusterSpec, training: TrainingSpec, n_stages: int) -> float:
+    """Host time autoplan's pipeline schedule adds to every action of a (virtual) stage, its forward or its
+    backward of one micro-batch (`GPUCalibration.pipeline_action_us`): torch.distributed.pipelining's bookkeeping
+    and the posting of the action's receives and sends, beyond the stage's operators. On CPU processes it is on
+    the critical path (the thread that runs the schedule runs the operators), and the runtime times it as
+    compute (autoplan.tune.records: the schedule's time outside its waits). On a GPU host the schedule runs
+    ahead of the kernels and it is not priced. 0 without a pipeline or on another program's stack."""
+    if n_stages <= 1 or not training.runtime_memory or cluster.cores_per_node is None:
+        return 0.0
+    return cluster.gpu.calibration.pipeline_action_us * 1e-6
+
+
 def crowded(cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig) -> ClusterSpec:
     """`cluster` with configuration `cfg`'s `crowding` on an oversubscribed CPU node (`crowded_for`)."""
     return crowded_for(cluster, training, tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, pp=cfg.pp, mbs=cfg.mbs)
@@ -951,6 +963,10 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
     for s in stages:  # unfused gradient accumulation: a memory-bound pass per micro-batch (compute time), over a
         # tied head's own copy too (its gradient is accumulated like every other parameter's)
         s.bwd_s += grad_accum_time(s.params + (s.tied_head if cfg.pp > 1 else 0.0), cluster, training)
+    action = pipeline_action_time(cluster, training, n_stages)
+    for s in stages:  # the pipeline schedule's host time per action (compute, as the runtime times it)
+        s.fwd_s += action
+        s.bwd_s += action
     p2p_s, p2p_busy = pipeline_p2p_parts(cluster, training, hidden=profiles[0].hidden, pp=cfg.pp, tp=cfg.tp,
                                          cp=cfg.cp, dp=cfg.dp, mbs=cfg.mbs, sp=cfg.sp)
     if cfg.pp > 1:  # what the messages cost the ranks at either end (blocking sends, or interference)

@@ -89,6 +89,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "wait per collective inside a training step for its last member on an oversubscribed node, us"),
     Knob("fsdp_hook_us", ("gpu", "calibration", "fsdp_hook_us"), 1e-2, 1e6,
          "host time of FSDP2's hooks per unit and micro-batch (replicate and fully_shard), us"),
+    Knob("pipeline_action_us", ("gpu", "calibration", "pipeline_action_us"), 1e-2, 1e6,
+         "host time of the runtime's pipeline schedule per action (a stage's forward or backward of one "
+         "micro-batch) on CPU processes, us"),
     Knob("recompute_region_us", ("gpu", "calibration", "recompute_region_us"), 1e-2, 1e6,
          "host time of one checkpointed region per micro-batch (torch.utils.checkpoint bookkeeping), us"),
     Knob("recompute_op_us", ("gpu", "calibration", "recompute_op_us"), 1e-2, 1e6,
@@ -185,9 +188,15 @@ class HostOpSample(_Obs):
     time plus its FLOPs and bytes), so without this row the fit trades one for the other (session 18: a live tune
     ended at kernel_launch_us 0.01, its lower bound, and priced the pipelines' small actions 20-30% fast)."""
 
-    seconds: float = Field(gt=0, description="Measured host time per operator (median over repeats).")
+    seconds: float = Field(gt=0, description="Measured host time per operator, or per pipeline action (median over "
+                           "repeats).")
     processes: int = Field(default=1, ge=1, description="Processes sharing the node's cores while it was measured "
                            "(calibrate's benchmark runs in one).")
+    knob: Literal["kernel_launch_us", "pipeline_action_us"] = Field(
+        default="kernel_launch_us",
+        description="The host time measured: per operator (kernel_launch_us), or per action of the runtime's "
+        "pipeline schedule (pipeline_action_us: calibrate_bench.bench_pipeline_actions, two processes; the runs "
+        "see it only beside the pipelined stages' compute).")
 
 
 class TimedComponents(_Obs):
@@ -260,9 +269,9 @@ def predict_region(cluster: ClusterSpec, r: RegionSample) -> float:
 
 
 def predict_host_op(cluster: ClusterSpec, h: HostOpSample) -> float:
-    """Host time per operator (GPUCalibration.kernel_launch_us) as a process of a run has it, rescaled to the
-    benchmark's share of a core like a GEMM's (`predict_gemm`)."""
-    us = cluster.gpu.calibration.kernel_launch_us
+    """Host time per operator (GPUCalibration.kernel_launch_us) or per pipeline action (pipeline_action_us), as a
+    process of a run has it, rescaled to the benchmark's share of a core like a GEMM's (`predict_gemm`)."""
+    us = getattr(cluster.gpu.calibration, h.knob)
     return us * 1e-6 * _bench_scale(cluster, h.processes)
 
 
@@ -370,7 +379,8 @@ class FitResult:
 
 
 def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
-                       collectives: Sequence[CollectiveSample] = (), regions: Sequence[RegionSample] = ()) -> list[str]:
+                       collectives: Sequence[CollectiveSample] = (), regions: Sequence[RegionSample] = (),
+                       host_ops: Sequence[HostOpSample] = ()) -> list[str]:
     """The knobs the data can plausibly inform: the inter-node level only when some run or sample spans nodes,
     the oversubscription wait only when the cluster's cores are known and some run oversubscribes them, the
     checkpoint region's host time when it was benchmarked or some run on a CPU cluster recomputes."""
@@ -385,6 +395,9 @@ def default_free_knobs(cluster: ClusterSpec, runs: Sequence[RunSample],
         free.append("fsdp_collective_overhead_us")
     if any(_fsdp_hooked(r.parallel) for r in runs):
         free.append("fsdp_hook_us")
+    if (cluster.cores_per_node is not None and any(r.parallel.pp > 1 for r in runs)) \
+            or any(h.knob == "pipeline_action_us" for h in host_ops):
+        free.append("pipeline_action_us")  # priced where the host is the critical path (estimate.pipeline_action_time)
     if regions or (cluster.cores_per_node is not None and any(_recomputes(r) for r in runs)):
         free += ["recompute_region_us", "recompute_op_us"]
     if any(r.world > cluster.gpus_per_node for r in runs) or any(c.level == "inter" for c in collectives):
@@ -428,7 +441,7 @@ def fit_cluster(cluster: ClusterSpec, runs: Sequence[RunSample] = (), gemms: Seq
     """
     if not (runs or gemms or collectives or regions or host_ops):
         raise SpecError("nothing to fit", "no runs and no micro-benchmarks", "measure some runs first")
-    free = list(free if free is not None else default_free_knobs(cluster, runs, collectives, regions))
+    free = list(free if free is not None else default_free_knobs(cluster, runs, collectives, regions, host_ops))
     problem = _Problem(cluster, runs, gemms, collectives, prior_weight, profiles, max_evaluations, regions, host_ops)
     first = problem.solve(free)
     undetermined, collinear = first.undetermined, first.collinear
@@ -542,7 +555,7 @@ class _Problem:
         starts = {"oversubscription_wait_us": 100.0, "tp_op_overhead_us": 10.0, "dtensor_param_us": 10.0,
                   "fsdp_collective_overhead_us": 1000.0,
                   "step_wait_us": 500.0, "skew_wait_us": 500.0, "fsdp_hook_us": 100.0, "recompute_region_us": 200.0,
-                  "recompute_op_us": 30.0}
+                  "recompute_op_us": 30.0, "pipeline_action_us": 100.0}
         x0_vals = {k: start[k] if start[k] > 0 else starts.get(k, 1.0) for k in free}
         lo = np.array([math.log(KNOBS[k].lower) for k in free])
         hi = np.array([math.log(KNOBS[k].upper) for k in free])
@@ -688,7 +701,8 @@ def _rows(gemms, collectives, runs, comp_keys, measured, before, after, regions=
     labels = [("gemm", f"gemm {g.m}x{g.n}x{g.k}") for g in gemms]
     labels += [("collective", f"{c.collective} {c.level} x{c.ranks} {c.nbytes / 1024:.0f} KiB") for c in collectives]
     labels += [("region", f"checkpoint region of {r.ops} ops, {r.processes} process(es)") for r in regions]
-    labels += [("host", f"host time per operator, {h.processes} process(es)") for h in host_ops]
+    labels += [("host", f"host time per {'operator' if h.knob == 'kernel_launch_us' else 'pipeline action'}, "
+                        f"{h.processes} process(es)") for h in host_ops]
     for r, keys in zip(runs, comp_keys, strict=True):
         labels.append(("run", r.label or r.parallel.to_string()))
         labels.extend(("component", f"{r.label or r.parallel.to_string()} {k}") for k in keys)

@@ -186,6 +186,14 @@ class GPUCalibration(_Frozen):
         "`replicate` (ZeRO-0 under tensor parallelism; torch's DDP otherwise, no hooks) as by `fully_shard`, whether or not a "
         "collective is issued. 0 where the GPU hides it. Fitted by `autoplan tune`.",
     )
+    pipeline_action_us: float = Field(
+        default=0.0, ge=0,
+        description="Host time the runtime's pipeline schedule (torch.distributed.pipelining) spends per action, "
+        "one stage's forward or backward of one micro-batch, beyond the stage's own operators (its bookkeeping, "
+        "posting the micro-batch's receives and sends, wrapping the chunk's inputs and outputs), microseconds. "
+        "Priced for autoplan's runtime where the host is the critical path (CPU processes); on a GPU host the "
+        "schedule runs ahead of the kernels. Measured by `autoplan calibrate`, fitted by `autoplan tune`.",
+    )
     recompute_region_us: float = Field(
         default=0.0, ge=0,
         description="Host time of one checkpointed region in one micro-batch beyond re-running its operators "

@@ -66,6 +66,7 @@ from autoplan.cost_models.estimate import (
     p2p_occupancy,
     param_gather_exposed,
     parameter_kind,
+    pipeline_action_time,
     pipeline_p2p_parts,
     pipeline_p2p_time,
     runtime_per_param,
@@ -376,8 +377,9 @@ class _Searcher:
 
     def occupancy(self, mesh: Mesh, vp: int) -> tuple[float, ...]:
         """Per (virtual) stage, the compute time its pipeline messages take from it per micro-batch, forward
-        and backward (`estimate.p2p_occupancy`, as the estimate adds it to the stage): depends on the stage's
-        position, not on its blocks. Empty without a pipeline."""
+        and backward (`estimate.p2p_occupancy`, as the estimate adds it to the stage), and the schedule's host
+        time per action (`estimate.pipeline_action_time`): depends on the stage's position, not on its blocks.
+        Empty without a pipeline."""
         if mesh.pp <= 1:
             return ()
         key = (mesh.tp, mesh.cp, mesh.pp, mesh.dp, mesh.mbs, mesh.sp)
@@ -386,7 +388,8 @@ class _Searcher:
             cl = self.costs.cluster_for(mesh)
             t, busy = pipeline_p2p_parts(cl, self.training, hidden=self.profiles[0].hidden, pp=mesh.pp,
                                          tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, mbs=mesh.mbs, sp=mesh.sp)
-            ends = tuple(sum(p2p_occupancy(s, 3, t, cl, self.training, busy)) for s in range(3))
+            action = 2 * pipeline_action_time(cl, self.training, mesh.pp)  # a forward and a backward each
+            ends = tuple(sum(p2p_occupancy(s, 3, t, cl, self.training, busy)) + action for s in range(3))
             self._occ[key] = ends
         return (ends[0],) + (ends[1],) * (mesh.pp * vp - 2) + (ends[2],)
 

@@ -155,6 +155,33 @@ def test_calibrate_writes_a_cpu_cluster_with_its_cores(tmp_path, capsys):
     assert cal.dtensor_param_us > 0
     # the fused modules run only on a GPU (codegen.fuse): nothing of their host time on a CPU cluster
     assert cal.fused_call_us == 0.0
+    # the pipeline schedule's host time per action, measured (calibrate_bench.bench_pipeline_actions)
+    assert cal.pipeline_action_us > 0
+
+
+def test_pipeline_action_benchmark_measures_the_schedule_beyond_the_stage():
+    """Two processes run the runtime's 1F1B schedule over a one-Linear stage: the schedule's main-thread CPU time
+    beyond the same forward and backward in a plain loop is what an action costs the host (~90-100 us here,
+    session 19); and a longer schedule costs more, in proportion to its actions."""
+    from autoplan.calibrate_bench import bench_pipeline_actions
+
+    short = bench_pipeline_actions(microbatches=4, repeats=15)
+    long = bench_pipeline_actions(microbatches=16, repeats=15)
+    assert short["actions"] == 8 and long["actions"] == 32 and short["processes"] == 2
+    per_action = long["seconds"] / long["actions"]
+    assert 5e-6 < per_action < 5e-3, per_action
+    assert long["seconds"] > 2 * short["seconds"]  # 4x the actions: at least twice the time, whatever the noise
+
+
+def test_per_process_doubles_the_pipeline_action_time_for_two_processes_a_core():
+    """The written CPU cluster is in the cost model's units (each process's share of a core): the schedule's
+    host time grows like every other host time when 4 processes share 2 cores."""
+    from autoplan.calibrate import per_process
+
+    spec = {"gpu": {"peak_tflops": {"fp32": 0.1}, "hbm_gbps": 10.0,
+                    "calibration": {"kernel_launch_us": 6.0, "pipeline_action_us": 95.0}}}
+    out = per_process(spec, 4, 2)["gpu"]["calibration"]
+    assert out["pipeline_action_us"] == 190.0 and out["kernel_launch_us"] == 12.0
 
 
 def test_fused_call_benchmark_times_the_triton_modules_against_torch(monkeypatch):

@@ -36,7 +36,8 @@ TRUTH = {"matmul_max_efficiency": 0.6, "matmul_half_dim": 40.0, "attention_effic
          "memory_efficiency": 0.5, "kernel_launch_us": 25.0, "intra_latency_us": 300.0,
          "intra_bandwidth_gbps": 0.8, "oversubscription_wait_us": 900.0, "tp_op_overhead_us": 80.0,
          "fsdp_collective_overhead_us": 2000.0, "step_wait_us": 1500.0, "fsdp_hook_us": 300.0,
-         "skew_wait_us": 700.0, "recompute_region_us": 250.0, "recompute_op_us": 45.0, "dtensor_param_us": 100.0}
+         "skew_wait_us": 700.0, "recompute_region_us": 250.0, "recompute_op_us": 45.0, "dtensor_param_us": 100.0,
+         "pipeline_action_us": 180.0}
 SMALL = ModelSpec(name="small-gpt", num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024,
                   vocab_size=512, max_seq_length=256)
 
@@ -517,6 +518,24 @@ def test_a_host_op_benchmark_pins_kernel_launch_us():
     res = fit_cluster(start, host_ops=[sample], free=["kernel_launch_us"])
     assert res.after["kernel_launch_us"] == pytest.approx(14.0, rel=0.01)
     assert [r["kind"] for r in res.rows] == ["host"]
+
+
+def test_a_pipeline_action_benchmark_pins_pipeline_action_us():
+    """calibrate's pipeline benchmark (two processes, calibrate_bench.bench_pipeline_actions) is a row against
+    pipeline_action_us at a run's share of the cores, which frees the knob without a pipelined run; the row of
+    the other knob leaves it alone."""
+    from autoplan.cost_models.fit import HostOpSample, default_free_knobs, predict_host_op
+
+    truth = with_knobs(_base(), {"pipeline_action_us": 200.0, "kernel_launch_us": 14.0}).with_gpus(4)
+    two = HostOpSample(seconds=1.0, processes=2, knob="pipeline_action_us")
+    assert predict_host_op(truth, two) == pytest.approx(100e-6)  # each of the two processes had a core
+    sample = two.model_copy(update={"seconds": predict_host_op(truth, two)})
+    assert "pipeline_action_us" in default_free_knobs(truth, [], host_ops=[sample])
+    assert "pipeline_action_us" not in default_free_knobs(truth, [], host_ops=[HostOpSample(seconds=7e-6)])
+    start = with_knobs(truth, {"pipeline_action_us": 50.0})
+    res = fit_cluster(start, host_ops=[sample], free=["pipeline_action_us"])
+    assert res.after["pipeline_action_us"] == pytest.approx(200.0, rel=0.01)
+    assert res.rows[0]["label"] == "host time per pipeline action, 2 process(es)"
 
 
 def test_load_bench_reads_the_host_op_rows(tmp_path):
