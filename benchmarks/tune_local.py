@@ -73,12 +73,14 @@ HELD_OUT = [
 def micro_benchmarks(model: str, seq: int, nproc: int) -> dict:
     """What `autoplan calibrate --bench-out` measures: GEMMs at the model's shapes (one micro-batch of 1-2
     sequences), collectives among `nproc` and 2 processes (two process counts separate the descheduling wait
-    from the hop latency), the checkpoint regions, and the host time per operator of a training step."""
+    from the hop latency), the checkpoint regions, and the host time per operator of a training step and per
+    action of the runtime's pipeline schedule (since session 19)."""
     import os
 
     from autoplan.calibrate import training_op_us
     from autoplan.calibrate_bench import (
         bench_gemms,
+        bench_pipeline_actions,
         bench_recompute_region,
         model_gemm_shapes,
         run_collectives,
@@ -87,8 +89,12 @@ def micro_benchmarks(model: str, seq: int, nproc: int) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     shapes = sorted(set(model_gemm_shapes(model, seq, 1, nproc) + model_gemm_shapes(model, seq, 2, nproc)))
     colls = run_collectives(nproc, "cpu") + (run_collectives(2, "cpu") if nproc > 2 else [])
+    actions = bench_pipeline_actions()
+    host = [{"seconds": training_op_us("cpu"), "processes": 1},
+            {"seconds": actions["seconds"] / actions["actions"], "processes": actions["processes"],
+             "knob": "pipeline_action_us"}]
     return {"gemm": bench_gemms(shapes, "cpu", "fp32"), "collectives": colls,
-            "recompute": bench_recompute_region("cpu"), "host_op": [{"seconds": training_op_us("cpu"), "processes": 1}]}
+            "recompute": bench_recompute_region("cpu"), "host_op": host}
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
