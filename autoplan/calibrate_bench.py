@@ -218,6 +218,13 @@ def bench_tp_ops(device: str, repeats: int = 31) -> dict:
     this machine's CPU (session 15), against ~6 for the plain operator. Also the optimizer step's extra host time
     over the same parameters as DTensors (GPUCalibration.dtensor_param_us): {"optimizer_tensors",
     "optimizer_seconds"}."""
+    return spawn_for_json(_tp_ops_worker, 1, device, repeats)
+
+
+def spawn_for_json(worker, nprocs: int, *args) -> dict:
+    """Run `worker(rank, port, out, *args)` in `nprocs` processes of its own (torch.multiprocessing, a free local
+    port for their process group, so that it works beside any group of the caller) and return the JSON its rank 0
+    wrote to the file `out`."""
     import socket
 
     import torch.multiprocessing as mp
@@ -228,13 +235,13 @@ def bench_tp_ops(device: str, repeats: int = 31) -> dict:
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
-        mp.spawn(_tp_ops_worker, args=(device, port, out, repeats), nprocs=1, join=True)
+        mp.spawn(worker, args=(port, out, *args), nprocs=nprocs, join=True)
         return json.loads(Path(out).read_text())
     finally:
         Path(out).unlink(missing_ok=True)
 
 
-def _tp_ops_worker(rank: int, device: str, port: int, out: str, repeats: int) -> None:
+def _tp_ops_worker(rank: int, port: int, out: str, device: str, repeats: int) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -320,20 +327,7 @@ def bench_pipeline_actions(microbatches: int = 8, repeats: int = 41, hidden: int
     pays the same way, and the two processes may then share one GPU-less pair of cores. Returns {"actions",
     "seconds" (per step, beyond the plain loop), "processes": 2}; ~90-100 us per action on this machine's CPU
     (session 19)."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    fd, out = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        mp.spawn(_pipeline_actions_worker, args=(port, out, microbatches, repeats, hidden), nprocs=2, join=True)
-        return json.loads(Path(out).read_text())
-    finally:
-        Path(out).unlink(missing_ok=True)
+    return spawn_for_json(_pipeline_actions_worker, 2, microbatches, repeats, hidden)
 
 
 def _pipeline_actions_worker(rank: int, port: int, out: str, m: int, repeats: int, hidden: int) -> None:
