@@ -132,7 +132,7 @@ GPU_PRESETS: dict[str, GPUSpec] = {
             # `autoplan.calibrate_bench.bench_tp_ops`, session 16), doubled by two processes per core
             dtensor_param_us=22.0,
             # torch.distributed.pipelining's host time per action (one stage's forward or backward of one micro-
-            # batch) beyond the stage's operators: 87-103 us of the main thread's CPU in 1F1B, 95-145 in GPipe, two
+            # batch) beyond the stage's operators: 87-103 us of the main thread's CPU in 1F1B, 95-187 in GPipe, two
             # processes with a core each (`autoplan.calibrate_bench.bench_pipeline_actions`, session 19), doubled
             # by two processes per core
             pipeline_action_us=190.0,
