@@ -144,18 +144,6 @@ def all_gather(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
     return _hierarchical(cluster, grp, nbytes, 1.0)
 
 
-def moving_time(cluster: ClusterSpec, grp: Group, nbytes: float, factor: float) -> float:
-    """The part of a ring collective over `grp` (`_hierarchical`: factor 2 for an all-reduce, 1 for an
-    all-gather or reduce-scatter) during which bytes move, without its latency hops and waits: what a collective
-    takes from the compute it runs beside on a CPU host, whose gloo threads copy and reduce but sleep while they
-    wait."""
-    if grp.size <= 1 or nbytes <= 0:
-        return 0.0
-    intra = factor * (grp.per_node - 1) / grp.per_node * nbytes / _bw(cluster.intra_node)
-    inter = factor * (grp.nodes - 1) / grp.nodes * nbytes / grp.per_node / _bw(cluster.inter_node)
-    return intra + inter
-
-
 def all_to_all(cluster: ClusterSpec, grp: Group, nbytes: float) -> float:
     """Each rank sends (n-1)/n of its `nbytes` to the others; peers off the node go over its NIC."""
     n = grp.size

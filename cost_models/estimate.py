@@ -807,20 +807,13 @@ def zero3_block_exposed(params_local: float, fwd_s: float, bwd_s: float, *, dp: 
                         cluster: ClusterSpec, training: TrainingSpec) -> float:
     """ZeRO-3 per block and micro-batch: its weights are all-gathered for the forward and again for the
     backward, and its gradients reduce-scattered; each is prefetched behind the neighbouring block's compute
-    (FSDP's one-unit prefetch), so only what compute cannot hide is exposed, plus interference. On a CPU host
-    (gloo, `cores_per_node` given) the interference is the hidden share of the collectives' byte-moving time
-    (`comm.moving_time`): gloo's threads take cores while they copy and reduce, not while they wait out latency
-    hops and descheduled peers, which the computing thread overlaps (FSDP2 issues the prefetch, then computes)."""
+    (FSDP's one-unit prefetch), so only what compute cannot hide is exposed, plus interference."""
     grp = comm.group_of(cluster, dp * cp, tp)
-    w_bytes, g_bytes = params_local * training.weight_bytes, params_local * training.grad_bytes
-    ag = comm.all_gather(cluster, grp, w_bytes)
-    rs = comm.reduce_scatter(cluster, grp, g_bytes)
+    w_bytes = training.weight_bytes
+    ag = comm.all_gather(cluster, grp, params_local * w_bytes)
+    rs = comm.reduce_scatter(cluster, grp, params_local * training.grad_bytes)
     exposed = max(0.0, ag - fwd_s) + max(0.0, ag + rs - bwd_s)
     hidden = min(ag, fwd_s) + min(ag + rs, bwd_s)
-    if cluster.cores_per_node is not None and ag + rs > 0:
-        rs_factor = 1.0 if comm.native_reduce_scatter(cluster) else 2.0  # gloo: a whole all-reduce (comm)
-        moving = 2 * comm.moving_time(cluster, grp, w_bytes, 1.0) + comm.moving_time(cluster, grp, g_bytes, rs_factor)
-        hidden *= min(1.0, moving / (2 * ag + rs))
     return exposed + interference(cluster, hidden)
 
 
