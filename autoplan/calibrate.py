@@ -190,10 +190,12 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     c = measure_compute(device, dtype)
-    from .calibrate_bench import bench_fused_calls, bench_pipeline_actions, bench_tp_ops
+    from .calibrate_bench import bench_fused_calls, bench_tp_ops, pipeline_action_row
 
     tp_ops = bench_tp_ops(device)
-    actions = bench_pipeline_actions()
+    # the pipeline schedule's host time per action: priced only where the host is the critical path (CPU
+    # processes: estimate.pipeline_action_time)
+    action_s = pipeline_action_row()["seconds"] if device == "cpu" else 0.0
     # the fused modules' host time per call: only where the runtime substitutes them (a GPU; codegen.fuse)
     fused = bench_fused_calls(device) if device == "cuda" else {"fused_call_us": 0.0}
     bus, lat = measure_allreduce(nproc) if nproc > 1 else (100.0, 1.0)
@@ -227,7 +229,7 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
                 # and the optimizer step's per parameter tensor over DTensors (the same model's AdamW step)
                 "dtensor_param_us": round(tp_ops["optimizer_seconds"] / tp_ops["optimizer_tensors"] * 1e6, 2),
                 # the pipeline schedule's host time per action, two processes (calibrate_bench.bench_pipeline_actions)
-                "pipeline_action_us": round(actions["seconds"] / actions["actions"] * 1e6, 2),
+                "pipeline_action_us": round(action_s * 1e6, 2),
                 # a fused Triton module's forward call beyond torch's op (calibrate_bench.bench_fused_calls)
                 "fused_call_us": round(fused["fused_call_us"], 2),
                 "framework_overhead_gib": 0.3 if device == "cpu" else 2.0,
@@ -251,10 +253,10 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
 
     from .calibrate_bench import (
         bench_gemms,
-        bench_pipeline_actions,
         bench_recompute_region,
         bench_tp_ops,
         model_gemm_shapes,
+        pipeline_action_row,
         run_collectives,
     )
     from .specs import cluster_from_mapping
@@ -276,14 +278,11 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)  # 16-bit trains under autocast
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     host_op = {"seconds": training_op_us(device, sync, autocast), "processes": 1}
-    # and per action of the runtime's pipeline schedule (what pipeline_action_us prices), two processes: a row of
-    # the fit too, which the pipelined runs would otherwise trade for the compute rates
-    actions = bench_pipeline_actions()
-    host_action = {"seconds": actions["seconds"] / actions["actions"], "processes": actions["processes"],
-                   "knob": "pipeline_action_us"}
+    # and per action of the runtime's pipeline schedule (what pipeline_action_us prices, on CPU processes), two
+    # processes: a row of the fit too, which the pipelined runs would otherwise trade for the compute rates
+    host_ops = [host_op] + ([pipeline_action_row()] if device == "cpu" else [])
     bench = {"device": device, "model": args.model, "seq_len": args.seq_len, "mbs": args.mbs,
-             "gemm": gemms, "collectives": colls, "recompute": regions, "tp_ops": [tp_ops],
-             "host_op": [host_op, host_action]}
+             "gemm": gemms, "collectives": colls, "recompute": regions, "tp_ops": [tp_ops], "host_op": host_ops}
     cluster = cluster_from_mapping(spec, where="calibrate")
     if device == "cpu":
         cluster = cluster.model_copy(update={"cores_per_node": len(os.sched_getaffinity(0))})

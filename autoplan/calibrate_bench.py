@@ -330,6 +330,13 @@ def bench_pipeline_actions(microbatches: int = 8, repeats: int = 41, hidden: int
     return spawn_for_json(_pipeline_actions_worker, 2, microbatches, repeats, hidden)
 
 
+def pipeline_action_row() -> dict:
+    """`bench_pipeline_actions` as a fit row (cost_models.fit.HostOpSample, `"host_op"` in a bench file): seconds
+    per action, its processes, the knob it measures."""
+    r = bench_pipeline_actions()
+    return {"seconds": r["seconds"] / r["actions"], "processes": r["processes"], "knob": "pipeline_action_us"}
+
+
 def _pipeline_actions_worker(rank: int, port: int, out: str, m: int, repeats: int, hidden: int) -> None:
     import torch
     import torch.distributed as dist

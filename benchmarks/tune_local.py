@@ -80,19 +80,16 @@ def micro_benchmarks(model: str, seq: int, nproc: int) -> dict:
     from autoplan.calibrate import training_op_us
     from autoplan.calibrate_bench import (
         bench_gemms,
-        bench_pipeline_actions,
         bench_recompute_region,
         model_gemm_shapes,
+        pipeline_action_row,
         run_collectives,
     )
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     shapes = sorted(set(model_gemm_shapes(model, seq, 1, nproc) + model_gemm_shapes(model, seq, 2, nproc)))
     colls = run_collectives(nproc, "cpu") + (run_collectives(2, "cpu") if nproc > 2 else [])
-    actions = bench_pipeline_actions()
-    host = [{"seconds": training_op_us("cpu"), "processes": 1},
-            {"seconds": actions["seconds"] / actions["actions"], "processes": actions["processes"],
-             "knob": "pipeline_action_us"}]
+    host = [{"seconds": training_op_us("cpu"), "processes": 1}, pipeline_action_row()]
     return {"gemm": bench_gemms(shapes, "cpu", "fp32"), "collectives": colls,
             "recompute": bench_recompute_region("cpu"), "host_op": host}
 

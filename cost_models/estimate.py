@@ -960,13 +960,11 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
                 s.zero3_s += zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=cfg.dp, cp=cfg.cp,
                                                  tp=cfg.tp, cluster=cluster, training=training)
             s.bwd_s += s.zero3_s
+    action = pipeline_action_time(cluster, training, n_stages)  # the schedule's host time per action (compute)
     for s in stages:  # unfused gradient accumulation: a memory-bound pass per micro-batch (compute time), over a
         # tied head's own copy too (its gradient is accumulated like every other parameter's)
-        s.bwd_s += grad_accum_time(s.params + (s.tied_head if cfg.pp > 1 else 0.0), cluster, training)
-    action = pipeline_action_time(cluster, training, n_stages)
-    for s in stages:  # the pipeline schedule's host time per action (compute, as the runtime times it)
+        s.bwd_s += grad_accum_time(s.params + (s.tied_head if cfg.pp > 1 else 0.0), cluster, training) + action
         s.fwd_s += action
-        s.bwd_s += action
     p2p_s, p2p_busy = pipeline_p2p_parts(cluster, training, hidden=profiles[0].hidden, pp=cfg.pp, tp=cfg.tp,
                                          cp=cfg.cp, dp=cfg.dp, mbs=cfg.mbs, sp=cfg.sp)
     if cfg.pp > 1:  # what the messages cost the ranks at either end (blocking sends, or interference)
