@@ -279,7 +279,7 @@ def run_candidate(c: Candidate, workdir: Path, *, steps: int, profile_step: int 
     try:
         _, err = proc.communicate(timeout=timeout_s)
     except (KeyboardInterrupt, subprocess.TimeoutExpired) as e:
-        _stop(proc)
+        stop_launch(proc)
         c.wall_s = time.perf_counter() - t0
         if isinstance(e, KeyboardInterrupt):
             c.error = "interrupted"
@@ -331,8 +331,10 @@ def launch_spread(groups) -> float | None:
     return statistics.median(spreads) if spreads else None
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop a launch we started: SIGTERM to its process group, then SIGKILL if it lingers."""
+def stop_launch(proc: subprocess.Popen) -> None:
+    """Stop a torchrun launch we started in its own session (`start_new_session`): SIGTERM to its process group,
+    which torchrun forwards to its workers (each in a session of its own, out of reach of the group), then SIGKILL
+    to the group if it lingers."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     try:

@@ -114,6 +114,9 @@ def reference_run(model, vocab: int, *, steps: int, gbs: int, seq: int, lr: floa
 # ------------------------------------------------------------------------------------------ the test side
 
 
+LAUNCH_TIMEOUT_S = 420  # seconds; well above any batch of this suite alone on the 2-core CI machine
+
+
 def launch_workers(worker: Path, nproc: int, cases: list[str], out: Path, root: Path) -> dict[str, dict]:
     """Run `worker` under torchrun on `nproc` gloo processes for `cases`; {case: result} (pytest.fail with the
     launch's stderr when no result file was written)."""
@@ -125,10 +128,22 @@ def launch_workers(worker: Path, nproc: int, cases: list[str], out: Path, root: 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), str(worker), "--out", str(out), *cases]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=420)
+    # a session of its own, stopped as tune stops a launch on a timeout: a hung gloo collective (seen once, session
+    # 19) otherwise leaves the workers spinning after torchrun is killed, slowing every later test on 2 cores
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        from autoplan.tune.core import stop_launch
+
+        stop_launch(proc)
+        _, stderr = proc.communicate()
+        pytest.fail(f"{worker.name} launch with {nproc} processes ({' '.join(cases)}) hung for "
+                    f"{LAUNCH_TIMEOUT_S} s; it was stopped, its workers with it:\n{stderr[-4000:]}")
     if not out.exists():
         pytest.fail(f"{worker.name} launch with {nproc} processes failed (rc {proc.returncode}):\n"
-                    f"{proc.stderr[-4000:]}")
+                    f"{stderr[-4000:]}")
     return {r["case"]: r for r in json.loads(out.read_text())}
 
 
