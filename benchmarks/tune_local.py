@@ -57,6 +57,8 @@ from autoplan.tune.core import (  # noqa: E402
     prepare_cluster,
     run_candidate,
     run_sample,
+    search_choice,
+    tie_tolerance,
     tune,
 )
 from autoplan.tune.records import RunLog, warmup_before  # noqa: E402
@@ -264,8 +266,6 @@ def replay(path: str, components: bool = False, as_json: bool = False, saved_sta
         predict_run,
     )
     from autoplan.cost_models.specs import ClusterSpec
-    from autoplan.search.core import search
-
     if str(path).endswith(".gz"):
         import gzip
 
@@ -313,8 +313,13 @@ def replay(path: str, components: bool = False, as_json: bool = False, saved_sta
     known = {r["parallel"]: r["measured_s"] for r in rows if r["measured_s"]}
     known.update({k: v for k, v in (data.get("known") or {}).items() if v and k not in known})
     known.update({r["parallel"]: r["measured_s"] for r in tuned_rows})
-    choice = search(model, refit.with_gpus(nproc), training, top=1, kernels="torch").plan.parallel.to_string()
-    ev = evaluate(rows, known, choice, known.get(choice))
+    # as the live run: the search's finalists, tie-broken by the tuned runs only
+    pick, _ = search_choice(model, refit.with_gpus(nproc), training,
+                            {r["parallel"]: (r["measured_s"], r["after_s"]) for r in tuned_rows},
+                            tie_tolerance(fit), kernels="torch")
+    if pick.why != "model" and not as_json:
+        print(f"chosen by measurement: {pick.why}")
+    ev = evaluate(rows, known, pick.config, known.get(pick.config))
     if as_json:
         print(json.dumps({**ev, "fit_after": fit.after, "held": fit.held, "held_out": rows}, default=float))
     else:
@@ -429,27 +434,30 @@ def main(argv: list[str] | None = None) -> int:
             ok = [t for t in by_config[cfg].launches if t] or [by_config[cfg].measured_s]
             controls.append({"parallel": cfg, "tune_s": sum(ok) / len(ok), "tune_launches_s": by_config[cfg].launches,
                              "end_s": c.measured_s})
-        # the search's choice with the refit cluster, measured if nobody ran it
-        from autoplan.search.core import search
-
-        choice = search(model, refit.with_gpus(args.nproc), training, top=1, kernels="torch").plan
+        # the search's choice with the refit cluster (ties broken by tune's own runs, never the held-out ones),
+        # measured if nobody ran it
+        pick, best_plan = search_choice(model, refit.with_gpus(args.nproc), training,
+                                        {c.config: (c.measured_s, c.predicted_after_s) for c in res.measured
+                                         if c.predicted_after_s}, tie_tolerance(res.fit), kernels="torch")
+        if pick.why != "model":
+            print(f"chosen by measurement: {pick.why}", file=sys.stderr)
         known = {r["parallel"]: r["measured_s"] for r in rows if r["measured_s"]}
         known.update({c.config: c.measured_s for c in res.measured})
-        chosen_s = known.get(choice.parallel.to_string())
+        chosen_s = known.get(pick.config)
         if chosen_s is None:
-            c = Candidate(plan=choice, why="refit choice")
+            c = Candidate(plan=best_plan, why="refit choice")
             run_candidate(c, Path(tmp), steps=args.steps, profile_step=None, memory_step=2)
             chosen_s = c.measured_s
             if chosen_s:
-                known[choice.parallel.to_string()] = chosen_s
-    ev = evaluate(rows, known, choice.parallel.to_string(), chosen_s)
+                known[pick.config] = chosen_s
+    ev = evaluate(rows, known, pick.config, chosen_s)
     if args.save:
         _write_saved(args.save, {
             "tuned": [{"parallel": c.config, "measured_s": c.measured_s, "launches_s": c.launches, "plan": json.loads(c.plan.to_json()),
                        "components": c.log.time_components() if c.log else None,
                        "log": c.log.model_dump() if c.log else None, "why": c.why} for c in res.measured],
             "cluster": json.loads(cluster.model_dump_json()), "args": vars(args),
-            "known": known, "chosen": choice.parallel.to_string(), "chosen_s": chosen_s,
+            "known": known, "chosen": pick.config, "chosen_why": pick.why, "chosen_s": chosen_s,
             "loadavg_end": Path("/proc/loadavg").read_text().split()[:3],
             "fit_rows": res.fit.rows, "fit_after": res.fit.after, "fit_held": res.fit.held,
             "held_out": rows, "controls": controls, "bench": json.loads(bench_file.read_text()) if bench_file else None})

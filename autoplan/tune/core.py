@@ -17,7 +17,9 @@ The procedure:
 3. **Refit.** `autoplan.cost_models.fit.fit_cluster` on the measured runs (and the micro-benchmarks of
    `autoplan calibrate --bench`, when given), starting from the given cluster.
 4. **Choose.** The measured fastest candidate; the search is re-run with the refit cluster, and its choice is
-   reported beside (a plan nobody measured is flagged as such).
+   reported beside (a plan nobody measured is flagged as such). Where the refit model prices the search's
+   finalists closer together than its own error on the tuned runs, it cannot order them, and tune's
+   measurements do (`choose_by_measurement`).
 """
 
 from __future__ import annotations
@@ -519,20 +521,82 @@ def _term_as_interrupt():
     return signal.signal(signal.SIGTERM, handler)
 
 
-def _refit_choice(result: TuneResult, model, training, profiles, fix, kernels) -> None:
-    """What the search picks with the refit cluster, and its measurement if tune ran it."""
+# The search's finalists whose refit predictions are within the tie tolerance of its best are compared by
+# measurement. The tolerance is the refit model's mean error on the tuned runs themselves (two plans it prices
+# closer than it predicts the runs it was fitted to are not ordered by it), clamped: below 2% a measured
+# difference is within one launch's noise on any host (session 19: launches of one layout 16-24% apart here);
+# above 10% the fit failed and measurement alone, not a tie-break, should decide (`fastest`).
+TIE_FLOOR, TIE_CAP = 0.02, 0.10
+CHOICE_FINALISTS = 5  # the search's best and its runners-up considered for a tie
+
+
+@dataclass
+class Choice:
+    config: str
+    predicted_s: float  # the refit prediction
+    measured_s: float | None  # tune's measurement of it (None: not run)
+    why: str  # "model", or the tie-break's sentence
+
+
+def tie_tolerance(fit: FitResult) -> float:
+    """How close two refit predictions can be and still be ordered by the model (see TIE_FLOOR)."""
+    return min(max(fit.mean_abs_error("run"), TIE_FLOOR), TIE_CAP)
+
+
+def choose_by_measurement(ranked: list[tuple[str, float]], measured: dict[str, tuple[float, float]],
+                          tolerance: float) -> Choice:
+    """The plan to choose from the search's finalists `ranked` ((configuration, refit prediction), best first)
+    and tune's measurements `measured` ({configuration: (measured s, refit prediction s)}): among the finalists
+    predicted within `tolerance` of the best, the measured ones compete with the best at their measurements
+    (the best, if tune did not run it, at its prediction times the median measured/predicted of the tuned runs:
+    the two on one scale); the least wins. An unmeasured runner-up never displaces the best: the model's order
+    is all that is known of it. Held-out measurements must not be passed: only what tune itself ran."""
+    best_cfg, best_pred = ranked[0]
+    window = [(c, t) for c, t in ranked if t <= best_pred * (1 + tolerance) and (c in measured or c == best_cfg)]
+    if len(window) == 1:
+        return Choice(best_cfg, best_pred, measured.get(best_cfg, (None,))[0], "model")
+    scale = statistics.median(m / p for m, p in measured.values() if p > 0)
+
+    def expected(c: str, t: float) -> float:
+        return measured[c][0] if c in measured else t * scale
+
+    cfg, pred = min(window, key=lambda ct: expected(*ct))
+    m = measured[cfg][0] if cfg in measured else None
+    if cfg == best_cfg:
+        return Choice(cfg, pred, m, "model")
+    others = ", ".join(c.split(",schedule")[0] for c, _ in window if c != cfg)
+    why = (f"the refit model prices {cfg.split(',schedule')[0]} within {100 * (pred / best_pred - 1):.1f}% of "
+           f"{others} (its error on the tuned runs: {100 * tolerance:.0f}%); measured faster: "
+           f"{m * 1e3:.1f} ms against {expected(best_cfg, best_pred) * 1e3:.1f}")
+    return Choice(cfg, pred, m, why)
+
+
+def search_choice(model, cluster: ClusterSpec, training, measured: dict[str, tuple[float, float]],
+                  tolerance: float, **search_kw):
+    """The search with `cluster` (refit), its finalists tie-broken by `measured` (choose_by_measurement):
+    (Choice, the search's best plan)."""
     from autoplan.search.core import search
 
+    r = search(model, cluster, training, top=CHOICE_FINALISTS, **search_kw)
+    ranked = [(e.config.to_string(), e.step_time_s) for e in [r.best, *r.runners_up]]
+    ranked[0] = (r.plan.parallel.to_string(), ranked[0][1])  # the plan's own string (its kernels, schedule)
+    return choose_by_measurement(ranked, measured, tolerance), r.plan
+
+
+def _refit_choice(result: TuneResult, model, training, profiles, fix, kernels) -> None:
+    """What the search picks with the refit cluster (ties broken by tune's measurements), and its measurement if
+    tune ran it."""
+    measured = {c.config: (c.measured_s, c.predicted_after_s) for c in result.measured if c.predicted_after_s}
     try:
-        r = search(model, result.fit.cluster, training, profiles=profiles, fix=fix, top=1, kernels=kernels)
+        choice, _ = search_choice(model, result.fit.cluster, training, measured, tie_tolerance(result.fit),
+                                  profiles=profiles, fix=fix, kernels=kernels)
     except AutoplanError as e:
         result.notes.append(f"search with the refit cluster failed: {e.one_line()}")
         return
-    result.refit_choice = r.plan.parallel.to_string()
-    layers = [s.layers for s in r.plan.stages]
-    for c in result.measured:
-        if c.config == result.refit_choice and [s.layers for s in c.plan.stages] == layers:
-            result.refit_choice_measured_s = c.measured_s
+    result.refit_choice = choice.config
+    result.refit_choice_measured_s = choice.measured_s
+    if choice.why != "model":
+        result.notes.append(f"chosen by measurement: {choice.why}")
 
 
 def fastest_plan(result: TuneResult, profiles=None):
