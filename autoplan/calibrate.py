@@ -270,12 +270,12 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
     if args.model:
         shapes += model_gemm_shapes(args.model, args.seq_len, args.mbs, spec["gpus_per_node"])
     gemms = bench_gemms(shapes, device, args.dtype)
-    regions = bench_recompute_region(device)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)  # 16-bit trains under autocast
+    regions = bench_recompute_region(device, autocast=autocast)
     # the measurement `calibrate` wrote as tp_op_overhead_us (calibrate_bench.bench_tp_ops), kept for the record
     tp_ops = bench_tp_ops(device)
     # the host time per operator of a training step (what kernel_launch_us prices), one process: tune's fit takes
     # it as a row, so that it cannot trade this constant for the compute rates (cost_models.fit.HostOpSample)
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)  # 16-bit trains under autocast
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     host_op = {"seconds": training_op_us(device, sync, autocast), "processes": 1}
     # and per action of the runtime's pipeline schedule (what pipeline_action_us prices, on CPU processes), two

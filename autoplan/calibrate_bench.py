@@ -101,7 +101,7 @@ def bench_gemms(shapes, device: str, dtype_name: str) -> list[dict]:
     return out
 
 
-def bench_recompute_region(device: str, repeats: int = 41, seq: int = 16) -> list[dict]:
+def bench_recompute_region(device: str, repeats: int = 41, seq: int = 16, autocast=None) -> list[dict]:
     """What one checkpointed region costs the host beyond re-running its operators (GPUCalibration.
     recompute_region_us per region, recompute_op_us per operator in it), measured on the runtime's own regions:
     the attention core (selective recompute) and a whole block (full recompute) of tiny-gpt at `seq` tokens, so
@@ -112,7 +112,11 @@ def bench_recompute_region(device: str, repeats: int = 41, seq: int = 16) -> lis
     counts it (cost_models.compute: the core's kernels; a block's kernels_fwd). One process (as the GEMMs: the
     fit rescales to a run's share of the cores). Torch's checkpoint runs a saved-tensor hook per tensor each
     operator saves, in the forward and again in the recompute, hence a cost per operator besides the fixed one
-    (session 9, local-cpu: about 220 us per region and 40 us per operator)."""
+    (session 9, local-cpu: about 220 us per region and 40 us per operator). Under torch.autocast to `autocast`
+    (a torch dtype) when given, as the runtime trains 16-bit: the recompute re-runs the casts and copies too
+    (session 20: a bf16 step on an H200 issued ~10 more operators per checkpointed core than without
+    checkpointing, `docs/notes/session-20`; this machine's CPU: a block's region +25% under bf16 autocast)."""
+    import contextlib
     import copy
 
     import torch
@@ -139,7 +143,8 @@ def bench_recompute_region(device: str, repeats: int = 41, seq: int = 16) -> lis
 
         def step(m, backward=True, call=call):
             t0 = time.perf_counter()
-            y = call(m)
+            with torch.autocast(device, dtype=autocast) if autocast is not None else contextlib.nullcontext():
+                y = call(m).float()
             if backward:
                 y.sum().backward()
             sync()

@@ -58,6 +58,31 @@ def test_checkpoint_region_benchmark_feeds_the_fit(monkeypatch):
         assert predict_region(res.cluster, s) == pytest.approx(s.seconds, rel=0.05)
 
 
+def test_checkpoint_region_benchmark_runs_under_the_training_autocast(monkeypatch):
+    """16-bit training runs under autocast, whose casts the recompute repeats: calibrate --dtype bf16 times the
+    regions so (every timed forward inside torch.autocast to bf16), fp32 without it."""
+    import torch
+
+    from autoplan.calibrate_bench import bench_recompute_region
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    entered = []
+    real = torch.autocast
+
+    def spy(device_type, dtype=None, **kw):
+        entered.append((device_type, dtype))
+        return real(device_type, dtype=dtype, **kw)
+
+    monkeypatch.setattr(torch, "autocast", spy)
+    rows = bench_recompute_region("cpu", repeats=3, autocast=torch.bfloat16)
+    assert [r["ops"] for r in rows] == [1, 12] and all(0 < r["seconds"] < 0.05 for r in rows)
+    # 2 regions x (5 warm-up pairs + 3 x (plain, wrapped, forward)) timed calls, each under bf16 autocast
+    assert entered.count(("cpu", torch.bfloat16)) == 2 * (10 + 9) and len(set(entered)) == 1
+    entered.clear()
+    bench_recompute_region("cpu", repeats=3)
+    assert entered == []
+
+
 def test_half_efficiency_dim_recovers_the_curve_from_every_size():
     from autoplan.calibrate import half_efficiency_dim
 
