@@ -9,12 +9,18 @@
 #   4. autoplan calibrate with micro-benchmarks (GEMM efficiency at the model's shapes);
 #   5. census: what one micro-batch saves for backward under CUDA autocast, by module and dtype (saved.py);
 #   6. profile: a step's GPU time by kernel family beside the prediction (kernel_time.py);
-#   7. launch: host vs device time per call of the fused modules and torch's (launch_overhead.py).
+#   7. launch: host vs device time per call of the fused modules and torch's (launch_overhead.py);
+#   8. ckpt: what a checkpointed region costs the host, forward and backward (checkpoint_host.py, ~20 s);
+#   9. hostops: a step's host operators by self CPU time, no recompute / selective / full (kernel_time.py
+#      --host-ops; ~120 s: session 20 found ~10 more operators per checkpointed core under bf16 autocast).
 # Usage (the device tool, from the repository root; .whl holds the wheels the image lacks, see docs/notes):
-#   bash benchmarks/gpu/check.sh [PARTS]        PARTS: any of "run tests kernels calibrate census profile launch"
+#   bash benchmarks/gpu/check.sh [PARTS]        PARTS: any of "run tests kernels calibrate census profile launch
+#                                               ckpt hostops"
 #                                               (default: "calibrate run tests", ~450 s on an H200; each part
 #                                               runs in the order of this file, calibrate first. Session 17:
-#                                               "run tests census profile calibrate" needed ~600 s)
+#                                               "run tests census profile calibrate" needed ~600 s; session 20:
+#                                               "calibrate run tests kernels" 419 s, calibrate ~45 s, the eight
+#                                               plans 334 s, tests 15 s, kernels ~25 s)
 #   SMOKE=1 bash benchmarks/gpu/check.sh run     the same commands on this CPU machine (local-cpu, tiny models)
 # Results: $OUT/summary.txt (the tables) and $OUT/all.tgz (plans, logs, outputs).
 set -u
@@ -120,6 +126,26 @@ fi
 if [[ " $PARTS " == *" launch "* ]]; then
   for shape in "--tokens 4096 --hidden 2048" "--tokens 8192 --hidden 4096"; do
     timeout 60 python3 benchmarks/gpu/launch_overhead.py $shape 2>&1 | grep -v '^\[' | tee -a "$W/launch.txt"
+  done
+  pack
+fi
+
+if [[ " $PARTS " == *" ckpt "* ]]; then
+  timeout 60 python3 benchmarks/gpu/checkpoint_host.py 2>&1 | grep -v Warn | tee "$W/ckpt.txt"; pack
+fi
+
+if [[ " $PARTS " == *" hostops "* ]]; then
+  for r in none selective full; do
+    timeout 40 $AP estimate --model $G --cluster $CLUSTER --gpus 1 --global-batch 8 --seq-len $SEQ \
+      --parallel tp=1,pp=1,dp=1,mbs=2,recompute=$r -o "$W/hostops-$r.plan.json" > /dev/null 2>&1
+    timeout 90 python3 benchmarks/gpu/kernel_time.py "$W/hostops-$r.plan.json" --steps 2 --host-ops 25 \
+      > "$W/hostops-$r.json" 2> "$W/hostops-$r.err" || { echo "hostops failed: $r"; tail -5 "$W/hostops-$r.err"; }
+    python3 -c "
+import json
+t = open('$W/hostops-$r.json').read(); d = json.loads(t[t.index('{'):])
+print('$r', 'wall %.4f busy %.4f (under the profiler)' % (d['wall_s'], d['gpu_busy_s']))
+for k, v in d['host_ops_ms'].items(): print('   ', k, 'ms/step %.2f calls %d' % tuple(v))
+" 2>&1 | tee -a "$W/hostops.txt"
   done
   pack
 fi

@@ -53,6 +53,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("plan")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--host-ops", type=int, default=0, help="also list the N host operators with most self CPU time")
     a = ap.parse_args()
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -97,6 +98,10 @@ def main() -> int:
            "families_ms": {k: round(v / 1e3, 2) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
            "top_kernels_ms": {k: round(v / 1e3, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:25]},
            "predicted_breakdown_s": dict(plan.prediction.breakdown)}
+    if a.host_ops:  # where the host's time goes: self CPU time and calls per step of each operator
+        avg = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:a.host_ops]
+        out["host_ops_ms"] = {e.key[:60]: [round(e.self_cpu_time_total / 1e3 / a.steps, 2), e.count // a.steps]
+                              for e in avg}
     print(json.dumps(out, indent=1))
     return 0
 
