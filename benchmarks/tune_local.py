@@ -54,6 +54,7 @@ from autoplan.specs import TrainingSpec, load_cluster, load_model  # noqa: E402
 from autoplan.tune.core import (  # noqa: E402
     Candidate,
     launch_spreads,
+    plan_layers,
     prepare_cluster,
     run_candidate,
     run_sample,
@@ -266,6 +267,7 @@ def replay(path: str, components: bool = False, as_json: bool = False, saved_sta
         predict_run,
     )
     from autoplan.cost_models.specs import ClusterSpec
+
     if str(path).endswith(".gz"):
         import gzip
 
@@ -315,7 +317,8 @@ def replay(path: str, components: bool = False, as_json: bool = False, saved_sta
     known.update({r["parallel"]: r["measured_s"] for r in tuned_rows})
     # as the live run: the search's finalists, tie-broken by the tuned runs only
     pick, _ = search_choice(model, refit.with_gpus(nproc), training,
-                            {r["parallel"]: (r["measured_s"], r["after_s"]) for r in tuned_rows},
+                            {r["parallel"]: (r["measured_s"], r["after_s"], plan_layers(p))
+                             for r, p in zip(tuned_rows, plans, strict=True)},
                             tie_tolerance(fit), kernels="torch")
     if pick.why != "model" and not as_json:
         print(f"chosen by measurement: {pick.why}")
@@ -437,8 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         # the search's choice with the refit cluster (ties broken by tune's own runs, never the held-out ones),
         # measured if nobody ran it
         pick, best_plan = search_choice(model, refit.with_gpus(args.nproc), training,
-                                        {c.config: (c.measured_s, c.predicted_after_s) for c in res.measured
-                                         if c.predicted_after_s}, tie_tolerance(res.fit), kernels="torch")
+                                        {c.config: (c.measured_s, c.predicted_after_s, plan_layers(c.plan))
+                                         for c in res.measured if c.predicted_after_s},
+                                        tie_tolerance(res.fit), kernels="torch")
         if pick.why != "model":
             print(f"chosen by measurement: {pick.why}", file=sys.stderr)
         known = {r["parallel"]: r["measured_s"] for r in rows if r["measured_s"]}

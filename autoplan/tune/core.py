@@ -543,50 +543,68 @@ def tie_tolerance(fit: FitResult) -> float:
     return min(max(fit.mean_abs_error("run"), TIE_FLOOR), TIE_CAP)
 
 
-def choose_by_measurement(ranked: list[tuple[str, float]], measured: dict[str, tuple[float, float]],
-                          tolerance: float) -> Choice:
-    """The plan to choose from the search's finalists `ranked` ((configuration, refit prediction), best first)
-    and tune's measurements `measured` ({configuration: (measured s, refit prediction s)}): among the finalists
-    predicted within `tolerance` of the best, the measured ones compete with the best at their measurements
-    (the best, if tune did not run it, at its prediction times the median measured/predicted of the tuned runs:
-    the two on one scale); the least wins. An unmeasured runner-up never displaces the best: the model's order
-    is all that is known of it. Held-out measurements must not be passed: only what tune itself ran."""
-    best_cfg, best_pred = ranked[0]
-    window = [(c, t) for c, t in ranked if t <= best_pred * (1 + tolerance) and (c in measured or c == best_cfg)]
+Layers = tuple[tuple[int, int], ...]  # a plan's stages' [start, stop) blocks
+
+
+def choose_by_measurement(ranked: list[tuple[str, float, Layers]],
+                          measured: dict[str, tuple[float, float, Layers]], tolerance: float) -> Choice:
+    """The plan to choose from the search's finalists `ranked` ((configuration, refit prediction, stage layers),
+    best first) and tune's measurements `measured` ({configuration: (measured s, refit prediction s, stage
+    layers)}; a measurement counts for a finalist of the same configuration and stage layers): among the
+    finalists predicted within `tolerance` of the best, the measured ones compete with the best at their
+    measurements (the best, if tune did not run it, at its prediction times the median measured/predicted of the
+    tuned runs: the two on one scale); the least wins. An unmeasured runner-up never displaces the best: the
+    model's order is all that is known of it. Held-out measurements must not be passed: only what tune ran."""
+    def timed(c: str, layers: Layers) -> float | None:
+        m = measured.get(c)
+        return m[0] if m is not None and m[2] == layers else None
+
+    best_cfg, best_pred, best_layers = ranked[0]
+    window = [(c, t, lay) for c, t, lay in ranked
+              if t <= best_pred * (1 + tolerance) and (timed(c, lay) is not None or c == best_cfg)]
     if len(window) == 1:
-        return Choice(best_cfg, best_pred, measured.get(best_cfg, (None,))[0], "model")
-    scale = statistics.median(m / p for m, p in measured.values() if p > 0)
+        return Choice(best_cfg, best_pred, timed(best_cfg, best_layers), "model")
+    scale = statistics.median(m / p for m, p, _ in measured.values() if p > 0)
 
-    def expected(c: str, t: float) -> float:
-        return measured[c][0] if c in measured else t * scale
+    def expected(c: str, t: float, lay: Layers) -> float:
+        m = timed(c, lay)
+        return m if m is not None else t * scale
 
-    cfg, pred = min(window, key=lambda ct: expected(*ct))
-    m = measured[cfg][0] if cfg in measured else None
+    cfg, pred, layers = min(window, key=lambda w: expected(*w))
+    m = timed(cfg, layers)
     if cfg == best_cfg:
         return Choice(cfg, pred, m, "model")
-    others = ", ".join(c.split(",schedule")[0] for c, _ in window if c != cfg)
+    others = ", ".join(c.split(",schedule")[0] for c, _, _ in window if c != cfg)
     why = (f"the refit model prices {cfg.split(',schedule')[0]} within {100 * (pred / best_pred - 1):.1f}% of "
            f"{others} (its error on the tuned runs: {100 * tolerance:.0f}%); measured faster: "
-           f"{m * 1e3:.1f} ms against {expected(best_cfg, best_pred) * 1e3:.1f}")
+           f"{m * 1e3:.1f} ms against {expected(best_cfg, best_pred, best_layers) * 1e3:.1f}")
     return Choice(cfg, pred, m, why)
 
 
-def search_choice(model, cluster: ClusterSpec, training, measured: dict[str, tuple[float, float]],
+def plan_layers(plan) -> Layers:
+    """A Plan's stage layers, as choose_by_measurement compares them."""
+    return tuple(tuple(s.layers) for s in plan.stages)
+
+
+def search_choice(model, cluster: ClusterSpec, training, measured: dict[str, tuple[float, float, Layers]],
                   tolerance: float, **search_kw):
     """The search with `cluster` (refit), its finalists tie-broken by `measured` (choose_by_measurement):
     (Choice, the search's best plan)."""
     from autoplan.search.core import search
 
     r = search(model, cluster, training, top=CHOICE_FINALISTS, **search_kw)
-    ranked = [(e.config.to_string(), e.step_time_s) for e in [r.best, *r.runners_up]]
-    ranked[0] = (r.plan.parallel.to_string(), ranked[0][1])  # the plan's own string (its kernels, schedule)
+    ranked = [(e.config.to_string(), e.step_time_s, tuple(tuple(st.layout.layers) for st in e.stages))
+              for e in [r.best, *r.runners_up]]
+    # the best as its plan states it (its own string and stage layers)
+    ranked[0] = (r.plan.parallel.to_string(), ranked[0][1], plan_layers(r.plan))
     return choose_by_measurement(ranked, measured, tolerance), r.plan
 
 
 def _refit_choice(result: TuneResult, model, training, profiles, fix, kernels) -> None:
     """What the search picks with the refit cluster (ties broken by tune's measurements), and its measurement if
     tune ran it."""
-    measured = {c.config: (c.measured_s, c.predicted_after_s) for c in result.measured if c.predicted_after_s}
+    measured = {c.config: (c.measured_s, c.predicted_after_s, plan_layers(c.plan)) for c in result.measured
+                if c.predicted_after_s}
     try:
         choice, _ = search_choice(model, result.fit.cluster, training, measured, tie_tolerance(result.fit),
                                   profiles=profiles, fix=fix, kernels=kernels)

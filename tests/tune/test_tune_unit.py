@@ -214,12 +214,15 @@ def test_routing_dependent_mismatches_are_marked_for_moe_plans():
 
 # ------------------------------------------------------------------ the choice: ties broken by measurement
 
+L = ((0, 2),)  # one stage of two blocks
+
 def test_finalists_the_model_cannot_order_are_chosen_by_tunes_measurement():
     """Session 19's S19d: DDP mbs 2 priced 1% under mbs 1, measured 24.9 against 18.5 ms; both tuned."""
     from autoplan.tune.core import choose_by_measurement
 
-    ranked = [("dp=4,mbs=2", 0.0200), ("dp=4,mbs=1", 0.0202), ("tp=2,dp=2", 0.0260)]
-    measured = {"dp=4,mbs=2": (0.0249, 0.0200), "dp=4,mbs=1": (0.0185, 0.0202), "tp=2,dp=2": (0.0300, 0.0260)}
+    ranked = [("dp=4,mbs=2", 0.0200, L), ("dp=4,mbs=1", 0.0202, L), ("tp=2,dp=2", 0.0260, L)]
+    measured = {"dp=4,mbs=2": (0.0249, 0.0200, L), "dp=4,mbs=1": (0.0185, 0.0202, L),
+                "tp=2,dp=2": (0.0300, 0.0260, L)}
     c = choose_by_measurement(ranked, measured, tolerance=0.05)
     assert (c.config, c.measured_s) == ("dp=4,mbs=1", 0.0185)
     assert "dp=4,mbs=1 within 1.0% of dp=4,mbs=2" in c.why and "18.5 ms against 24.9" in c.why
@@ -227,25 +230,28 @@ def test_finalists_the_model_cannot_order_are_chosen_by_tunes_measurement():
     c = choose_by_measurement(ranked, measured, tolerance=0.005)
     assert (c.config, c.why) == ("dp=4,mbs=2", "model")
     # a finalist outside the window never wins, however fast it measured
-    fast_third = {**measured, "tp=2,dp=2": (0.010, 0.0260)}
+    fast_third = {**measured, "tp=2,dp=2": (0.010, 0.0260, L)}
     assert choose_by_measurement(ranked, fast_third, tolerance=0.05).config == "dp=4,mbs=1"
+    # a measurement of the same configuration with other stage layers is not this finalist's
+    other_split = {**measured, "dp=4,mbs=1": (0.0185, 0.0202, ((0, 1), (1, 2)))}
+    assert choose_by_measurement(ranked, other_split, tolerance=0.05).config == "dp=4,mbs=2"
 
 
 def test_an_unmeasured_best_competes_at_its_prediction_on_the_measured_scale():
     from autoplan.tune.core import choose_by_measurement
 
-    ranked = [("a", 0.0200), ("b", 0.0204)]
+    ranked = [("a", 0.0200, L), ("b", 0.0204, L)]
     # the tuned runs measured (median) 1.2x their refit predictions: "a" is expected at 24 ms, "b" measured 23
-    measured = {"b": (0.0230, 0.0204), "x": (0.0360, 0.0300), "y": (0.0120, 0.0100)}
+    measured = {"b": (0.0230, 0.0204, L), "x": (0.0360, 0.0300, L), "y": (0.0120, 0.0100, L)}
     c = choose_by_measurement(ranked, measured, tolerance=0.05)
     assert (c.config, c.measured_s) == ("b", 0.0230) and "24.0" in c.why
     # "b" measured 25 ms: the unmeasured "a" (24 expected) stays; nothing measured in the window: the model's
-    assert choose_by_measurement(ranked, {**measured, "b": (0.0250, 0.0204)}, 0.05).config == "a"
-    assert choose_by_measurement(ranked, {"x": (0.0360, 0.0300)}, 0.05) == \
+    assert choose_by_measurement(ranked, {**measured, "b": (0.0250, 0.0204, L)}, 0.05).config == "a"
+    assert choose_by_measurement(ranked, {"x": (0.0360, 0.0300, L)}, 0.05) == \
         choose_by_measurement(ranked, {}, 0.05)
     assert choose_by_measurement(ranked, {}, 0.05).why == "model"
     # an unmeasured runner-up never displaces the best, however slow the best measured
-    c = choose_by_measurement(ranked, {"a": (0.0900, 0.0200), "y": (0.0120, 0.0100)}, 0.05)
+    c = choose_by_measurement(ranked, {"a": (0.0900, 0.0200, L), "y": (0.0120, 0.0100, L)}, 0.05)
     assert (c.config, c.measured_s, c.why) == ("a", 0.0900, "model")
 
 
