@@ -82,9 +82,16 @@ def measure_compute(device: str, dtype_name: str) -> dict:
     bw = 2 * x.numel() * 4 / t
     tiny = torch.ones(8, device=device)
     t_op = _timeit(lambda: [tiny.add_(1) for _ in range(200)], sync=sync) / 200
-    autocast = None if dtype_name == "fp32" else dtype  # the runtime trains 16-bit under autocast
     return {"peak_flops": peak, "half_dim": half, "mem_bw": bw, "op_us": t_op * 1e6, "rates": rates,
-            "train_op_us": training_op_us(device, sync, autocast) * 1e6}
+            "train_op_us": training_op_us(device, sync, training_autocast(dtype_name)) * 1e6}
+
+
+def training_autocast(dtype_name: str):
+    """The torch dtype the runtime's autocast runs a `dtype_name` training in (16-bit trains under autocast over
+    fp32 parameters), or None for fp32: what the host-time benchmarks must run under to time what it runs."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype_name)
 
 
 def training_op_us(device: str, sync=lambda: None, autocast=None) -> float:
@@ -270,7 +277,7 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
     if args.model:
         shapes += model_gemm_shapes(args.model, args.seq_len, args.mbs, spec["gpus_per_node"])
     gemms = bench_gemms(shapes, device, args.dtype)
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)  # 16-bit trains under autocast
+    autocast = training_autocast(args.dtype)
     regions = bench_recompute_region(device, autocast=autocast)
     # the measurement `calibrate` wrote as tp_op_overhead_us (calibrate_bench.bench_tp_ops), kept for the record
     tp_ops = bench_tp_ops(device)

@@ -61,6 +61,7 @@ from autoplan.tune.core import (  # noqa: E402
     search_choice,
     tie_tolerance,
     tune,
+    tuned_measurements,
 )
 from autoplan.tune.records import RunLog, warmup_before  # noqa: E402
 
@@ -440,9 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         # the search's choice with the refit cluster (ties broken by tune's own runs, never the held-out ones),
         # measured if nobody ran it
         pick, best_plan = search_choice(model, refit.with_gpus(args.nproc), training,
-                                        {c.config: (c.measured_s, c.predicted_after_s, plan_layers(c.plan))
-                                         for c in res.measured if c.predicted_after_s},
-                                        tie_tolerance(res.fit), kernels="torch")
+                                        tuned_measurements(res.candidates), tie_tolerance(res.fit), kernels="torch")
         if pick.why != "model":
             print(f"chosen by measurement: {pick.why}", file=sys.stderr)
         known = {r["parallel"]: r["measured_s"] for r in rows if r["measured_s"]}

@@ -586,6 +586,13 @@ def plan_layers(plan) -> Layers:
     return tuple(tuple(s.layers) for s in plan.stages)
 
 
+def tuned_measurements(candidates: list[Candidate]) -> dict[str, tuple[float, float, Layers]]:
+    """What choose_by_measurement takes of tune's runs: {configuration: (measured s, refit prediction s, stage
+    layers)} of the measured candidates the refit predicted."""
+    return {c.config: (c.measured_s, c.predicted_after_s, plan_layers(c.plan)) for c in candidates
+            if c.measured_s is not None and c.predicted_after_s}
+
+
 def search_choice(model, cluster: ClusterSpec, training, measured: dict[str, tuple[float, float, Layers]],
                   tolerance: float, **search_kw):
     """The search with `cluster` (refit), its finalists tie-broken by `measured` (choose_by_measurement):
@@ -603,10 +610,9 @@ def search_choice(model, cluster: ClusterSpec, training, measured: dict[str, tup
 def _refit_choice(result: TuneResult, model, training, profiles, fix, kernels) -> None:
     """What the search picks with the refit cluster (ties broken by tune's measurements), and its measurement if
     tune ran it."""
-    measured = {c.config: (c.measured_s, c.predicted_after_s, plan_layers(c.plan)) for c in result.measured
-                if c.predicted_after_s}
     try:
-        choice, _ = search_choice(model, result.fit.cluster, training, measured, tie_tolerance(result.fit),
+        choice, _ = search_choice(model, result.fit.cluster, training, tuned_measurements(result.candidates),
+                                  tie_tolerance(result.fit),
                                   profiles=profiles, fix=fix, kernels=kernels)
     except AutoplanError as e:
         result.notes.append(f"search with the refit cluster failed: {e.one_line()}")
