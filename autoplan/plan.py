@@ -28,6 +28,9 @@ _LATER_FIELDS: dict[str, tuple[str, ...]] = {
                  "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "runtime_memory", "sp_grads_coalesced", "selective_policy"),
     "cluster.gpu.calibration": ("dtensor_param_us", "fused_call_us", "pipeline_action_us"),
 }
+# Later fields whose default changed after plans were written with the old one: the value that leaves them out of
+# the hash stays the old default, so those plans keep their hash (p2p_scatter_gather: true until session 21).
+_HASH_NEUTRAL: dict[str, object] = {"p2p_scatter_gather": True}
 
 
 class _Frozen(BaseModel):
@@ -144,7 +147,8 @@ class Plan(_Frozen):
             for attr in () if part == "plan" else part.split("."):
                 obj = getattr(obj, attr)
             unset = {n for n in names
-                     if getattr(obj, n) == type(obj).model_fields[n].get_default(call_default_factory=True)}
+                     if getattr(obj, n) == _HASH_NEUTRAL.get(n, type(obj).model_fields[n].get_default(
+                         call_default_factory=True))}
             if part == "plan":
                 exclude.update(dict.fromkeys(unset, True))
             elif unset:  # nested: {"cluster": {"gpu": {"calibration": {...}}}}
@@ -216,6 +220,10 @@ def load_plan(path: str | Path) -> Plan:
     except AutoplanError as e:  # a spec's own rule (e.g. heads vs kv_heads), raised inside validation
         raise PlanError(f"plan {path} does not match the schema", e.one_line()[:300],
                         "re-create it with `autoplan search -o`") from None
+    training = data.get("training")
+    if isinstance(training, dict) and "p2p_scatter_gather" not in training:
+        # written before the field existed, when every plan was priced with scatter/gather: what it said then
+        plan = plan.model_copy(update={"training": plan.training.model_copy(update={"p2p_scatter_gather": True})})
     if plan.content_hash != plan.compute_hash():
         raise PlanError(f"plan {path} was modified after it was made",
                         f"content hash {_shown(plan.content_hash[:12]) or '(missing)'} != {plan.compute_hash()[:12]}",

@@ -254,6 +254,16 @@ def _sample_of_saved(entry: dict, plan) -> RunSample:
     return base.model_copy(update={"components": TimedComponents(seconds=comps) if comps else None})
 
 
+def _current_knobs(plan, training):
+    """A saved tuned run's plan with this checkout's stack knobs: the plan carries those of the code that made
+    it, and a replay judges this checkout's cost model, which a live tune would price the run with (the
+    p2p_scatter_gather default changed in session 21). Dtype and kernels are the run's own."""
+    from autoplan.cost_models.stacks import STACK_KNOBS
+
+    now = {k: getattr(training, k) for k in STACK_KNOBS if k not in ("dtype", "kernels")}
+    return plan.model_copy(update={"training": plan.training.model_copy(update=now)})
+
+
 def replay(path: str, components: bool = False, as_json: bool = False, saved_start: bool = False) -> int:
     """Refit and evaluate on the measurements of a `--save` file (see the module docstring). The fit starts from
     this checkout's local-cpu preset (a preset constant is code, judged like the rest), or with `saved_start`
@@ -294,7 +304,7 @@ def replay(path: str, components: bool = False, as_json: bool = False, saved_sta
     regions = [RegionSample.model_validate(r) for r in bench.get("recompute", [])]
     host_ops = [HostOpSample.model_validate(h) for h in bench.get("host_op", [])]  # sets saved since session 18
     tuned = [e for e in data["tuned"] if e.get("measured_s")]
-    plans = [Plan.model_validate(e["plan"]) for e in tuned]
+    plans = [_current_knobs(Plan.model_validate(e["plan"]), training) for e in tuned]
     samples = [_sample_of_saved(e, p) for e, p in zip(tuned, plans, strict=True)]
     if not samples:
         raise SpecError("nothing to replay", f"{path}: no measured tuned runs", "save a run with --save")

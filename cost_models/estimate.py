@@ -849,9 +849,13 @@ def pipeline_p2p_parts(cluster: ClusterSpec, training: TrainingSpec, *, hidden: 
     if pp <= 1:
         return 0.0, 0.0
     e = training.weight_bytes  # activations share the weights' dtype
-    # Megatron splits the message over the tp ranks (scatter/gather, SC21 sec. 4.1), and so does DeepSpeed's
-    # PipelineEngine (is_pipe_partitioned / is_grad_partitioned, PartitionedTensor); false = whole hidden states.
-    split = tp if training.p2p_scatter_gather else 1
+    # Under sequence parallelism each tp rank holds (and every runtime sends) its sequence shard. Without it,
+    # Megatron splits the replicated message over the tp ranks (scatter/gather, SC21 sec. 4.1), and so does
+    # DeepSpeed's PipelineEngine (is_pipe_partitioned / is_grad_partitioned, PartitionedTensor);
+    # p2p_scatter_gather=false (torch.distributed.pipelining: autoplan, torchtitan) sends each tp rank's whole
+    # hidden states to its peer and gathers nothing (cost_models.counts.boundary_bytes, measured by
+    # benchmarks/counts.py).
+    split = tp if sp or training.p2p_scatter_gather else 1
     full = mbs * training.seq_length // cp * hidden * e
     cross = tp * cp * dp >= cluster.gpus_per_node and cluster.num_nodes > 1
     t = comm.p2p(cluster, full / split, cross)

@@ -397,9 +397,10 @@ class TrainingSpec(_Frozen):
         default=False, description="In the backward pass, one TP collective per linear pair runs beside the "
         "weight-gradient GEMM (Megatron-LM's async tensor-parallel all-reduce / SP all-gather, 2022).")
     p2p_scatter_gather: bool = Field(
-        default=True, description="Pipeline activations cross stages split over the tp ranks (SC21 sec. 4.1); "
-        "false = every tp rank sends the whole hidden state (a pipeline runtime that does not partition its "
-        "messages; Megatron-LM and DeepSpeed's PipelineEngine both do).")
+        default=False, description="Without sequence parallelism, pipeline activations cross stages split over the "
+        "tp ranks and are all-gathered on arrival (SC21 sec. 4.1; Megatron-LM and DeepSpeed's PipelineEngine); "
+        "false = every tp rank sends its whole hidden state to its peer (torch.distributed.pipelining: autoplan's "
+        "runtime, torchtitan). Under sequence parallelism every runtime sends the rank's sequence shard.")
     p2p_overlap: bool = Field(
         default=True, description="Pipeline sends are asynchronous, overlapped with compute (their NCCL kernels "
         "still take SMs: overlap_interference); false = blocking p2p (Megatron-LM's and DeepSpeed's): a transfer "

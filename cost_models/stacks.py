@@ -73,7 +73,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         name="autoplan", title="autoplan's own runtime (default)",
         knobs={"flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                "tp_comm_overlap": False, "kernels": "fused", "grad_reduce_dtype": None, "runtime_memory": True,
-               "sp_grads_coalesced": False, "autocast_fp32_params": True},
+               "sp_grads_coalesced": False, "autocast_fp32_params": True,
+               # torch.distributed.pipelining sends a stage's output tensor as each tp rank holds it, rank to
+               # rank: the whole hidden states without SP, nothing gathered (counts.boundary_bytes, measured)
+               "p2p_scatter_gather": False},
         assumes="flash (SDPA) attention; autoplan's fused Triton norms and activations (RoPE and the "
                 "cross-entropy eager); 16-bit compute under torch.autocast over fp32 parameters "
                 "(autocast_fp32_params); "
@@ -81,7 +84,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                 "TP collectives not overlapped; parameters and gradients fp32 in memory and on the wire "
                 "(autocast_fp32_params); memory as the runtime holds "
                 "it (FSDP2's parameter copies, whole experts, the embedding's whole gradient: runtime_memory); a tied "
-                "embedding's all-reduce under pp moves the rank's FSDP2 gradient shard",
+                "embedding's all-reduce under pp moves the rank's FSDP2 gradient shard; pipeline stages send each "
+                "tp rank's hidden states as it holds them (whole without SP: no scatter/gather)",
         source="runtime/parallelize.py (apply_dp, apply_fused_kernels)",
     ),
     _stack(
@@ -181,7 +185,9 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                # its selective checkpointing is per operator (SelectiveAC; `selective_ac_option = "op"` before 0.3):
                # torchtitan/distributed/activation_checkpoint.py saves matmul and attention outputs, "except every
                # second mm/linear" (parallelize_llama.py `_save_list`, `mm_count % 2` in the 2024 code)
-               "selective_policy": "every_other_matmul"},
+               "selective_policy": "every_other_matmul",
+               # its pipeline is torch.distributed.pipelining, as ours: no scatter/gather of stage messages
+               "p2p_scatter_gather": False},
         assumes="bf16 parameters with FSDP2 reducing gradients in fp32 (mixed_precision_reduce=float32); SDPA "
                 "flash attention; torch.compile fusing the elementwise ops; async TP overlapping the TP "
                 "collectives with the GEMMs; FSDP2 prefetch overlapping gathers and reduce-scatters; "

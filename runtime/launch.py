@@ -114,6 +114,16 @@ def check_machine(plan, nproc_per_node: int) -> list[str]:
 RUNTIME_KNOBS = frozenset({"kernels"})
 
 
+def _knob_prices(plan, knob: str) -> bool:
+    """Whether a stack knob can change `plan`'s prediction. p2p_scatter_gather prices only pipeline messages
+    under tp > 1 without SP; autoplan's plans set it true until its stack learnt that torch.distributed.pipelining
+    sends whole hidden states (session 21), and those plans priced everything else as they do now."""
+    if knob == "p2p_scatter_gather":
+        par = plan.parallel
+        return par.pp > 1 and par.tp > 1 and not par.sp
+    return True
+
+
 def check_stack(plan) -> list[str]:
     """The plan must price the program autoplan's runtime executes. One priced for another software stack
     (`--stack megatron-2022`, `deepspeed-zero3`, `torchtitan`, ...: for comparison and for `autoplan export`) or
@@ -131,7 +141,7 @@ def check_stack(plan) -> list[str]:
                 f"export` it for {base}"]
     own = stack_knobs(DEFAULT_STACK)
     foreign = [f"{k}={str(getattr(plan.training, k)).lower()}" for k, v in own.items()
-               if k not in RUNTIME_KNOBS and getattr(plan.training, k) != v]
+               if k not in RUNTIME_KNOBS and getattr(plan.training, k) != v and _knob_prices(plan, k)]
     if foreign:
         return [f"plan {plan.short_hash} sets stack knobs autoplan's runtime does not have ({', '.join(foreign)}): "
                 f"its prediction is for another program; re-plan without them (only "

@@ -317,6 +317,16 @@ def test_a_plan_priced_for_another_stack_is_not_run_as_if_it_were_autoplans(tmp_
         update={"flash_attention": False})}).sealed()
     (problem,) = launch.check_stack(unfused)
     assert "flash_attention=false" in problem and "re-plan without them" in problem
+    # plans of autoplan's stack written before its pipeline messages were priced as sent (session 21) say
+    # p2p_scatter_gather=true: refused only where it priced something (tp > 1 and pp > 1 without SP)
+    old = plan.model_copy(update={"stack": "autoplan", "training": plan.training.model_copy(
+        update={"p2p_scatter_gather": True})}).sealed()
+    assert plan.parallel.pp == 1 and launch.check_stack(old) == []
+    piped = old.model_copy(update={"parallel": old.parallel.model_copy(update={"tp": 2, "pp": 2})}).sealed()
+    (problem,) = launch.check_stack(piped)
+    assert "p2p_scatter_gather=true" in problem
+    sp = piped.model_copy(update={"parallel": piped.parallel.model_copy(update={"sp": True})}).sealed()
+    assert launch.check_stack(sp) == []
     path = tmp_path / "megatron.json"
     path.write_text(megatron.model_dump_json())
     with pytest.raises(PlanError, match="priced for the megatron-2022 stack"):

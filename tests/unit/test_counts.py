@@ -71,6 +71,24 @@ def test_plans_without_runtime_semantics_keep_their_hash(tmp_path):
     assert load_plan(tmp_path / "old.json").content_hash == plan.content_hash
 
 
+def test_plans_of_the_old_p2p_default_keep_their_hash_and_meaning(tmp_path):
+    """p2p_scatter_gather's default became false in session 21 (autoplan's runtime sends whole hidden states):
+    a plan written with true keeps its hash, and one written before the field existed reads as true, which is
+    what it was priced with."""
+    plan = _plan("tp=2,pp=2")
+    assert plan.training.p2p_scatter_gather is False
+    old = plan.model_copy(update={"training": plan.training.model_copy(update={"p2p_scatter_gather": True})})
+    body = json.loads(plan.to_json())
+    body["training"]["p2p_scatter_gather"] = True
+    (tmp_path / "true.json").write_text(json.dumps({**body, "content_hash": old.compute_hash()}))
+    assert load_plan(tmp_path / "true.json").training.p2p_scatter_gather is True
+    body["training"].pop("p2p_scatter_gather")  # before the field existed
+    (tmp_path / "older.json").write_text(json.dumps(body | {"content_hash": old.compute_hash()}))
+    assert load_plan(tmp_path / "older.json").training.p2p_scatter_gather is True
+    # and the new default is in the hash: a plan that says false is not the plan that says true
+    assert plan.compute_hash() != old.compute_hash()
+
+
 def test_counts_need_no_torch():
     code = ("import sys; from autoplan.counts import counts_of_plan; from autoplan.plan import load_plan; "
             "import autoplan.inspect.counts_view; assert 'torch' not in sys.modules")

@@ -122,8 +122,9 @@ def test_plans_without_the_new_fields_still_load(tmp_path, capsys):
     assert data["stack"] is None and data["parallel"]["layout"] is None
     data.pop("stack")
     data["parallel"].pop("layout")
-    for k in ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused", "grad_sync_all_reduce",
-              "runtime_memory"):
+    # (p2p_scatter_gather is not among them: its default changed, and a plan without it was priced with true --
+    # tests/unit/test_counts.py::test_plans_of_the_old_p2p_default_keep_their_hash_and_meaning)
+    for k in ("tp_bwd_comm_overlap", "p2p_overlap", "grad_accum_fused", "grad_sync_all_reduce", "runtime_memory"):
         data["training"].pop(k)
     old = tmp_path / "old.json"
     old.write_text(json.dumps(data))
