@@ -254,6 +254,29 @@ def _head_logits_comm(p: LayerProfile, ctx: Context, grp) -> float:
     return comm.all_gather(ctx.cluster, grp, gathered) if gathered else 0.0
 
 
+def tp_points(p: LayerProfile, training) -> tuple[int, int]:
+    """A layer's tensor-parallel reduction points per micro-batch, (forward, backward): a block's row-parallel
+    outputs forward and column-parallel input gradients backward, the vocab-parallel embedding's output forward,
+    the LM head's input gradient backward (`tp_units` has the bytes of each). autoplan's runtime (`runtime_memory`)
+    does not tensor-parallelise a MoE block's experts: only its attention reduces (cost_models.counts.layer_comm,
+    measured by benchmarks/counts.py on tiny-moe with tp=2)."""
+    per_block = 1 if p.moe_top_k and training.runtime_memory else p.tp_allreduces
+    return {"block": (per_block, per_block), "embedding": (p.tp_allreduces, 0), "head": (0, p.tp_allreduces)}[p.kind]
+
+
+def full_recompute_tp_points(p: LayerProfile, training) -> int:
+    """The forward reduction points a full recomputation of block `p` runs again. autoplan's runtime checkpoints a
+    block with torch.utils.checkpoint (non-reentrant, early stop: runtime.parallelize.apply_recompute), whose
+    recomputation stops once the last tensor the backward saved is back, after the block's last GEMM: a dense
+    block's last point, the MLP's row-parallel reduction, is not run again; a MoE block's one point (its
+    attention's) is, the experts following it (counts.layer_comm, measured). Megatron's reentrant checkpoint
+    re-runs the whole forward, every point."""
+    n_fwd = tp_points(p, training)[0]
+    if p.kind != "block" or not training.runtime_memory or p.moe_top_k:
+        return n_fwd
+    return max(0, n_fwd - 1)
+
+
 # The collectives of `tp_units`, by name.
 _TP_COLLECTIVE = {"all_reduce": comm.all_reduce, "reduce_scatter": comm.reduce_scatter, "all_gather": comm.all_gather}
 
@@ -266,8 +289,7 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
     # With sp, each all-reduce becomes a reduce-scatter + all-gather pair: the same bytes and hops on an NCCL
     # ring, but more on gloo (whose reduce-scatter is a whole all-reduce, see comm.reduce_scatter).
     one_f, one_b = (sum(_TP_COLLECTIVE[c](ctx.cluster, grp, b) for c, b in u.items()) for u in tp_units(p, ctx))
-    n_fwd = p.tp_allreduces if p.kind != "head" else 0
-    n_bwd = p.tp_allreduces if p.kind != "embedding" else 0
+    n_fwd, n_bwd = tp_points(p, ctx.training)
     fwd, bwd = n_fwd * one_f, n_bwd * one_b
     # after the head's GEMM, not beside it: no overlap below applies to it
     loss = _head_logits_comm(p, ctx, grp) if p.kind == "head" else 0.0
@@ -655,7 +677,10 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # on CPU processes (below).
     reruns_core = not ctx.training.flash_attention or ctx.training.runtime_memory or cpu_host
     sel = attn_fwd if reruns_core else 0.0
-    full = fwd  # the whole forward, its TP communication included
+    # the whole forward, its TP communication included but for the points a checkpoint stopping early skips
+    n_tp = tp_points(p, ctx.training)[0]
+    skipped_tp = tp_f * (n_tp - full_recompute_tp_points(p, ctx.training)) / n_tp if n_tp and p.kind == "block" else 0.0
+    full = fwd - skipped_tp
     rec_sel_flops = attn_flops if reruns_core else 0.0
     ckpt_sel = ckpt_full = 0.0
 
@@ -669,7 +694,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         # hook per operator (recompute_op_us), and the selective region (the block's attention core: GQA expand
         # + SDPA) issues its kernels again (session 9: measured on local-cpu, selective cost most of what full did).
         ckpt_full = region(p.kernels_fwd)
-        full = fwd + ckpt_full
+        full = fwd - skipped_tp + ckpt_full
         if p.attention is not None:
             core = _core_kernels(p)
             ckpt_sel = region(core)
@@ -679,7 +704,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         # they outlast it. Session 17, one H200 (docs/notes/session-17): GPT-1.3B's block forward took 2.2 ms under
         # full recompute against 1.6 without, and the recompute 2.6 ms: the host, not the GPU, bounds it there.
         # The increase over the plain re-run is booked as checkpoint time, as on a CPU host.
-        full = max(dev_f, host_fwd + region(p.kernels_fwd)) + comm_f
+        full = max(dev_f, host_fwd + region(p.kernels_fwd)) + comm_f - skipped_tp
         ckpt_full = full - fwd
         if p.attention is not None:
             core = _core_kernels(p)

@@ -29,8 +29,10 @@ from .compute import (
     Context,
     _attention,
     ep_routed_bytes,
+    full_recompute_tp_points,
     gathered_logits_bytes,
     loss_backward_temporaries,
+    tp_points,
     tp_units,
     vocab_parallel_loss_bytes,
 )
@@ -144,11 +146,9 @@ def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times
         # A MoE block's experts are not tensor-parallel: only its attention reduces.
         # (An embedding or head the layout leaves replicated -- a user module's table read by an F.linear head --
         # has tp_allreduces 0: nothing at either end, and no vocab-parallel loss.)
-        per_block = 1 if p.moe_top_k else p.tp_allreduces
-        n_f = {"block": per_block, "embedding": p.tp_allreduces, "head": 0}[p.kind]
-        n_b = {"block": per_block, "embedding": 0, "head": p.tp_allreduces}[p.kind]
+        n_f, n_b = tp_points(p, ctx.training)
         if recompute == "full":  # the recomputed forward reduces again, except after the last GEMM (early stop)
-            n_f += 1 if not p.moe_top_k else per_block
+            n_f += full_recompute_tp_points(p, ctx.training)
         fwd, bwd = tp_units(p, ctx)
         for units, n in ((fwd, n_f), (bwd, n_b)):
             for coll, nbytes in units.items():

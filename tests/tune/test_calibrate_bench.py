@@ -21,6 +21,17 @@ def test_model_gemm_shapes_cover_tp_shards():
     assert all(m == 128 for m, _, _ in shapes)
 
 
+def _soft_l1(rows, when: str) -> float:
+    """scipy's soft_l1 loss of the rows' log residuals at the fit's scale (what fit_cluster minimises, less its
+    weak prior)."""
+    import math
+
+    from autoplan.cost_models.fit import ROBUST_SCALE
+
+    z = [(math.log(r[when] / r["measured"]) / ROBUST_SCALE) ** 2 for r in rows]
+    return sum(2 * ((1 + x) ** 0.5 - 1) for x in z) * ROBUST_SCALE ** 2
+
+
 def test_gemm_and_collective_benchmarks_feed_the_fit(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for var in ("RANK", "WORLD_SIZE"):
@@ -37,7 +48,10 @@ def test_gemm_and_collective_benchmarks_feed_the_fit(monkeypatch):
                       collectives=[CollectiveSample(**c) for c in rows],
                       free=["matmul_max_efficiency", "intra_latency_us"])
     assert res.rms_log_error("gemm") <= res.rms_log_error("gemm", "before") + 1e-9
-    assert res.rms_log_error() <= res.rms_log_error(when="before") + 1e-6  # least squares cannot do worse
+    # the fit cannot do worse on what it minimises: the soft-L1 loss of the log residuals (fit.ROBUST_SCALE), not
+    # their rms, which one disturbed benchmark row on a loaded machine can raise (session 21: 1.31 -> 1.33 under a
+    # test run beside a replay)
+    assert _soft_l1(res.rows, "after") <= _soft_l1(res.rows, "before") + 1e-6
     assert res.after["intra_latency_us"] == pytest.approx(res.cluster.intra_node.latency_us)
 
 

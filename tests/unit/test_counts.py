@@ -280,3 +280,42 @@ def test_step_scalars_are_counted_where_a_measurement_names_them():
     assert scalars("tp=2,dp=2") == {"all_reduce@world": (1, 24), "all_reduce@tp": (1, 8)}
     assert scalars("tp=4") == {"all_reduce@tp": (2, 32)}
     assert world_dim(ParallelConfig.parse("dp=4,ep=4").resolve(4)) == "ep"
+
+
+def test_the_estimate_prices_the_tp_points_the_runtime_runs():
+    """The estimate times the tensor-parallel reductions cost_models.counts counts (and benchmarks/counts.py
+    measures): a full recomputation under autoplan's runtime (torch.utils.checkpoint, early stop) re-runs a dense
+    block's forward but its last reduction, Megatron's reentrant checkpoint every one; a MoE block's experts are
+    not tensor-parallel in autoplan's runtime, so only its attention reduces."""
+    from autoplan.cost_models import comm
+    from autoplan.cost_models.compute import full_recompute_tp_points, layer_cost, tp_points, tp_units
+    from autoplan.cost_models.estimate import context
+    from autoplan.cost_models.profile import profile_from_spec
+    from autoplan.cost_models.stacks import apply_stack
+    from autoplan.specs import check_config
+
+    ours = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
+    megatron = apply_stack(ours, "megatron-2022", {})
+    assert ours.runtime_memory and not megatron.runtime_memory
+    cpu = load_cluster("local-cpu", gpus=4).model_copy(update={"cores_per_node": 2})
+    cfg = check_config(ParallelConfig.parse("tp=2,dp=2,mbs=1,recompute=full"), load_model("tiny-gpt"), cpu, ours)
+    block = profile_from_spec(load_model("tiny-gpt"))[1]
+    assert tp_points(block, ours) == (2, 2) and full_recompute_tp_points(block, ours) == 1
+    assert full_recompute_tp_points(block, megatron) == 2
+    c = layer_cost(block, context(cpu, ours, cfg))
+    # the whole forward again (its host time, kernels and reductions) less the last reduction, plus the checkpoint
+    assert c.recompute_full_s == pytest.approx(c.fwd_s - c.comm_fwd_s / 2 + c.checkpoint_full_s, rel=1e-12)
+    gpu = load_cluster("dgx-h100", gpus=4)
+    gcfg = check_config(ParallelConfig.parse("tp=4,mbs=1,recompute=full"), load_model("tiny-gpt"), gpu, megatron)
+    g = layer_cost(block, context(gpu, megatron, gcfg))
+    assert g.recompute_full_s == pytest.approx(g.fwd_s, rel=1e-12)  # Megatron re-runs all of it
+    # MoE: one reduction a block forward and backward in our runtime, and a full recompute re-runs it
+    moe = profile_from_spec(load_model("tiny-moe"))[1]
+    assert moe.moe_top_k and moe.tp_allreduces == 2
+    assert tp_points(moe, ours) == (1, 1) and full_recompute_tp_points(moe, ours) == 1
+    assert tp_points(moe, megatron) == (2, 2)
+    mcfg = check_config(ParallelConfig.parse("tp=2,dp=2,mbs=1"), load_model("tiny-moe"), cpu, ours)
+    ctx = context(cpu, ours, mcfg)
+    grp = comm.group_of(ctx.cluster, 2, 1)
+    one = sum(comm.all_reduce(ctx.cluster, grp, b) for b in tp_units(moe, ctx)[0].values())
+    assert layer_cost(moe, ctx).comm_fwd_s == pytest.approx(one, rel=1e-12)
