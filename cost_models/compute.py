@@ -264,6 +264,17 @@ def tp_points(p: LayerProfile, training) -> tuple[int, int]:
     return {"block": (per_block, per_block), "embedding": (p.tp_allreduces, 0), "head": (0, p.tp_allreduces)}[p.kind]
 
 
+def early_stop_skips_last_gemm(p: LayerProfile, training) -> bool:
+    """Whether a full recomputation of `p` under autoplan's runtime (`runtime_memory`: torch.utils.checkpoint,
+    non-reentrant, early stop) leaves out its last GEMM: a dense block's w2, whose output nothing saves, so the
+    recomputation is over once w2's input is back (measured: benchmarks/counts.py's recompute FLOPs). What follows
+    it (its row-parallel reduction, the residual add) is not run either. Megatron's reentrant checkpoint re-runs
+    the whole forward."""
+    last = p.gemms[-1] if p.gemms else None
+    return (training.runtime_memory and p.kind == "block" and last is not None and not last.expert
+            and not p.moe_top_k)
+
+
 def full_recompute_tp_points(p: LayerProfile, training) -> int:
     """The forward reduction points a full recomputation of block `p` runs again. autoplan's runtime checkpoints a
     block with torch.utils.checkpoint (non-reentrant, early stop: runtime.parallelize.apply_recompute), whose
@@ -272,9 +283,7 @@ def full_recompute_tp_points(p: LayerProfile, training) -> int:
     attention's) is, the experts following it (counts.layer_comm, measured). Megatron's reentrant checkpoint
     re-runs the whole forward, every point."""
     n_fwd = tp_points(p, training)[0]
-    if p.kind != "block" or not training.runtime_memory or p.moe_top_k:
-        return n_fwd
-    return max(0, n_fwd - 1)
+    return max(0, n_fwd - 1) if early_stop_skips_last_gemm(p, training) else n_fwd
 
 
 # The collectives of `tp_units`, by name.
@@ -677,10 +686,13 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # on CPU processes (below).
     reruns_core = not ctx.training.flash_attention or ctx.training.runtime_memory or cpu_host
     sel = attn_fwd if reruns_core else 0.0
-    # the whole forward, its TP communication included but for the points a checkpoint stopping early skips
+    # the whole forward, its TP communication included, but for what a checkpoint stopping early leaves out: the
+    # last GEMM (its kernel and its operator's host time) and the reduction after it
     n_tp = tp_points(p, ctx.training)[0]
     skipped_tp = tp_f * (n_tp - full_recompute_tp_points(p, ctx.training)) / n_tp if n_tp and p.kind == "block" else 0.0
-    full = fwd - skipped_tp
+    stops_early = early_stop_skips_last_gemm(p, ctx.training)
+    skipped_gemm, skipped_host = (parts[-1][0], launch_us * 1e-6) if stops_early else (0.0, 0.0)
+    full = max(dev_f - skipped_gemm, host_fwd - skipped_host) + comm_f - skipped_tp
     rec_sel_flops = attn_flops if reruns_core else 0.0
     ckpt_sel = ckpt_full = 0.0
 
@@ -694,7 +706,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         # hook per operator (recompute_op_us), and the selective region (the block's attention core: GQA expand
         # + SDPA) issues its kernels again (session 9: measured on local-cpu, selective cost most of what full did).
         ckpt_full = region(p.kernels_fwd)
-        full = fwd - skipped_tp + ckpt_full
+        full = fwd - skipped_gemm - skipped_host - skipped_tp + ckpt_full
         if p.attention is not None:
             core = _core_kernels(p)
             ckpt_sel = region(core)
@@ -704,8 +716,9 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         # they outlast it. Session 17, one H200 (docs/notes/session-17): GPT-1.3B's block forward took 2.2 ms under
         # full recompute against 1.6 without, and the recompute 2.6 ms: the host, not the GPU, bounds it there.
         # The increase over the plain re-run is booked as checkpoint time, as on a CPU host.
-        full = max(dev_f, host_fwd + region(p.kernels_fwd)) + comm_f - skipped_tp
-        ckpt_full = full - fwd
+        plain = full  # the re-run without the checkpoint's hooks
+        full = max(dev_f - skipped_gemm, host_fwd - skipped_host + region(p.kernels_fwd)) + comm_f - skipped_tp
+        ckpt_full = full - plain
         if p.attention is not None:
             core = _core_kernels(p)
             plain = sel
@@ -749,6 +762,6 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         act_none=act_none, act_selective=act_sel, act_full=act_full,
         params_local=params, expert_params_local=expert,
         model_flops=gemm_flops + attn_flops, recompute_flops_selective=rec_sel_flops,
-        recompute_flops_full=gemm_flops + attn_flops, checkpoint_selective_s=ckpt_sel, checkpoint_full_s=ckpt_full,
+        recompute_flops_full=gemm_flops + attn_flops - (parts[-1][1] if stops_early else 0.0), checkpoint_selective_s=ckpt_sel, checkpoint_full_s=ckpt_full,
         loss_transient=loss_transient(p, ctx), weight_copies=ac.weight_copies,
     )

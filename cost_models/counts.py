@@ -28,6 +28,7 @@ from .compute import (
     VOCAB_PARALLEL_LOSS_ALL_REDUCES,
     Context,
     _attention,
+    early_stop_skips_last_gemm,
     ep_routed_bytes,
     full_recompute_tp_points,
     gathered_logits_bytes,
@@ -117,10 +118,7 @@ def _gemm_flops(g, ctx: Context) -> float:
 def _early_stop_skipped(p: LayerProfile, ctx: Context) -> float:
     """Forward FLOPs a full recomputation does not redo: torch.utils.checkpoint stops once every saved tensor is
     back (early stop, its default), so a dense block's last GEMM (w2, whose output nothing saves) is not re-run."""
-    last = p.gemms[-1] if p.gemms else None
-    if p.kind != "block" or last is None or last.expert or p.moe_top_k:
-        return 0.0
-    return _gemm_flops(last, ctx)
+    return _gemm_flops(p.gemms[-1], ctx) if early_stop_skips_last_gemm(p, ctx.training) else 0.0
 
 
 def layer_flops(p: LayerProfile, ctx: Context, recompute: str) -> dict[str, float]:

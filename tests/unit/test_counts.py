@@ -283,12 +283,20 @@ def test_step_scalars_are_counted_where_a_measurement_names_them():
 
 
 def test_the_estimate_prices_the_tp_points_the_runtime_runs():
-    """The estimate times the tensor-parallel reductions cost_models.counts counts (and benchmarks/counts.py
+    """The estimate times the tensor-parallel reductions and GEMMs cost_models.counts counts (and benchmarks/counts.py
     measures): a full recomputation under autoplan's runtime (torch.utils.checkpoint, early stop) re-runs a dense
-    block's forward but its last reduction, Megatron's reentrant checkpoint every one; a MoE block's experts are
-    not tensor-parallel in autoplan's runtime, so only its attention reduces."""
+    block's forward but its last GEMM and the reduction after it, Megatron's reentrant checkpoint all of it; a MoE
+    block's experts are not tensor-parallel in autoplan's runtime, so only its attention reduces."""
     from autoplan.cost_models import comm
-    from autoplan.cost_models.compute import full_recompute_tp_points, layer_cost, tp_points, tp_units
+    from autoplan.cost_models.compute import (
+        _gemm_parts,
+        early_stop_skips_last_gemm,
+        full_recompute_tp_points,
+        layer_cost,
+        tp_points,
+        tp_units,
+    )
+    from autoplan.cost_models.counts import layer_flops
     from autoplan.cost_models.estimate import context
     from autoplan.cost_models.profile import profile_from_spec
     from autoplan.cost_models.stacks import apply_stack
@@ -302,9 +310,16 @@ def test_the_estimate_prices_the_tp_points_the_runtime_runs():
     block = profile_from_spec(load_model("tiny-gpt"))[1]
     assert tp_points(block, ours) == (2, 2) and full_recompute_tp_points(block, ours) == 1
     assert full_recompute_tp_points(block, megatron) == 2
-    c = layer_cost(block, context(cpu, ours, cfg))
-    # the whole forward again (its host time, kernels and reductions) less the last reduction, plus the checkpoint
-    assert c.recompute_full_s == pytest.approx(c.fwd_s - c.comm_fwd_s / 2 + c.checkpoint_full_s, rel=1e-12)
+    ctx = context(cpu, ours, cfg)
+    c = layer_cost(block, ctx)
+    # the whole forward again (its host time, kernels and reductions) less the last GEMM, its operator's host time
+    # and the reduction after it, plus the checkpoint; its FLOPs less that GEMM's, as counts.layer_flops counts
+    w2_s, w2_flops = _gemm_parts(block, ctx)[-1]
+    launch = (cpu.gpu.calibration.kernel_launch_us + cpu.gpu.calibration.tp_op_overhead_us) * 1e-6
+    assert early_stop_skips_last_gemm(block, ours) and not early_stop_skips_last_gemm(block, megatron)
+    assert c.recompute_full_s == pytest.approx(c.fwd_s - c.comm_fwd_s / 2 - w2_s - launch + c.checkpoint_full_s,
+                                               rel=1e-12)
+    assert c.recompute_flops_full == pytest.approx(layer_flops(block, ctx, "full")["recompute"], rel=1e-12)
     gpu = load_cluster("dgx-h100", gpus=4)
     gcfg = check_config(ParallelConfig.parse("tp=4,mbs=1,recompute=full"), load_model("tiny-gpt"), gpu, megatron)
     g = layer_cost(block, context(gpu, megatron, gcfg))
