@@ -28,7 +28,7 @@ _LATER_FIELDS: dict[str, tuple[str, ...]] = {
                  "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "runtime_memory", "sp_grads_coalesced", "selective_policy"),
     "cluster.gpu.calibration": ("dtensor_param_us", "fused_call_us", "pipeline_action_us"),
 }
-# Later fields whose default changed after plans were written with the old one: the value that leaves them out of
+# Later training fields whose default changed after plans were written with the old one: the value that leaves them out of
 # the hash stays the old default, so those plans keep their hash (p2p_scatter_gather: true until session 21).
 _HASH_NEUTRAL: dict[str, object] = {"p2p_scatter_gather": True}
 
@@ -221,9 +221,9 @@ def load_plan(path: str | Path) -> Plan:
         raise PlanError(f"plan {path} does not match the schema", e.one_line()[:300],
                         "re-create it with `autoplan search -o`") from None
     training = data.get("training")
-    if isinstance(training, dict) and "p2p_scatter_gather" not in training:
-        # written before the field existed, when every plan was priced with scatter/gather: what it said then
-        plan = plan.model_copy(update={"training": plan.training.model_copy(update={"p2p_scatter_gather": True})})
+    missing = {k: v for k, v in _HASH_NEUTRAL.items() if isinstance(training, dict) and k not in training}
+    if missing:  # written before the field existed: it was priced with the old default, its hash-neutral value
+        plan = plan.model_copy(update={"training": plan.training.model_copy(update=missing)})
     if plan.content_hash != plan.compute_hash():
         raise PlanError(f"plan {path} was modified after it was made",
                         f"content hash {_shown(plan.content_hash[:12]) or '(missing)'} != {plan.compute_hash()[:12]}",

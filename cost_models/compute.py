@@ -689,7 +689,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # the whole forward, its TP communication included, but for what a checkpoint stopping early leaves out: the
     # last GEMM (its kernel and its operator's host time) and the reduction after it
     n_tp = tp_points(p, ctx.training)[0]
-    skipped_tp = tp_f * (n_tp - full_recompute_tp_points(p, ctx.training)) / n_tp if n_tp and p.kind == "block" else 0.0
+    skipped_tp = tp_f * (n_tp - full_recompute_tp_points(p, ctx.training)) / n_tp if n_tp else 0.0
     stops_early = early_stop_skips_last_gemm(p, ctx.training)
     skipped_gemm, skipped_host = (parts[-1][0], launch_us * 1e-6) if stops_early else (0.0, 0.0)
     full = max(dev_f - skipped_gemm, host_fwd - skipped_host) + comm_f - skipped_tp

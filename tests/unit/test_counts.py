@@ -314,7 +314,7 @@ def test_the_estimate_prices_the_tp_points_the_runtime_runs():
     c = layer_cost(block, ctx)
     # the whole forward again (its host time, kernels and reductions) less the last GEMM, its operator's host time
     # and the reduction after it, plus the checkpoint; its FLOPs less that GEMM's, as counts.layer_flops counts
-    w2_s, w2_flops = _gemm_parts(block, ctx)[-1]
+    w2_s, _ = _gemm_parts(block, ctx)[-1]
     launch = (cpu.gpu.calibration.kernel_launch_us + cpu.gpu.calibration.tp_op_overhead_us) * 1e-6
     assert early_stop_skips_last_gemm(block, ours) and not early_stop_skips_last_gemm(block, megatron)
     assert c.recompute_full_s == pytest.approx(c.fwd_s - c.comm_fwd_s / 2 - w2_s - launch + c.checkpoint_full_s,
