@@ -22,6 +22,7 @@ subject to (family names as in the `add_<family>_constraint` methods; every cons
   full_selective  a stage that recomputes fully recomputes the rest selectively (sigma_s = 1)
   cover / order   the stages partition the blocks contiguously, each stage >= 1 block
   pin             `--fix recompute=...` fixes every stage's mode
+  no_full         no stage recomputes a block fully (`StageProblem.no_full`: the search's second layout)
 
 "if sigma_s" terms are linearised with big-M: W_s >= base + rs_rest - M_w (1 - sigma_s) and W_s >= base;
 A_s >= base + as_rest and A_s >= base + an_rest - M_a sigma_s, with M_a >= any stage's savings (an >= as).
@@ -348,6 +349,17 @@ class StageILP:
             else:
                 self._add(self._full_end(s) - self._start(s) == 0, f"pin_nofull_s{s}")
 
+    def add_no_full_constraint(self) -> None:
+        """`StageProblem.no_full`: no block is recomputed fully (stages recompute nothing or selectively)."""
+        if not self.p.no_full:
+            return
+        if self.compact:
+            for r in range(self.p.pp):
+                self._add(self.K[r] == 0, f"no_full_r{r}")
+            return
+        for s in range(self.S):
+            self._add(self._full_end(s) - self._start(s) == 0, f"no_full_s{s}")
+
     def add_objective(self) -> None:
         v = self.p.vp
         work = self.R if self.compact else self.W
@@ -366,6 +378,7 @@ class StageILP:
         self.add_memory_constraint()
         self.add_bottleneck_constraint()
         self.add_pin_constraint()
+        self.add_no_full_constraint()
         return self
 
     def solve(self) -> StageSolution:
@@ -379,10 +392,10 @@ class StageILP:
         return self._extract()
 
     def binding_families(self) -> list[str]:
-        """Constraint families that cannot all hold. Every family but memory (and pins) is always satisfiable
+        """Constraint families that cannot all hold. Every family but memory (and the pins and no_full) is always satisfiable
         on its own (any contiguous layout satisfies cover/order/work/activation/transient/bottleneck), so an
         infeasible problem is one whose memory rows cannot be met."""
-        return ["memory_r*", "pin_*"] if self.p.pin else ["memory_r*"]
+        return ["memory_r*"] + (["pin_*"] if self.p.pin else []) + (["no_full_*"] if self.p.no_full else [])
 
     def _extract(self) -> StageSolution:
         p, S = self.p, self.S

@@ -66,6 +66,8 @@ class StageProblem:
     # per stage, work that does not depend on its blocks (seconds per micro-batch): the compute time its
     # pipeline messages take (cost_models.estimate.p2p_occupancy); empty = none
     stage_extra: tuple[float, ...] = ()
+    # no block recomputed fully (`pin` None): the search's second layout per candidate (`_Searcher.finalise`)
+    no_full: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -92,7 +94,9 @@ class StageProblem:
             else (0.0,) * self.pp
 
     def allowed_modes(self) -> tuple[str, ...]:
-        return (self.pin,) if self.pin else (NONE, SELECTIVE, FULL)
+        if self.pin:
+            return (self.pin,)
+        return (NONE, SELECTIVE) if self.no_full else (NONE, SELECTIVE, FULL)
 
 
 @dataclass(frozen=True)

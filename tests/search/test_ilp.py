@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -58,6 +60,20 @@ def test_ilp_equals_brute_force(p):
     assert sol.stages[0].start == 0 and sol.stages[-1].stop == p.num_blocks
     assert all(a.stop == b.start for a, b in zip(sol.stages, sol.stages[1:], strict=False))
     assert all(s.stop > s.start for s in sol.stages)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems().filter(lambda p: p.pin is None))
+def test_ilp_without_full_recompute_equals_brute_force(p):
+    """The search's second layout per candidate (`StageProblem.no_full`)."""
+    p = replace(p, no_full=True)
+    bf = brute_force(p)
+    sol = solve_stage_problem(p)
+    if bf is None:
+        assert sol is None
+        return
+    assert sol is not None and all(c.recompute != "full" for c in sol.stages)
+    assert abs(evaluate(p, sol.stages)[0] - bf.objective) <= 1e-6 * bf.objective
 
 
 @settings(max_examples=40, deadline=None)
