@@ -803,17 +803,39 @@ def optimizer_time(params: float, shards: int, cluster: ClusterSpec, training: T
     return (params / shards * per + params * whole) / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
 
 
+def zero3_collectives(pp: int, m: int) -> tuple[int, int, int]:
+    """ZeRO-3's collectives per FSDP unit in one step of `m` micro-batches as autoplan's runtime runs them (FSDP2
+    `fully_shard`, reshard after forward), (forward all-gathers, backward all-gathers, reduce-scatters): every
+    forward gathers; without a pipeline every backward gathers again and reduce-scatters; under the pipeline
+    schedule reshard-after-backward and the gradient sync are off but for the last micro-batch, so a step gathers
+    once in the backward and reduces once (`counts.dp_comm`, measured by benchmarks/counts.py)."""
+    return (m, m, m) if pp == 1 else (m, 1, 1)
+
+
+def zero3_shares(pp: int, m: int) -> tuple[float, float]:
+    """Per micro-batch, the backward all-gathers and reduce-scatters `zero3_block_exposed` prices (averaged over
+    the step's micro-batches, `zero3_collectives`): the step's last reduction is the gradient sync `dp_sync`
+    prices (overlapped with the last backward like any other), so it is left out here."""
+    _, gathers, reduces = zero3_collectives(pp, m)
+    return gathers / m, (reduces - 1) / m
+
+
 def zero3_block_exposed(params_local: float, fwd_s: float, bwd_s: float, *, dp: int, cp: int, tp: int,
-                        cluster: ClusterSpec, training: TrainingSpec) -> float:
-    """ZeRO-3 per block and micro-batch: its weights are all-gathered for the forward and again for the
-    backward, and its gradients reduce-scattered; each is prefetched behind the neighbouring block's compute
-    (FSDP's one-unit prefetch), so only what compute cannot hide is exposed, plus interference."""
+                        cluster: ClusterSpec, training: TrainingSpec, pp: int = 1, m: int = 1) -> float:
+    """ZeRO-3 per block and micro-batch: its weights are all-gathered for the forward, and, as often as the
+    runtime does (`zero3_shares`), again for the backward, and its gradients reduce-scattered; each is prefetched
+    behind the neighbouring block's compute (FSDP's one-unit prefetch), so only what compute cannot hide is
+    exposed, plus interference. (Before session 22 every micro-batch was priced with a backward gather and a
+    reduction, on top of `dp_sync`'s: one reduction too many a step, and m - 1 gathers and m reductions too many
+    under a pipeline.)"""
     grp = comm.group_of(cluster, dp * cp, tp)
     w_bytes = training.weight_bytes
+    bwd_gathers, reduces = zero3_shares(pp, m)
     ag = comm.all_gather(cluster, grp, params_local * w_bytes)
     rs = comm.reduce_scatter(cluster, grp, params_local * training.grad_bytes)
-    exposed = max(0.0, ag - fwd_s) + max(0.0, ag + rs - bwd_s)
-    hidden = min(ag, fwd_s) + min(ag + rs, bwd_s)
+    bwd = bwd_gathers * ag + reduces * rs
+    exposed = max(0.0, ag - fwd_s) + max(0.0, bwd - bwd_s)
+    hidden = min(ag, fwd_s) + min(bwd, bwd_s)
     return exposed + interference(cluster, hidden)
 
 
@@ -962,7 +984,7 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
         for s in stages:
             for c in _stage_layer_costs(s, profiles, ctx, n_stages):
                 s.zero3_s += zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=cfg.dp, cp=cfg.cp,
-                                                 tp=cfg.tp, cluster=cluster, training=training)
+                                                 tp=cfg.tp, cluster=cluster, training=training, pp=cfg.pp, m=m)
             s.bwd_s += s.zero3_s
     action = pipeline_action_time(cluster, training, n_stages)  # the schedule's host time per action (compute)
     for s in stages:  # unfused gradient accumulation: a memory-bound pass per micro-batch (compute time), over a

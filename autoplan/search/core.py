@@ -508,7 +508,8 @@ class _Searcher:
     def zero3_extra(self, mesh: Mesh, c: LayerCost) -> float:
         """Exposed ZeRO-3 traffic of one block per micro-batch (the cost model's `zero3_block_exposed`)."""
         return zero3_block_exposed(c.params_local, c.fwd_s, c.bwd_s, dp=mesh.dp, cp=mesh.cp, tp=mesh.tp,
-                                   cluster=self.costs.cluster_for(mesh), training=self.training)
+                                   cluster=self.costs.cluster_for(mesh), training=self.training, pp=mesh.pp,
+                                   m=self.micro_batches(mesh))
 
     def distinct_zeros(self, mesh: Mesh, zeros: list[int]) -> list[int]:
         """ZeRO stages that price differently on `mesh`: ZeRO-2 is ZeRO-1 wherever it keeps whole gradients
