@@ -683,7 +683,8 @@ def fsdp_unit_time(units: float, dense: float, *, dp: int, cp: int, tp: int, pp:
     at ZeRO-0 with tensor parallelism (`uses_replicate`; one all-reduce per unit, its latency priced by dp_sync).
     Torch's DDP (ZeRO-0 otherwise, pipelined stages included) has no hooks and no per-unit collectives: 0.
     The extra latency and repeats are charged where the host runs the collectives (gloo). ZeRO-3's
-    per-micro-batch bytes and latency are zero3_block_exposed's; only its host work is added here. `units`: the
+    per-micro-batch bytes and latency are zero3_block_exposed's; its host work is added here, and on gloo the
+    latencies of the units' last reductions (dp_sync prices that reduction as one collective). `units`: the
     rank's FSDP units (`fsdp_units`)."""
     n = dp * cp
     replicate = uses_replicate(tp=tp, zero=zero, dp_cp=n)  # runtime.parallelize: else torch's DDP (no hooks)
@@ -700,14 +701,22 @@ def fsdp_unit_time(units: float, dense: float, *, dp: int, cp: int, tp: int, pp:
     if replicate:  # one all-reduce per unit, its latency priced by dp_sync (`units`); its host work here
         return hooks + units * cal.fsdp_collective_overhead_us * 1e-6
     syncs = m if zero >= 2 and pp == 1 else 1
-    gathers = 1 if zero == 1 or pp > 1 else (m if zero == 2 else 2 * m)
+    gathers = 1 if zero == 1 or pp > 1 else m
+    if zero >= 3:
+        fwd_gathers, bwd_gathers, syncs = zero3_collectives(pp, m)
+        gathers = fwd_gathers + bwd_gathers
     host = units * (syncs + gathers) * cal.fsdp_collective_overhead_us * 1e-6 + hooks
-    if zero >= 3 or comm.native_reduce_scatter(cluster):
+    if comm.native_reduce_scatter(cluster):
         # NCCL runs the per-unit collectives on the device, prefetched and overlapped with compute (dp_sync's
         # overlap accounting stands for them); gloo runs them on the host that computes, one after another.
         return host
     grp = comm.group_of(cluster, n, tp)
     g_bytes, w_bytes = dense * training.grad_bytes, dense * training.weight_bytes
+    if zero >= 3:
+        # zero3_block_exposed prices the gathers and the earlier micro-batches' reductions unit by unit; the
+        # step's last reduction is dp_sync's, one collective of the rank's gradients: its units' latencies here
+        return host + max(0.0, units * comm.reduce_scatter(cluster, grp, g_bytes / units)
+                          - comm.reduce_scatter(cluster, grp, g_bytes))
     per_unit = units * (syncs * comm.reduce_scatter(cluster, grp, g_bytes / units)
                         + gathers * comm.all_gather(cluster, grp, w_bytes / units))
     return host + max(0.0, per_unit - comm.reduce_scatter(cluster, grp, g_bytes) - comm.all_gather(cluster, grp, w_bytes))

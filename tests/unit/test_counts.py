@@ -347,6 +347,7 @@ def test_the_estimate_prices_zero3s_collectives_as_often_as_the_runtime_runs_the
     from autoplan.cost_models import comm
     from autoplan.cost_models.estimate import (
         context,
+        fsdp_unit_time,
         layer_cost,
         num_microbatches,
         zero3_block_exposed,
@@ -374,3 +375,17 @@ def test_the_estimate_prices_zero3s_collectives_as_often_as_the_runtime_runs_the
     per_mb = zero3_block_exposed(c.params_local, 0.0, 0.0, dp=p.dp, cp=1, tp=1, cluster=cluster,
                                  training=training, pp=p.pp, m=m)
     assert m * per_mb + rs == pytest.approx((fwd_g + bwd_g) * ag + reduces * rs, rel=1e-12)
+    # gloo runs each unit's collectives one after another: the step's last reduction (dp_sync's, one collective
+    # of the rank's gradients) pays every unit's latency, FSDP's host work each collective the runtime issues
+    cal = cluster.gpu.calibration
+    quiet = cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"calibration": cal.model_copy(
+        update={"fsdp_hook_us": 0.0, "fsdp_collective_overhead_us": 0.0})})})
+    dense = 3e5
+    kw = dict(dense=dense, dp=p.dp, cp=1, tp=1, pp=p.pp, zero=3, m=m, training=training)
+    g = dense * training.grad_bytes
+    assert fsdp_unit_time(units, cluster=quiet, **kw) == pytest.approx(
+        units * comm.reduce_scatter(quiet, grp, g / units) - comm.reduce_scatter(quiet, grp, g), rel=1e-12)
+    busy = quiet.model_copy(update={"gpu": quiet.gpu.model_copy(update={"calibration": cal.model_copy(
+        update={"fsdp_hook_us": 0.0, "fsdp_collective_overhead_us": 100.0})})})
+    assert fsdp_unit_time(units, cluster=busy, **kw) - fsdp_unit_time(units, cluster=quiet, **kw) == pytest.approx(
+        units * (fwd_g + bwd_g + reduces) * 100e-6, rel=1e-9)
