@@ -265,13 +265,13 @@ def tp_points(p: LayerProfile, training) -> tuple[int, int]:
 
 
 def early_stop_skips_last_gemm(p: LayerProfile, training) -> bool:
-    """Whether a full recomputation of `p` under autoplan's runtime (`runtime_memory`: torch.utils.checkpoint,
-    non-reentrant, early stop) leaves out its last GEMM: a dense block's w2, whose output nothing saves, so the
-    recomputation is over once w2's input is back (measured: benchmarks/counts.py's recompute FLOPs). What follows
-    it (its row-parallel reduction, the residual add) is not run either. Megatron's reentrant checkpoint re-runs
-    the whole forward."""
+    """Whether a full recomputation of `p` under torch.utils.checkpoint, non-reentrant, early stop (autoplan's
+    runtime and torchtitan: `TrainingSpec.recompute_stops_early`) leaves out its last GEMM: a dense block's w2, whose
+    output nothing saves, so the recomputation is over once w2's input is back (measured: benchmarks/counts.py's
+    recompute FLOPs). What follows it (its row-parallel reduction, the residual add) is not run either. Megatron's
+    reentrant checkpoint re-runs the whole forward."""
     last = p.gemms[-1] if p.gemms else None
-    return (training.runtime_memory and p.kind == "block" and last is not None and not last.expert
+    return (training.recompute_stops_early and p.kind == "block" and last is not None and not last.expert
             and not p.moe_top_k)
 
 

@@ -444,6 +444,21 @@ class TrainingSpec(_Frozen):
         "runtime_extra); and the tied embedding's all-reduce moves FSDP2's gradient shard under ZeRO >= 1 "
         "(estimate.tied_sync_bytes); false = the stack is other software (Megatron, DeepSpeed, torchtitan), "
         "priced as Megatron's memory model.")
+    checkpoint_early_stop: bool | None = Field(
+        default=None, description="Full recomputation runs under torch.utils.checkpoint without reentrance, which "
+        "by default stops re-running a block once the last tensor its backward saved is back: a dense block's last "
+        "GEMM (the MLP's output projection, whose output nothing saves) and the reduction after it are not run "
+        "again (compute.early_stop_skips_last_gemm; measured FLOPs, session 21). true: autoplan's runtime "
+        "(runtime.parallelize.apply_recompute) and torchtitan (torchtitan/distributed/activation_checkpoint.py: "
+        "torch's checkpoint_wrapper, non-reentrant by default); false: a reentrant checkpoint that re-runs the whole "
+        "forward (Megatron-LM's CheckpointFunction, DeepSpeed's activation checkpointing). None: as "
+        "`runtime_memory` says (true exactly for autoplan's runtime), the rule before the field existed.")
+
+    @property
+    def recompute_stops_early(self) -> bool:
+        """`checkpoint_early_stop`, resolved."""
+        return self.runtime_memory if self.checkpoint_early_stop is None else self.checkpoint_early_stop
+
     @property
     def fused_kernels(self) -> bool:
         return self.kernels == "fused"

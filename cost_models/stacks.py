@@ -25,7 +25,7 @@ DEFAULT_STACK = "autoplan"
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory",
-               "autocast_fp32_params", "selective_policy", "kernels")
+               "autocast_fp32_params", "selective_policy", "kernels", "checkpoint_early_stop")
 # The short names `autoplan stacks` prints for some knobs; --stack-set takes them as well as the field names.
 KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce",
                 "overlap_gather": "overlap_param_gather", "tp_overlap": "tp_comm_overlap",
@@ -39,7 +39,7 @@ KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
            "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "grad_sync_all_reduce": False,
            "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False,
-           "selective_policy": "attention_core"}
+           "selective_policy": "attention_core", "checkpoint_early_stop": None}
 
 
 class Stack(BaseModel):
@@ -187,11 +187,16 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                # second mm/linear" (parallelize_llama.py `_save_list`, `mm_count % 2` in the 2024 code)
                "selective_policy": "every_other_matmul",
                # its pipeline is torch.distributed.pipelining, as ours: no scatter/gather of stage messages
-               "p2p_scatter_gather": False},
+               "p2p_scatter_gather": False,
+               # full AC is torch's checkpoint_wrapper around each block (torchtitan/distributed/
+               # activation_checkpoint.py `_apply_full_ac`), non-reentrant by default: torch.utils.checkpoint's
+               # early stop leaves the block's last GEMM out of the re-run, as in autoplan's runtime
+               "checkpoint_early_stop": True},
         assumes="bf16 parameters with FSDP2 reducing gradients in fp32 (mixed_precision_reduce=float32); SDPA "
                 "flash attention; torch.compile fusing the elementwise ops; async TP overlapping the TP "
                 "collectives with the GEMMs; FSDP2 prefetch overlapping gathers and reduce-scatters; "
-                "recompute=selective is its per-op policy (every second matmul and all elementwise ops re-run)",
+                "recompute=selective is its per-op policy (every second matmul and all elementwise ops re-run); "
+                "recompute=full re-runs each block but its last GEMM (non-reentrant checkpoint, early stop)",
         typical="zero=3 (FSDP2), tp=8 inside a node, pp for the largest models",
         source="Liang et al. 2024, 'TorchTitan' (arXiv 2410.06511); torchtitan job_config defaults",
     ),
@@ -213,11 +218,13 @@ def get_stack(name: str) -> Stack:
 def _coerce(key: str, value: str) -> object:
     field = TrainingSpec.model_fields[key]
     low = value.strip().lower()
-    if field.annotation is bool:
+    if field.annotation in (bool, bool | None):
         if low in ("1", "true", "on", "yes"):
             return True
         if low in ("0", "false", "off", "no"):
             return False
+        if field.annotation is not bool and low in ("none", "null", "default"):
+            return None
         raise ConfigError(f"--stack-set {key} takes true or false", f"got {key}={value}", f"write {key}=true")
     if low in ("none", "null", "default"):
         return None

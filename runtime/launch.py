@@ -121,6 +121,8 @@ def _knob_prices(plan, knob: str) -> bool:
     if knob == "p2p_scatter_gather":
         par = plan.parallel
         return par.pp > 1 and par.tp > 1 and not par.sp
+    if knob == "checkpoint_early_stop":  # None resolves to true on autoplan's stack: only false prices otherwise
+        return not plan.training.recompute_stops_early
     return True
 
 

@@ -115,3 +115,42 @@ def test_parse_stack_set():
     assert parse_stack_set("flash=false,grad_dtype=fp32") == {"flash_attention": False, "grad_reduce_dtype": "fp32"}
     with pytest.raises(Exception, match="given twice"):
         parse_stack_set("flash=false,flash_attention=true")
+
+
+def test_a_non_reentrant_checkpoint_stops_before_the_last_gemm():
+    """Full recomputation under torch.utils.checkpoint without reentrance (autoplan's runtime; torchtitan's full
+    AC, checkpoint_wrapper) stops once the block's last saved tensor is back: the MLP's output GEMM is not re-run.
+    Megatron's and DeepSpeed's reentrant checkpoints re-run the whole forward. `checkpoint_early_stop` says which
+    (None: as `runtime_memory`, i.e. autoplan's runtime); --stack-set takes it; a plan of autoplan's stack that
+    says false prices a program the runtime does not run and `run` refuses it."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.compute import _gemm_parts, early_stop_skips_last_gemm
+    from autoplan.cost_models.estimate import context, layer_cost
+    from autoplan.cost_models.profile import profile_from_spec
+    from autoplan.runtime.launch import check_stack
+    from autoplan.specs import ParallelConfig, check_config, load_cluster, load_model
+
+    base = TrainingSpec(global_batch_size=64, seq_length=2048)
+    titan, megatron = apply_stack(base, "torchtitan", {}), apply_stack(base, "megatron-2022", {})
+    assert titan.recompute_stops_early and base.recompute_stops_early and not megatron.recompute_stops_early
+    assert apply_stack(base, "megatron-2022", {"checkpoint_early_stop": True}).recompute_stops_early
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", gpus=8)
+    block = profile_from_spec(model)[1]
+    for training, stops in ((titan, True), (megatron, False)):
+        cfg = check_config(ParallelConfig.parse("dp=8,zero=3,recompute=full"), model, cluster, training)
+        ctx = context(cluster, training, cfg)
+        c = layer_cost(block, ctx)
+        assert early_stop_skips_last_gemm(block, training) is stops
+        # device-bound, no tensor parallelism: the re-run is the forward, less w2's GEMM where it stops early
+        assert c.recompute_full_s == pytest.approx(c.fwd_s - (_gemm_parts(block, ctx)[-1][0] if stops else 0.0))
+    assert parse_stack_set("checkpoint_early_stop=off") == {"checkpoint_early_stop": False}
+    assert parse_stack_set("checkpoint_early_stop=default") == {"checkpoint_early_stop": None}
+    with pytest.raises(Exception, match="takes true or false"):
+        parse_stack_set("checkpoint_early_stop=sometimes")
+    tiny, cpu = load_model("tiny-gpt"), load_cluster("local-cpu").with_gpus(2)
+    small = TrainingSpec(global_batch_size=4, seq_length=64, dtype="fp32")
+    for value, refused in ((False, True), (True, False), (None, False)):
+        plan = make_plan(tiny, cpu, apply_stack(small, "autoplan", {"checkpoint_early_stop": value}),
+                         "dp=2,recompute=full")
+        label = "autoplan" + ("" if value is None else f"+checkpoint_early_stop={str(value).lower()}")
+        assert bool(check_stack(plan.model_copy(update={"stack": label}).sealed())) is refused
