@@ -40,7 +40,7 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporarie
 
 MATRIX = [
     "tiny-gpt:dp=4", "tiny-gpt:dp=4,zero=1", "tiny-gpt:dp=4,zero=2", "tiny-gpt:dp=4,zero=3",
-    "tiny-gpt:dp=2,tp=2", "tiny-gpt:dp=2,tp=2,sp=1", "tiny-gpt:cp=2,dp=2",
+    "tiny-gpt:dp=2,tp=2", "tiny-gpt:dp=2,tp=2,sp=1", "tiny-gpt:dp=2,tp=2,sp=1,recompute=full", "tiny-gpt:cp=2,dp=2",
     "tiny-gpt:pp=2,dp=2", "tiny-gpt:pp=2,vp=2,dp=2,schedule=interleaved", "tiny-gpt:pp=4",
     "tiny-gpt:dp=4,recompute=selective", "tiny-gpt:dp=4,recompute=full",
     "tiny-gpt:tp=2,pp=2,recompute=full", "tiny-gpt:cp=2,tp=2,sp=1,recompute=selective",

@@ -275,19 +275,35 @@ def early_stop_skips_last_gemm(p: LayerProfile, training) -> bool:
             and not p.moe_top_k)
 
 
-def full_recompute_tp_points(p: LayerProfile, training) -> int:
-    """The forward reduction points a full recomputation of block `p` runs again. autoplan's runtime checkpoints a
-    block with torch.utils.checkpoint (non-reentrant, early stop: runtime.parallelize.apply_recompute), whose
-    recomputation stops once the last tensor the backward saved is back, after the block's last GEMM: a dense
-    block's last point, the MLP's row-parallel reduction, is not run again; a MoE block's one point (its
-    attention's) is, the experts following it (counts.layer_comm, measured). Megatron's reentrant checkpoint
-    re-runs the whole forward, every point."""
-    n_fwd = tp_points(p, training)[0]
-    return max(0, n_fwd - 1) if early_stop_skips_last_gemm(p, training) else n_fwd
+def full_recompute_tp_calls(p: LayerProfile, ctx: Context) -> dict[str, int]:
+    """The forward tensor-parallel collectives a full recomputation of `p` runs again, per micro-batch: collective
+    -> calls (the collectives of `tp_units`' forward unit). autoplan's runtime checkpoints a block with
+    torch.utils.checkpoint (non-reentrant, early stop: runtime.parallelize.apply_recompute), whose recomputation
+    stops once the last tensor the backward saved is back, after the block's last GEMM's input: a dense block's
+    last point's reduction (the MLP's row-parallel all-reduce, or with sp its reduce-scatter) is not run again,
+    while with sp the all-gather before the MLP's column-parallel GEMMs is (measured by benchmarks/counts.py:
+    tp=2, sp=1, full recompute, 2 all-gathers and 1 reduce-scatter a block). A MoE block's one point (its
+    attention's) is re-run, the experts following it. Megatron's reentrant checkpoint re-runs every point."""
+    n_fwd = tp_points(p, ctx.training)[0]
+    skipped = 1 if n_fwd and early_stop_skips_last_gemm(p, ctx.training) else 0
+    return {c: n_fwd - (skipped if c != "all_gather" else 0) for c in tp_units(p, ctx)[0]}
 
 
-# The collectives of `tp_units`, by name.
 _TP_COLLECTIVE = {"all_reduce": comm.all_reduce, "reduce_scatter": comm.reduce_scatter, "all_gather": comm.all_gather}
+
+
+def _skipped_tp_share(p: LayerProfile, ctx: Context) -> float:
+    """The share of the forward's TP time (`_tp_comm`) a full recomputation does not run again
+    (`full_recompute_tp_calls`), by the collectives' prices."""
+    n_fwd = tp_points(p, ctx.training)[0]
+    if ctx.tp <= 1 or not n_fwd:
+        return 0.0
+    grp = comm.group_of(ctx.cluster, ctx.tp, 1)
+    units = tp_units(p, ctx)[0]
+    price = {c: _TP_COLLECTIVE[c](ctx.cluster, grp, b) for c, b in units.items()}
+    total = n_fwd * sum(price.values())
+    calls = full_recompute_tp_calls(p, ctx)
+    return sum((n_fwd - calls[c]) * t for c, t in price.items()) / total if total > 0 else 0.0
 
 
 def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, float]:
@@ -688,8 +704,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     sel = attn_fwd if reruns_core else 0.0
     # the whole forward, its TP communication included, but for what a checkpoint stopping early leaves out: the
     # last GEMM (its kernel and its operator's host time) and the reduction after it
-    n_tp = tp_points(p, ctx.training)[0]
-    skipped_tp = tp_f * (n_tp - full_recompute_tp_points(p, ctx.training)) / n_tp if n_tp else 0.0
+    skipped_tp = _skipped_tp_share(p, ctx) * tp_f
     stops_early = early_stop_skips_last_gemm(p, ctx.training)
     skipped_gemm, skipped_host = (parts[-1][0], launch_us * 1e-6) if stops_early else (0.0, 0.0)
     full = max(dev_f - skipped_gemm, host_fwd - skipped_host) + comm_f - skipped_tp

@@ -30,7 +30,7 @@ from .compute import (
     _attention,
     early_stop_skips_last_gemm,
     ep_routed_bytes,
-    full_recompute_tp_points,
+    full_recompute_tp_calls,
     gathered_logits_bytes,
     loss_backward_temporaries,
     tp_points,
@@ -146,12 +146,13 @@ def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times
         # (An embedding or head the layout leaves replicated -- a user module's table read by an F.linear head --
         # has tp_allreduces 0: nothing at either end, and no vocab-parallel loss.)
         n_f, n_b = tp_points(p, ctx.training)
-        if recompute == "full":  # the recomputed forward reduces again, except after the last GEMM (early stop)
-            n_f += full_recompute_tp_points(p, ctx.training)
         fwd, bwd = tp_units(p, ctx)
-        for units, n in ((fwd, n_f), (bwd, n_b)):
-            for coll, nbytes in units.items():
-                comm.add(coll, "tp", nbytes, times * n)
+        # the recomputed forward runs them again, but for what follows the last GEMM (early stop)
+        again = full_recompute_tp_calls(p, ctx) if recompute == "full" else {}
+        for coll, nbytes in fwd.items():
+            comm.add(coll, "tp", nbytes, times * (n_f + again.get(coll, 0)))
+        for coll, nbytes in bwd.items():
+            comm.add(coll, "tp", nbytes, times * n_b)
         if p.kind == "head" and p.vocab_split(ctx.tp) > 1:  # the vocab-parallel cross-entropy (compute.VOCAB_...)
             comm.add("all_reduce", "tp", vocab_parallel_loss_bytes(ctx), times * VOCAB_PARALLEL_LOSS_ALL_REDUCES)
         if gathered_logits_bytes(p, ctx):  # logits the forward transforms, gathered whole

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.counts import compare  # noqa: E402
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-CASES = ["tiny-gpt:tp=2,sp=1", "tiny-gpt:pp=2,recompute=full", "tiny-gpt:dp=2,zero=2", "tiny-gpt:dp=2,zero=3",
+CASES = ["tiny-gpt:tp=2,sp=1", "tiny-gpt:tp=2,sp=1,recompute=full", "tiny-gpt:pp=2,recompute=full", "tiny-gpt:dp=2,zero=2", "tiny-gpt:dp=2,zero=3",
          "tiny-moe:dp=2,zero=1"]
 
 

@@ -290,8 +290,9 @@ def test_the_estimate_prices_the_tp_points_the_runtime_runs():
     from autoplan.cost_models import comm
     from autoplan.cost_models.compute import (
         _gemm_parts,
+        _skipped_tp_share,
         early_stop_skips_last_gemm,
-        full_recompute_tp_points,
+        full_recompute_tp_calls,
         layer_cost,
         tp_points,
         tp_units,
@@ -308,9 +309,19 @@ def test_the_estimate_prices_the_tp_points_the_runtime_runs():
     cpu = load_cluster("local-cpu", gpus=4).model_copy(update={"cores_per_node": 2})
     cfg = check_config(ParallelConfig.parse("tp=2,dp=2,mbs=1,recompute=full"), load_model("tiny-gpt"), cpu, ours)
     block = profile_from_spec(load_model("tiny-gpt"))[1]
-    assert tp_points(block, ours) == (2, 2) and full_recompute_tp_points(block, ours) == 1
-    assert full_recompute_tp_points(block, megatron) == 2
     ctx = context(cpu, ours, cfg)
+    assert tp_points(block, ours) == (2, 2) and full_recompute_tp_calls(block, ctx) == {"all_reduce": 1}
+    mcfg_ = check_config(ParallelConfig.parse("tp=2,dp=2,mbs=1,recompute=full"), load_model("tiny-gpt"), cpu, megatron)
+    assert full_recompute_tp_calls(block, context(cpu, megatron, mcfg_)) == {"all_reduce": 2}
+    # with sp the all-gather before the MLP's GEMMs runs again, only the reduce-scatter after w2 does not
+    # (benchmarks/counts.py, tp=2 sp=1 full recompute: 2 all-gathers and 1 reduce-scatter a block, session 22)
+    scfg = check_config(ParallelConfig.parse("tp=2,dp=2,mbs=1,sp=1,recompute=full"), load_model("tiny-gpt"), cpu, ours)
+    sctx = context(cpu, ours, scfg)
+    assert full_recompute_tp_calls(block, sctx) == {"all_gather": 2, "reduce_scatter": 1}
+    sgrp = comm.group_of(cpu, 2, 1)
+    ag, rs = (comm.all_gather(cpu, sgrp, b) if k == "all_gather" else comm.reduce_scatter(cpu, sgrp, b)
+              for k, b in tp_units(block, sctx)[0].items())
+    assert _skipped_tp_share(block, sctx) == pytest.approx(rs / (2 * (ag + rs)), rel=1e-12)
     c = layer_cost(block, ctx)
     # the whole forward again (its host time, kernels and reductions) less the last GEMM, its operator's host time
     # and the reduction after it, plus the checkpoint; its FLOPs less that GEMM's, as counts.layer_flops counts
@@ -327,10 +338,11 @@ def test_the_estimate_prices_the_tp_points_the_runtime_runs():
     # MoE: one reduction a block forward and backward in our runtime, and a full recompute re-runs it
     moe = profile_from_spec(load_model("tiny-moe"))[1]
     assert moe.moe_top_k and moe.tp_allreduces == 2
-    assert tp_points(moe, ours) == (1, 1) and full_recompute_tp_points(moe, ours) == 1
+    assert tp_points(moe, ours) == (1, 1)
     assert tp_points(moe, megatron) == (2, 2)
     mcfg = check_config(ParallelConfig.parse("tp=2,dp=2,mbs=1"), load_model("tiny-moe"), cpu, ours)
     ctx = context(cpu, ours, mcfg)
+    assert full_recompute_tp_calls(moe, ctx) == {"all_reduce": 1}
     grp = comm.group_of(ctx.cluster, 2, 1)
     one = sum(comm.all_reduce(ctx.cluster, grp, b) for b in tp_units(moe, ctx)[0].values())
     assert layer_cost(moe, ctx).comm_fwd_s == pytest.approx(one, rel=1e-12)
