@@ -289,6 +289,7 @@ def full_recompute_tp_calls(p: LayerProfile, ctx: Context) -> dict[str, int]:
     return {c: n_fwd - (skipped if c != "all_gather" else 0) for c in tp_units(p, ctx)[0]}
 
 
+# The collectives of `tp_units`, by name.
 _TP_COLLECTIVE = {"all_reduce": comm.all_reduce, "reduce_scatter": comm.reduce_scatter, "all_gather": comm.all_gather}
 
 

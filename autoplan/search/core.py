@@ -19,9 +19,10 @@ The procedure (every number is the cost model's; nothing is measured):
    re-keyed by their twin's proxy and usually never ranked.
 4. **Solve**: a popped ranked candidate gets its stage ILP (`ilp.py`, pulp/CBC; identical sub-problems are
    solved once) -- twice where the optimum recomputes a block fully: again with full recomputation forbidden,
-   as the closed form cannot see what one long re-run does to the simulated bubble -- and each layout is estimated with the cost model's closed-form pipeline (`estimate(...,
-   simulate_pipeline=False)`, exact memory and data-parallel tail) and pushed back keyed by what its
-   simulation cannot beat (`estimate.step_time_lower_bound`: the closed form overstates uneven pipelines).
+   as the closed form cannot see what one long re-run does to the simulated bubble -- and each layout is
+   estimated with the cost model's closed-form pipeline (`estimate(..., simulate_pipeline=False)`, exact memory
+   and data-parallel tail) and pushed back keyed by what its simulation cannot beat
+   (`estimate.step_time_lower_bound`: the closed form overstates uneven pipelines).
 5. **Simulate**: a popped closed-form finalist is re-estimated with `autoplan.cost_models.estimate.estimate` and its
    pipeline simulation. The search stops when the smallest key left is no better than the best simulated
    step and `top` finalists are in hand; everything left is *pruned by bound*. The finalists are then ordered
@@ -32,8 +33,8 @@ The procedure (every number is the cost model's; nothing is measured):
 Shortcuts (named so they can be revisited): the mesh and ranked-candidate keys are lower bounds only up to the
 cost model's own closed-form vs simulation gap (`benchmarks/search_exactness.py` counts the misses) (the simulated pipeline is usually slower than the closed form, which keeps
 the keys optimistic, but not provably so); the ILP's objective is the closed form, so its layout is optimal
-for the closed form and then simulated; of the layouts of one candidate, only the ILP's optimum and its best without full recomputation are
-simulated; the data-parallel tail used in keys, the ZeRO-3 exposed traffic
+for the closed form and then simulated; of one candidate's layouts only the ILP's optimum and its best
+without full recomputation are simulated; the data-parallel tail used in keys, the ZeRO-3 exposed traffic
 (per block) and the ZeRO-3 gathered-weights buffer (as if a stage held one block plus the embedding or head)
 are approximations for an even layout; heterogeneous blocks are ranked by their mean block (the ILP is
 exact); a `--fix recompute_layers` pin uses Megatron's even layout instead of the ILP; at most

@@ -392,8 +392,8 @@ class StageILP:
         return self._extract()
 
     def binding_families(self) -> list[str]:
-        """Constraint families that cannot all hold. Every family but memory (and the pins and no_full) is always satisfiable
-        on its own (any contiguous layout satisfies cover/order/work/activation/transient/bottleneck), so an
+        """Constraint families that cannot all hold. Every family but memory (and the pins and no_full) is always
+        satisfiable on its own (any contiguous layout satisfies cover/order/work/activation/transient/bottleneck), so an
         infeasible problem is one whose memory rows cannot be met."""
         return ["memory_r*"] + (["pin_*"] if self.p.pin else []) + (["no_full_*"] if self.p.no_full else [])
 
