@@ -71,20 +71,23 @@ def test_search_simulates_an_uneven_pipeline_the_closed_form_overstates():
     assert unpinned.best.step_time_s == pytest.approx(brute_force_best(small, cluster, training), rel=1e-9)
 
 
-def test_search_simulates_the_layout_without_full_recompute_beside_the_ilps_optimum():
-    """Llama-3 405B on 16384 H100, one candidate pinned: the stage ILP's optimum recomputes one block fully on
-    seven ranks (closed form 7.897 s, simulated 8.923 s); forbidding full recomputation gives a none/selective
-    layout that is 0.018 s behind in closed form and 0.126 s ahead simulated (8.798 s) -- one stage's long
-    re-run widens the interleaved bubble, which rank totals cannot show. Both are simulated; the plan is the
-    faster (docs/notes/session-22)."""
-    model, cluster = load_model("llama3-405b"), load_cluster("dgx-h100", gpus=16384)
-    training = TrainingSpec(global_batch_size=2048, seq_length=8192)
-    pins = {"tp": 8, "pp": 16, "dp": 32, "cp": 4, "vp": 7, "mbs": 1, "sp": 1, "zero": 1, "schedule": "interleaved"}
-    res = search(model, cluster, training, top=2, fix=pins)
+def test_search_weighs_the_layout_without_full_recompute_beside_the_ilps_optimum():
+    """Where the stage ILP's optimum recomputes some block fully, the search also solves it with full
+    recomputation forbidden and keeps both layouts: the ILP's objective sees ranks' totals, while the simulated
+    pipeline also sees one stage's backward grown by a whole block's re-run (Llama-3 405B on 16384 H100 in session
+    22: a one-full-block layout 0.02 s ahead in closed form was 0.13 s behind simulated, and the search picked it).
+    SC21's 1T model on 3072 A100, its best candidate pinned: the ILP's optimum recomputes two blocks a stage; the
+    layout without full recomputation is a finalist too, and the plan is the fastest of the finalists by what
+    each can do (simulated step, or the bound a closed-form one cannot beat)."""
+    model, cluster = load_model("sc21-1t"), load_cluster("dgx-a100-80g", gpus=3072)
+    training = TrainingSpec(global_batch_size=3072, seq_length=2048)
+    pins = {"tp": 8, "pp": 32, "dp": 12, "vp": 1, "mbs": 1, "sp": 1, "zero": 1, "schedule": "1f1b"}
+    res = search(model, cluster, training, top=1, fix=pins)
     full = [f for f in res.finalists if any(st.recompute == "full" for st in f.layout)]
-    assert full and all(f.simulated for f in full)
-    assert all(st.layout.recompute != "full" for st in res.best.stages)
-    assert res.best.step_time_s < min(f.estimate.step_time_s for f in full) - 0.05
+    other = [f for f in res.finalists if f not in full]
+    assert full and other and res.stats.ilp_solved == 2
+    best = res.best.step_time_s
+    assert all(best <= (f.estimate.step_time_s if f.simulated else f.bound_s) for f in res.finalists)
 
 
 def _gpt13():
