@@ -25,12 +25,12 @@ _LATER_FIELDS: dict[str, tuple[str, ...]] = {
     "plan": ("stack", "runtime_semantics", "model_source", "profiles"),
     "parallel": ("layout",),
     "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
-                 "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "runtime_memory", "sp_grads_coalesced", "selective_policy",
-                 "checkpoint_early_stop"),
+                 "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "runtime_memory",
+                 "sp_grads_coalesced", "selective_policy", "checkpoint_early_stop"),
     "cluster.gpu.calibration": ("dtensor_param_us", "fused_call_us", "pipeline_action_us"),
 }
-# Later training fields whose default changed after plans were written with the old one: the value that leaves them out of
-# the hash stays the old default, so those plans keep their hash (p2p_scatter_gather: true until session 21).
+# Later training fields whose default changed after plans were written with the old one: the value that leaves them
+# out of the hash stays the old default, so those plans keep their hash (p2p_scatter_gather: true until session 21).
 _HASH_NEUTRAL: dict[str, object] = {"p2p_scatter_gather": True}
 
 

@@ -705,10 +705,11 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     sel = attn_fwd if reruns_core else 0.0
     # the whole forward, its TP communication included, but for what a checkpoint stopping early leaves out: the
     # last GEMM (its kernel and its operator's host time) and the reduction after it
-    skipped_tp = _skipped_tp_share(p, ctx) * tp_f
     stops_early = early_stop_skips_last_gemm(p, ctx.training)
-    skipped_gemm, skipped_host = (parts[-1][0], launch_us * 1e-6) if stops_early else (0.0, 0.0)
-    full = max(dev_f - skipped_gemm, host_fwd - skipped_host) + comm_f - skipped_tp
+    rerun_dev = dev_f - (parts[-1][0] if stops_early else 0.0)
+    rerun_host = host_fwd - (launch_us * 1e-6 if stops_early else 0.0)
+    rerun_comm = comm_f - _skipped_tp_share(p, ctx) * tp_f
+    full = max(rerun_dev, rerun_host) + rerun_comm
     rec_sel_flops = attn_flops if reruns_core else 0.0
     ckpt_sel = ckpt_full = 0.0
 
@@ -722,7 +723,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         # hook per operator (recompute_op_us), and the selective region (the block's attention core: GQA expand
         # + SDPA) issues its kernels again (session 9: measured on local-cpu, selective cost most of what full did).
         ckpt_full = region(p.kernels_fwd)
-        full = fwd - skipped_gemm - skipped_host - skipped_tp + ckpt_full
+        full = rerun_dev + rerun_host + rerun_comm + ckpt_full
         if p.attention is not None:
             core = _core_kernels(p)
             ckpt_sel = region(core)
@@ -733,7 +734,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         # full recompute against 1.6 without, and the recompute 2.6 ms: the host, not the GPU, bounds it there.
         # The increase over the plain re-run is booked as checkpoint time, as on a CPU host.
         plain = full  # the re-run without the checkpoint's hooks
-        full = max(dev_f - skipped_gemm, host_fwd - skipped_host + region(p.kernels_fwd)) + comm_f - skipped_tp
+        full = max(rerun_dev, rerun_host + region(p.kernels_fwd)) + rerun_comm
         ckpt_full = full - plain
         if p.attention is not None:
             core = _core_kernels(p)
@@ -778,6 +779,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
         act_none=act_none, act_selective=act_sel, act_full=act_full,
         params_local=params, expert_params_local=expert,
         model_flops=gemm_flops + attn_flops, recompute_flops_selective=rec_sel_flops,
-        recompute_flops_full=gemm_flops + attn_flops - (parts[-1][1] if stops_early else 0.0), checkpoint_selective_s=ckpt_sel, checkpoint_full_s=ckpt_full,
+        recompute_flops_full=gemm_flops + attn_flops - (parts[-1][1] if stops_early else 0.0),
+        checkpoint_selective_s=ckpt_sel, checkpoint_full_s=ckpt_full,
         loss_transient=loss_transient(p, ctx), weight_copies=ac.weight_copies,
     )

@@ -44,6 +44,7 @@ from .estimate import (
     cached_layer_cost,
     context,
     estimate,
+    fsdp_collectives,
     fsdp_units,
     num_microbatches,
     rank_params,
@@ -51,7 +52,6 @@ from .estimate import (
     step_scalar_all_reduces,
     tied_copy,
     tied_sync_bytes,
-    zero3_collectives,
 )
 from .pipeline import in_flight, schedule_actions
 from .profile import LayerProfile
@@ -231,13 +231,8 @@ def dp_comm(dense: float, expert: float, cfg: ParallelConfig, training: Training
         if cfg.zero == 0:
             comm.add("all_reduce", dim, dense * g / units, units)
         else:
-            syncs = m if cfg.zero >= 2 and cfg.pp == 1 else 1
-            # FSDP2 reshards after every backward unless the sync is deferred (zero 1, or the pipeline schedule):
-            # zero 2 gathers again for every micro-batch's forward; zero 3 as `estimate.zero3_collectives`
-            gathers = 1 if cfg.zero == 1 or cfg.pp > 1 else m
-            if cfg.zero >= 3:
-                fwd_g, bwd_g, syncs = zero3_collectives(cfg.pp, m)
-                gathers = fwd_g + bwd_g
+            fwd_g, bwd_g, syncs = fsdp_collectives(cfg.zero, cfg.pp, m)
+            gathers = fwd_g + bwd_g
             comm.add("reduce_scatter", dim, dense * g / units, syncs * units)
             comm.add("all_gather", dim, dense * w / units, gathers * units)
     if expert and edp > 1:

@@ -700,11 +700,8 @@ def fsdp_unit_time(units: float, dense: float, *, dp: int, cp: int, tp: int, pp:
     hooks = units * passes * cal.fsdp_hook_us * 1e-6
     if replicate:  # one all-reduce per unit, its latency priced by dp_sync (`units`); its host work here
         return hooks + units * cal.fsdp_collective_overhead_us * 1e-6
-    syncs = m if zero >= 2 and pp == 1 else 1
-    gathers = 1 if zero == 1 or pp > 1 else m
-    if zero >= 3:
-        fwd_gathers, bwd_gathers, syncs = zero3_collectives(pp, m)
-        gathers = fwd_gathers + bwd_gathers
+    fwd_gathers, bwd_gathers, syncs = fsdp_collectives(zero, pp, m)
+    gathers = fwd_gathers + bwd_gathers
     host = units * (syncs + gathers) * cal.fsdp_collective_overhead_us * 1e-6 + hooks
     if comm.native_reduce_scatter(cluster):
         # NCCL runs the per-unit collectives on the device, prefetched and overlapped with compute (dp_sync's
@@ -812,20 +809,25 @@ def optimizer_time(params: float, shards: int, cluster: ClusterSpec, training: T
     return (params / shards * per + params * whole) / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
 
 
-def zero3_collectives(pp: int, m: int) -> tuple[int, int, int]:
-    """ZeRO-3's collectives per FSDP unit in one step of `m` micro-batches as autoplan's runtime runs them (FSDP2
-    `fully_shard`, reshard after forward), (forward all-gathers, backward all-gathers, reduce-scatters): every
-    forward gathers; without a pipeline every backward gathers again and reduce-scatters; under the pipeline
-    schedule reshard-after-backward and the gradient sync are off but for the last micro-batch, so a step gathers
-    once in the backward and reduces once (`counts.dp_comm`, measured by benchmarks/counts.py)."""
-    return (m, m, m) if pp == 1 else (m, 1, 1)
+def fsdp_collectives(zero: int, pp: int, m: int) -> tuple[int, int, int]:
+    """FSDP2's collectives per unit in one step of `m` micro-batches as autoplan's runtime runs ZeRO-`zero` (>= 1),
+    (forward all-gathers, backward all-gathers, reduce-scatters). FSDP2 reshards after every backward unless the
+    sync is deferred (ZeRO-1, or the pipeline schedule, which turns the sync and reshard-after-backward off but for
+    the last micro-batch): ZeRO-1 reduces and gathers once a step; ZeRO-2 reduces after every micro-batch and
+    gathers again for every forward; ZeRO-3 (reshard after forward) also gathers for every backward -- under a
+    pipeline once a step each but its forwards' gathers (`counts.dp_comm`, measured by benchmarks/counts.py)."""
+    if zero >= 3:
+        return (m, m, m) if pp == 1 else (m, 1, 1)
+    if zero == 2 and pp == 1:
+        return m, 0, m
+    return 1, 0, 1
 
 
 def zero3_shares(pp: int, m: int) -> tuple[float, float]:
     """Per micro-batch, the backward all-gathers and reduce-scatters `zero3_block_exposed` prices (averaged over
-    the step's micro-batches, `zero3_collectives`): the step's last reduction is the gradient sync `dp_sync`
+    the step's micro-batches, `fsdp_collectives`): the step's last reduction is the gradient sync `dp_sync`
     prices (overlapped with the last backward like any other), so it is left out here."""
-    _, gathers, reduces = zero3_collectives(pp, m)
+    _, gathers, reduces = fsdp_collectives(3, pp, m)
     return gathers / m, (reduces - 1) / m
 
 

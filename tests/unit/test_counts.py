@@ -352,18 +352,18 @@ def test_the_estimate_prices_the_tp_points_the_runtime_runs():
 def test_the_estimate_prices_zero3s_collectives_as_often_as_the_runtime_runs_them(cfg):
     """ZeRO-3 (FSDP2, reshard after forward) gathers every block for every forward and, without a pipeline,
     again for every backward and reduce-scatters after it; under the pipeline schedule once a step each
-    (`estimate.zero3_collectives`, the rule `counts.dp_comm` counts and benchmarks/counts.py measures). With
+    (`estimate.fsdp_collectives`, the rule `counts.dp_comm` counts and benchmarks/counts.py measures). With
     nothing hidden, the estimate's per-micro-batch ZeRO-3 traffic over the step plus the gradient sync `dp_sync`
     prices are those collectives, once each (until session 22 a reduction too many a step; under a pipeline m - 1
     gathers and m reductions too many)."""
     from autoplan.cost_models import comm
     from autoplan.cost_models.estimate import (
         context,
+        fsdp_collectives,
         fsdp_unit_time,
         layer_cost,
         num_microbatches,
         zero3_block_exposed,
-        zero3_collectives,
     )
     from autoplan.cost_models.profile import profile_from_spec
 
@@ -371,7 +371,7 @@ def test_the_estimate_prices_zero3s_collectives_as_often_as_the_runtime_runs_the
     p = plan.parallel
     m = num_microbatches(p, plan.training)
     assert m > 1
-    fwd_g, bwd_g, reduces = zero3_collectives(p.pp, m)
+    fwd_g, bwd_g, reduces = fsdp_collectives(3, p.pp, m)
     assert (fwd_g, bwd_g, reduces) == ((m, m, m) if p.pp == 1 else (m, 1, 1))
     # counts: those collectives once per FSDP unit (the blocks and the stage root)
     calls = {c["collective"]: c["count"] for c in counts_of_plan(plan)[0]["comm"] if c["mesh_dim"] == "dp"}

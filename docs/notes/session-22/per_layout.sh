@@ -4,12 +4,9 @@
 NOTES=/work/main/docs/notes
 OUT=/tmp/pl_${2:-out}; mkdir -p $OUT
 cd "${1:-/work/main}"
-for f in $NOTES/session-9/tune-set-{K,L,M,N}.json.gz $NOTES/session-10/tune-set-{P,Q,R,S,T}.json.gz \
-         $NOTES/session-11/tune-set-{U,V}.json.gz $NOTES/session-13/tune-set-W.json.gz $NOTES/session-14/tune-set-{X,Y}.json.gz \
-         $NOTES/session-15/tune-set-Z.json.gz $NOTES/session-16/tune-set-S16b.json.gz $NOTES/session-16/tune-set-S16.json.gz \
-         $NOTES/session-18/tune-set-S18{,b,c}.json.gz $NOTES/session-19/tune-set-S19{,b,c,d}.json.gz \
-         $NOTES/session-20/tune-set-S20{,b,c,d}.json.gz; do
-  n=$(basename $f .json.gz | sed 's/tune-set-//')
+# the 28 saved sets of sessions 9-20 (session 21's replay_all.sh replays the same ones)
+for n in K L M N P Q R S T U V W X Y Z S16b S16 S18 S18b S18c S19 S19b S19c S19d S20 S20b S20c S20d; do
+  f=$(ls $NOTES/session-*/tune-set-$n.json.gz)
   OMP_NUM_THREADS=1 PYTHONPATH=$PWD /work/main/.venv/bin/python benchmarks/tune_local.py --replay $f --json 2>/dev/null | head -1 > $OUT/$n.json
 done
 /work/main/.venv/bin/python /work/main/docs/notes/session-22/per_layout.py $OUT
