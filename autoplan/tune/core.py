@@ -364,10 +364,17 @@ def run_sample(c: Candidate) -> RunSample:
                      components=comps, label=c.config)
 
 
-def load_bench(paths) -> tuple[list[GemmSample], list[CollectiveSample], list[RegionSample], list[HostOpSample]]:
+# the device `autoplan calibrate` measures on for each backend a cluster runs (calibrate.run_bench's "device")
+BENCH_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+
+
+def load_bench(paths, backend: str | None = None) -> tuple[list[GemmSample], list[CollectiveSample],
+                                                           list[RegionSample], list[HostOpSample]]:
     """Micro-benchmarks written by `autoplan calibrate --bench-out FILE` (JSON: {"gemm": [...], "collectives":
     [...], "recompute": [...], "host_op": [...]}); `paths` is one file, several (e.g. one per process count), or
-    None."""
+    None. With `backend` (the cluster's), a file measured on another kind of device is refused: its GEMM rates and
+    host times would be fitted into this cluster's constants (session 23: a GPU's file on local-cpu set
+    matmul_max_efficiency to its bound, 1000)."""
     if paths is None:
         return [], [], [], []
     gemms: list[GemmSample] = []
@@ -381,6 +388,13 @@ def load_bench(paths) -> tuple[list[GemmSample], list[CollectiveSample], list[Re
                             "write one with `autoplan calibrate --bench-out FILE`")
         try:
             data = json.loads(p.read_text())
+            measured_on = data.get("device") if isinstance(data, dict) else None
+            expected = BENCH_DEVICE.get(backend or "")
+            if expected is not None and measured_on is not None and measured_on != expected:
+                raise SpecError(f"micro-benchmark file {str(p)!r} was measured on {measured_on!r}",
+                                f"the cluster runs {backend}, on {expected!r} devices",
+                                "measure on this cluster's own hardware with `autoplan calibrate --bench-out FILE`, "
+                                "or leave --bench out")
             gemms += [GemmSample.model_validate(g) for g in data.get("gemm", [])]
             colls += [CollectiveSample.model_validate(c) for c in data.get("collectives", [])]
             regions += [RegionSample.model_validate(r) for r in data.get("recompute", [])]
@@ -439,7 +453,7 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top:
     one a run may import (a seed plan naming another is refused: autoplan.models.source.check_module_trusted)."""
     from autoplan.models.source import check_module_trusted, plan_module, planner_pins
 
-    bench_rows = load_bench(bench)  # a bad file fails now, not after the runs
+    bench_rows = load_bench(bench, cluster.backend)  # a bad or foreign file fails now, not after the runs
     cluster = prepare_cluster(cluster)
     if seed_plan is not None:  # before anything imports the module it names
         check_module_trusted(seed_plan, trusted_module, "name the module with --model as well, if you trust that code")

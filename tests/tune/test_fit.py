@@ -553,6 +553,27 @@ def test_load_bench_reads_the_host_op_rows(tmp_path):
         load_bench(path)
 
 
+def test_load_bench_refuses_a_file_measured_on_another_kind_of_device(tmp_path):
+    """A GPU's micro-benchmarks fitted into a CPU cluster set its GEMM rate to the fit's bound (session 23); the
+    file says where it was measured, and tune refuses it for a cluster of the other backend before any run."""
+    import json as _json
+
+    from autoplan.cost_models.errors import SpecError
+    from autoplan.tune.core import load_bench
+
+    path = tmp_path / "bench.json"
+    rows = {"gemm": [], "host_op": [{"seconds": 4e-5, "processes": 1}]}
+    path.write_text(_json.dumps({"device": "cuda", **rows}))
+    assert load_bench(path, "nccl")[3][0].seconds == 4e-5
+    with pytest.raises(SpecError, match="measured on 'cuda'") as err:
+        load_bench(path, "gloo")
+    assert "calibrate --bench-out" in str(err.value)
+    path.write_text(_json.dumps({"device": "cpu", **rows}))
+    assert load_bench(path, "gloo")[3][0].seconds == 4e-5
+    with pytest.raises(SpecError, match="measured on 'cpu'"):
+        load_bench(path, "nccl")
+
+
 def test_one_disturbed_measurement_does_not_set_the_constants():
     """The fit's loss is robust (soft L1 beyond a 10% log-ratio, fit.ROBUST_SCALE): of five all-reduce timings
     that an alpha-beta model explains exactly, one taken 1.5x slow (a disturbed launch on a shared host) leaves
