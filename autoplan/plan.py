@@ -29,6 +29,8 @@ _LATER_FIELDS: dict[str, tuple[str, ...]] = {
                  "sp_grads_coalesced", "selective_policy", "checkpoint_early_stop"),
     "cluster.gpu.calibration": ("dtensor_param_us", "fused_call_us", "pipeline_action_us"),
 }
+# LayerProfile fields added after plans recorded profiles (false / 0 when unset)
+_LATER_PROFILE_FIELDS = ("param_tensors", "saves_after_last_gemm")
 # Later training fields whose default changed after plans were written with the old one: the value that leaves them
 # out of the hash stays the old default, so those plans keep their hash (p2p_scatter_gather: true until session 21).
 _HASH_NEUTRAL: dict[str, object] = {"p2p_scatter_gather": True}
@@ -158,9 +160,11 @@ class Plan(_Frozen):
                 for attr in outer:
                     where = where.setdefault(attr, {})
                 where[last] = unset
-        # the same for a field added to LayerProfile after `profiles` (plans of session 15 recorded profiles
-        # without a tensor count): left out of the hash while unset
-        unrecorded = {i: {"param_tensors"} for i, p in enumerate(self.profiles or ()) if not p.param_tensors}
+        # the same for fields added to LayerProfile after `profiles` (plans of session 15 recorded profiles
+        # without a tensor count; saves_after_last_gemm came in session 23): left out of the hash while unset
+        unrecorded = {i: {n for n in _LATER_PROFILE_FIELDS if not getattr(p, n)}
+                      for i, p in enumerate(self.profiles or ())}
+        unrecorded = {i: names for i, names in unrecorded.items() if names}
         if unrecorded:
             exclude["profiles"] = unrecorded
         body = self.model_dump(mode="json", exclude=exclude)

@@ -269,10 +269,11 @@ def early_stop_skips_last_gemm(p: LayerProfile, training) -> bool:
     runtime and torchtitan: `TrainingSpec.recompute_stops_early`) leaves out its last GEMM: a dense block's w2, whose
     output nothing saves, so the recomputation is over once w2's input is back (measured: benchmarks/counts.py's
     recompute FLOPs). What follows it (its row-parallel reduction, the residual add) is not run either. Megatron's
-    reentrant checkpoint re-runs the whole forward."""
+    reentrant checkpoint re-runs the whole forward, and so does an early stop where an op after w2 keeps a tensor
+    for the backward (`LayerProfile.saves_after_last_gemm`: the hidden dropout's mask, a post-norm's input)."""
     last = p.gemms[-1] if p.gemms else None
     return (training.recompute_stops_early and p.kind == "block" and last is not None and not last.expert
-            and not p.moe_top_k)
+            and not p.moe_top_k and not p.saves_after_last_gemm)
 
 
 def full_recompute_tp_calls(p: LayerProfile, ctx: Context) -> dict[str, int]:

@@ -95,6 +95,10 @@ class LayerProfile(_Frozen):
         default=False, description="Head only: the forward transforms the vocabulary-parallel head's logits "
         "(soft-capping, scaling), so under tp the runtime gathers them whole on every rank and runs a plain loss "
         "instead of the vocab-parallel one (`vocab_split`).")
+    saves_after_last_gemm: bool = Field(
+        default=False, description="Blocks: an op after the last GEMM keeps a tensor for the backward (a dropout's "
+        "mask, a post-norm's input), so a checkpoint that stops its re-run early still runs that GEMM again "
+        "(compute.early_stop_skips_last_gemm).")
     # What the fusable ops process, so the kernel set (fused / eager torch / Megatron) can be costed.
     norm_kind: Literal["layernorm", "rmsnorm"] | None = Field(default=None, description="Normalisation op.")
     norm_elems: float = Field(default=0.0, description="Elements per token through norms (residual stream).")
@@ -206,6 +210,7 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
         + (4 if moe else 0),
         act_tp=act_tp, act_seq=act_seq, act_scores_per_seq=scores, act_input=2 * h,
         tp_allreduces=2, moe_top_k=top_k, moe_experts=n_exp,
+        saves_after_last_gemm=dropout,  # the hidden dropout after w2 keeps its mask (autoplan.zoo.model.Block)
         norm_kind=model.norm, norm_elems=2 * h, act_kind=model.activation, act_elems=ffn * mult,
         rope_elems=(a + kv) * d if model.position == "rope" else 0,
     )

@@ -55,6 +55,8 @@ def test_gpt2_grouping_and_counts():
         ("mlp.c_fc", 256, 64, "col"), ("mlp.c_proj", 64, 256, "row")]
     a = blk.attention
     assert (a.heads, a.kv_heads, a.head_dim, a.dropout) == (4, 4, 16, True)  # GPT-2 configs default to 0.1
+    # resid_pdrop 0.1: the dropout after mlp.c_proj keeps a mask, so an early-stopped re-run still runs c_proj
+    assert blk.saves_after_last_gemm and not g.profiles[0].saves_after_last_gemm
     head = g.profiles[-1]
     assert head.gemms[0].tp == "vocab" and head.gemms[0].count == 0  # tied to wte
     assert head.logits_per_token == 128
