@@ -175,6 +175,40 @@ def op_sac_reruns(p: LayerProfile) -> list[bool]:
     return out
 
 
+# The operators SDPA's math path issues in the forward beyond the one fused call it replaces (aten's
+# _scaled_dot_product_attention_math with dropout, torch 2.x, listed under a dispatch mode in session 23: the two
+# scalings, the causal mask's ones/tril/scalar_tensor x2/where, the QK^T bmm, the mask add, _safe_softmax,
+# empty_like/bernoulli_/div_ for the mask, its mul, the PV bmm; views left out).
+SDPA_MATH_EXTRA_OPS = 14
+# Bytes it keeps per score, in units of the activation width: the softmax's output, the dropout mask (a float
+# tensor, not bytes) and the dropped probabilities the PV bmm saves.
+SDPA_MATH_SAVED_PER_SCORE = 3
+
+
+def sdpa_math_path(p: LayerProfile, ctx: Context) -> bool:
+    """Whether autoplan's runtime runs `p`'s attention core through SDPA's math path: on CPU processes with
+    attention dropout, which torch's CPU flash kernel does not take. The core is then separate operators: the
+    full s x s probabilities are made and kept, the backward is two bmm per forward bmm (not the fused
+    kernel's 2.5x), and a checkpoint's early stop leaves the PV bmm out of a selective re-run."""
+    # the runtime runs gloo on CPU processes only (own_gpu_runtime)
+    return (p.attention is not None and p.attention.dropout and ctx.training.runtime_memory
+            and ctx.cluster.backend == "gloo")
+
+
+def fused_attention(p: LayerProfile, ctx: Context) -> bool:
+    """Whether `p`'s attention core runs as one fused kernel (flash): the stack's choice, unless the runtime falls
+    back to SDPA's math path (`sdpa_math_path`)."""
+    return ctx.training.flash_attention and not sdpa_math_path(p, ctx)
+
+
+def _attention_gemm_time(p: LayerProfile, ctx: Context) -> float:
+    """The two batched GEMMs of an unfused attention core (QK^T and PV, causal computed in full), forward."""
+    a = p.attention
+    s, d = ctx.seq, a.head_dim
+    flops = 4.0 * ctx.mbs * s * s * a.heads / ctx.tp * d / ctx.cp
+    return _gemm_time(ctx, flops, s / ctx.cp, s, d)
+
+
 def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     """(forward time, backward time, forward model FLOPs) of the attention core on this GPU."""
     a = p.attention
@@ -185,14 +219,14 @@ def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     model_flops = 4.0 * b * s * s * heads * d / ctx.cp  # QK^T and AV, causal counted in full (eq. 7)
     cal = ctx.cluster.gpu.calibration
     peak = ctx.cluster.gpu.peak_flops(ctx.training.dtype)
-    if ctx.training.flash_attention:
+    if fused_attention(p, ctx):
         executed = model_flops * (0.5 if a.causal else 1.0)
         fwd = executed / (peak * cal.attention_efficiency)
         return fwd, 2.5 * fwd, model_flops
     # Unfused: batched GEMMs [s x d] @ [d x s] and [s x s] @ [s x d] per head, causal computed in full,
     # plus scale-mask-softmax and dropout over b*heads*s*s scores (read + write, 2-byte, 1-byte masks).
     sq = s / ctx.cp
-    gemm = _gemm_time(ctx, model_flops, sq, s, d)
+    gemm = _attention_gemm_time(p, ctx)
     e = ctx.act_bytes
     scores = b * heads * sq * s
     soft_bytes = scores * (2 * e + (2 * e + 1 if a.dropout else 0))
@@ -684,6 +718,8 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     own_gpu = own_gpu_runtime(ctx.training, ctx.cluster)
     host_fwd = p.kernels_fwd * launch_us * 1e-6 + (fused_calls(p) * cal.fused_call_us * 1e-6
                                                    if own_gpu and ctx.training.kernels == "fused" else 0.0)
+    if sdpa_math_path(p, ctx):
+        host_fwd += SDPA_MATH_EXTRA_OPS * launch_us * 1e-6
     tp_f, tp_b = _tp_comm(p, ctx, gemm_fwd)
     cp_f, cp_b = _cp_comm(p, ctx, attn_fwd)
     ep_f, ep_b = _ep_comm(p, ctx)
@@ -703,7 +739,9 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # (runtime.parallelize.apply_recompute; counts.layer_flops books it as recompute FLOPs), and so does any run
     # on CPU processes (below).
     reruns_core = not ctx.training.flash_attention or ctx.training.runtime_memory or cpu_host
-    sel = attn_fwd if reruns_core else 0.0
+    # SDPA's math path: the core's re-run stops once the dropped probabilities are back, before the PV bmm
+    math = sdpa_math_path(p, ctx)
+    sel = (attn_fwd - (0.5 * _attention_gemm_time(p, ctx) if math else 0.0)) if reruns_core else 0.0
     # the whole forward, its TP communication included, but for what a checkpoint stopping early leaves out: the
     # last GEMM (its kernel and its operator's host time) and the reduction after it
     stops_early = early_stop_skips_last_gemm(p, ctx.training)
@@ -711,7 +749,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     rerun_host = host_fwd - (launch_us * 1e-6 if stops_early else 0.0)
     rerun_comm = comm_f - _skipped_tp_share(p, ctx) * tp_f
     full = max(rerun_dev, rerun_host) + rerun_comm
-    rec_sel_flops = attn_flops if reruns_core else 0.0
+    rec_sel_flops = attn_flops * (0.5 if math else 1.0) if reruns_core else 0.0
     ckpt_sel = ckpt_full = 0.0
 
     def region(ops: int) -> float:
@@ -753,7 +791,11 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     softmax = _head_softmax_units(p)
     base = tok * ((p.act_tp - softmax) / t * scale + softmax / t + p.act_seq / seq_div * scale)
     scores = 0.0
-    if p.attention is not None and not ctx.training.flash_attention:
+    if p.attention is not None and sdpa_math_path(p, ctx):
+        # the full s x s scores (causal masked, not skipped), SDPA_MATH_SAVED_PER_SCORE tensors of them, in place
+        # of the flash kernel's log-sum-exp
+        scores = tok * p.attention.heads / t * ctx.seq * SDPA_MATH_SAVED_PER_SCORE * e
+    elif p.attention is not None and not ctx.training.flash_attention:
         scores = tok * p.act_scores_per_seq * (ctx.seq) / t * scale
     elif p.attention is not None:
         scores = tok * p.attention.heads / t * 4.0  # flash keeps the fp32 log-sum-exp per row and head
@@ -761,7 +803,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # core's part dropped by selective recompute (the core is the checkpointed region), none under full
     mlp_x, core_x = runtime_saved_extra(p, ctx) if ctx.training.runtime_memory else (0.0, 0.0)
     act_none = base + scores + ac.saved + mlp_x + core_x
-    act_sel = base + (scores if ctx.training.flash_attention else 0.0) + ac.saved + mlp_x
+    act_sel = base + (scores if fused_attention(p, ctx) else 0.0) + ac.saved + mlp_x
     act_full = tok * p.act_input / seq_div * scale + ac.saved_full if p.kind == "block" else act_none
     if op_sac:
         act_sel = act_full + _op_sac_kept(p, ctx, scores)

@@ -33,6 +33,7 @@ from .compute import (
     full_recompute_tp_calls,
     gathered_logits_bytes,
     loss_backward_temporaries,
+    sdpa_math_path,
     tp_points,
     tp_units,
     vocab_parallel_loss_bytes,
@@ -127,11 +128,15 @@ def layer_flops(p: LayerProfile, ctx: Context, recompute: str) -> dict[str, floa
     gemm = sum(_gemm_flops(g, ctx) for g in p.gemms)
     attn = _attention(p, ctx)[2]
     rec = 0.0
+    # SDPA's math path (CPU processes, attention dropout): separate bmm, each with two in the backward, and a
+    # selective re-run that stops before the PV bmm (compute.sdpa_math_path)
+    math = sdpa_math_path(p, ctx)
     if recompute == "full":
         rec = gemm + attn - _early_stop_skipped(p, ctx)
     elif recompute == "selective":
-        rec = attn
-    return {"forward": gemm + attn, "backward": 2.0 * gemm + ATTN_BWD_FACTOR * attn, "recompute": rec}
+        rec = attn * (0.5 if math else 1.0)
+    bwd = 2.0 * gemm + (2.0 if math else ATTN_BWD_FACTOR) * attn
+    return {"forward": gemm + attn, "backward": bwd, "recompute": rec}
 
 
 def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times: float) -> None:

@@ -401,3 +401,48 @@ def test_the_estimate_prices_zero3s_collectives_as_often_as_the_runtime_runs_the
         update={"fsdp_hook_us": 0.0, "fsdp_collective_overhead_us": 100.0})})})
     assert fsdp_unit_time(units, cluster=busy, **kw) - fsdp_unit_time(units, cluster=quiet, **kw) == pytest.approx(
         units * (fwd_g + bwd_g + reduces) * 100e-6, rel=1e-9)
+
+
+def test_attention_dropout_on_cpu_is_priced_as_sdpas_math_path():
+    """On gloo (CPU processes) with attention dropout autoplan's runtime runs SDPA's math path: the counts book a
+    backward of 2x the core's forward and a selective re-run of half of it (the early stop leaves the PV bmm out),
+    the estimate's recompute FLOPs say the same, the core's saved probabilities are the full s x s scores at three
+    tensors' width, and its extra operators are host time. On a GPU cluster, and without dropout, the fused
+    kernel's counts stay."""
+    from autoplan.cost_models.compute import SDPA_MATH_SAVED_PER_SCORE, layer_cost, sdpa_math_path
+    from autoplan.cost_models.counts import ATTN_BWD_FACTOR, layer_flops
+    from autoplan.cost_models.estimate import context
+    from autoplan.cost_models.profile import profile_from_spec
+    from autoplan.specs import check_config
+
+    training = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
+    dropped = load_model("tiny-gpt").model_copy(update={"dropout": 0.1})
+    plain = load_model("tiny-gpt")
+    cpu, gpu = load_cluster("local-cpu", gpus=1), load_cluster("dgx-h100", gpus=8).with_gpus(1)
+
+    def costs(model, cluster):
+        cfg = check_config(ParallelConfig.parse("mbs=2"), model, cluster, training)
+        ctx = context(cluster, training, cfg)
+        block = profile_from_spec(model)[1]
+        return block, ctx, {r: layer_flops(block, ctx, r) for r in ("none", "selective")}, layer_cost(block, ctx)
+
+    block, ctx, f, c = costs(dropped, cpu)
+    attn = 4.0 * 2 * 64 * 64 * block.attention.heads * block.attention.head_dim
+    gemm = f["none"]["forward"] - attn
+    assert sdpa_math_path(block, ctx)
+    assert f["none"]["backward"] == pytest.approx(2 * gemm + 2 * attn, rel=1e-12)
+    assert f["selective"]["recompute"] == pytest.approx(attn / 2, rel=1e-12)
+    assert c.recompute_flops_selective == pytest.approx(attn / 2, rel=1e-12)
+    # the kept probabilities: a micro-batch's tokens x heads x s scores, three tensors of the activation width
+    block_plain, _, _, c_plain = costs(plain, cpu)
+    scores = 2 * 64 * block.attention.heads * 64 * SDPA_MATH_SAVED_PER_SCORE * 4
+    lse = 2 * 64 * block.attention.heads * 4.0
+    masks = 2 * 64 * (block.act_seq - block_plain.act_seq) * 4 / 2  # the hidden dropouts' (profile units, scaled)
+    assert c.act_none - c_plain.act_none == pytest.approx(scores - lse + masks, rel=1e-9)
+    assert c.fwd_s > c_plain.fwd_s
+    for model, cluster in ((dropped, gpu), (plain, cpu)):
+        block, ctx, f, c = costs(model, cluster)
+        assert not sdpa_math_path(block, ctx)
+        gemm = f["none"]["forward"] - attn
+        assert f["none"]["backward"] == pytest.approx(2 * gemm + ATTN_BWD_FACTOR * attn, rel=1e-12)
+        assert f["selective"]["recompute"] == pytest.approx(attn, rel=1e-12)
