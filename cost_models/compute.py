@@ -201,12 +201,15 @@ def fused_attention(p: LayerProfile, ctx: Context) -> bool:
     return ctx.training.flash_attention and not sdpa_math_path(p, ctx)
 
 
+def _attention_flops(p: LayerProfile, ctx: Context) -> float:
+    """Forward model FLOPs of the attention core on this GPU: QK^T and AV, causal counted in full (eq. 7)."""
+    a = p.attention
+    return 4.0 * ctx.mbs * ctx.seq * ctx.seq * (a.heads / ctx.tp) * a.head_dim / ctx.cp
+
+
 def _attention_gemm_time(p: LayerProfile, ctx: Context) -> float:
     """The two batched GEMMs of an unfused attention core (QK^T and PV, causal computed in full), forward."""
-    a = p.attention
-    s, d = ctx.seq, a.head_dim
-    flops = 4.0 * ctx.mbs * s * s * a.heads / ctx.tp * d / ctx.cp
-    return _gemm_time(ctx, flops, s / ctx.cp, s, d)
+    return _gemm_time(ctx, _attention_flops(p, ctx), ctx.seq / ctx.cp, ctx.seq, p.attention.head_dim)
 
 
 def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
@@ -215,8 +218,8 @@ def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     if a is None:
         return 0.0, 0.0, 0.0
     heads = a.heads / ctx.tp
-    b, s, d = ctx.mbs, ctx.seq, a.head_dim
-    model_flops = 4.0 * b * s * s * heads * d / ctx.cp  # QK^T and AV, causal counted in full (eq. 7)
+    b, s = ctx.mbs, ctx.seq
+    model_flops = _attention_flops(p, ctx)
     cal = ctx.cluster.gpu.calibration
     peak = ctx.cluster.gpu.peak_flops(ctx.training.dtype)
     if fused_attention(p, ctx):
