@@ -106,6 +106,21 @@ def test_bytes_on_the_wire_under_autocast(tmp_path):
         assert c["bytes_err"] <= 0.02, f"{case}: {c['comm']}"
 
 
+def _train_one_process(plan, tmp_path, *, steps: int):
+    """`python -m autoplan.runtime.train` on `plan` in this process's environment without torchrun's variables,
+    profiling step 2; returns the finished process and the log's records."""
+    plan.save(tmp_path / "plan.json")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    log = tmp_path / "log.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "autoplan.runtime.train", "--plan", str(tmp_path / "plan.json"),
+                           "--steps", str(steps), "--log", str(log), "--profile-step", "2"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, [json.loads(line) for line in log.read_text().splitlines()]
+
+
 def test_profile_step_and_tensor_memory_in_the_log(tmp_path):
     """`python -m autoplan.runtime.train --profile-step 2`: one profile record of the agreed shape and, on every
     step line from the measured step on, the tensor-memory peak (MemTracker, not RSS) beside the prediction."""
@@ -115,17 +130,8 @@ def test_profile_step_and_tensor_memory_in_the_log(tmp_path):
     plan = make_plan(load_model("tiny-gpt"), load_cluster("local-cpu").with_gpus(1),
                      TrainingSpec(global_batch_size=2, seq_length=64, dtype="fp32"), "mbs=1,recompute=selective",
                      kernels="torch")
-    plan.save(tmp_path / "plan.json")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    log = tmp_path / "log.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "autoplan.runtime.train", "--plan", str(tmp_path / "plan.json"),
-                           "--steps", "3", "--log", str(log), "--profile-step", "2"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, rows = _train_one_process(plan, tmp_path, steps=3)
     assert "profile of step 2" in proc.stdout
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
     prof = [r for r in rows if r.get("event") == "profile"]
     steps = [r for r in rows if "event" not in r]
     assert [r["step"] for r in steps] == [1, 2, 3] and len(prof) == 1 and prof[0]["step"] == 2
@@ -204,16 +210,8 @@ def test_a_model_with_dropout_on_cpu_counts_as_run(tmp_path, recompute):
     plan = make_plan(spec, load_cluster("local-cpu").with_gpus(1),
                      TrainingSpec(global_batch_size=2, seq_length=64, dtype="fp32"), f"mbs=2,recompute={recompute}",
                      kernels="torch")
-    plan.save(tmp_path / "plan.json")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    log = tmp_path / "log.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "autoplan.runtime.train", "--plan", str(tmp_path / "plan.json"),
-                           "--steps", "2", "--log", str(log), "--profile-step", "2"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (prof,) = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("event") == "profile"]
+    _, rows = _train_one_process(plan, tmp_path, steps=2)
+    (prof,) = [r for r in rows if r.get("event") == "profile"]
     (rank,) = prof["ranks"]
     measured, predicted = rank["measured"], rank["predicted"]
     for k, v in measured["flops"].items():
