@@ -29,11 +29,25 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
+class PostNormBlock(Block):
+    """Post-norm (x = norm(x + f(x)): OPT with do_layer_norm_before=False): the norm after fc2 keeps its input
+    for the backward, so a checkpoint's early stop still re-runs fc2."""
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).split(h, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        x = self.ln1(x + self.proj(a))
+        return self.ln2(x + self.fc2(F.gelu(self.fc1(x))))
+
+
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 96, h: int = 32, heads: int = 4, layers: int = 3, branchy: bool = False):
+    def __init__(self, vocab: int = 96, h: int = 32, heads: int = 4, layers: int = 3, branchy: bool = False,
+                 block: type[Block] = Block):
         super().__init__()
         self.emb = nn.Embedding(vocab, h)
-        self.blocks = nn.ModuleList(Block(h, heads, branchy) for _ in range(layers))
+        self.blocks = nn.ModuleList(block(h, heads, branchy) for _ in range(layers))
         self.norm = nn.LayerNorm(h)
         self.lm_head = nn.Linear(h, vocab, bias=False)
 
@@ -48,6 +62,13 @@ def tiny_lm():
     """A `module:factory` factory: (module, example_inputs) on the meta device."""
     with torch.device("meta"):
         model = TinyLM()
+    return model, (torch.zeros(2, 8, dtype=torch.long, device="meta"),)
+
+
+def post_norm_lm():
+    """`tiny_lm` with post-norm blocks."""
+    with torch.device("meta"):
+        model = TinyLM(block=PostNormBlock)
     return model, (torch.zeros(2, 8, dtype=torch.long, device="meta"),)
 
 

@@ -66,6 +66,17 @@ def test_a_dropout_after_the_last_gemm_is_seen_by_capture_and_by_the_formulas():
     assert not any(p.saves_after_last_gemm for p in profile_from_spec(load_model("tiny-gpt")))
 
 
+def test_a_norm_after_the_last_gemm_is_seen_by_capture():
+    """A post-norm block's last norm keeps fc2's output (its input) for the backward: capture marks the block, so
+    the cost model prices the early-stopped re-run with fc2 in it; the same blocks pre-norm, without dropout, not."""
+    from autoplan.capture import capture_model_ref
+
+    pre, post = capture_model_ref("_models:tiny_lm"), capture_model_ref("_models:post_norm_lm")
+    assert [p.kind for p in pre.profiles].count("block") == 3
+    assert not any(p.saves_after_last_gemm for p in pre.profiles)
+    assert [p.saves_after_last_gemm for p in post.profiles] == [p.kind == "block" for p in post.profiles]
+
+
 @pytest.mark.parametrize("name", ["tiny-gpt", "tiny-llama"])
 def test_layer_by_layer_profiles_match(spec_graph, name):
     g = spec_graph(name)
