@@ -288,7 +288,9 @@ def run_bench(args: argparse.Namespace, spec: dict) -> tuple[dict, dict, list[st
     # and per action of the runtime's pipeline schedule (what pipeline_action_us prices, on CPU processes), two
     # processes: a row of the fit too, which the pipelined runs would otherwise trade for the compute rates
     host_ops = [host_op] + ([pipeline_action_row()] if device == "cpu" else [])
-    bench = {"device": device, "model": args.model, "seq_len": args.seq_len, "mbs": args.mbs,
+    # which chip: tune refuses a file from another GPU family than the cluster's (tune.core.load_bench)
+    device_name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    bench = {"device": device, "device_name": device_name, "model": args.model, "seq_len": args.seq_len, "mbs": args.mbs,
              "gemm": gemms, "collectives": colls, "recompute": regions, "tp_ops": [tp_ops], "host_op": host_ops}
     cluster = cluster_from_mapping(spec, where="calibrate")
     if device == "cpu":

@@ -28,6 +28,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -366,15 +367,24 @@ def run_sample(c: Candidate) -> RunSample:
 
 # the device `autoplan calibrate` measures on for each backend a cluster runs (calibrate.run_bench's "device")
 BENCH_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+# a GPU family in a name: torch's device names ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB") and the presets'
+# ("h100-sxm", "a100-80g", "h200") both carry it
+_GPU_FAMILY = re.compile(r"(?<![a-z0-9])([abhlv]\d{2,3})(?![0-9])")
 
 
-def load_bench(paths, backend: str | None = None) -> tuple[list[GemmSample], list[CollectiveSample],
-                                                           list[RegionSample], list[HostOpSample]]:
+def gpu_family(name: str | None) -> str | None:
+    """'h100' from 'NVIDIA H100 80GB HBM3' or 'h100-sxm'; None where no family can be read."""
+    m = _GPU_FAMILY.search((name or "").lower())
+    return m.group(1) if m else None
+
+
+def load_bench(paths, backend: str | None = None, gpu_name: str | None = None) -> tuple[
+        list[GemmSample], list[CollectiveSample], list[RegionSample], list[HostOpSample]]:
     """Micro-benchmarks written by `autoplan calibrate --bench-out FILE` (JSON: {"gemm": [...], "collectives":
     [...], "recompute": [...], "host_op": [...]}); `paths` is one file, several (e.g. one per process count), or
-    None. With `backend` (the cluster's), a file measured on another kind of device is refused: its GEMM rates and
-    host times would be fitted into this cluster's constants (session 23: a GPU's file on local-cpu set
-    matmul_max_efficiency to its bound, 1000)."""
+    None. With `backend` and `gpu_name` (the cluster's), a file measured on another kind of device, or on another
+    GPU family where both names say one, is refused: its GEMM rates and host times would be fitted into this
+    cluster's constants (session 23: a GPU's file on local-cpu set matmul_max_efficiency to its bound, 1000)."""
     if paths is None:
         return [], [], [], []
     gemms: list[GemmSample] = []
@@ -394,6 +404,12 @@ def load_bench(paths, backend: str | None = None) -> tuple[list[GemmSample], lis
                 raise SpecError(f"micro-benchmark file {str(p)!r} was measured on {measured_on!r}",
                                 f"the cluster runs {backend}, on {expected!r} devices",
                                 "measure on this cluster's own hardware with `autoplan calibrate --bench-out FILE`, "
+                                "or leave --bench out")
+            chip, want = gpu_family(data.get("device_name") if isinstance(data, dict) else None), gpu_family(gpu_name)
+            if chip is not None and want is not None and chip != want:
+                raise SpecError(f"micro-benchmark file {str(p)!r} was measured on a {data['device_name']}",
+                                f"the cluster's GPUs are {gpu_name!r}",
+                                "measure on this cluster's own GPUs with `autoplan calibrate --bench-out FILE`, "
                                 "or leave --bench out")
             gemms += [GemmSample.model_validate(g) for g in data.get("gemm", [])]
             colls += [CollectiveSample.model_validate(c) for c in data.get("collectives", [])]
@@ -453,7 +469,7 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top:
     one a run may import (a seed plan naming another is refused: autoplan.models.source.check_module_trusted)."""
     from autoplan.models.source import check_module_trusted, plan_module, planner_pins
 
-    bench_rows = load_bench(bench, cluster.backend)  # a bad or foreign file fails now, not after the runs
+    bench_rows = load_bench(bench, cluster.backend, cluster.gpu.name)  # a bad or foreign file fails now
     cluster = prepare_cluster(cluster)
     if seed_plan is not None:  # before anything imports the module it names
         check_module_trusted(seed_plan, trusted_module, "name the module with --model as well, if you trust that code")

@@ -572,6 +572,13 @@ def test_load_bench_refuses_a_file_measured_on_another_kind_of_device(tmp_path):
     assert load_bench(path, "gloo")[3][0].seconds == 4e-5
     with pytest.raises(SpecError, match="measured on 'cpu'"):
         load_bench(path, "nccl")
+    # another GPU family than the cluster's (torch's device name against the preset's), where both say one
+    path.write_text(_json.dumps({"device": "cuda", "device_name": "NVIDIA H200", **rows}))
+    assert load_bench(path, "nccl", "h200")[3][0].seconds == 4e-5
+    assert load_bench(path, "nccl", "my-own-gpu")[3][0].seconds == 4e-5  # no family to compare: taken
+    with pytest.raises(SpecError, match="measured on a NVIDIA H200") as err:
+        load_bench(path, "nccl", "h100-sxm")
+    assert "h100-sxm" in str(err.value)
 
 
 def test_one_disturbed_measurement_does_not_set_the_constants():
