@@ -137,7 +137,30 @@ def load_workload(args: argparse.Namespace):
         detail = (f"{'.'.join(str(x) for x in errs[0]['loc'])} {errs[0]['msg'].lower()}, got {errs[0].get('input')!r}"
                   if errs else str(e).splitlines()[0])
         raise SpecError("invalid training setup", detail, "check --global-batch, --seq-len and --dtype") from None
-    return model, cluster, stack_training(args, training), profiles
+    return model, cluster, own_kernels(args, stack_training(args, training)), profiles
+
+
+def own_kernels(args: argparse.Namespace, training):
+    """`training` with the kernels autoplan's runtime will run for --model: torch's for a Hugging Face config or a
+    user's module, which keep their own modules (models.source.runs_torch_ops). Asked for explicitly, the fused
+    kernels are refused; left to the stack, torch's are priced and a note says so. Other stacks' kernels (a
+    published run's) are theirs to price."""
+    from autoplan.cost_models.errors import SpecError
+
+    from .models.source import runs_torch_ops
+
+    what = runs_torch_ops(args.model) if training.runtime_memory and training.kernels == "fused" else None
+    if what is None:
+        return training
+    if getattr(args, "kernels", None) == "fused":
+        raise SpecError("autoplan's fused kernels replace its own zoo models' norms and activations only",
+                        f"--model {args.model} is {what}: the runtime runs it with torch's ops",
+                        "drop --kernels fused (torch's kernels are priced), or plan a preset or spec file")
+    print(f"autoplan: note: {args.model} is {what}, which the runtime runs with torch's ops: priced with "
+          "torch's kernels", file=sys.stderr)
+    if hasattr(args, "kernels"):
+        args.kernels = "torch"  # the plan records what runs, and search does not weigh the fused set
+    return training.model_copy(update={"kernels": "torch"})
 
 
 def console(width: int | None = None):

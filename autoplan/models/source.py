@@ -91,6 +91,17 @@ def runtime_source(plan) -> Any:
     return plan.model
 
 
+def runs_torch_ops(ref: Any) -> str | None:
+    """Why the runtime runs `ref` with torch's ops whatever the plan's kernels say, or None. autoplan's fused
+    kernels replace the zoo model's norms and activations (codegen.program.kernel_substitutions); a Hugging Face
+    family (autoplan.models) and a user's module keep their own modules (session 23: a Llama config.json planned
+    with the fused kernels ran torch's RMSNorm and SiLU on an H200, the same kernels as with --kernels torch)."""
+    record = source_record(ref)
+    if record is None:
+        return None
+    return "a Hugging Face config" if "hf_config" in record else "a user's module"
+
+
 def planner_pins(ref: Any) -> dict[str, str]:
     """Knobs `autoplan search` pins for this model source because the runtime would refuse other values: for a
     module:factory model sp, cp and ep (always), and tp or pp when the capture of the module already shows they

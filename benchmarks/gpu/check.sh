@@ -21,7 +21,8 @@
 #                                               "run tests census profile calibrate" needed ~600 s; session 20:
 #                                               "calibrate run tests kernels" 419 s, calibrate ~45 s, the eight
 #                                               plans 334 s, tests 15 s, kernels ~25 s)
-#   SMOKE=1 bash benchmarks/gpu/check.sh run     the same commands on this CPU machine (local-cpu, tiny models)
+#   SMOKE=1 bash benchmarks/gpu/check.sh run     the same commands on this CPU machine (local-cpu, tiny models;
+#                                               session 23 added a ninth plan, the Llama config with torch's ops)
 # Results: $OUT/summary.txt (the tables) and $OUT/all.tgz (plans, logs, outputs).
 set -u
 PARTS=${1:-"calibrate run tests"}
@@ -44,9 +45,12 @@ pack() { tar czf "$OUT/all.tgz" -C "$W" . 2>/dev/null; }
 } > "$W/env.txt" 2>&1
 cat "$W/env.txt"
 
-CLUSTER=dgx-h200 SEQ=2048 G=gpt3-1.3b L=benchmarks/gpu/llama-3.2-1b.config.json
+# L: the Hugging Face config (its family's own modules, torch's ops); LZ: the same shape as a spec file, built as
+# autoplan's zoo model, which the fused kernels replace norms and activations of (session 23: before, the "fused"
+# Llama run trained the config with torch's ops, the same CUDA kernels as the torch run)
+CLUSTER=dgx-h200 SEQ=2048 G=gpt3-1.3b L=benchmarks/gpu/llama-3.2-1b.config.json LZ=benchmarks/gpu/llama-3.2-1b.yaml
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && CLUSTER=dgx-h100
-[ -n "${SMOKE:-}" ] && CLUSTER=local-cpu SEQ=64 G=tiny-gpt L=tiny-llama
+[ -n "${SMOKE:-}" ] && CLUSTER=local-cpu SEQ=64 G=tiny-gpt L=tiny-llama LZ=tiny-llama
 one_run() {  # NAME MODEL PARALLEL [estimate options...]
   local name=$1 model=$2 par=$3; shift 3
   local t0=$SECONDS
@@ -70,12 +74,13 @@ fi
 if [[ " $PARTS " == *" run "* ]]; then
   PROFILE="--profile-step 3"
   one_run gpt1.3b-mbs2 gpt3-1.3b mbs=2
-  one_run llama1b-mbs2 $L mbs=2
+  one_run llama1b-mbs2 $LZ mbs=2
   PROFILE=""
   one_run gpt1.3b-mbs2-torch gpt3-1.3b mbs=2 --kernels torch
   one_run gpt1.3b-mbs2-full gpt3-1.3b mbs=2,recompute=full
   one_run gpt1.3b-mbs2-sel gpt3-1.3b mbs=2,recompute=selective  # the checkpointed core's host time (session 17)
-  one_run llama1b-mbs2-torch $L mbs=2 --kernels torch            # the search's kernel choice, on Llama
+  one_run llama1b-mbs2-torch $LZ mbs=2 --kernels torch           # the search's kernel choice, on Llama
+  one_run llama1b-hf-mbs2 $L mbs=2                                # the config: torch's ops, priced so
   one_run gpt1.3b-mbs4 gpt3-1.3b mbs=4
   one_run gpt2.7b-mbs2 gpt3-2.7b mbs=2
   python3 benchmarks/gpu/summary.py "$W" > "$W/summary.txt" 2>&1
@@ -94,7 +99,7 @@ fi
 
 if [[ " $PARTS " == *" census "* ]]; then
   for args in "$G $SEQ --mbs 2 --kernels torch" "$G $SEQ --mbs 2 --kernels fused" \
-              "$L $SEQ --mbs 2 --kernels torch" "$L $SEQ --mbs 2 --kernels fused"; do
+              "$LZ $SEQ --mbs 2 --kernels torch" "$LZ $SEQ --mbs 2 --kernels fused"; do
     timeout 60 python3 benchmarks/gpu/saved.py $args >> "$W/census.jsonl" 2>> "$W/census.err" || echo "census failed: $args"
   done
   python3 -c "
@@ -108,7 +113,7 @@ for l in open('$W/census.jsonl'):
 fi
 
 if [[ " $PARTS " == *" profile "* ]]; then
-  for spec in "gpt1.3b-mbs2 $G" "gpt1.3b-mbs2-torch $G --kernels torch" "llama1b-mbs2 $L"; do
+  for spec in "gpt1.3b-mbs2 $G" "gpt1.3b-mbs2-torch $G --kernels torch" "llama1b-mbs2 $LZ"; do
     set -- $spec; name=$1 model=$2; shift 2
     timeout 60 $AP estimate --model "$model" --cluster $CLUSTER --gpus 1 --global-batch 8 --seq-len $SEQ \
       --parallel tp=1,pp=1,dp=1,mbs=2 "$@" -o "$W/prof-$name.json" > /dev/null 2>&1

@@ -149,3 +149,30 @@ def test_search_prints_the_hash_of_the_plan_it_writes(tmp_path, capsys, monkeypa
     plan = load_plan(out)
     assert plan.model_source is not None and "hf_config" in plan.model_source and plan.model.name == "my-llama"
     assert f"({plan.content_hash[:12]})" in capsys.readouterr().out
+
+
+def test_a_hugging_face_config_is_priced_with_the_kernels_it_runs(tmp_path, capsys):
+    """autoplan's fused kernels replace the zoo models' norms and activations only; a Hugging Face family keeps
+    its own modules and runs torch's ops (session 23, an H200: a Llama config.json planned with the fused kernels
+    ran the same CUDA kernels as with --kernels torch). Left to the stack, estimate and search price torch's
+    kernels and say so; asked for explicitly, the fused kernels are refused; a preset keeps them."""
+    from autoplan.plan import load_plan
+
+    cfg = tmp_path / "my-llama" / "config.json"
+    cfg.parent.mkdir()
+    cfg.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                               "intermediate_size": 176, "num_hidden_layers": 4, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128}))
+    work = ["--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "64", "--seq-len", "64"]
+    out = tmp_path / "plan.json"
+    assert main(["estimate", "--model", str(cfg), *work, "--parallel", "tp=2", "-o", str(out), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["kernels_assumed"] == "torch" and "runs it with torch's ops" not in captured.err
+    assert "which the runtime runs with torch's ops" in captured.err
+    assert load_plan(out).kernels == "torch"
+    assert main(["search", "--model", str(cfg), *work, "-o", str(out)]) == 0
+    assert load_plan(out).kernels == "torch"
+    assert main(["estimate", "--model", str(cfg), *work, "--parallel", "tp=2", "--kernels", "fused"]) == 2
+    assert "fused kernels replace its own zoo models' norms and activations only" in capsys.readouterr().err
+    assert main(["estimate", "--model", "tiny-llama", *work, "--parallel", "tp=2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kernels_assumed"] == "fused"
