@@ -133,7 +133,13 @@ def check_stack(plan) -> list[str]:
     as it is, the prediction the run reports against would be silently wrong. Plans of autoplan's stack (or
     written before stacks, `stack` None) pass."""
     from autoplan.cost_models.stacks import DEFAULT_STACK, stack_knobs
+    from autoplan.models.source import record_runs_torch_ops
 
+    what = record_runs_torch_ops(plan.model_source) if plan.kernels == "fused" else None
+    if what is not None:  # written before session 23: priced with kernels its model never runs
+        return [f"plan {plan.short_hash} prices autoplan's fused kernels, which its model ({what}) does not run: "
+                "the model keeps its own modules and runs torch's ops; re-plan it (estimate and search price "
+                "torch's kernels for it)"]
     if plan.stack is None:
         return []
     base = plan.stack.split("+", 1)[0]

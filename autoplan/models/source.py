@@ -96,10 +96,14 @@ def runs_torch_ops(ref: Any) -> str | None:
     kernels replace the zoo model's norms and activations (codegen.program.kernel_substitutions); a Hugging Face
     family (autoplan.models) and a user's module keep their own modules (session 23: a Llama config.json planned
     with the fused kernels ran torch's RMSNorm and SiLU on an H200, the same kernels as with --kernels torch)."""
-    record = source_record(ref)
-    if record is None:
+    return record_runs_torch_ops(source_record(ref))
+
+
+def record_runs_torch_ops(record: dict | None) -> str | None:
+    """`runs_torch_ops` for a plan's recorded source (`Plan.model_source`)."""
+    if not record:
         return None
-    return "a Hugging Face config" if "hf_config" in record else "a user's module"
+    return "a Hugging Face config" if "hf_config" in record else "a user's module" if "factory" in record else None
 
 
 def planner_pins(ref: Any) -> dict[str, str]:

@@ -327,6 +327,12 @@ def test_a_plan_priced_for_another_stack_is_not_run_as_if_it_were_autoplans(tmp_
     assert "p2p_scatter_gather=true" in problem
     sp = piped.model_copy(update={"parallel": piped.parallel.model_copy(update={"sp": True})}).sealed()
     assert launch.check_stack(sp) == []
+    # a Hugging Face config priced with the fused kernels it never runs (plans written before session 23)
+    hf = {"hf_config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}}
+    fused_hf = plan.model_copy(update={"model_source": hf, "kernels": "fused"}).sealed()
+    (problem,) = launch.check_stack(fused_hf)
+    assert "fused kernels, which its model (a Hugging Face config) does not run" in problem
+    assert launch.check_stack(fused_hf.model_copy(update={"kernels": "torch"}).sealed()) == []
     path = tmp_path / "megatron.json"
     path.write_text(megatron.model_dump_json())
     with pytest.raises(PlanError, match="priced for the megatron-2022 stack"):
