@@ -131,8 +131,8 @@ def kernel_substitutions(spec: ModelSpec, stage: StagePlan, mode: str, sp: bool)
 
     Norms under sequence parallelism run on DTensors, which the fused kernels do not take: they stay torch.
     """
-    if mode != "fused" or not isinstance(spec, ModelSpec):
-        return {}  # Hugging Face families run torch ops: the fused kernels implement the zoo's norms/activations
+    if mode != "fused":
+        return {}
     norm = "FusedRMSNorm" if spec.norm == "rmsnorm" else "FusedLayerNorm"
     act = "FusedSwiGLU" if spec.activation == "swiglu" else ("FusedGELU" if spec.activation == "gelu" else None)
     subs: dict[str, str] = {}
@@ -176,10 +176,14 @@ class StageProgram:
 
 def stage_programs(plan: Plan) -> list[StageProgram]:
     from autoplan.models import layout_spec
+    from autoplan.models.source import record_runs_torch_ops
 
     c = plan.parallel
     spec = layout_spec(plan)
-    factory = "factory" in (plan.model_source or {})  # a user module: no kernel substitution (its own modules)
+    factory = "factory" in (plan.model_source or {})
+    # a Hugging Face family or a user's module keeps its own modules: no kernel substitution (the fused kernels
+    # implement the zoo's norms and activations); the planner prices torch's kernels for it by the same rule
+    own_modules = record_runs_torch_ops(plan.model_source) is not None
     structure = None
     if factory and c.tp > 1:  # the capture of the user's module (imports torch; cached per process)
         from autoplan.models.factory import factory_structure
@@ -195,7 +199,7 @@ def stage_programs(plan: Plan) -> list[StageProgram]:
             plan=plan, stage=st,
             tp=tp,
             recompute=_factory_regions(st) if factory else recompute_regions(st),
-            kernels={} if factory else kernel_substitutions(spec, st, plan.kernels, c.sp and c.tp > 1),
+            kernels={} if own_modules else kernel_substitutions(spec, st, plan.kernels, c.sp and c.tp > 1),
             ranks=stage_ranks(plan, st),
         ))
     return out

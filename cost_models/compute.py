@@ -721,7 +721,8 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     own_gpu = own_gpu_runtime(ctx.training, ctx.cluster)
     host_fwd = p.kernels_fwd * launch_us * 1e-6 + (fused_calls(p) * cal.fused_call_us * 1e-6
                                                    if own_gpu and ctx.training.kernels == "fused" else 0.0)
-    if sdpa_math_path(p, ctx):
+    math = sdpa_math_path(p, ctx)  # SDPA's math path: its operators, the selective re-run, the kept scores
+    if math:
         host_fwd += SDPA_MATH_EXTRA_OPS * launch_us * 1e-6
     tp_f, tp_b = _tp_comm(p, ctx, gemm_fwd)
     cp_f, cp_b = _cp_comm(p, ctx, attn_fwd)
@@ -743,7 +744,6 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # on CPU processes (below).
     reruns_core = not ctx.training.flash_attention or ctx.training.runtime_memory or cpu_host
     # SDPA's math path: the core's re-run stops once the dropped probabilities are back, before the PV bmm
-    math = sdpa_math_path(p, ctx)
     sel = (attn_fwd - (0.5 * _attention_gemm_time(p, ctx) if math else 0.0)) if reruns_core else 0.0
     # the whole forward, its TP communication included, but for what a checkpoint stopping early leaves out: the
     # last GEMM (its kernel and its operator's host time) and the reduction after it
@@ -794,7 +794,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     softmax = _head_softmax_units(p)
     base = tok * ((p.act_tp - softmax) / t * scale + softmax / t + p.act_seq / seq_div * scale)
     scores = 0.0
-    if p.attention is not None and sdpa_math_path(p, ctx):
+    if math:
         # the full s x s scores (causal masked, not skipped), SDPA_MATH_SAVED_PER_SCORE tensors of them, in place
         # of the flash kernel's log-sum-exp
         scores = tok * p.attention.heads / t * ctx.seq * SDPA_MATH_SAVED_PER_SCORE * e
@@ -806,7 +806,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # core's part dropped by selective recompute (the core is the checkpointed region), none under full
     mlp_x, core_x = runtime_saved_extra(p, ctx) if ctx.training.runtime_memory else (0.0, 0.0)
     act_none = base + scores + ac.saved + mlp_x + core_x
-    act_sel = base + (scores if fused_attention(p, ctx) else 0.0) + ac.saved + mlp_x
+    act_sel = base + (scores if ctx.training.flash_attention and not math else 0.0) + ac.saved + mlp_x
     act_full = tok * p.act_input / seq_div * scale + ac.saved_full if p.kind == "block" else act_none
     if op_sac:
         act_sel = act_full + _op_sac_kept(p, ctx, scores)
