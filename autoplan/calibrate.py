@@ -5,17 +5,19 @@ collectives per level and size), fits the primitives' constants to them (`autopl
 rows to FILE for `autoplan tune --bench FILE`; see docs/calibrate.md for a multi-node GPU cluster.
 
 It measures what the cost model needs, on whatever device torch sees (CUDA if present, else the CPU):
-matmul throughput at several sizes (giving the peak and the GEMM half-efficiency size), memory bandwidth
-(a large copy), the host time per eager op (on a CPU, per operator of a training step's forward and backward) and
+matmul throughput at several sizes (giving the peak and the GEMM half-efficiency size), the causal flash
+attention's rate against it, memory bandwidth (a large copy), the host time per eager op (on a CPU, per operator of a training step's forward and backward) and
 what DTensor adds to it per operator of a tensor-parallel layer,
 and the all-reduce bandwidth and latency between `--nproc` processes on the default backend (gloo on CPU, NCCL on
-GPUs). On a CPU the spec is each process's share when they outnumber the cores (`per_process`), with the cores
+GPUs). On a CPU it measures with one thread, as each of the runtime's processes computes, and the spec is each
+process's share when they outnumber the cores (`per_process`), with the cores
 recorded. The result loads with `--cluster cluster.yaml`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -83,7 +85,40 @@ def measure_compute(device: str, dtype_name: str) -> dict:
     tiny = torch.ones(8, device=device)
     t_op = _timeit(lambda: [tiny.add_(1) for _ in range(200)], sync=sync) / 200
     return {"peak_flops": peak, "half_dim": half, "mem_bw": bw, "op_us": t_op * 1e6, "rates": rates,
-            "train_op_us": training_op_us(device, sync, training_autocast(dtype_name)) * 1e6}
+            "train_op_us": training_op_us(device, sync, training_autocast(dtype_name)) * 1e6,
+            "attention_efficiency": attention_efficiency(device, dtype, peak, sync, batch)}
+
+
+# The attention core timed by `attention_efficiency`: (heads, sequence, head dim) of one sequence. On a GPU a
+# GPT-3-sized head at 4096 tokens (the flash kernel's rate is near its plateau there); on a CPU a smaller one, so
+# that the timing stays around a tenth of a second (the rate per score varies little with the size there: session
+# 24, fp32, 2 cores: 1 x 4 x 2048 x 32 causal forward + backward 43 ms).
+_ATTN_SHAPE = {"cuda": (16, 4096, 128), "cpu": (8, 1024, 64)}
+
+
+def attention_efficiency(device: str, dtype, peak: float, sync=lambda: None, batch: int = 1,
+                         shape: tuple[int, int, int] | None = None) -> float:
+    """The fused attention core's rate as a fraction of `peak` (the best GEMM rate), in the cost model's units
+    (compute._attention: a causal flash kernel executes half of the model FLOPs 4 s^2 h d, its backward 2.5 x its
+    forward): SDPA's causal forward and backward on one sequence of `shape` (heads, seq, head_dim). Until session
+    24 calibrate wrote 0.5 without measuring; on this 2-core CPU that priced a 2048-token model's step at 0.063 s
+    where it ran in 0.17 s (the attention is most of it there)."""
+    import torch
+    import torch.nn.functional as F
+
+    heads, seq, dim = shape or _ATTN_SHAPE["cuda" if device == "cuda" else "cpu"]
+    q, k, v = (torch.randn(1, heads, seq, dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, heads, seq, dim, device=device, dtype=dtype)
+
+    def step():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(grad)
+        q.grad = k.grad = v.grad = None
+
+    t = _timeit(step, repeat=3, sync=sync, batch=batch)
+    executed = 4.0 * seq * seq * heads * dim * 0.5 * 3.5  # forward (causal half) + backward (2.5 x)
+    # (a core faster than the best GEMM would be a timing error, not a faster kernel: capped at the peak)
+    return round(min(1.0, executed / t / peak), 4)
 
 
 def training_autocast(dtype_name: str):
@@ -223,7 +258,8 @@ def calibrate(nproc: int, dtype: str = "fp32") -> dict:
             "calibration": {
                 "matmul_max_efficiency": 1.0,  # the measured peak is the best achieved rate
                 "matmul_half_dim": round(c["half_dim"], 1),
-                "attention_efficiency": 0.5,
+                # the causal flash attention's rate over the best GEMM's (`attention_efficiency`)
+                "attention_efficiency": c["attention_efficiency"],
                 "memory_efficiency": 1.0,  # the measured bandwidth is achieved bandwidth
                 # the host time per operator of a training step, on a GPU too: the host launches ahead of the
                 # kernels, and the cost model takes the longer of the two per layer (compute.layer_cost), so
@@ -322,7 +358,30 @@ def peak_warning(measured: float, fitted: float) -> list[str]:
             "check them in the bench file before using this cluster"]
 
 
+@contextlib.contextmanager
+def runtime_threads():
+    """Measure as a rank of the runtime computes: on a CPU with one intra-op thread, which is what `autoplan run`
+    gives each process (OMP_NUM_THREADS=1, runtime/launch.py; tune's launches too). Until session 24 calibrate
+    timed with torch's default, every core: on this 2-core machine the GEMM peak came out 0.38 TFLOP/s against
+    0.17 for one thread, the copy bandwidth 99 GB/s against 31, and a 2-process step of a 2048-token model was
+    priced 0.063 s where it ran 0.17 s. `per_process` then scales the one-thread rates by the core share."""
+    import torch
+
+    before = torch.get_num_threads()
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    with runtime_threads():
+        return _calibrate_command(args)
+
+
+def _calibrate_command(args: argparse.Namespace) -> int:
     import json
 
     from .cli import print_json

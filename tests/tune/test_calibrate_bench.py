@@ -304,3 +304,34 @@ def test_spawned_benchmark_leaves_without_finalising(tmp_path, fail):
     else:
         assert r.returncode == 0, r.stdout + r.stderr
         assert not any((tmp_path / f"finalised{i}").exists() for i in range(2))
+
+
+def test_calibrate_measures_the_attention_cores_rate():
+    """The causal flash attention's rate against the best GEMM's, in the cost model's units (compute._attention:
+    half the model FLOPs executed, backward 2.5 x forward): timed, not the 0.5 written before session 24. A peak
+    a thousand times the machine's gives a rate a thousand times smaller, so the value is the measurement's."""
+    import torch
+
+    from autoplan.calibrate import attention_efficiency
+
+    shape = (2, 256, 32)
+    peak = 1e11
+    eff = attention_efficiency("cpu", torch.float32, peak, shape=shape)
+    assert 0.0 < eff <= 1.0
+    slow = attention_efficiency("cpu", torch.float32, peak * 1000, shape=shape)
+    assert 0.0 < slow < eff / 50
+
+
+def test_calibrate_times_a_cpu_with_one_thread_per_process_as_the_runtime_runs(monkeypatch):
+    """Each process `autoplan run` starts computes with one thread (OMP_NUM_THREADS=1, runtime/launch.py), so
+    calibrate measures with one (and leaves the caller's thread count as it was)."""
+    import torch
+
+    from autoplan import calibrate as cal
+
+    seen = []
+    monkeypatch.setattr(cal, "_calibrate_command", lambda args: seen.append(torch.get_num_threads()) or 0)
+    before = torch.get_num_threads()
+    assert cal.cmd_calibrate(None) == 0
+    assert seen == [1]
+    assert torch.get_num_threads() == before
