@@ -223,9 +223,16 @@ def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     cal = ctx.cluster.gpu.calibration
     peak = ctx.cluster.gpu.peak_flops(ctx.training.dtype)
     if fused_attention(p, ctx):
-        executed = model_flops * (0.5 if a.causal else 1.0)
+        # a causal kernel skips the masked half of the scores; a masked one over the gathered sequence
+        # (`cp_masked_attention`) computes every score of the rank's queries
+        executed = model_flops * (0.5 if a.causal and not cp_masked_attention(ctx) else 1.0)
         fwd = executed / (peak * cal.attention_efficiency)
-        return fwd, 2.5 * fwd, model_flops
+        bwd = 2.5 * fwd
+        if cp_masked_attention(ctx):
+            mask = _cp_mask_elements(ctx)
+            fwd += _mem_time(ctx, mask * CP_MASK_FWD_BYTES)
+            bwd += _mem_time(ctx, mask * CP_MASK_BWD_BYTES)
+        return fwd, bwd, model_flops
     # Unfused: batched GEMMs [s x d] @ [d x s] and [s x s] @ [s x d] per head, causal computed in full,
     # plus scale-mask-softmax and dropout over b*heads*s*s scores (read + write, 2-byte, 1-byte masks).
     sq = s / ctx.cp
@@ -384,12 +391,54 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
     return fwd + loss, bwd
 
 
+# The boolean (s/cp, s) mask of autoplan's context-parallel core (runtime.parallelize.ContextParallelAttentionCore)
+# is turned into an additive fp32 mask by SDPA at every call (`where`: read 1 byte, write 4) and read by the
+# kernel (4), whose backward reads the saved one again (4): bytes per mask element, one mask per layer and
+# micro-batch (broadcast over the batch and the heads).
+CP_MASK_FWD_BYTES = 1 + 4 + 4
+CP_MASK_BWD_BYTES = 4
+
+
+def cp_masked_attention(ctx: Context) -> bool:
+    """Whether the attention core runs as autoplan's runtime runs it under context parallelism: one masked SDPA
+    over the gathered sequence (`TrainingSpec.cp_attention`), which computes every score of the rank's queries:
+    the causal half is not skipped (nor can the flash kernel run it: on a GPU SDPA takes its memory-efficient
+    kernel for an explicit mask)."""
+    return ctx.cp > 1 and ctx.training.cp_style == "all_gather_masked"
+
+
+def _cp_mask_elements(ctx: Context) -> float:
+    return ctx.seq / ctx.cp * ctx.seq
+
+
+def cp_kv_bytes(p: LayerProfile, ctx: Context) -> float:
+    """K (or V) of one micro-batch over the whole sequence, as this tp rank holds its heads: what the all-gather
+    of `all_gather` context parallelism assembles (counts books its calls with the same bytes)."""
+    a = p.attention
+    return ctx.mbs * ctx.seq * (a.kv_heads / min(ctx.tp, a.kv_heads)) * a.head_dim * ctx.act_bytes
+
+
 def _cp_comm(p: LayerProfile, ctx: Context, attn_fwd: float) -> tuple[float, float]:
-    """Ring attention: K and V travel around the cp ring, overlapped with the attention of each step."""
+    """Context parallelism's K/V traffic of one micro-batch, forward and backward, as `cp_attention` runs it."""
     if ctx.cp <= 1 or p.attention is None:
         return 0.0, 0.0
-    a = p.attention
     grp = comm.group_of(ctx.cluster, ctx.cp, ctx.tp)
+    if ctx.training.cp_style != "ring":
+        # K and V gathered before the attention, nothing to hide them behind (Llama 3: "the all-gather
+        # communication latency is exposed in the critical path"); their gradients scattered back after it
+        kv = cp_kv_bytes(p, ctx)
+        fwd = 2 * comm.all_gather(ctx.cluster, grp, kv)
+        if ctx.training.cp_style == "all_gather":
+            return fwd, 2 * comm.reduce_scatter(ctx.cluster, grp, kv)
+        # autoplan's runtime (parallelize._AllGatherSequence): the gathered parts are concatenated (read and
+        # write the whole); the backward makes each rank's slice contiguous (read, write), sends them with an
+        # all-to-all (gloo has no reduce-scatter) and sums what comes back with a stack and a sum (write and read
+        # cp slices, read them again, write one)
+        fwd += 2 * _mem_time(ctx, 2 * kv)
+        bwd = 2 * (comm.all_to_all(ctx.cluster, grp, kv) + _mem_time(ctx, (2 + 3 + 1 / ctx.cp) * kv))
+        return fwd, bwd
+    # ring attention: K and V travel round the cp ring, each step's transfer overlapped with the attention
+    a = p.attention
     kv_bytes = 2 * ctx.tokens * (a.kv_heads / min(ctx.tp, a.kv_heads)) * a.head_dim * ctx.act_bytes
     link = ctx.cluster.intra_node if grp.nodes == 1 else ctx.cluster.inter_node
     step = comm.p2p(ctx.cluster, kv_bytes, cross_node=link is ctx.cluster.inter_node)
@@ -745,6 +794,8 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     reruns_core = not ctx.training.flash_attention or ctx.training.runtime_memory or cpu_host
     # SDPA's math path: the core's re-run stops once the dropped probabilities are back, before the PV bmm
     sel = (attn_fwd - (0.5 * _attention_gemm_time(p, ctx) if math else 0.0)) if reruns_core else 0.0
+    if reruns_core and cp_masked_attention(ctx):
+        sel += cp_f  # the checkpointed core gathers K and V again (counts.layer_comm books the calls)
     # the whole forward, its TP communication included, but for what a checkpoint stopping early leaves out: the
     # last GEMM (its kernel and its operator's host time) and the reduction after it
     stops_early = early_stop_skips_last_gemm(p, ctx.training)

@@ -28,6 +28,7 @@ from .compute import (
     VOCAB_PARALLEL_LOSS_ALL_REDUCES,
     Context,
     _attention,
+    cp_kv_bytes,
     early_stop_skips_last_gemm,
     ep_routed_bytes,
     full_recompute_tp_calls,
@@ -141,7 +142,6 @@ def layer_flops(p: LayerProfile, ctx: Context, recompute: str) -> dict[str, floa
 
 def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times: float) -> None:
     """TP, CP and EP collectives of one layer, forward and backward, `times` micro-batches."""
-    e = ctx.act_bytes
     if ctx.tp > 1:
         # Per block: the two row-parallel outputs in forward, the two column-parallel inputs' gradients in
         # backward. The vocab-parallel embedding reduces its output in forward; the LM head (column-parallel over
@@ -163,8 +163,7 @@ def layer_comm(p: LayerProfile, ctx: Context, recompute: str, comm: _Comm, times
         if gathered_logits_bytes(p, ctx):  # logits the forward transforms, gathered whole
             comm.add("all_gather", "tp", gathered_logits_bytes(p, ctx), times)
     if ctx.cp > 1 and p.attention is not None:
-        a = p.attention
-        kv_full = ctx.mbs * ctx.seq * (a.kv_heads / min(ctx.tp, a.kv_heads)) * a.head_dim * e
+        kv_full = cp_kv_bytes(p, ctx)
         gathers = 2 * (2 if recompute else 1)  # K and V, again when the attention core is recomputed
         comm.add("all_gather", "cp", kv_full, times * gathers)
         comm.add("all_to_all", "cp", kv_full, times * 2)  # their gradients back to the owners
@@ -633,7 +632,8 @@ def runtime_semantics(cfg: ParallelConfig) -> dict[str, str]:
                        f"run (whole gradients; parameters and optimizer state sharded as ZeRO-{cfg.zero})")
     if cfg.cp > 1:
         out["cp"] = ("context-parallel attention all-gathers K and V (backward: an all-to-all of their gradients), "
-                     "the same bytes per rank as ring attention; the step time prices ring attention's overlap")
+                     "then one masked SDPA over the gathered sequence computes every score of the rank's queries; "
+                     "priced as run (cp_attention all_gather_masked)")
     if cfg.ep > 1 and cfg.tp > 1:
         out["ep"] = ("experts are whole on every tp rank (no expert tensor parallelism): the runtime's FLOPs are "
                      "tp times the step-time model's (cost_models.counts prices what runs); their memory is "

@@ -454,6 +454,24 @@ class TrainingSpec(_Frozen):
         "forward (Megatron-LM's CheckpointFunction, DeepSpeed's activation checkpointing). None: as "
         "`runtime_memory` says (true exactly for autoplan's runtime), the rule before the field existed.")
 
+    cp_attention: Literal["ring", "all_gather", "all_gather_masked"] | None = Field(
+        default=None, description="How context parallelism runs the attention core. 'ring': K and V travel round "
+        "the cp ring, each step's transfer overlapped with the attention of the step before, fully masked "
+        "chunks skipped (Megatron-Core with Transformer Engine; torch's ring attention, torchtitan); "
+        "'all_gather': K and V all-gathered over the cp group before the attention and their gradients "
+        "reduce-scattered after its backward, both exposed, only the causal chunks computed (Llama 3, "
+        "arXiv 2407.21783 sec. 3.3.2); 'all_gather_masked': gathered as 'all_gather', then one masked SDPA over "
+        "the whole gathered sequence computes every score of the rank's queries, and the gradients go back by an "
+        "all-to-all and a sum (autoplan's runtime: runtime.parallelize.ContextParallelAttentionCore). None: as "
+        "`runtime_memory` says ('all_gather_masked' exactly for autoplan's runtime, else 'ring').")
+
+    @property
+    def cp_style(self) -> str:
+        """`cp_attention`, resolved."""
+        if self.cp_attention is not None:
+            return self.cp_attention
+        return "all_gather_masked" if self.runtime_memory else "ring"
+
     @property
     def recompute_stops_early(self) -> bool:
         """`checkpoint_early_stop`, resolved."""
