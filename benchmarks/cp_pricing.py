@@ -1,14 +1,15 @@
 """Context parallelism priced as autoplan's runtime runs it: measured against predicted step time on this machine.
 
 The runtime's context-parallel attention (runtime.parallelize.ContextParallelAttentionCore) all-gathers K and V,
-runs one masked SDPA over the gathered sequence (every score of the rank's queries: the causal half is not
-skipped) and sends the K/V gradients back by an all-to-all; until session 24 the cost model priced ring
-attention instead (transfers hidden behind the attention, the causal half skipped). This benchmark plans a few
+runs one masked SDPA per query chunk over the keys up to its end (every score of those) and sends the K/V
+gradients back by an all-to-all; until session 24 the cost model priced ring attention instead (transfers hidden
+behind the attention, the causal half skipped) while the runtime ran one masked SDPA over the whole gathered
+sequence. This benchmark plans a few
 long-sequence layouts for 2 processes with a cluster measured by `autoplan calibrate` (or --cluster), trains
 each for a few steps with `autoplan run`, and prints measured / predicted per layout; the data-parallel layout
 is the control (same model, no context parallelism). Last line:
 
-    cp: measured/predicted cp 1.21-1.25 against dp 1.22-1.24 over 8 layouts
+    cp: measured/predicted cp 1.32-1.57 against dp 1.23-1.34 over 8 layouts
 
 Usage: python benchmarks/cp_pricing.py [--cluster cpu.yaml] [--steps 8] [--json]
 """

@@ -343,11 +343,10 @@ def plain_cp(spec, plan, steps: int, on_step) -> None:
     data, mbs = _plain_common(spec, plan)
     world, rank = dist.get_world_size(), dist.get_rank()
     q_pos = load_balanced_positions(SEQ, world, rank)
-    k_pos = __import__("torch").cat([load_balanced_positions(SEQ, world, r) for r in range(world)])
     model = build_model(spec, seed=SEED)
     model.positions = q_pos
     for block in model.layers.values():
-        block.attention.core = ContextParallelAttentionCore(dist.group.WORLD, q_pos, k_pos)
+        block.attention.core = ContextParallelAttentionCore(dist.group.WORLD, q_pos)
     ddp = DDP(model, broadcast_buffers=False)  # each rank's causal mask buffer is its own
     _dp_loop(ddp, list(model.parameters()), data, mbs, steps, on_step, world=world, rank=rank, cp_idx=q_pos,
              no_sync=lambda last: contextlib.nullcontext() if last else ddp.no_sync())

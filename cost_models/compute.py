@@ -209,7 +209,8 @@ def _attention_flops(p: LayerProfile, ctx: Context) -> float:
 
 def _attention_gemm_time(p: LayerProfile, ctx: Context) -> float:
     """The two batched GEMMs of an unfused attention core (QK^T and PV, causal computed in full), forward."""
-    return _gemm_time(ctx, _attention_flops(p, ctx), ctx.seq / ctx.cp, ctx.seq, p.attention.head_dim)
+    return _gemm_time(ctx, _attention_flops(p, ctx) * cp_score_fraction(ctx), ctx.seq / ctx.cp, ctx.seq,
+                      p.attention.head_dim)
 
 
 def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
@@ -223,9 +224,12 @@ def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     cal = ctx.cluster.gpu.calibration
     peak = ctx.cluster.gpu.peak_flops(ctx.training.dtype)
     if fused_attention(p, ctx):
-        # a causal kernel skips the masked half of the scores; a masked one over the gathered sequence
-        # (`cp_masked_attention`) computes every score of the rank's queries
-        executed = model_flops * (0.5 if a.causal and not cp_masked_attention(ctx) else 1.0)
+        # a causal kernel skips the masked half of the scores; autoplan's context-parallel core computes its
+        # masked query chunks against their key prefixes in full (`cp_score_fraction`)
+        if cp_masked_attention(ctx):
+            executed = model_flops * cp_score_fraction(ctx)
+        else:
+            executed = model_flops * (0.5 if a.causal else 1.0)
         fwd = executed / (peak * cal.attention_efficiency)
         bwd = 2.5 * fwd
         if cp_masked_attention(ctx):
@@ -238,7 +242,7 @@ def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     sq = s / ctx.cp
     gemm = _attention_gemm_time(p, ctx)
     e = ctx.act_bytes
-    scores = b * heads * sq * s
+    scores = b * heads * sq * s * cp_score_fraction(ctx)
     soft_bytes = scores * (2 * e + (2 * e + 1 if a.dropout else 0))
     fwd = gemm + _mem_time(ctx, soft_bytes)
     bwd = 2 * gemm + _mem_time(ctx, 1.5 * soft_bytes + scores * e)
@@ -391,24 +395,36 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
     return fwd + loss, bwd
 
 
-# The boolean (s/cp, s) mask of autoplan's context-parallel core (runtime.parallelize.ContextParallelAttentionCore)
-# is turned into an additive fp32 mask by SDPA at every call (`where`: read 1 byte, write 4) and read by the
-# kernel (4), whose backward reads the saved one again (4): bytes per mask element, one mask per layer and
-# micro-batch (broadcast over the batch and the heads).
+# The boolean masks of autoplan's context-parallel core (runtime.parallelize.ContextParallelAttentionCore: one per
+# query chunk, over its key prefix) are turned into additive fp32 masks by SDPA at every call (`where`: read 1
+# byte, write 4) and read by the kernel (4), whose backward reads the saved one again (4): bytes per mask element,
+# once per layer and micro-batch (broadcast over the batch and the heads).
 CP_MASK_FWD_BYTES = 1 + 4 + 4
 CP_MASK_BWD_BYTES = 4
 
 
 def cp_masked_attention(ctx: Context) -> bool:
-    """Whether the attention core runs as autoplan's runtime runs it under context parallelism: one masked SDPA
-    over the gathered sequence (`TrainingSpec.cp_attention`), which computes every score of the rank's queries:
-    the causal half is not skipped (nor can the flash kernel run it: on a GPU SDPA takes its memory-efficient
-    kernel for an explicit mask)."""
+    """Whether the attention core runs as autoplan's runtime runs it under context parallelism
+    (`TrainingSpec.cp_attention`): K and V gathered, then one masked SDPA per query chunk over the keys up to the
+    chunk's end, every score of it computed (on a GPU the flash kernel cannot take a mask: SDPA runs its
+    memory-efficient kernel)."""
     return ctx.cp > 1 and ctx.training.cp_style == "all_gather_masked"
 
 
+def cp_score_fraction(ctx: Context) -> float:
+    """Of the scores of the rank's queries against the whole sequence (s/cp x s, the model FLOPs' count), the
+    fraction autoplan's context-parallel core computes: its two query chunks of c = s/(2cp) tokens (chunks r and
+    2cp-1-r) against the keys up to their ends, (r+1)c and (2cp-r)c, together c^2 (2cp+1) of 4cp c^2 on every
+    rank. The FLOP counter counts those calls by their shapes, so the counts take it too. 1 without it (a causal
+    kernel's skipped half is the time model's, `_attention`)."""
+    if not cp_masked_attention(ctx):
+        return 1.0
+    return (2 * ctx.cp + 1) / (4 * ctx.cp)
+
+
 def _cp_mask_elements(ctx: Context) -> float:
-    return ctx.seq / ctx.cp * ctx.seq
+    """Elements of the rank's two causal masks, one per query chunk over its key prefix: c^2 (2cp+1)."""
+    return (ctx.seq / (2 * ctx.cp)) ** 2 * (2 * ctx.cp + 1)
 
 
 def cp_kv_bytes(p: LayerProfile, ctx: Context) -> float:
@@ -567,7 +583,7 @@ def _core_saved(p: LayerProfile, ctx: Context) -> float:
     d_tp = a.head_dim / ctx.tp
     extra = ctx.tokens * 2 * d_tp * (ctx.cp * a.heads - a.kv_heads) * ctx.act_bytes
     if ctx.cp > 1:
-        extra += ctx.seq / ctx.cp * ctx.seq * 4
+        extra += _cp_mask_elements(ctx) * 4
     return extra
 
 
@@ -848,7 +864,7 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     if math:
         # the full s x s scores (causal masked, not skipped), SDPA_MATH_SAVED_PER_SCORE tensors of them, in place
         # of the flash kernel's log-sum-exp
-        scores = tok * p.attention.heads / t * ctx.seq * SDPA_MATH_SAVED_PER_SCORE * e
+        scores = tok * p.attention.heads / t * ctx.seq * cp_score_fraction(ctx) * SDPA_MATH_SAVED_PER_SCORE * e
     elif p.attention is not None and not ctx.training.flash_attention:
         scores = tok * p.act_scores_per_seq * (ctx.seq) / t * scale
     elif p.attention is not None:

@@ -28,7 +28,9 @@ from .compute import (
     VOCAB_PARALLEL_LOSS_ALL_REDUCES,
     Context,
     _attention,
+    _cp_mask_elements,
     cp_kv_bytes,
+    cp_score_fraction,
     early_stop_skips_last_gemm,
     ep_routed_bytes,
     full_recompute_tp_calls,
@@ -127,7 +129,9 @@ def _early_stop_skipped(p: LayerProfile, ctx: Context) -> float:
 def layer_flops(p: LayerProfile, ctx: Context, recompute: str) -> dict[str, float]:
     """FLOPs of one layer for one micro-batch on one GPU, by phase."""
     gemm = sum(_gemm_flops(g, ctx) for g in p.gemms)
-    attn = _attention(p, ctx)[2]
+    # the FLOP counter counts SDPA by its shapes: under autoplan's context parallelism each query chunk against
+    # its key prefix (`cp_score_fraction` of the model FLOPs' s/cp x s scores)
+    attn = _attention(p, ctx)[2] * cp_score_fraction(ctx)
     rec = 0.0
     # SDPA's math path (CPU processes, attention dropout): separate bmm, each with two in the backward, and a
     # selective re-run that stops before the PV bmm (compute.sdpa_math_path)
@@ -377,13 +381,13 @@ def pipeline_act(stages: list[StageCost], profiles: list[LayerProfile], ctx: Con
 
 
 def _cp_mask_buffers(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context) -> float:
-    """With context parallelism every attention core keeps its causal mask by true positions as a module buffer
-    (runtime.parallelize.ContextParallelAttentionCore: a bool (seq/cp, seq) `mask`), booked as a buffer, which
-    runtime.measure counts among the temporaries."""
+    """With context parallelism every attention core keeps its causal masks by true positions as module buffers
+    (runtime.parallelize.ContextParallelAttentionCore: a bool mask per query chunk over its key prefix,
+    `compute._cp_mask_elements`), booked as buffers, which runtime.measure counts among the temporaries."""
     if ctx.cp == 1:
         return 0.0
     cores = sum(1 for p in _stage_blocks(stages, profiles) if p.attention is not None)
-    return cores * ctx.seq / ctx.cp * ctx.seq
+    return cores * _cp_mask_elements(ctx)
 
 
 def token_ids_bytes(cfg: ParallelConfig, training: TrainingSpec) -> float:

@@ -460,9 +460,9 @@ class TrainingSpec(_Frozen):
         "chunks skipped (Megatron-Core with Transformer Engine; torch's ring attention, torchtitan); "
         "'all_gather': K and V all-gathered over the cp group before the attention and their gradients "
         "reduce-scattered after its backward, both exposed, only the causal chunks computed (Llama 3, "
-        "arXiv 2407.21783 sec. 3.3.2); 'all_gather_masked': gathered as 'all_gather', then one masked SDPA over "
-        "the whole gathered sequence computes every score of the rank's queries, and the gradients go back by an "
-        "all-to-all and a sum (autoplan's runtime: runtime.parallelize.ContextParallelAttentionCore). None: as "
+        "arXiv 2407.21783 sec. 3.3.2); 'all_gather_masked': gathered as 'all_gather', then one masked SDPA per "
+        "query chunk over the keys up to its end computes every score of those ((2cp+1)/(4cp) of the rank's "
+        "queries against the whole sequence), and the gradients go back by an all-to-all and a sum (autoplan's runtime: runtime.parallelize.ContextParallelAttentionCore). None: as "
         "`runtime_memory` says ('all_gather_masked' exactly for autoplan's runtime, else 'ring').")
 
     @property

@@ -256,8 +256,10 @@ def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
 
 
 class _AllGatherSequence(torch.autograd.Function):
-    """Gather a (b, s_local, ...) tensor from every cp rank along dim 1 (rank order). The backward sends each
-    rank the slice of the gradient for its own chunk and sums (an all-to-all: gloo has no reduce-scatter).
+    """Gather a (b, s_local, ...) tensor from every cp rank along dim 1 into position order: rank j holds chunks j
+    and 2cp-1-j of the 2cp chunks (`load_balanced_positions`), so the whole sequence is every rank's first chunk
+    in rank order, then every rank's second chunk in reverse rank order. The backward sends each rank the
+    gradient of its own two chunks and sums what comes back (an all-to-all: gloo has no reduce-scatter).
     Written here rather than torch.distributed.nn's all_gather because the latter passes non-contiguous
     gradient views to gloo's all-to-all, which gave wrong K/V gradients with GQA."""
 
@@ -266,30 +268,48 @@ class _AllGatherSequence(torch.autograd.Function):
         ctx.group = group
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
+        c = x.shape[1] // 2
+        return torch.cat([p[:, :c] for p in parts] + [p[:, c:] for p in reversed(parts)], dim=1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         n = dist.get_world_size(ctx.group)
-        s = grad.shape[1] // n
-        chunks = [grad.narrow(1, j * s, s).contiguous() for j in range(n)]
+        c = grad.shape[1] // (2 * n)
+        chunks = [torch.cat([grad.narrow(1, j * c, c), grad.narrow(1, (2 * n - 1 - j) * c, c)], dim=1)
+                  for j in range(n)]
         recv = [torch.empty_like(chunks[0]) for _ in range(n)]
         dist.all_to_all(recv, chunks, group=ctx.group)
         return torch.stack(recv).sum(0), None
 
 
-class ContextParallelAttentionCore(nn.Module):
-    """Exact causal attention over a sequence split across the cp group: gather every rank's K/V (autograd-aware
-    all-gather; its backward sums the K/V gradients back to their owners) and mask by true positions."""
+def cp_key_prefixes(seq_len: int, cp: int, rank: int) -> tuple[int, int]:
+    """How many keys (from position 0) each of cp rank `rank`'s two query chunks attends to under a causal
+    mask: up to the end of the chunk."""
+    c = seq_len // (2 * cp)
+    return (rank + 1) * c, (2 * cp - rank) * c
 
-    def __init__(self, group, q_pos: torch.Tensor, k_pos: torch.Tensor, dropout: float = 0.0) -> None:
+
+class ContextParallelAttentionCore(nn.Module):
+    """Exact causal attention over a sequence split across the cp group: gather every rank's K/V in position
+    order (autograd-aware all-gather; its backward sums the K/V gradients back to their owners), then one SDPA
+    per query chunk over the keys up to the chunk's end, masked causally inside the last of them. Each chunk
+    skips the keys after it, so a rank computes (2cp+1)/(4cp) of the scores of its queries against the whole
+    sequence (the diagonal blocks in full): before session 24 one masked SDPA over the whole gathered sequence
+    computed all of them (twice the causal work), a cost the step-time model now prices as run
+    (cost_models.compute.cp_score_fraction)."""
+
+    def __init__(self, group, q_pos: torch.Tensor, dropout: float = 0.0) -> None:
         super().__init__()
         self.group = group
         self.dropout = dropout
-        self.register_buffer("mask", q_pos[:, None] >= k_pos[None, :], persistent=False)  # (s_local, s)
+        c = len(q_pos) // 2
+        self.ends = (int(q_pos[c - 1]) + 1, int(q_pos[-1]) + 1)
+        for i, (chunk, end) in enumerate(((q_pos[:c], self.ends[0]), (q_pos[c:], self.ends[1]))):
+            keys = torch.arange(end, device=q_pos.device)
+            self.register_buffer(f"mask{i}", chunk[:, None] >= keys[None, :], persistent=False)  # (c, end)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k = _AllGatherSequence.apply(k, self.group)  # (b, s, nkv, dh), chunks in cp-rank order
+        k = _AllGatherSequence.apply(k, self.group)  # (b, s, nkv, dh), position order
         v = _AllGatherSequence.apply(v, self.group)
         rep = q.shape[2] // k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, n, s, dh)
@@ -297,21 +317,24 @@ class ContextParallelAttentionCore(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         p = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=p)  # (b, nh, s_local, dh)
-        return out.transpose(1, 2).flatten(2)
+        c = q.shape[2] // 2
+        outs = [F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k[:, :, :end], v[:, :, :end],
+                                               attn_mask=getattr(self, f"mask{i}"), dropout_p=p)
+                for i, end in enumerate(self.ends)]  # (b, nh, c, dh) each
+        return torch.cat(outs, dim=2).transpose(1, 2).flatten(2)
 
 
 def apply_cp(model: TransformerLM, cp_mesh, seq_len: int, device: torch.device) -> list[str]:
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     q_pos = load_balanced_positions(seq_len, cp, rank).to(device)
-    k_pos = torch.cat([load_balanced_positions(seq_len, cp, r) for r in range(cp)]).to(device)
     model.positions = q_pos
     for block in model.layers.values():
-        block.attention.core = ContextParallelAttentionCore(cp_mesh.get_group(), q_pos, k_pos,
-                                                            block.attention.core.dropout)
+        block.attention.core = ContextParallelAttentionCore(cp_mesh.get_group(), q_pos, block.attention.core.dropout)
     c = seq_len // (2 * cp)
+    first, second = cp_key_prefixes(seq_len, cp, rank)
     return [f"cp rank {rank}/{cp}: positions [{rank * c}, {(rank + 1) * c}) + "
-            f"[{(2 * cp - 1 - rank) * c}, {(2 * cp - rank) * c}); attention core: all-gather K/V, causal mask"]
+            f"[{(2 * cp - 1 - rank) * c}, {(2 * cp - rank) * c}); attention core: all-gather K/V, each query chunk "
+            f"against the keys up to its end ({first} and {second} of {seq_len}), causal mask"]
 
 
 # -------------------------------------------------------------------------------------- 5. recompute

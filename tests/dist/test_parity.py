@@ -56,6 +56,8 @@ CASES_4 = [f"{m}:{c}" for m in ("tiny-gpt", "tiny-llama") for c in DENSE_4] + [
     "tiny-gpt:dp=2,pp=2,schedule=gpipe",
     "tiny-gpt:dp=2,pp=2,vp=2,schedule=interleaved",
     "tiny-llama:pp=2,cp=2",
+    # four cp ranks: the position-ordered gather of eight chunks, GQA, each query chunk against its key prefix
+    "tiny-llama:cp=4,recompute=full",
     "tiny-moe:dp=2,tp=2,ep=2|fused",
 ]
 

@@ -1,8 +1,8 @@
 """Context parallelism priced as each stack runs it (`TrainingSpec.cp_attention`): ring attention for Megatron-Core
 and torchtitan, K/V all-gathered for Llama 3's stack, and for autoplan's runtime the gather plus one masked SDPA
-over the gathered sequence that computes every score of the rank's queries (measured on this machine by
-benchmarks/cp_pricing.py: before session 24 the cp layouts ran 2.1-2.4x their prediction where the data-parallel
-control ran 1.3x; after, 1.1-1.3x against 1.2-1.3x)."""
+per query chunk over its key prefix, every score of it computed (measured on this machine by
+benchmarks/cp_pricing.py: before session 24, priced as ring attention, the cp layouts ran 2.1-2.4x their prediction
+where the data-parallel control ran 1.3x)."""
 
 import pytest
 
@@ -15,6 +15,7 @@ from autoplan.cost_models.compute import (
     _mem_time,
     cp_kv_bytes,
     cp_masked_attention,
+    cp_score_fraction,
 )
 from autoplan.cost_models.estimate import context, layer_cost
 from autoplan.cost_models.profile import profile_from_spec
@@ -22,9 +23,10 @@ from autoplan.cost_models.stacks import apply_stack
 from autoplan.specs import ParallelConfig, TrainingSpec, check_config, load_cluster, load_model
 
 
-def _block_ctx(stack: str | None, overrides: dict | None = None, parallel: str = "tp=8,cp=8,mbs=1,zero=1"):
+def _block_ctx(stack: str | None, overrides: dict | None = None, parallel: str = "tp=8,cp=8,mbs=1,zero=1",
+               seq: int = 32768):
     model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", gpus=64)
-    training = apply_stack(TrainingSpec(global_batch_size=64, seq_length=32768), stack, overrides or {})
+    training = apply_stack(TrainingSpec(global_batch_size=64, seq_length=seq), stack, overrides or {})
     cfg = check_config(ParallelConfig.parse(parallel), model, cluster, training)
     return profile_from_spec(model)[1], context(cluster, training, cfg)
 
@@ -38,19 +40,22 @@ def test_the_stacks_say_how_context_parallel_attention_runs():
     assert apply_stack(base, "megatron-core", {"cp_attention": "all_gather"}).cp_style == "all_gather"
 
 
-def test_autoplans_masked_core_computes_every_score_and_its_gathers_are_exposed():
-    """The runtime's core: twice the fused kernel's executed FLOPs of ring attention (no causal skip), plus the
-    fp32 mask SDPA builds and reads; K and V gathered before it (nothing hides them) and their gradients sent back
-    by an all-to-all after its backward."""
+def test_autoplans_core_computes_its_query_chunks_against_their_key_prefixes_and_its_gathers_are_exposed():
+    """The runtime's core (runtime.parallelize.ContextParallelAttentionCore): each of a rank's two query chunks
+    against the keys up to its end, masked, every score computed: (2cp+1)/(4cp) of the rank's s/cp x s scores
+    against ring attention's causal half, plus the fp32 masks SDPA builds and reads; K and V gathered before it
+    (nothing hides them) and their gradients sent back by an all-to-all after its backward."""
     block, own = _block_ctx("autoplan")
     _, ring = _block_ctx("autoplan", {"cp_attention": "ring"})
     assert cp_masked_attention(own) and not cp_masked_attention(ring)
+    assert cp_score_fraction(own) == pytest.approx(17 / 32) and cp_score_fraction(ring) == 1.0  # cp = 8
     f_own, b_own, flops_own = _attention(block, own)
     f_ring, b_ring, flops_ring = _attention(block, ring)
     assert flops_own == flops_ring == _attention_flops(block, own)  # the model FLOPs are the same
-    mask = own.seq / own.cp * own.seq
-    assert f_own == pytest.approx(2 * f_ring + _mem_time(own, mask * CP_MASK_FWD_BYTES))
-    assert b_own > 2 * b_ring
+    c = own.seq / (2 * own.cp)
+    mask = c * c * (2 * own.cp + 1)
+    assert f_own == pytest.approx(f_ring * 2 * 17 / 32 + _mem_time(own, mask * CP_MASK_FWD_BYTES))
+    assert b_own > b_ring * 2 * 17 / 32
     grp = comm.group_of(own.cluster, own.cp, own.tp)
     kv = cp_kv_bytes(block, own)
     cf, cb = _cp_comm(block, own, f_own)
@@ -74,12 +79,12 @@ def test_llama3s_all_gather_is_exposed_but_skips_the_causal_half():
 def test_the_runtimes_selective_recompute_gathers_k_and_v_again():
     """The checkpointed attention core holds the gathers (counts.layer_comm books them twice): its re-run in the
     backward costs them again."""
-    block, own = _block_ctx("autoplan", parallel="tp=8,cp=8,mbs=1,zero=1,recompute=selective")
+    block, own = _block_ctx("autoplan", parallel="tp=8,cp=8,mbs=1,zero=1,recompute=selective", seq=131072)
     c = layer_cost(block, own)
     attn = _attention(block, own)[0]
     cf, _ = _cp_comm(block, own, attn)
     assert cf > 0
-    # device-bound at 32k tokens (the checkpoint's host time hides under it): the re-run is the core and its gathers
+    # device-bound at 128k tokens (the checkpoint's host time hides under it): the re-run is the core and its gathers
     assert c.checkpoint_selective_s == 0.0
     assert c.recompute_selective_s == pytest.approx(attn + cf, rel=1e-9)
 
