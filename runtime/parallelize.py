@@ -302,11 +302,9 @@ class ContextParallelAttentionCore(nn.Module):
         super().__init__()
         self.group = group
         self.dropout = dropout
-        c = len(q_pos) // 2
-        self.ends = (int(q_pos[c - 1]) + 1, int(q_pos[-1]) + 1)
-        for i, (chunk, end) in enumerate(((q_pos[:c], self.ends[0]), (q_pos[c:], self.ends[1]))):
-            keys = torch.arange(end, device=q_pos.device)
-            self.register_buffer(f"mask{i}", chunk[:, None] >= keys[None, :], persistent=False)  # (c, end)
+        masks, self.ends = cp_chunk_masks(q_pos)
+        for i, mask in enumerate(masks):
+            self.register_buffer(f"mask{i}", mask, persistent=False)  # (c, end)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k = _AllGatherSequence.apply(k, self.group)  # (b, s, nkv, dh), position order
@@ -317,11 +315,27 @@ class ContextParallelAttentionCore(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         p = self.dropout if self.training else 0.0
-        c = q.shape[2] // 2
-        outs = [F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k[:, :, :end], v[:, :, :end],
-                                               attn_mask=getattr(self, f"mask{i}"), dropout_p=p)
-                for i, end in enumerate(self.ends)]  # (b, nh, c, dh) each
-        return torch.cat(outs, dim=2).transpose(1, 2).flatten(2)
+        out = prefix_attention(q, k, v, (self.mask0, self.mask1), self.ends, p)
+        return out.transpose(1, 2).flatten(2)
+
+
+def cp_chunk_masks(q_pos: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]]:
+    """The two causal masks (bool, chunk x key prefix) and key-prefix lengths of a cp rank's query positions."""
+    c = len(q_pos) // 2
+    ends = (int(q_pos[c - 1]) + 1, int(q_pos[-1]) + 1)
+    masks = tuple(chunk[:, None] >= torch.arange(end, device=q_pos.device)[None, :]
+                  for chunk, end in ((q_pos[:c], ends[0]), (q_pos[c:], ends[1])))
+    return masks, ends
+
+
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks, ends, dropout: float = 0.0):
+    """(b, n, 2c, d) queries of two chunks against (b, n, s, d) keys and values in position order: each chunk
+    against the keys up to its end, masked (one SDPA per chunk). benchmarks/gpu/cp_core.py times it on a GPU."""
+    c = q.shape[2] // 2
+    outs = [F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k[:, :, :end], v[:, :, :end],
+                                           attn_mask=masks[i], dropout_p=dropout)
+            for i, end in enumerate(ends)]  # (b, n, c, d) each
+    return torch.cat(outs, dim=2)
 
 
 def apply_cp(model: TransformerLM, cp_mesh, seq_len: int, device: torch.device) -> list[str]:

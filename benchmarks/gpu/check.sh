@@ -11,12 +11,14 @@
 #   6. profile: a step's GPU time by kernel family beside the prediction (kernel_time.py);
 #   7. launch: host vs device time per call of the fused modules and torch's (launch_overhead.py);
 #   8. ckpt: what a checkpointed region costs the host, forward and backward (checkpoint_host.py, ~20 s);
-#   9. hostops: a step's host operators by self CPU time, no recompute / selective / full (kernel_time.py
+#   9. cpcore: the context-parallel core's masked SDPA calls against the causal kernel, rate per computed score
+#      (cp_core.py, ~10 s: the cost model prices them at the causal kernel's rate; session 24);
+#  10. hostops: a step's host operators by self CPU time, no recompute / selective / full (kernel_time.py
 #      --host-ops; ~120 s: session 20 found ~10 more operators per checkpointed core under bf16 autocast).
 # Usage (the device tool, from the repository root; .whl holds the wheels the image lacks, see docs/notes):
 #   bash benchmarks/gpu/check.sh [PARTS]        PARTS: any of "run tests kernels calibrate census profile launch
-#                                               ckpt hostops"
-#                                               (default: "calibrate run tests", ~450 s on an H200; each part
+#                                               ckpt cpcore hostops"
+#                                               (default: "calibrate run tests cpcore", ~450 s on an H200; each part
 #                                               runs in the order of this file, calibrate first. Session 17:
 #                                               "run tests census profile calibrate" needed ~600 s; session 20:
 #                                               "calibrate run tests kernels" 419 s, calibrate ~45 s, the eight
@@ -25,7 +27,7 @@
 #                                               session 23 added a ninth plan, the Llama config with torch's ops)
 # Results: $OUT/summary.txt (the tables) and $OUT/all.tgz (plans, logs, outputs).
 set -u
-PARTS=${1:-"calibrate run tests"}
+PARTS=${1:-"calibrate run tests cpcore"}
 OUT=${OUT:-/tmp/gpu_check_out}
 W=/tmp/gpu_check
 mkdir -p "$OUT" "$W"
@@ -137,6 +139,12 @@ fi
 
 if [[ " $PARTS " == *" ckpt "* ]]; then
   timeout 60 python3 benchmarks/gpu/checkpoint_host.py 2>&1 | grep -v Warn | tee "$W/ckpt.txt"; pack
+fi
+
+if [[ " $PARTS " == *" cpcore "* ]]; then
+  CP_ARGS=""
+  [ -n "${SMOKE:-}" ] && CP_ARGS="--seq 1024 --heads 2 --head-dim 32 --dtype fp32"
+  timeout 120 python3 benchmarks/gpu/cp_core.py $CP_ARGS 2>&1 | tee "$W/cp_core.txt"; pack
 fi
 
 if [[ " $PARTS " == *" hostops "* ]]; then
