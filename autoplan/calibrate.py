@@ -62,7 +62,7 @@ def half_efficiency_dim(rates: dict[int, float], peak: float) -> float:
     return max(0.0, statistics.median(halves)) if halves else 0.0
 
 
-def measure_compute(device: str, dtype_name: str) -> dict:
+def measure_compute(device: str, dtype_name: str, attn_shape: tuple[int, int, int] | None = None) -> dict:
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
@@ -86,7 +86,7 @@ def measure_compute(device: str, dtype_name: str) -> dict:
     t_op = _timeit(lambda: [tiny.add_(1) for _ in range(200)], sync=sync) / 200
     return {"peak_flops": peak, "half_dim": half, "mem_bw": bw, "op_us": t_op * 1e6, "rates": rates,
             "train_op_us": training_op_us(device, sync, training_autocast(dtype_name)) * 1e6,
-            "attention_efficiency": attention_efficiency(device, dtype, peak, sync, batch)}
+            "attention_efficiency": attention_efficiency(device, dtype, peak, sync, batch, attn_shape)}
 
 
 # The attention core timed by `attention_efficiency`: (heads, sequence, head dim) of one sequence. On a GPU a
@@ -227,11 +227,24 @@ def measure_allreduce(nproc: int) -> tuple[float, float]:
     return bus / 1e9, latency * 1e6
 
 
-def calibrate(nproc: int, dtype: str = "fp32") -> dict:
+def model_attention_shape(model: str, seq_len: int, device: str) -> tuple[int, int, int]:
+    """(heads, sequence, head dim) of `model`'s attention core for `attention_efficiency`, whose rate depends on
+    the shape (the kernel's tiles, the sequence's length against them). On a CPU the sequence is capped at 2048 to
+    keep the timing to a second or so."""
+    from .specs import load_model
+
+    spec = load_model(model)
+    seq = min(seq_len, 2048) if device == "cpu" else seq_len
+    return spec.num_attention_heads, seq, spec.dhead
+
+
+def calibrate(nproc: int, dtype: str = "fp32", attn_model: str | None = None, seq_len: int = 2048) -> dict:
+    """The cluster spec of this machine; with `attn_model` the attention is timed at that model's shape."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    c = measure_compute(device, dtype)
+    shape = model_attention_shape(attn_model, seq_len, device) if attn_model else None
+    c = measure_compute(device, dtype, shape)
     from .calibrate_bench import bench_fused_calls, bench_tp_ops, pipeline_action_row
 
     tp_ops = bench_tp_ops(device)
@@ -386,7 +399,7 @@ def _calibrate_command(args: argparse.Namespace) -> int:
 
     from .cli import print_json
 
-    spec = calibrate(args.nproc if "RANK" not in os.environ else 1, args.dtype)
+    spec = calibrate(args.nproc if "RANK" not in os.environ else 1, args.dtype, args.model, args.seq_len)
     header = ["measured by `autoplan calibrate`"]
     if "RANK" in os.environ:  # under torchrun: the launch's shape is the cluster's
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))

@@ -415,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="precision of the measured matmuls (default fp32)")
     p.add_argument("--bench-out", default=None, metavar="FILE",
                    help="also run micro-benchmarks (GEMMs, collectives per level) into FILE for `tune --bench`")
-    p.add_argument("--model", default=None, help="with --bench-out: time the GEMMs at this model's shapes")
+    p.add_argument("--model", default=None, help="time the attention at this model's shape (heads, head dim, "
+                   "--seq-len) and, with --bench-out, the GEMMs at its shapes")
     p.add_argument("--seq-len", type=int, default=2048, help="with --model: tokens per micro-batch sequence")
     p.add_argument("--mbs", type=int, default=1, help="with --model: sequences per micro-batch")
     add_json(p)

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        cluster = Path(args.cluster) if args.cluster else calibrated_cluster(tmp)
+        cluster = Path(args.cluster).resolve() if args.cluster else calibrated_cluster(tmp)
         for name, text in MODELS.items():
             spec = tmp / f"{name}.yaml"
             spec.write_text(text)

@@ -335,3 +335,14 @@ def test_calibrate_times_a_cpu_with_one_thread_per_process_as_the_runtime_runs(m
     assert cal.cmd_calibrate(None) == 0
     assert seen == [1]
     assert torch.get_num_threads() == before
+
+
+def test_calibrate_times_the_attention_at_the_models_shape():
+    """With --model the attention is timed at the model's heads and head dimension (the rate depends on the
+    shape), its sequence capped at 2048 tokens on a CPU."""
+    from autoplan.calibrate import model_attention_shape
+    from autoplan.specs import load_model
+
+    spec = load_model("llama3-8b")
+    assert model_attention_shape("llama3-8b", 8192, "cpu") == (spec.num_attention_heads, 2048, spec.dhead)
+    assert model_attention_shape("llama3-8b", 8192, "cuda") == (32, 8192, 128)
