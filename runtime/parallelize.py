@@ -12,8 +12,9 @@
   3. apply_tp          DTensor tensor parallelism (+ Megatron sequence parallelism, vocab-parallel embedding and LM
                        head for loss_parallel); the layout table is codegen.program.tp_layout
   4. apply_ep          expert parallelism: experts split over the ep group, tokens exchanged by all-to-all
-  5. apply_cp          context parallelism: exact causal attention over the cp group (all-gather of K/V,
-                       load-balanced chunks r and 2cp-1-r, positions offset for RoPE / learned positions)
+  5. apply_cp          context parallelism: exact causal attention over the cp group (all-gather of K/V in
+                       position order, load-balanced chunks r and 2cp-1-r, each against the keys up to its end,
+                       positions offset for RoPE / learned positions)
   6. apply_recompute   selective (attention core) or full (whole blocks, `recompute_layers` of a stage)
   7. apply_mixed_precision   bf16 autocast around each stage's forward (fp32 master weights)
   8. apply_dp          torch's DDP (ZeRO-0; `replicate` under tp) or FSDP2 fully_shard (ZeRO-1/2/3) over dp x cp
