@@ -6,6 +6,7 @@ supply only how one case runs."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 import traceback
@@ -25,6 +26,10 @@ def worker_main(make_runner: Callable[[int, int], Callable[[str], dict]],
     ap.add_argument("cases", nargs="+")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    # a hung collective (session 19 once; session 24 once, in make test, the 2-process parity launch) is stopped
+    # by launch_workers after LAUNCH_TIMEOUT_S: shortly before, every rank writes its threads' stacks to stderr,
+    # which the failure message carries, so the next one says where it hung
+    faulthandler.dump_traceback_later(LAUNCH_TIMEOUT_S - 20, exit=False)
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     results: list[dict] = []
@@ -138,9 +143,12 @@ def launch_workers(worker: Path, nproc: int, cases: list[str], out: Path, root: 
         from autoplan.tune.core import stop_launch
 
         stop_launch(proc)
-        _, stderr = proc.communicate()
+        stdout, stderr = proc.communicate()
+        done = [line.rsplit(": ok=", 1)[0] for line in stdout.splitlines() if ": ok=" in line]
+        running = next((c for c in cases if c not in done), "none")
         pytest.fail(f"{worker.name} launch with {nproc} processes ({' '.join(cases)}) hung for "
-                    f"{LAUNCH_TIMEOUT_S} s; it was stopped, its workers with it:\n{stderr[-4000:]}")
+                    f"{LAUNCH_TIMEOUT_S} s in case {running} ({len(done)} done); it was stopped, its workers with "
+                    f"it. The ranks' stacks and stderr:\n{stderr[-8000:]}")
     if not out.exists():
         pytest.fail(f"{worker.name} launch with {nproc} processes failed (rc {proc.returncode}):\n"
                     f"{stderr[-4000:]}")
