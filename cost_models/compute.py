@@ -446,10 +446,10 @@ def _cp_comm(p: LayerProfile, ctx: Context, attn_fwd: float) -> tuple[float, flo
         fwd = 2 * comm.all_gather(ctx.cluster, grp, kv)
         if ctx.training.cp_style == "all_gather":
             return fwd, 2 * comm.reduce_scatter(ctx.cluster, grp, kv)
-        # autoplan's runtime (parallelize._AllGatherSequence): the gathered parts are concatenated (read and
-        # write the whole); the backward makes each rank's slice contiguous (read, write), sends them with an
-        # all-to-all (gloo has no reduce-scatter) and sums what comes back with a stack and a sum (write and read
-        # cp slices, read them again, write one)
+        # autoplan's runtime (parallelize._AllGatherSequence): the gathered parts are concatenated in position
+        # order (read and write the whole); the backward concatenates each rank's two chunks of the gradient
+        # (read, write), sends them with an all-to-all (gloo has no reduce-scatter) and sums what comes back with
+        # a stack and a sum (read and write cp slices, read them again, write one)
         fwd += 2 * _mem_time(ctx, 2 * kv)
         bwd = 2 * (comm.all_to_all(ctx.cluster, grp, kv) + _mem_time(ctx, (2 + 3 + 1 / ctx.cp) * kv))
         return fwd, bwd

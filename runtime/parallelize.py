@@ -283,13 +283,6 @@ class _AllGatherSequence(torch.autograd.Function):
         return torch.stack(recv).sum(0), None
 
 
-def cp_key_prefixes(seq_len: int, cp: int, rank: int) -> tuple[int, int]:
-    """How many keys (from position 0) each of cp rank `rank`'s two query chunks attends to under a causal
-    mask: up to the end of the chunk."""
-    c = seq_len // (2 * cp)
-    return (rank + 1) * c, (2 * cp - rank) * c
-
-
 class ContextParallelAttentionCore(nn.Module):
     """Exact causal attention over a sequence split across the cp group: gather every rank's K/V in position
     order (autograd-aware all-gather; its backward sums the K/V gradients back to their owners), then one SDPA
@@ -346,7 +339,7 @@ def apply_cp(model: TransformerLM, cp_mesh, seq_len: int, device: torch.device) 
     for block in model.layers.values():
         block.attention.core = ContextParallelAttentionCore(cp_mesh.get_group(), q_pos, block.attention.core.dropout)
     c = seq_len // (2 * cp)
-    first, second = cp_key_prefixes(seq_len, cp, rank)
+    first, second = cp_chunk_masks(q_pos)[1]
     return [f"cp rank {rank}/{cp}: positions [{rank * c}, {(rank + 1) * c}) + "
             f"[{(2 * cp - 1 - rank) * c}, {(2 * cp - rank) * c}); attention core: all-gather K/V, each query chunk "
             f"against the keys up to its end ({first} and {second} of {seq_len}), causal mask"]
