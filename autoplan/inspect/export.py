@@ -66,6 +66,17 @@ def megatron_layout_string(plan: Plan) -> str:
                     for s in plan.stages)
 
 
+def _cp_warning(plan: Plan, tool: str, stack: str, warnings: list[str]) -> None:
+    """Both tools run context parallelism as ring attention; a plan priced otherwise (autoplan's runtime gathers K
+    and V, exposed, and computes its masked query chunks against their key prefixes: TrainingSpec.cp_attention)
+    predicts another step time there."""
+    if plan.training.cp_style != "ring":
+        warnings.append(f"the plan prices context parallelism as cp_attention={plan.training.cp_style} (K and V "
+                        f"all-gathered before the attention, exposed); {tool} passes them round a ring behind the "
+                        f"attention and skips the masked chunks: a different step time (estimate the plan with "
+                        f"--stack {stack} to see it)")
+
+
 def _megatron_recompute(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]:
     modes = {s.recompute for s in plan.stages}
     if modes == {"none"}:
@@ -183,6 +194,7 @@ def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
         f.append(("--sequence-parallel", None))
     if cfg.cp > 1:
         f.append(("--context-parallel-size", cfg.cp))
+        _cp_warning(plan, "Megatron-Core's (Transformer Engine)", "megatron-core", warnings)
     if plan.model.is_moe:
         f.append(("--expert-model-parallel-size", cfg.ep))
     f += [("--micro-batch-size", cfg.mbs), ("--global-batch-size", tr.global_batch_size)]
@@ -368,6 +380,8 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
         else:  # 0.2: explicit module lists per stage (the head module was called `output` then)
             par["module_fqns_per_model_part"] = _titan_stage_layout_explicit(plan, "output")
     par["context_parallel_degree"] = cfg.cp
+    if cfg.cp > 1:
+        _cp_warning(plan, "torchtitan's (torch's ring attention)", "torchtitan", warnings)
     if m.moe is not None:
         par["expert_parallel_degree"] = cfg.ep
     ac = _titan_recompute(plan, warnings)

@@ -203,3 +203,24 @@ def test_selective_recomputation_is_named_when_the_tools_mean_another_policy(pla
     assert not policy_warnings(export_torchtitan(titan))
     (w,) = policy_warnings(export_megatron(titan))
     assert "attention core" in w and "Megatron" in w
+
+
+def test_context_parallelism_priced_as_autoplans_runtime_is_named_in_the_exports(gpt175):
+    """Megatron-Core and torchtitan run context parallelism as ring attention; a plan priced as autoplan's runtime
+    runs it (cp_attention all_gather_masked: exposed gathers, masked prefix calls) says so in both exports, and a
+    plan of either tool's stack does not."""
+    from autoplan.cost_models.stacks import apply_stack
+
+    def cp_warnings(d):
+        return [w for w in d["warnings"] if "cp_attention=" in w]
+
+    m, c, tr = gpt175
+    own = make_plan(m, c, tr, "tp=8,pp=8,cp=2,mbs=1,sp=1")
+    assert own.training.cp_style == "all_gather_masked"
+    (w,) = cp_warnings(export_megatron(own))
+    assert "--stack megatron-core" in w
+    (w,) = cp_warnings(export_torchtitan(own))
+    assert "--stack torchtitan" in w
+    assert not cp_warnings(export_megatron(make_plan(m, c, apply_stack(tr, "megatron-core"), "tp=8,pp=8,cp=2,mbs=1,sp=1")))
+    assert not cp_warnings(export_torchtitan(make_plan(m, c, apply_stack(tr, "torchtitan"), "tp=8,pp=8,cp=2,mbs=1,sp=1")))
+    assert not cp_warnings(export_megatron(make_plan(m, c, tr, "tp=8,pp=8,mbs=1,sp=1")))  # no cp, nothing to say
