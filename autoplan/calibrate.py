@@ -115,8 +115,10 @@ def attention_efficiency(device: str, dtype, peak: float, sync=lambda: None, bat
         out.backward(grad)
         q.grad = k.grad = v.grad = None
 
+    from .cost_models.compute import ATTN_BWD_FACTOR
+
     t = _timeit(step, repeat=3, sync=sync, batch=batch)
-    executed = 4.0 * seq * seq * heads * dim * 0.5 * 3.5  # forward (causal half) + backward (2.5 x)
+    executed = 4.0 * seq * seq * heads * dim * 0.5 * (1 + ATTN_BWD_FACTOR)  # the causal half, forward + backward
     # (a core faster than the best GEMM would be a timing error, not a faster kernel: capped at the peak)
     return round(min(1.0, executed / t / peak), 4)
 

@@ -213,6 +213,12 @@ def _attention_gemm_time(p: LayerProfile, ctx: Context) -> float:
                       p.attention.head_dim)
 
 
+# The SDPA backward's matmuls relative to its forward's (torch.utils.flop_counter.sdpa_backward_flop_count:
+# recompute QK^T, then dV, dP, dQ, dK = 5 bmm against the forward's QK^T and PV = 2): the FLOP counter's ratio
+# (counts.layer_flops) and the fused kernel's backward time against its forward (`_attention`).
+ATTN_BWD_FACTOR = 2.5
+
+
 def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     """(forward time, backward time, forward model FLOPs) of the attention core on this GPU."""
     a = p.attention
@@ -226,13 +232,11 @@ def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     if fused_attention(p, ctx):
         # a causal kernel skips the masked half of the scores; autoplan's context-parallel core computes its
         # masked query chunks against their key prefixes in full (`cp_score_fraction`)
-        if cp_masked_attention(ctx):
-            executed = model_flops * cp_score_fraction(ctx)
-        else:
-            executed = model_flops * (0.5 if a.causal else 1.0)
+        masked = cp_masked_attention(ctx)
+        executed = model_flops * (cp_score_fraction(ctx) if masked else 0.5 if a.causal else 1.0)
         fwd = executed / (peak * cal.attention_efficiency)
-        bwd = 2.5 * fwd
-        if cp_masked_attention(ctx):
+        bwd = ATTN_BWD_FACTOR * fwd
+        if masked:
             mask = _cp_mask_elements(ctx)
             fwd += _mem_time(ctx, mask * CP_MASK_FWD_BYTES)
             bwd += _mem_time(ctx, mask * CP_MASK_BWD_BYTES)
@@ -461,7 +465,7 @@ def _cp_comm(p: LayerProfile, ctx: Context, attn_fwd: float) -> tuple[float, flo
     k = ctx.cluster.gpu.calibration.overlap_interference
     total_f, total_b = (ctx.cp - 1) * step, 2 * (ctx.cp - 1) * step
     fwd = max(step, total_f - attn_fwd * (ctx.cp - 1) / ctx.cp)
-    bwd = max(step, total_b - 2.5 * attn_fwd * (ctx.cp - 1) / ctx.cp)
+    bwd = max(step, total_b - ATTN_BWD_FACTOR * attn_fwd * (ctx.cp - 1) / ctx.cp)
     return fwd + k * max(0.0, total_f - fwd), bwd + k * max(0.0, total_b - bwd)
 
 

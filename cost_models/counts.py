@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .compute import (
+    ATTN_BWD_FACTOR,
     VOCAB_PARALLEL_LOSS_ALL_REDUCES,
     Context,
     _attention,
@@ -62,9 +63,6 @@ from .profile import LayerProfile
 from .specs import ClusterSpec, ParallelConfig, TrainingSpec
 
 PHASES = ("forward", "backward", "recompute")
-# The SDPA backward's matmuls relative to its forward's (torch.utils.flop_counter.sdpa_backward_flop_count:
-# recompute QK^T, then dV, dP, dQ, dK = 5 bmm against the forward's QK^T and PV = 2).
-ATTN_BWD_FACTOR = 2.5
 # The phase each moment of the peak (`_moments`) falls in, as runtime.measure names its per-phase peaks.
 MOMENT_PHASE = {"block": "backward", "head": "backward", "forward": "forward", "dispatch": "forward"}
 # Where each moment is, as runtime.measure names its per-moment peaks (`memory_by_moment`): "<phase>/block" inside a
@@ -636,8 +634,8 @@ def runtime_semantics(cfg: ParallelConfig) -> dict[str, str]:
                        f"run (whole gradients; parameters and optimizer state sharded as ZeRO-{cfg.zero})")
     if cfg.cp > 1:
         out["cp"] = ("context-parallel attention all-gathers K and V (backward: an all-to-all of their gradients), "
-                     "then one masked SDPA over the gathered sequence computes every score of the rank's queries; "
-                     "priced as run (cp_attention all_gather_masked)")
+                     "then one masked SDPA per query chunk computes every score against the keys up to the "
+                     "chunk's end; priced as run (cp_attention all_gather_masked)")
     if cfg.ep > 1 and cfg.tp > 1:
         out["ep"] = ("experts are whole on every tp rank (no expert tensor parallelism): the runtime's FLOPs are "
                      "tp times the step-time model's (cost_models.counts prices what runs); their memory is "

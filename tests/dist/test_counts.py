@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.counts import compare  # noqa: E402
+from tests.train_cli import train_one_process  # noqa: E402
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 CASES = ["tiny-gpt:tp=2,sp=1", "tiny-gpt:tp=2,sp=1,recompute=full", "tiny-gpt:pp=2,recompute=full", "tiny-gpt:dp=2,zero=2", "tiny-gpt:dp=2,zero=3",
@@ -107,18 +108,8 @@ def test_bytes_on_the_wire_under_autocast(tmp_path):
 
 
 def _train_one_process(plan, tmp_path, *, steps: int):
-    """`python -m autoplan.runtime.train` on `plan` in this process's environment without torchrun's variables,
-    profiling step 2; returns the finished process and the log's records."""
-    plan.save(tmp_path / "plan.json")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    log = tmp_path / "log.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "autoplan.runtime.train", "--plan", str(tmp_path / "plan.json"),
-                           "--steps", str(steps), "--log", str(log), "--profile-step", "2"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, [json.loads(line) for line in log.read_text().splitlines()]
+    """One process of `autoplan.runtime.train` on `plan`, profiling step 2 (tests/train_cli.py)."""
+    return train_one_process(plan, tmp_path, steps=steps, args=("--profile-step", "2"))
 
 
 def test_profile_step_and_tensor_memory_in_the_log(tmp_path):

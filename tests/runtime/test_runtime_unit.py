@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from autoplan.api import make_plan
 from autoplan.cost_models.errors import PlanError
 from autoplan.runtime.parallel_dims import ParallelDims, check_model_matches, check_module_matches
 from autoplan.specs import TrainingSpec, load_cluster, load_model
+from tests.train_cli import train_env, train_one_process
 
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
@@ -237,16 +237,7 @@ def test_substitute_kernels_shares_parameters():
 def test_train_cli_single_process(tmp_path):
     plan = plan_for("tiny-llama", gpus=1, config="tp=1,mbs=2", training=TrainingSpec(
         global_batch_size=4, seq_length=32, dtype="bf16"))
-    plan.save(tmp_path / "plan.json")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    log = tmp_path / "log.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "autoplan.runtime.train", "--plan", str(tmp_path / "plan.json"),
-                           "--steps", "3", "--log", str(log), "--quiet"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    _, rows = train_one_process(plan, tmp_path, steps=3, args=("--quiet",), timeout=120)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_gib", "predicted_step_time_s",
@@ -254,7 +245,7 @@ def test_train_cli_single_process(tmp_path):
         assert 3 < r["loss"] < 6 and r["step_time_s"] > 0
         assert r["predicted_step_time_s"] == plan.prediction.step_time_s
     bad = subprocess.run([sys.executable, "-m", "autoplan.runtime.train", "--plan", str(tmp_path / "plan.json"),
-                          "--model", "tiny-gpt"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+                          "--model", "tiny-gpt"], cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "made for model 'tiny-llama', not 'tiny-gpt'" in bad.stderr
 
 
