@@ -10,6 +10,7 @@ from __future__ import annotations
 import shlex
 
 from ..plan import Plan
+from .export_numerics import megatron_model_numerics, titan_model_notes
 
 # ------------------------------------------------------------------------------------------- Megatron-LM
 
@@ -110,8 +111,9 @@ def _megatron_recompute(plan: Plan, warnings: list[str]) -> list[tuple[str, obje
             ("--recompute-num-layers", max(ks))]
 
 
-def _megatron_model(plan: Plan) -> list[tuple[str, object]]:
+def _megatron_model(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]:
     m, tr = plan.model, plan.training
+    numerics = megatron_model_numerics(plan, warnings)  # a Hugging Face config's own; None for a zoo model
     f: list[tuple[str, object]] = [
         ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
         ("--num-attention-heads", m.num_attention_heads), ("--ffn-hidden-size", m.ffn),
@@ -122,19 +124,23 @@ def _megatron_model(plan: Plan) -> list[tuple[str, object]]:
         f += [("--group-query-attention", None), ("--num-query-groups", m.kv_heads)]
     if m.head_dim is not None:
         f.append(("--kv-channels", m.head_dim))
-    if m.activation == "swiglu":
+    if numerics is None and m.activation == "swiglu":
         f.append(("--swiglu", None))
-    elif m.activation == "relu":
-        f.append(("--squared-relu", None))  # Megatron has no plain ReLU MLP flag; closest
+    elif numerics is None and m.activation == "relu":
+        warnings.append("the MLP uses ReLU; Megatron has no plain ReLU MLP: exported --squared-relu (ReLU squared)")
+        f.append(("--squared-relu", None))
     if m.norm == "rmsnorm":
         f.append(("--normalization", "RMSNorm"))
     if m.position == "rope":
         f.append(("--position-embedding-type", "rope"))
     if not m.tie_embeddings:
         f.append(("--untie-embeddings-and-output-weights", None))
-    if not m.has_bias:
-        f.append(("--disable-bias-linear", None))
-    f += [("--hidden-dropout", m.dropout), ("--attention-dropout", m.dropout)]
+    if numerics is None:
+        if not m.has_bias:
+            f.append(("--disable-bias-linear", None))
+        f += [("--hidden-dropout", m.dropout), ("--attention-dropout", m.dropout)]
+    else:  # the config's own flags replace any the shape implied (e.g. --moe-layer-freq)
+        f = [x for x in f if x[0] not in {k for k, _ in numerics}] + numerics
     if m.moe is not None:
         f += [("--num-experts", m.moe.num_experts), ("--moe-router-topk", m.moe.top_k)]
         if m.moe.expert_ffn_hidden_size:
@@ -224,7 +230,7 @@ def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
         f.append(("--overlap-param-gather", None))
     if tr.tp_comm_overlap and cfg.tp > 1:
         f.append(("--tp-comm-overlap", None))
-    f += _megatron_model(plan)
+    f += _megatron_model(plan, warnings)
     return f, warnings
 
 
@@ -385,6 +391,7 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
     if m.moe is not None:
         par["expert_parallel_degree"] = cfg.ep
     ac = _titan_recompute(plan, warnings)
+    titan_model_notes(plan, warnings)  # what torchtitan's llama3 model cannot express of a Hugging Face config
     sections = {"model": {"module": module, "config": config_fn, "flavor": flavor}, "training": training,
                 "parallelism": par, "activation_checkpoint": {"mode": ac}}
     return sections, warnings
@@ -400,7 +407,7 @@ def _titan_comments(plan: Plan) -> list[str]:
     return [f"autoplan plan {plan.short_hash}: {cfg.to_string()}",
             f"predicted step {plan.prediction.step_time_s:.3f} s, MFU {100 * plan.prediction.mfu:.1f}%",
             f"model shape: layers={m.num_layers} hidden={m.hidden_size} heads={m.num_attention_heads} "
-            f"kv_heads={m.kv_heads} ffn={m.ffn} vocab={m.vocab_size}"]
+            f"kv_heads={m.kv_heads} ffn={m.ffn} vocab={m.vocab_size}", *titan_model_notes(plan, [])]
 
 
 def _titan_python(plan: Plan, sections: dict[str, dict], module_name: str) -> str:

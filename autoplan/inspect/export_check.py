@@ -224,8 +224,29 @@ _CORE_FIELDS = {
     "--decoder-last-pipeline-num-layers": "num_layers_in_last_pipeline_stage",
     "--num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size",
     "--normalization": "normalization", "--hidden-dropout": "hidden_dropout",
-    "--attention-dropout": "attention_dropout",
+    "--attention-dropout": "attention_dropout", "--norm-epsilon": "layernorm_epsilon",
+    "--add-qkv-bias": "add_qkv_bias", "--apply-layernorm-1p": "layernorm_zero_centered_gamma",
+    "--moe-router-pre-softmax": "moe_router_pre_softmax",
+    "--moe-shared-expert-intermediate-size": "moe_shared_expert_intermediate_size",
+    "--moe-shared-expert-gate": "moe_shared_expert_gate",
 }
+# Flags whose value Megatron-LM's argparse types evaluate: a "(left,right)" tuple, a "[0,1,...]*k" list.
+_CORE_EXPR_FIELDS = {"--window-size": "window_size", "--window-attn-skip-freq": "window_attn_skip_freq",
+                     "--moe-layer-freq": "moe_layer_freq"}
+
+
+def _literal(value: object) -> object:
+    """A tuple or "[bits]*k" list flag as the value Megatron's argument types produce (without eval)."""
+    import ast
+    import re
+
+    if not isinstance(value, str):
+        return value
+    m = re.fullmatch(r"(\[[0-9,\s]*\])\*(\d+)", value.strip())
+    if m:
+        return list(ast.literal_eval(m.group(1))) * int(m.group(2))
+    out = ast.literal_eval(value)
+    return list(out) if isinstance(out, list) else out
 
 
 def check_megatron_core(export: dict) -> str | None:
@@ -244,6 +265,7 @@ def check_megatron_core(export: dict) -> str | None:
         raise FrameworkUnavailable(f"megatron.core is not importable ({e}); pip install megatron-core") from None
     flags = export["flags"]
     kw: dict = {field: flags[flag] for flag, field in _CORE_FIELDS.items() if flag in flags}
+    kw.update({field: _literal(flags[flag]) for flag, field in _CORE_EXPR_FIELDS.items() if flag in flags})
     pp = flags["--pipeline-model-parallel-size"]
     if "--num-layers-per-virtual-pipeline-stage" in flags:
         kw["virtual_pipeline_model_parallel_size"] = flags["--num-layers"] // (

@@ -334,14 +334,20 @@ def _map(cfg: dict) -> tuple[Arch, list[Unsupported]]:
     return arch, problems
 
 
+def read_arch(source: str | Path | dict) -> tuple[Arch, list[Unsupported]]:
+    """The Arch of a Hugging Face config and the fields autoplan cannot honour (exports describe the model
+    either way; the runtime refuses the second list)."""
+    return _map(read_hf_config(source))
+
+
 def check(source: str | Path | dict) -> list[Unsupported]:
     """The config fields autoplan cannot honour (empty when the model runs as transformers defines it)."""
-    return _map(read_hf_config(source))[1]
+    return read_arch(source)[1]
 
 
 def arch_from_hf(source: str | Path | dict) -> Arch:
     """The Arch of a Hugging Face config; UnsupportedConfigError names the first field that cannot be honoured."""
-    arch, problems = _map(read_hf_config(source))
+    arch, problems = read_arch(source)
     if problems:
         raise problems[0].error(arch.family)
     return arch
