@@ -89,7 +89,7 @@ def load_model(ref: str | Path | ModelSpec) -> ModelSpec:
                         "run `autoplan models` for presets, or pass a spec/config.json path")
     data = _read_mapping(path)
     if "model_type" in data or "architectures" in data:
-        return model_from_hf_config(data, name=path.resolve().parent.name or path.stem)
+        return model_from_hf_config(data, name=hf_config_name(path))
     data.setdefault("name", path.stem)
     return _validated(ModelSpec, data, str(path))
 
@@ -138,6 +138,14 @@ def _hf_int(cfg: dict[str, Any], value: Any, what: str) -> int:
         raise SpecError(f"Hugging Face config field {key!r} must be an integer", f"got {value!r}",
                         f"write e.g. \"{key}\": 4096") from None
     return int(float(value))
+
+
+def hf_config_name(path: Path) -> str:
+    """A Hugging Face config's model name: its checkpoint folder's for a config.json (`Meta-Llama-3-8B/config.json`),
+    else the file's own (`llama8b.json`)."""
+    if path.name == "config.json":
+        return path.resolve().parent.name or path.stem
+    return path.stem
 
 
 def model_from_hf_config(cfg: dict[str, Any], name: str = "hf-model") -> ModelSpec:

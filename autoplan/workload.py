@@ -14,11 +14,18 @@ from pathlib import Path
 from autoplan.cost_models.profile import LayerProfile
 from autoplan.cost_models.specs import ModelSpec, MoESpec
 
-from .specs import _read_mapping, load_model, model_from_hf_config
+from .specs import _read_mapping, hf_config_name, load_model, model_from_hf_config
 
 
 def _is_factory(ref: str) -> bool:
     return ":" in ref and not Path(ref).exists() and not ref.endswith(".json")
+
+
+def _capturing(name: str):
+    """A spinner on stderr while torch.export traces the model (seconds; silent where stderr is no terminal)."""
+    from rich.console import Console
+
+    return Console(stderr=True).status(f"capturing {name} with torch.export (its graph is what gets priced)")
 
 
 def resolve_model(ref: str | ModelSpec) -> tuple[ModelSpec, list[LayerProfile] | None]:
@@ -29,7 +36,8 @@ def resolve_model(ref: str | ModelSpec) -> tuple[ModelSpec, list[LayerProfile] |
         from .capture import capture, load_module_factory
 
         module, inputs = load_module_factory(ref)
-        graph = capture(module, inputs, name=ref.split(":")[-1])
+        with _capturing(ref):
+            graph = capture(module, inputs, name=ref.split(":")[-1])
         # the longest sequence is the learned position table's, not the example input's (which only traces)
         return spec_from_profiles(graph.profiles, name=ref.split(":")[-1], seq=graph.max_positions()), \
             graph.profiles
@@ -40,14 +48,15 @@ def resolve_model(ref: str | ModelSpec) -> tuple[ModelSpec, list[LayerProfile] |
         data = _read_mapping(path)  # a syntax error is one line naming the file and the position
         if isinstance(data, dict) and ("model_type" in data or "architectures" in data):
             # named by its folder; bad input fails here first
-            spec = model_from_hf_config(data, name=path.resolve().parent.name or path.stem)
+            spec = model_from_hf_config(data, name=hf_config_name(path))
             from .models.source import warn_unsupported
 
             warn_unsupported(data)
             try:
                 from .capture import capture_hf_config
 
-                return spec, capture_hf_config(path).profiles
+                with _capturing(spec.name):
+                    return spec, capture_hf_config(path).profiles
             except ImportError as e:  # transformers missing: the analytic profile of the mapped spec
                 print(f"autoplan: note: {e}; costing {spec.name} from its config analytically", file=sys.stderr)
                 return spec, None

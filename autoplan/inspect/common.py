@@ -62,7 +62,10 @@ class Outcome:
         if self.est is not None and not self.est.fits:
             worst = max(range(len(self.est.memory)), key=lambda r: self.est.memory[r].total)
             where = f" on pipeline rank {worst}" if len(self.est.memory) > 1 else ""
-            return f"does not fit: needs {self.est.peak_memory_gib:.1f} GiB of {capacity_gib:g}{where}"
+            need = self.est.peak_memory_gib
+            # as many decimals as it takes to show the need above the capacity (79.64 of 79.6, not 79.6 of 79.6)
+            digits = next((d for d in (1, 2, 3) if round(need, d) > round(capacity_gib, d)), 3)
+            return f"does not fit: needs {need:.{digits}f} GiB of {capacity_gib:.{digits}f}{where}"
         return ""
 
 

@@ -158,3 +158,19 @@ def test_explain_legend_only_where_a_step_is_bracketed(plan_interleaved):
                       TrainingSpec(global_batch_size=64, seq_length=2048), "tp=2,mbs=1")
     text = render(render_explain, small)
     assert "ruled out" not in text and "in brackets" not in text
+
+
+def test_a_need_just_over_the_capacity_shows_the_digits_that_tell_them_apart():
+    """79.64 GiB against 79.6 read "needs 79.6 GiB of 79.6" (session 25, explain's zero-1 row)."""
+    import types
+
+    from autoplan.inspect.common import Outcome
+
+    def reason(need: float, cap: float) -> str:
+        mem = [types.SimpleNamespace(total=need)]
+        est = types.SimpleNamespace(fits=False, memory=mem, peak_memory_gib=need)
+        return Outcome(config=None, est=est).reason(cap)
+
+    assert reason(79.64, 79.6) == "does not fit: needs 79.64 GiB of 79.60"
+    assert reason(116.6, 79.6) == "does not fit: needs 116.6 GiB of 79.6"
+    assert reason(80.0004, 80.0) == "does not fit: needs 80.000 GiB of 80.000"  # past 3 digits: no claim made

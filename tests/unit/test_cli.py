@@ -176,3 +176,18 @@ def test_a_hugging_face_config_is_priced_with_the_kernels_it_runs(tmp_path, caps
     assert "fused kernels replace its own zoo models' norms and activations only" in capsys.readouterr().err
     assert main(["estimate", "--model", "tiny-llama", *work, "--parallel", "tp=2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kernels_assumed"] == "fused"
+
+
+def test_a_hugging_face_config_file_not_called_config_json_is_named_by_its_file(tmp_path):
+    """`llama8b.json` in any folder is the model llama8b (session 25: it took the folder's name, e.g. `tmp`);
+    a checkpoint's `config.json` keeps its folder's."""
+    from autoplan.specs import load_model
+
+    body = json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 128})
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "llama8b.json").write_text(body)
+    (tmp_path / "Meta-Llama-3-8B").mkdir()
+    (tmp_path / "Meta-Llama-3-8B" / "config.json").write_text(body)
+    assert load_model(str(tmp_path / "work" / "llama8b.json")).name == "llama8b"
+    assert load_model(str(tmp_path / "Meta-Llama-3-8B" / "config.json")).name == "Meta-Llama-3-8B"
