@@ -122,6 +122,11 @@ def load_workload(args: argparse.Namespace):
         raise SpecError("--seq-len is needed", f"{model.name} states no maximum sequence length to default to (a "
                         "module without a learned position table)", "pass --seq-len N, the length you will train at")
     seq = model.max_seq_length if args.seq_len is None else args.seq_len
+    # a learned table refuses a longer sequence (check_config); rotary positions (or none) run past it
+    if model.position != "learned" and model.max_seq_length < seq and model.max_seq_length < UNLIMITED_SEQ:
+        print(f"autoplan: note: --seq-len {seq} is longer than {model.name} was made for (max_seq_length "
+              f"{model.max_seq_length}, a Hugging Face config's max_position_embeddings): its {model.position} "
+              "positions go past what it was trained on; planned as asked", file=sys.stderr)
     dtype = getattr(args, "dtype", None)
     if dtype is None:
         dtype, note = default_dtype(cluster, stack_of(args)[0])

@@ -191,3 +191,17 @@ def test_a_hugging_face_config_file_not_called_config_json_is_named_by_its_file(
     (tmp_path / "Meta-Llama-3-8B" / "config.json").write_text(body)
     assert load_model(str(tmp_path / "work" / "llama8b.json")).name == "llama8b"
     assert load_model(str(tmp_path / "Meta-Llama-3-8B" / "config.json")).name == "Meta-Llama-3-8B"
+
+
+def test_a_sequence_past_a_rotary_models_positions_is_planned_with_a_note(tmp_path, capsys):
+    """RoPE runs past max_position_embeddings (a learned table cannot: check_config refuses it); the plan is
+    made as asked and a note says the positions go past what the model was made for."""
+    spec = tmp_path / "r.yaml"
+    spec.write_text("name: r\nnum_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nvocab_size: 256\n"
+                    "max_seq_length: 128\nposition: rope\n")
+    args = ["estimate", "--model", str(spec), "--cluster", "local-cpu", "--gpus", "1", "--global-batch", "2",
+            "--parallel", "tp=1"]
+    assert main([*args, "--seq-len", "256"]) == 0
+    assert "--seq-len 256 is longer than r was made for (max_seq_length 128" in capsys.readouterr().err
+    assert main([*args, "--seq-len", "128"]) == 0
+    assert "longer than" not in capsys.readouterr().err
