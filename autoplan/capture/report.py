@@ -78,14 +78,14 @@ def render_model_tree(graph: ModelGraph, console: Any) -> None:
 
     seq = graph.seq
     title = (f"[bold]{graph.name}[/bold]  {graph.num_layers} blocks · {_si(graph.num_parameters)} params · "
-             f"{_si(graph.flops_per_token())}FLOP/token fwd at seq {seq} "
+             f"{_si(graph.flops_per_token())} FLOP/token fwd at seq {seq} "
              f"[dim](captured by {graph.method}, {graph.dtype}, {len(graph.ops)} ops)[/dim]")
     tree = Tree(title)
     infos = graph.layer_infos()
     by_name = dict(zip([i.name for i in infos], graph.profiles))
 
     def line(info: LayerInfo, p: LayerProfile, label: str) -> str:
-        return (f"[cyan]{label}[/cyan]  params {_si(p.params)} · {_si(p.model_flops_per_token(seq))}FLOP/token"
+        return (f"[cyan]{label}[/cyan]  params {_si(p.params)} · {_si(p.model_flops_per_token(seq))} FLOP/token"
                 f" · act {_bytes(_act(p, seq))}/token")
 
     def add_parts(node: Any, info: LayerInfo, p: LayerProfile) -> None:
@@ -120,7 +120,7 @@ def render_model_tree(graph: ModelGraph, console: Any) -> None:
         add_parts(tree.add(line(info, by_name[name], name)), info, by_name[name])
     tot_act = sum(_act(p, seq) for p in graph.profiles)
     tree.add(f"[bold]total[/bold]  params {_si(graph.num_parameters)} ({graph.num_parameters:,}) · "
-             f"{_si(graph.flops_per_token())}FLOP/token fwd · act {_bytes(tot_act)}/token "
+             f"{_si(graph.flops_per_token())} FLOP/token fwd · act {_bytes(tot_act)}/token "
              f"(no recompute, flash attention)")
     for note in graph.notes:
         tree.add(f"[yellow]note:[/yellow] {note}")
