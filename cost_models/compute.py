@@ -231,8 +231,9 @@ def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     peak = ctx.cluster.gpu.peak_flops(ctx.training.dtype)
     if fused_attention(p, ctx):
         # a causal kernel skips the masked half of the scores; autoplan's context-parallel core computes its
-        # masked query chunks against their key prefixes in full (`cp_score_fraction`)
-        masked = cp_masked_attention(ctx)
+        # query chunks against their key prefixes in full where it passes masks (`cp_mask_tensors`: CPU
+        # processes), and the causal half on a GPU (the lower-right causal bias inside the kernel)
+        masked = cp_mask_tensors(ctx)
         executed = model_flops * (cp_score_fraction(ctx) if masked else 0.5 if a.causal else 1.0)
         fwd = executed / (peak * cal.attention_efficiency)
         bwd = ATTN_BWD_FACTOR * fwd
@@ -415,6 +416,16 @@ def cp_masked_attention(ctx: Context) -> bool:
     return ctx.cp > 1 and ctx.training.cp_style == "all_gather_masked"
 
 
+def cp_mask_tensors(ctx: Context) -> bool:
+    """Whether autoplan's context-parallel core hands SDPA its causal masks as tensors, so every score of a query
+    chunk against its key prefix is computed: on CPU processes (gloo; torch's CPU kernels have no lower-right
+    causal bias and materialise it). On a GPU each chunk's mask is torch's `causal_lower_right` bias (the chunk's
+    queries are the last positions of its key prefix), which flash or memory-efficient attention applies inside
+    the kernel, skipping the masked blocks: the rank computes the causal half of its s/cp x s scores, as any
+    causal kernel, and keeps no mask (runtime.parallelize.prefix_attention)."""
+    return cp_masked_attention(ctx) and ctx.cluster.backend == "gloo"
+
+
 def cp_score_fraction(ctx: Context) -> float:
     """Of the scores of the rank's queries against the whole sequence (s/cp x s, the model FLOPs' count), the
     fraction autoplan's context-parallel core computes: its two query chunks of c = s/(2cp) tokens (chunks r and
@@ -580,13 +591,14 @@ def _core_saved(p: LayerProfile, ctx: Context) -> float:
     zoo.model.AttentionCore) and, with context parallelism, gathers them over the whole sequence
     (runtime.parallelize.ContextParallelAttentionCore), so it saves cp x seq/cp tokens of a query-head-wide K and
     V instead of the local kv-head-wide ones (which nothing else keeps). With cp the core passes a boolean
-    (s/cp, s) mask that SDPA turns into an additive fp32 mask (`where`), saved for the backward."""
+    (s/cp, s) mask on CPU processes (`cp_mask_tensors`) that SDPA turns into an additive fp32 mask (`where`),
+    saved for the backward."""
     a = p.attention
     if a is None:
         return 0.0
     d_tp = a.head_dim / ctx.tp
     extra = ctx.tokens * 2 * d_tp * (ctx.cp * a.heads - a.kv_heads) * ctx.act_bytes
-    if ctx.cp > 1:
+    if cp_mask_tensors(ctx):
         extra += _cp_mask_elements(ctx) * 4
     return extra
 

@@ -31,6 +31,7 @@ from .compute import (
     _attention,
     _cp_mask_elements,
     cp_kv_bytes,
+    cp_mask_tensors,
     cp_score_fraction,
     early_stop_skips_last_gemm,
     ep_routed_bytes,
@@ -382,7 +383,7 @@ def _cp_mask_buffers(stages: list[StageCost], profiles: list[LayerProfile], ctx:
     """With context parallelism every attention core keeps its causal masks by true positions as module buffers
     (runtime.parallelize.ContextParallelAttentionCore: a bool mask per query chunk over its key prefix,
     `compute._cp_mask_elements`), booked as buffers, which runtime.measure counts among the temporaries."""
-    if ctx.cp == 1:
+    if not cp_mask_tensors(ctx):  # none on a GPU: the lower-right causal bias is no tensor
         return 0.0
     cores = sum(1 for p in _stage_blocks(stages, profiles) if p.attention is not None)
     return cores * _cp_mask_elements(ctx)
@@ -634,8 +635,9 @@ def runtime_semantics(cfg: ParallelConfig) -> dict[str, str]:
                        f"run (whole gradients; parameters and optimizer state sharded as ZeRO-{cfg.zero})")
     if cfg.cp > 1:
         out["cp"] = ("context-parallel attention all-gathers K and V (backward: an all-to-all of their gradients), "
-                     "then one masked SDPA per query chunk computes every score against the keys up to the "
-                     "chunk's end; priced as run (cp_attention all_gather_masked)")
+                     "then one SDPA per query chunk against the keys up to the chunk's end, causally masked (on "
+                     "a GPU by torch's lower-right causal bias: the causal half; on CPU processes by boolean "
+                     "masks: every score of the chunk's prefix); priced as run (cp_attention all_gather_masked)")
     if cfg.ep > 1 and cfg.tp > 1:
         out["ep"] = ("experts are whole on every tp rank (no expert tensor parallelism): the runtime's FLOPs are "
                      "tp times the step-time model's (cost_models.counts prices what runs); their memory is "

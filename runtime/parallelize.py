@@ -290,15 +290,18 @@ class ContextParallelAttentionCore(nn.Module):
     skips the keys after it, so a rank computes (2cp+1)/(4cp) of the scores of its queries against the whole
     sequence (the diagonal blocks in full): before session 24 one masked SDPA over the whole gathered sequence
     computed all of them (twice the causal work), a cost the step-time model now prices as run
-    (cost_models.compute.cp_score_fraction)."""
+    (cost_models.compute.cp_score_fraction). On a GPU the mask is torch's lower-right causal bias instead of a
+    tensor: flash (or memory-efficient) attention applies it inside the kernel and skips the masked blocks, the
+    causal half of the scores (compute.cp_mask_tensors)."""
 
     def __init__(self, group, q_pos: torch.Tensor, dropout: float = 0.0) -> None:
         super().__init__()
         self.group = group
         self.dropout = dropout
         masks, self.ends = cp_chunk_masks(q_pos)
+        self.bias = q_pos.device.type != "cpu"  # torch's CPU kernels have no lower-right causal: it materialises it
         for i, mask in enumerate(masks):
-            self.register_buffer(f"mask{i}", mask, persistent=False)  # (c, end)
+            self.register_buffer(f"mask{i}", None if self.bias else mask, persistent=False)  # (c, end)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k = _AllGatherSequence.apply(k, self.group)  # (b, s, nkv, dh), position order
@@ -309,7 +312,7 @@ class ContextParallelAttentionCore(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         p = self.dropout if self.training else 0.0
-        out = prefix_attention(q, k, v, (self.mask0, self.mask1), self.ends, p)
+        out = prefix_attention(q, k, v, None if self.bias else (self.mask0, self.mask1), self.ends, p)
         return out.transpose(1, 2).flatten(2)
 
 
@@ -324,10 +327,17 @@ def cp_chunk_masks(q_pos: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tenso
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks, ends, dropout: float = 0.0):
     """(b, n, 2c, d) queries of two chunks against (b, n, s, d) keys and values in position order: each chunk
-    against the keys up to its end, masked (one SDPA per chunk). benchmarks/gpu/cp_core.py times it on a GPU."""
+    against the keys up to its end, masked causally (one SDPA per chunk). A chunk's queries are the last c
+    positions of its key prefix, so its mask is causal aligned to the lower right: with `masks` None it is passed
+    as torch's `causal_lower_right` bias (no tensor; flash applies it in the kernel on a GPU), else as the given
+    boolean masks (`cp_chunk_masks`: the same mask, kept as buffers on a CPU). benchmarks/gpu/cp_core.py times
+    both on a GPU."""
+    from torch.nn.attention.bias import causal_lower_right
+
     c = q.shape[2] // 2
     outs = [F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k[:, :, :end], v[:, :, :end],
-                                           attn_mask=masks[i], dropout_p=dropout)
+                                           attn_mask=causal_lower_right(c, end) if masks is None else masks[i],
+                                           dropout_p=dropout)
             for i, end in enumerate(ends)]  # (b, n, c, d) each
     return torch.cat(outs, dim=2)
 

@@ -11,7 +11,7 @@
 #   6. profile: a step's GPU time by kernel family beside the prediction (kernel_time.py);
 #   7. launch: host vs device time per call of the fused modules and torch's (launch_overhead.py);
 #   8. ckpt: what a checkpointed region costs the host, forward and backward (checkpoint_host.py, ~20 s);
-#   9. cpcore: the context-parallel core's masked SDPA calls against the causal kernel, rate per computed score
+#   9. cpcore: the context-parallel core's SDPA calls (lower-right causal bias, and masks) against the causal kernel, rate per computed score
 #      (cp_core.py, ~10 s: the cost model prices them at the causal kernel's rate; session 24);
 #  10. hostops: a step's host operators by self CPU time, no recompute / selective / full (kernel_time.py
 #      --host-ops; ~120 s: session 20 found ~10 more operators per checkpointed core under bf16 autocast).

@@ -1,12 +1,14 @@
 """The context-parallel attention core's rate on this device, against the causal kernel the cost model calibrates.
 
-autoplan's runtime runs context parallelism's attention as two masked SDPA calls per rank, each query chunk
-against the keys up to its end (runtime.parallelize.prefix_attention). With a mask SDPA cannot take the flash
-kernel on a GPU; it takes the memory-efficient one, whose rate the cost model does not know: it prices the calls'
-scores (`compute.cp_score_fraction`) at the causal flash kernel's `attention_efficiency`. This times, on one
+autoplan's runtime runs context parallelism's attention as two SDPA calls per rank, each query chunk against the
+keys up to its end (runtime.parallelize.prefix_attention). On a GPU each chunk's mask is torch's lower-right
+causal bias (a chunk's queries are the last positions of its key prefix), which flash attention applies inside
+the kernel: the cost model prices the calls as the causal kernel's half of the rank's scores at the flash
+kernel's calibrated `attention_efficiency` (`compute.cp_mask_tensors` is false on a GPU). This times, on one
 device and without communication, the core's forward and backward for the first and the last cp rank (the two
 extremes of the key prefixes) at a few cp degrees, beside the causal kernel over the whole sequence, and prints
-the rate per computed score of each against the causal kernel's (1.00 = the cost model's assumption).
+the rate per computed score of each against the causal kernel's (1.00 = the cost model's assumption); the same
+calls with boolean masks (what a CPU runs, and the GPU runtime before session 25) are timed beside them.
 
 Usage: python benchmarks/gpu/cp_core.py [--seq 16384] [--heads 8] [--head-dim 128] [--dtype bf16]
 (on a CPU, --seq 1024 --heads 2 --head-dim 32 --dtype fp32 runs it in seconds)
@@ -77,10 +79,15 @@ def main(argv: list[str] | None = None) -> int:
             def core(ql=ql, masks=masks, ends=ends, g=g):
                 prefix_attention(ql, k, v, masks, ends).backward(g)
 
-            t = _time(core, sync)
-            scores = (s // (2 * cp)) * sum(ends)  # every score of the two chunks against their prefixes
-            print(f"  cp {cp} rank {rank}: {t * 1e3:8.2f} ms, rate per computed score {scores / t / base:.2f} x "
-                  f"the causal kernel's (the cost model assumes 1.00)")
+            def biased(ql=ql, ends=ends, g=g):
+                prefix_attention(ql, k, v, None, ends).backward(g)
+
+            c = s // (2 * cp)
+            t_bias, t_mask = _time(biased, sync), _time(core, sync)
+            causal = c * sum(ends) - c * c  # lower-right causal: each chunk's diagonal block is half computed
+            print(f"  cp {cp} rank {rank}: causal bias {t_bias * 1e3:8.2f} ms, rate per computed score "
+                  f"{causal / t_bias / base:.2f} x the causal kernel's (the cost model assumes 1.00 on a GPU); "
+                  f"boolean masks {t_mask * 1e3:8.2f} ms ({c * sum(ends) / t_mask / base:.2f} x per score)")
     return 0
 
 

@@ -14,6 +14,7 @@ from autoplan.cost_models.compute import (
     _cp_comm,
     _mem_time,
     cp_kv_bytes,
+    cp_mask_tensors,
     cp_masked_attention,
     cp_score_fraction,
 )
@@ -42,28 +43,72 @@ def test_the_stacks_say_how_context_parallel_attention_runs():
 
 def test_autoplans_core_computes_its_query_chunks_against_their_key_prefixes_and_its_gathers_are_exposed():
     """The runtime's core (runtime.parallelize.ContextParallelAttentionCore): each of a rank's two query chunks
-    against the keys up to its end, masked, every score computed: (2cp+1)/(4cp) of the rank's s/cp x s scores
-    against ring attention's causal half, plus the fp32 masks SDPA builds and reads; K and V gathered before it
-    (nothing hides them) and their gradients sent back by an all-to-all after its backward."""
+    against the keys up to its end; K and V gathered before it (nothing hides them) and their gradients sent back
+    by an all-to-all after its backward. On a GPU the chunks' masks are torch's lower-right causal bias, applied
+    inside the kernel: the causal half of the scores, as ring attention's kernel, and no mask tensor."""
     block, own = _block_ctx("autoplan")
     _, ring = _block_ctx("autoplan", {"cp_attention": "ring"})
     assert cp_masked_attention(own) and not cp_masked_attention(ring)
-    assert cp_score_fraction(own) == pytest.approx(17 / 32) and cp_score_fraction(ring) == 1.0  # cp = 8
+    assert not cp_mask_tensors(own)  # a GPU cluster
+    assert cp_score_fraction(own) == pytest.approx(17 / 32) and cp_score_fraction(ring) == 1.0  # cp = 8: shapes
     f_own, b_own, flops_own = _attention(block, own)
-    f_ring, b_ring, flops_ring = _attention(block, ring)
-    assert flops_own == flops_ring == _attention_flops(block, own)  # the model FLOPs are the same
-    c = own.seq / (2 * own.cp)
-    mask = c * c * (2 * own.cp + 1)
-    assert f_own == pytest.approx(f_ring * 2 * 17 / 32 + _mem_time(own, mask * CP_MASK_FWD_BYTES))
-    assert b_own > b_ring * 2 * 17 / 32
+    assert (f_own, b_own, flops_own) == _attention(block, ring) and flops_own == _attention_flops(block, own)
     grp = comm.group_of(own.cluster, own.cp, own.tp)
     kv = cp_kv_bytes(block, own)
     cf, cb = _cp_comm(block, own, f_own)
     assert cf == pytest.approx(2 * comm.all_gather(own.cluster, grp, kv) + 2 * _mem_time(own, 2 * kv))
     assert cb > 2 * comm.all_to_all(own.cluster, grp, kv)
     # ring attention hides most of its transfers behind the attention
-    rf, rb = _cp_comm(block, ring, f_ring)
-    assert rf < cf and rb < cb
+    rf, rb = _cp_comm(block, ring, f_ring := _attention(block, ring)[0])
+    assert f_ring == f_own and rf < cf and rb < cb
+
+
+def test_on_cpu_processes_the_core_computes_every_score_of_its_prefixes_through_masks():
+    """torch's CPU kernels have no lower-right causal bias: the core passes boolean masks, every score of a chunk
+    against its key prefix is computed ((2cp+1)/(4cp) of the rank's s/cp x s, against a causal kernel's half),
+    and SDPA builds and reads the fp32 masks."""
+    model, cluster = load_model("tiny-gpt"), load_cluster("local-cpu").with_gpus(4)
+    training = TrainingSpec(global_batch_size=4, seq_length=64, dtype="fp32")
+    block = profile_from_spec(model)[1]
+    ctxs = {}
+    for par in ("cp=4,mbs=1", "dp=4,mbs=1"):
+        ctxs[par] = context(cluster, training, check_config(ParallelConfig.parse(par), model, cluster, training))
+    own, plain = ctxs["cp=4,mbs=1"], ctxs["dp=4,mbs=1"]
+    assert cp_mask_tensors(own) and cp_score_fraction(own) == pytest.approx(9 / 16)
+    f_own = _attention(block, own)[0]
+    f_plain = _attention(block, plain)[0]  # the causal kernel over the whole sequence: 4x this rank's queries
+    c = own.seq / (2 * own.cp)
+    mask = c * c * (2 * own.cp + 1)
+    assert f_own == pytest.approx(f_plain / own.cp * 2 * 9 / 16 + _mem_time(own, mask * CP_MASK_FWD_BYTES))
+
+
+def test_the_lower_right_causal_bias_is_the_chunks_mask():
+    """What a GPU runs (torch's causal_lower_right: a chunk's queries are the last positions of its key prefix)
+    gives the outputs and gradients of the boolean masks a CPU passes; the upper-left variant would not."""
+    import torch
+    from torch.nn.attention.bias import causal_upper_left
+
+    from autoplan.runtime import parallelize as par
+
+    torch.manual_seed(0)
+    s, n, d = 48, 3, 8
+    for cp in (2, 3):
+        for r in range(cp):
+            masks, ends = par.cp_chunk_masks(par.load_balanced_positions(s, cp, r))
+            q, k, v = (torch.randn(2, n, length, d, dtype=torch.float64, requires_grad=True)
+                       for length in (s // cp, s, s))
+            g = torch.randn(2, n, s // cp, d, dtype=torch.float64)
+            want = par.prefix_attention(q, k, v, masks, ends)
+            got = par.prefix_attention(q, k, v, None, ends)
+            assert torch.equal(want, got)
+            for a, b in zip(torch.autograd.grad(want, (q, k, v), g), torch.autograd.grad(got, (q, k, v), g),
+                            strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+            c = s // (2 * cp)
+            if ends[0] > c:  # a chunk shorter than its prefix: the alignment matters
+                wrong = torch.nn.functional.scaled_dot_product_attention(
+                    q[:, :, :c], k[:, :, :ends[0]], v[:, :, :ends[0]], attn_mask=causal_upper_left(c, ends[0]))
+                assert not torch.allclose(wrong, want[:, :, :c])
 
 
 def test_llama3s_all_gather_is_exposed_but_skips_the_causal_half():
