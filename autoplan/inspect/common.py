@@ -62,10 +62,8 @@ class Outcome:
         if self.est is not None and not self.est.fits:
             worst = max(range(len(self.est.memory)), key=lambda r: self.est.memory[r].total)
             where = f" on pipeline rank {worst}" if len(self.est.memory) > 1 else ""
-            need = self.est.peak_memory_gib
-            # as many decimals as it takes to show the need above the capacity (79.64 of 79.6, not 79.6 of 79.6)
-            digits = next((d for d in (1, 2, 3) if round(need, d) > round(capacity_gib, d)), 3)
-            return f"does not fit: needs {need:.{digits}f} GiB of {capacity_gib:.{digits}f}{where}"
+            need, of = fmt_gib_of(self.est.peak_memory_gib, capacity_gib).split(" of ")
+            return f"does not fit: needs {need} GiB of {of}{where}"
         return ""
 
 
@@ -186,6 +184,13 @@ def config_diff(a: ParallelConfig | dict, b: ParallelConfig | dict) -> str:
     db = b.as_dict() if isinstance(b, ParallelConfig) else dict(b)
     parts = [f"{k} {_text(da.get(k))}->{_text(db.get(k))}" for k in db if da.get(k) != db.get(k)]
     return ", ".join(parts) or "same"
+
+
+def fmt_gib_of(need: float, capacity: float) -> str:
+    """"N of C" GiB with as many decimals (1 to 3) as tell them apart: 79.64 of 79.60, not 79.6 of 79.6 (which
+    reads as an exact fit whether the plan fits or not)."""
+    digits = next((d for d in (1, 2, 3) if round(need, d) != round(capacity, d)), 3)
+    return f"{need:.{digits}f} of {capacity:.{digits}f}"
 
 
 def fmt_tflops(x: float) -> str:

@@ -22,6 +22,7 @@ from .common import (
     config_diff,
     evaluate,
     fmt_delta,
+    fmt_gib_of,
     fmt_s,
     reestimate,
     short_config,
@@ -287,7 +288,8 @@ def render_explain(con: Console, plan: Plan) -> None:
     if b["why"]:
         con.print(Text(f"  {b['why']}."))
     mem = b["memory"]
-    line = (f"Memory: peak {mem['peak_gib']:.1f} GiB of {mem['capacity_gib']:g}, "
+    need, of = fmt_gib_of(mem["peak_gib"], mem["capacity_gib"]).split(" of ")
+    line = (f"Memory: peak {need} GiB of {of}, "
             f"{mem['headroom_gib']:.1f} GiB headroom")
     if mem["tight"]:
         line += " - tight: memory is what binds the choices that would need more of it"

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from autoplan.cost_models.errors import ConfigError
-from autoplan.inspect.common import fmt_tflops, short_config
+from autoplan.inspect.common import fmt_gib_of, fmt_tflops, short_config
 
 
 def register(subparsers) -> None:
@@ -154,7 +154,7 @@ def render_search(con, result, model, cluster, training, output: str | None) -> 
     sizes = [s.layout.layers[1] - s.layout.layers[0] for s in best.stages]
     if len(set(sizes)) > 1:
         con.print(f"stages (blocks per stage): {sizes}  (embedding on stage 0, LM head on stage {len(sizes) - 1})")
-    con.print(f"best: {best.config.to_string() if con.width >= _WIDE_COLUMNS else short_config(best.config)}  peak {best.peak_memory_gib:.1f} of {best.capacity_bytes / GIB:.1f} GiB")
+    con.print(f"best: {best.config.to_string() if con.width >= _WIDE_COLUMNS else short_config(best.config)}  peak {fmt_gib_of(best.peak_memory_gib, best.capacity_bytes / GIB)} GiB")
     if st.kernels_note:
         con.print(st.kernels_note)
     con.print(f"searched {st.candidates} candidates on {st.meshes} meshes: {st.pruned_memory} cannot fit, "

@@ -174,3 +174,7 @@ def test_a_need_just_over_the_capacity_shows_the_digits_that_tell_them_apart():
     assert reason(79.64, 79.6) == "does not fit: needs 79.64 GiB of 79.60"
     assert reason(116.6, 79.6) == "does not fit: needs 116.6 GiB of 79.6"
     assert reason(80.0004, 80.0) == "does not fit: needs 80.000 GiB of 80.000"  # past 3 digits: no claim made
+    from autoplan.inspect.common import fmt_gib_of
+
+    assert fmt_gib_of(79.58, 79.6) == "79.58 of 79.60"  # fits: search's and explain's memory lines
+    assert fmt_gib_of(65.6, 79.6) == "65.6 of 79.6"
