@@ -256,6 +256,11 @@ def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
 
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns on every call); a user's
+# older CUDA build has only the old one
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class _AllGatherSequence(torch.autograd.Function):
     """Gather a (b, s_local, ...) tensor from every cp rank along dim 1 into position order: rank j holds chunks j
     and 2cp-1-j of the 2cp chunks (`load_balanced_positions`), so the whole sequence is every rank's first chunk
@@ -263,7 +268,7 @@ class _AllGatherSequence(torch.autograd.Function):
     gradient of its own two chunks and sums what comes back (an all-to-all: gloo has no reduce-scatter).
     Written here rather than torch.distributed.nn's all_gather because the latter passes non-contiguous
     gradient views to gloo's all-to-all, which gave wrong K/V gradients with GQA. The gather lands in one
-    (cp, ...) tensor (all_gather_into_tensor; the list form copies every part out of its own flat buffer once
+    (cp, ...) tensor (all_gather_single; the list form copies every part out of its own flat buffer once
     more: 3.8 against 2.2 ms for 4 MB over 2 gloo ranks here), and one concatenation puts it in position order
     (what cost_models.compute._cp_comm prices)."""
 
@@ -272,7 +277,7 @@ class _AllGatherSequence(torch.autograd.Function):
         ctx.group = group
         n = dist.get_world_size(group)
         parts = x.new_empty((n * x.shape[0], *x.shape[1:]))  # the concatenated form (gloo takes no other)
-        dist.all_gather_into_tensor(parts, x.contiguous(), group=group)
+        _all_gather_single(parts, x.contiguous(), group=group)
         parts = parts.view(n, *x.shape)
         c = x.shape[1] // 2
         return torch.cat([parts[j, :, :c] for j in range(n)] + [parts[j, :, c:] for j in reversed(range(n))], dim=1)
