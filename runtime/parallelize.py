@@ -345,7 +345,8 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks, e
     from torch.nn.attention.bias import causal_lower_right
 
     c = q.shape[2] // 2
-    outs = [F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k[:, :, :end], v[:, :, :end],
+    qs = q.split(c, dim=2)  # split's backward concatenates the chunks' gradients (a slice's zero-fills q)
+    outs = [F.scaled_dot_product_attention(qs[i], k[:, :, :end], v[:, :, :end],
                                            attn_mask=causal_lower_right(c, end) if masks is None else masks[i],
                                            dropout_p=dropout)
             for i, end in enumerate(ends)]  # (b, n, c, d) each
