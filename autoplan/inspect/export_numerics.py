@@ -207,7 +207,7 @@ def titan_model_notes(plan: Plan, warnings: list[str]) -> list[str]:
         bad.append("linear biases")
     if any(arch.is_sliding(i) for i in range(arch.num_layers)):
         bad.append(f"sliding-window attention ({arch.sliding_window})")
-    if arch.gated_mlp and arch.act != "silu" or not arch.gated_mlp:
+    if not arch.gated_mlp or arch.act != "silu":  # torchtitan's llama3 MLP is SwiGLU
         bad.append(f"{'gated ' if arch.gated_mlp else ''}{arch.act} MLP")
     if arch.attn_dropout or arch.resid_dropout or arch.embd_dropout:
         bad.append("dropout")
