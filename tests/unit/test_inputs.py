@@ -90,3 +90,13 @@ def test_cluster_field_error_is_one_line(tmp_path, capsys):
     path = _write(tmp_path, "c.yaml", CLUSTER.replace("450", "-4") + "num_nodes: 1\n")
     err = _err(capsys, EST + ["--model", "gpt3-125m", "--cluster", path])
     assert "intra_node.bandwidth_gbps" in err and "got -4" in err
+
+
+def test_spaces_separate_configuration_items_as_commas_do():
+    """`--parallel "tp=2 pp=2"` read as tp=2pp=2 ("tp must be an integer") until session 25."""
+    from autoplan.cost_models.specs import ParallelConfig
+
+    want = ParallelConfig.parse("tp=2,pp=2,recompute=full")
+    for text in ("tp=2 pp=2 recompute=full", "tp = 2, pp = 2,recompute=full", " tp=2,,pp=2  recompute=full "):
+        assert ParallelConfig.parse(text) == want, text
+    assert ParallelConfig.parse("tp=2 pp=4 layout=Et*4|(t*7|)*2,t*6L mbs=2").pp == 4  # a layout keeps its comma
