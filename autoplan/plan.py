@@ -212,6 +212,10 @@ def load_plan(path: str | Path) -> Plan:
     if not isinstance(data, dict):
         raise PlanError(f"plan {path} is not a JSON object", "", "re-create it with `autoplan search -o`")
     version = data.get("schema_version")
+    if version is None:  # another tool's JSON (a Megatron config, an HF config.json), or an empty object
+        raise PlanError(f"{path} is not an autoplan plan", "it has no schema_version (keys: "
+                        f"{', '.join(sorted(data)[:6]) or 'none'})", "pass a plan written by `autoplan search -o` "
+                        "or `autoplan estimate -o`")
     if version != SCHEMA_VERSION:
         raise PlanError(f"plan {path} has schema_version {version!r}", f"this autoplan reads {SCHEMA_VERSION}",
                         "re-run `autoplan search` with this version")

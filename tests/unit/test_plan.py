@@ -57,6 +57,14 @@ def test_corrupt_and_missing_files(tmp_path):
         load_plan(bad)
     with pytest.raises(PlanError, match="cannot read"):
         load_plan(tmp_path / "nope.json")
+    # another tool's JSON: named as not a plan (it read "schema_version None" until session 25)
+    bad.write_text('{"model_type": "llama", "hidden_size": 64}')
+    with pytest.raises(PlanError, match=r"is not an autoplan plan: it has no schema_version \(keys: hidden_size, "
+                                        r"model_type\)"):
+        load_plan(bad)
+    bad.write_text('{"schema_version": 99}')
+    with pytest.raises(PlanError, match="has schema_version 99"):
+        load_plan(bad)
 
 
 def test_save_is_atomic(plan, tmp_path):
