@@ -412,13 +412,6 @@ def _timed(fn, sync, barrier) -> float:
     return statistics.median(times)
 
 
-def _all_gather(out, inp, group):
-    import torch.distributed as dist
-
-    # all_gather_single replaces all_gather_into_tensor (deprecated) in recent torch
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
-
-
 def _reduce_scatter(out, inp, group):
     import torch.distributed as dist
 
@@ -430,6 +423,8 @@ def _bench_group(group, ranks: int, level: str, ppn: int, sizes, device: str) ->
     import torch
     import torch.distributed as dist
 
+    from autoplan.runtime.parallelize import all_gather_single
+
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     barrier = lambda: dist.barrier(group=group)  # noqa: E731
     rows = []
@@ -440,7 +435,7 @@ def _bench_group(group, ranks: int, level: str, ppn: int, sizes, device: str) ->
         out = torch.empty_like(full)
         ops = {
             "all_reduce": lambda f=full: dist.all_reduce(f, group=group),
-            "all_gather": lambda f=full, s=shard: _all_gather(f, s, group=group),
+            "all_gather": lambda f=full, s=shard: all_gather_single(f, s, group=group),
             "reduce_scatter": lambda f=full, s=shard: _reduce_scatter(s, f, group=group),
             "all_to_all": lambda f=full, o=out: dist.all_to_all_single(o, f, group=group),
         }

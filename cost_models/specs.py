@@ -9,6 +9,7 @@ per rule.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -644,8 +645,6 @@ def _items(text: str) -> list[str]:
     """The key=value items of a configuration string; a layout's own commas (Megatron writes `(tt|)*29,t|L`)
     stay with the layout: an item without '=' continues the layout item before it. Whitespace separates items as
     a comma does (`tp=2 pp=2` is two items, not `tp=2pp=2`); around '=' it is dropped (`tp = 2`)."""
-    import re
-
     items: list[str] = []
     for raw in re.split(r"[,\s]+", re.sub(r"\s*=\s*", "=", text.strip())):
         if not raw:

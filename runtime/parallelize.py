@@ -256,9 +256,10 @@ def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
 
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns on every call); a user's
-# older CUDA build has only the old one
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None):
+    """torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns on every call); a user's
+    older CUDA build has only the old one. calibrate_bench times the same call."""
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
 
 
 class _AllGatherSequence(torch.autograd.Function):
@@ -277,7 +278,7 @@ class _AllGatherSequence(torch.autograd.Function):
         ctx.group = group
         n = dist.get_world_size(group)
         parts = x.new_empty((n * x.shape[0], *x.shape[1:]))  # the concatenated form (gloo takes no other)
-        _all_gather_single(parts, x.contiguous(), group=group)
+        all_gather_single(parts, x.contiguous(), group=group)
         parts = parts.view(n, *x.shape)
         c = x.shape[1] // 2
         return torch.cat([parts[j, :, :c] for j in range(n)] + [parts[j, :, c:] for j in reversed(range(n))], dim=1)

@@ -62,7 +62,7 @@ class Outcome:
         if self.est is not None and not self.est.fits:
             worst = max(range(len(self.est.memory)), key=lambda r: self.est.memory[r].total)
             where = f" on pipeline rank {worst}" if len(self.est.memory) > 1 else ""
-            need, of = fmt_gib_of(self.est.peak_memory_gib, capacity_gib).split(" of ")
+            need, of = gib_pair(self.est.peak_memory_gib, capacity_gib)
             return f"does not fit: needs {need} GiB of {of}{where}"
         return ""
 
@@ -186,11 +186,16 @@ def config_diff(a: ParallelConfig | dict, b: ParallelConfig | dict) -> str:
     return ", ".join(parts) or "same"
 
 
-def fmt_gib_of(need: float, capacity: float) -> str:
-    """"N of C" GiB with as many decimals (1 to 3) as tell them apart: 79.64 of 79.60, not 79.6 of 79.6 (which
-    reads as an exact fit whether the plan fits or not)."""
+def gib_pair(need: float, capacity: float) -> tuple[str, str]:
+    """Two GiB amounts with as many decimals (1 to 3) as tell them apart: 79.64 and 79.60, not 79.6 and 79.6
+    (which reads as an exact fit whether the plan fits or not)."""
     digits = next((d for d in (1, 2, 3) if round(need, d) != round(capacity, d)), 3)
-    return f"{need:.{digits}f} of {capacity:.{digits}f}"
+    return f"{need:.{digits}f}", f"{capacity:.{digits}f}"
+
+
+def fmt_gib_of(need: float, capacity: float) -> str:
+    """"N of C" (`gib_pair`)."""
+    return "{} of {}".format(*gib_pair(need, capacity))
 
 
 def fmt_tflops(x: float) -> str:

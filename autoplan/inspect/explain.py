@@ -22,8 +22,8 @@ from .common import (
     config_diff,
     evaluate,
     fmt_delta,
-    fmt_gib_of,
     fmt_s,
+    gib_pair,
     reestimate,
     short_config,
 )
@@ -288,7 +288,7 @@ def render_explain(con: Console, plan: Plan) -> None:
     if b["why"]:
         con.print(Text(f"  {b['why']}."))
     mem = b["memory"]
-    need, of = fmt_gib_of(mem["peak_gib"], mem["capacity_gib"]).split(" of ")
+    need, of = gib_pair(mem["peak_gib"], mem["capacity_gib"])
     line = (f"Memory: peak {need} GiB of {of}, "
             f"{mem['headroom_gib']:.1f} GiB headroom")
     if mem["tight"]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 
 from ..plan import Plan
-from .export_numerics import megatron_model_numerics, titan_model_notes
+from .export_numerics import SQUARED_RELU_WARNING, megatron_model_numerics, titan_model_notes
 
 # ------------------------------------------------------------------------------------------- Megatron-LM
 
@@ -127,7 +127,7 @@ def _megatron_model(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]
     if numerics is None and m.activation == "swiglu":
         f.append(("--swiglu", None))
     elif numerics is None and m.activation == "relu":
-        warnings.append("the MLP uses ReLU; Megatron has no plain ReLU MLP: exported --squared-relu (ReLU squared)")
+        warnings.append(SQUARED_RELU_WARNING)
         f.append(("--squared-relu", None))
     if m.norm == "rmsnorm":
         f.append(("--normalization", "RMSNorm"))
@@ -139,8 +139,6 @@ def _megatron_model(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]
         if not m.has_bias:
             f.append(("--disable-bias-linear", None))
         f += [("--hidden-dropout", m.dropout), ("--attention-dropout", m.dropout)]
-    else:  # the config's own flags replace any the shape implied (e.g. --moe-layer-freq)
-        f = [x for x in f if x[0] not in {k for k, _ in numerics}] + numerics
     if m.moe is not None:
         f += [("--num-experts", m.moe.num_experts), ("--moe-router-topk", m.moe.top_k)]
         if m.moe.expert_ffn_hidden_size:
@@ -149,6 +147,9 @@ def _megatron_model(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]
             f.append(("--moe-layer-freq", m.moe.every_n_layers))
         # The cost model prices expert routing as all-to-all (cost_models/comm.py); Megatron's default differs.
         f.append(("--moe-token-dispatcher-type", "alltoall"))
+    if numerics is not None:  # the config's own flags replace any the shape implied (e.g. --moe-layer-freq)
+        names = {k for k, _ in numerics}
+        f = [x for x in f if x[0] not in names] + numerics
     return f
 
 
@@ -391,7 +392,6 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
     if m.moe is not None:
         par["expert_parallel_degree"] = cfg.ep
     ac = _titan_recompute(plan, warnings)
-    titan_model_notes(plan, warnings)  # what torchtitan's llama3 model cannot express of a Hugging Face config
     sections = {"model": {"module": module, "config": config_fn, "flavor": flavor}, "training": training,
                 "parallelism": par, "activation_checkpoint": {"mode": ac}}
     return sections, warnings
@@ -402,20 +402,21 @@ def _titan_stage_layout_explicit(plan: Plan, head: str) -> list[list[str]]:
             + (["norm", head] if s.has_head else []) for s in plan.stages]
 
 
-def _titan_comments(plan: Plan) -> list[str]:
+def _titan_comments(plan: Plan, notes: list[str]) -> list[str]:
+    """The export's header; `notes`: the numerics of a Hugging Face config (`titan_model_notes`)."""
     cfg, m = plan.parallel, plan.model
     return [f"autoplan plan {plan.short_hash}: {cfg.to_string()}",
             f"predicted step {plan.prediction.step_time_s:.3f} s, MFU {100 * plan.prediction.mfu:.1f}%",
             f"model shape: layers={m.num_layers} hidden={m.hidden_size} heads={m.num_attention_heads} "
-            f"kv_heads={m.kv_heads} ffn={m.ffn} vocab={m.vocab_size}", *titan_model_notes(plan, [])]
+            f"kv_heads={m.kv_heads} ffn={m.ffn} vocab={m.vocab_size}", *notes]
 
 
-def _titan_python(plan: Plan, sections: dict[str, dict], module_name: str) -> str:
+def _titan_python(plan: Plan, sections: dict[str, dict], module_name: str, notes: list[str]) -> str:
     """A torchtitan 0.3 config module: one function returning the registered config with the plan applied.
     Every value is written with repr() of a Python literal, so nothing from the plan becomes code."""
     mdl = sections["model"]
     ac = sections["activation_checkpoint"]["mode"]
-    lines = [f'"""torchtitan config for autoplan plan {plan.short_hash}.', "", *_titan_comments(plan), "",
+    lines = [f'"""torchtitan config for autoplan plan {plan.short_hash}.', "", *_titan_comments(plan, notes), "",
              f"launch: PYTHONPATH=<this folder> torchrun ... -m torchtitan.train --module {module_name} "
              "--config autoplan_config", '"""', "",
              f"from torchtitan.models.{mdl['module']}.config_registry import {mdl['config']} as _base", ""]
@@ -443,13 +444,14 @@ def _titan_python(plan: Plan, sections: dict[str, dict], module_name: str) -> st
 
 def export_torchtitan(plan: Plan, version: str = "0.3") -> dict:
     sections, warnings = torchtitan_settings(plan, version)
+    notes = titan_model_notes(plan, warnings)  # and what torchtitan's llama3 model cannot express of it
     cl = plan.cluster
     out = {"format": "torchtitan", "version": version, "plan": plan.short_hash, "config": sections,
            "warnings": warnings}
     torchrun = f"torchrun --nnodes {cl.num_nodes} --nproc-per-node {cl.gpus_per_node} -m torchtitan.train"
     if version == "0.3":
         module_name = f"autoplan_{plan.short_hash}"
-        out.update(module=module_name, python=_titan_python(plan, sections, module_name),
+        out.update(module=module_name, python=_titan_python(plan, sections, module_name, notes),
                    command=f"PYTHONPATH=. {torchrun} --module {module_name} --config autoplan_config")
         out["text"] = out["python"]
         return out
@@ -463,7 +465,7 @@ def export_torchtitan(plan: Plan, version: str = "0.3") -> dict:
             "activation_checkpoint": {"mode": sections["activation_checkpoint"]["mode"]}
             if sections["activation_checkpoint"]["mode"] != "selective"
             else {"mode": "selective", "selective_ac_option": "op"}}
-    header = "".join(f"# {c}\n" for c in [*_titan_comments(plan),
+    header = "".join(f"# {c}\n" for c in [*_titan_comments(plan, notes),
                                           f"launch: {torchrun} --job.config_file <this file>"])
     out.update(toml=header + "\n" + tomli_w.dumps(body), command=f"{torchrun} --job.config_file <this file>")
     out["toml_config"] = body

@@ -19,6 +19,8 @@ from ..plan import Plan
 
 Flag = tuple[str, object]
 
+SQUARED_RELU_WARNING = "the MLP uses ReLU; Megatron has no plain ReLU MLP: exported --squared-relu (ReLU squared)"
+
 # Megatron-LM's llama3 rotary scaling fixes these (megatron/core/models/common/embeddings/
 # rotary_pos_embedding.py, RotaryEmbedding._apply_scaling defaults); only the factor is a flag.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -95,7 +97,7 @@ def _megatron_mlp(arch, warnings: list[str]) -> list[Flag]:
     if arch.act == "gelu_tanh":
         return [("--openai-gelu", None)]  # Megatron's tanh approximation (transformer/utils.py gelu_impl)
     if arch.act == "relu":
-        warnings.append("the MLP uses ReLU; Megatron has no plain ReLU MLP: exported --squared-relu (ReLU squared)")
+        warnings.append(SQUARED_RELU_WARNING)
         return [("--squared-relu", None)]
     if arch.act == "silu":
         warnings.append("the MLP is SiLU without a gate; Megatron has no such flag: exported its default GeLU")
