@@ -23,8 +23,12 @@ never deletes the checkpoint just written nor the one `latest` names. One owner 
 
 Checks before any collective: `inspect` (the directory exists, `latest` resolves, the JSON and DCP .metadata
 parse, every shard file the metadata names exists and is long enough) and `check_compatible` (same model shape,
-global batch and sequence length) run at start-up on every rank, before the process group exists. The key check
-inside `load` is agreed by all ranks (one all_gather_object) before DCP's collective load starts.
+global batch and sequence length) run at start-up on every rank, before the process group exists. The shards'
+sha256 are not hashed there by every rank (a checkpoint with its optimizer state is ~16 bytes a parameter: every
+rank of a large job reading all of it would multiply the filesystem's load by the world size): once the process
+group exists the ranks split them (`shard_share`, ~1/world of the bytes each) and agree on the result
+(runtime.faults.agree_on_shards). The key check inside `load` is agreed by all ranks (one all_gather_object)
+before DCP's collective load starts.
 
 Tied embeddings: one process holds one tensor for tok_embeddings.weight and output.weight (one optimizer state,
 under tok_embeddings.weight); a pipeline holds two synchronised copies on the first and last stage. Loading a
@@ -126,8 +130,10 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
     return m
 
 
-def verify(step_dir: str | Path, *, checksums: bool = True) -> dict[str, Any]:
-    """Every file the manifest lists exists with its byte count (and sha256); no shard is unlisted."""
+def verify(step_dir: str | Path, *, checksums: bool = True, shards: bool = True) -> dict[str, Any]:
+    """Every file the manifest lists exists with its byte count (and sha256); no shard is unlisted. With
+    shards=False the sha256 of the small files only (.metadata, autoplan's JSON): the ranks of a run hash the
+    .distcp shards between them once the process group exists (`shard_checksum_failures`)."""
     step_dir = Path(step_dir)
     m = read_manifest(step_dir)
     hint = "resume from an earlier checkpoint (automatic restarts do so themselves)"
@@ -140,15 +146,42 @@ def verify(step_dir: str | Path, *, checksums: bool = True) -> dict[str, Any]:
         if size != want["bytes"]:
             raise CheckpointError(f"checkpoint {step_dir} is corrupt",
                                   f"{kind} {rel} has {size} bytes, the manifest records {want['bytes']}", hint)
-        if checksums and _sha256(f) != want["sha256"]:
-            raise CheckpointError(f"checkpoint {step_dir} is corrupt",
-                                  f"{kind} {rel} fails its sha256 check (its contents changed after saving)", hint)
+        if checksums and (shards or kind != "shard") and _sha256(f) != want["sha256"]:
+            raise CheckpointError(f"checkpoint {step_dir} is corrupt", _sha256_failure(kind, rel), hint)
     extra = [f.name for f in step_dir.iterdir()
              if f.is_file() and f.name != MANIFEST_NAME and f.relative_to(step_dir).as_posix() not in m["files"]]
     if extra:
         raise CheckpointError(f"checkpoint {step_dir} holds files its manifest does not list", f"{sorted(extra)[:4]}",
                               "remove them, or resume from another checkpoint")
     return m
+
+
+def _sha256_failure(kind: str, rel: str) -> str:
+    return f"{kind} {rel} fails its sha256 check (its contents changed after saving)"
+
+
+def shard_share(manifest: dict[str, Any], rank: int, world: int) -> list[str]:
+    """The .distcp shards rank `rank` of `world` checksums: largest first, each to the rank with the fewest bytes so
+    far (ties to the lower rank), so every rank hashes about 1/world of the bytes. Deterministic: every rank
+    computes every share the same way from the same manifest."""
+    load = [0] * world
+    mine = []
+    shards = sorted(((v["bytes"], rel) for rel, v in manifest["files"].items() if rel.endswith(".distcp")),
+                    key=lambda x: (-x[0], x[1]))
+    for size, rel in shards:
+        r = min(range(world), key=lambda i: (load[i], i))
+        load[r] += size
+        if r == rank:
+            mine.append(rel)
+    return mine
+
+
+def shard_checksum_failures(step_dir: str | Path, rank: int, world: int) -> list[str]:
+    """This rank's share of the shards' sha256 checks (`shard_share`): the reason for each shard that fails."""
+    step_dir = Path(step_dir)
+    m = read_manifest(step_dir)
+    return [_sha256_failure("shard", rel) for rel in shard_share(m, rank, world)
+            if _sha256(step_dir / rel) != m["files"][rel]["sha256"]]
 
 
 def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
@@ -160,12 +193,16 @@ def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
-def newest_complete(root: str | Path) -> tuple[dict[str, Any] | None, list[str]]:
-    """The newest checkpoint under root that verifies, and one line per newer one that did not (skipped)."""
+def newest_complete(root: str | Path, *, shards: bool = True,
+                    older_than: int | None = None) -> tuple[dict[str, Any] | None, list[str]]:
+    """The newest checkpoint under root (before step `older_than`, if given) that verifies, and one line per newer
+    one that did not (skipped). shards=False leaves the shards' checksums to the ranks (`verify`)."""
     skipped = []
-    for _, p in step_dirs(root):
+    for step, p in step_dirs(root):
+        if older_than is not None and step >= older_than:
+            continue
         try:
-            return inspect(p), skipped
+            return inspect(p, shards=shards), skipped
         except CheckpointError as e:
             skipped.append(e.one_line())
     return None, skipped
@@ -260,7 +297,7 @@ def resolve(path: str | Path) -> Path:
 _AUTOPLAN_KEYS = ("format", "step", "plan_hash", "layout", "model", "global_batch_size", "seq_length")
 
 
-def check_trusted(step_dir: str | Path, *, checksums: bool = True) -> dict[str, Any]:
+def check_trusted(step_dir: str | Path, *, checksums: bool = True, shards: bool = True) -> dict[str, Any]:
     """Refuse a checkpoint directory that autoplan did not write, before anything in it is unpickled.
 
     DCP's `.metadata` is a pickle: loading it runs whatever code it names (SECURITY.md), so `--resume` reads it
@@ -277,7 +314,7 @@ def check_trusted(step_dir: str | Path, *, checksums: bool = True) -> dict[str, 
         raise ManifestError(f"checkpoint {ckpt} is incomplete or was not written by autoplan",
                               f"no {MANIFEST_NAME} (autoplan writes it last, after every shard); its DCP .metadata "
                               "is a pickle and is not read", hint)
-    verify(ckpt, checksums=checksums)  # manifest: writer, version, every file's size (and sha256)
+    verify(ckpt, checksums=checksums, shards=shards)  # manifest: writer, version, every file's size (and sha256)
     meta_path = ckpt / META_FILE
     if not meta_path.is_file():
         raise CheckpointError(f"checkpoint {ckpt} is incomplete or was not written by autoplan",
@@ -299,12 +336,12 @@ def check_trusted(step_dir: str | Path, *, checksums: bool = True) -> dict[str, 
     return meta
 
 
-def inspect(path: str | Path, *, checksums: bool = True) -> dict[str, Any]:
+def inspect(path: str | Path, *, checksums: bool = True, shards: bool = True) -> dict[str, Any]:
     """Validate a checkpoint without any process group (manifest and checksums first, then autoplan's own file);
-    returns its autoplan_checkpoint.json plus "path"."""
+    returns its autoplan_checkpoint.json plus "path". shards=False: the shards' sizes, not their sha256."""
     ckpt = resolve(path)
     incomplete_hint = "resume from an earlier checkpoint (the parent's `latest` names the last complete one)"
-    meta = check_trusted(ckpt, checksums=checksums)  # before read_dcp_metadata: a foreign .metadata is never unpickled
+    meta = check_trusted(ckpt, checksums=checksums, shards=shards)  # before read_dcp_metadata: a foreign .metadata is never unpickled
     step = meta["step"]
     md = read_dcp_metadata(ckpt)
     need: dict[str, int] = {}

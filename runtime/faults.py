@@ -148,8 +148,47 @@ def resolve_resume(args) -> tuple[str | None, list[str]]:
         return args.resume, []
     if not args.auto_resume:
         return None, []
-    meta, skipped = checkpoint.newest_complete(args.save)
+    meta, skipped = checkpoint.newest_complete(args.save, shards=False)
     return (meta["path"] if meta else None), skipped
+
+
+def agree_on_shards(args, rank: int, world: int) -> None:
+    """Once the process group exists (every rank): hash the resume checkpoint's shards between the ranks
+    (`checkpoint.shard_share`) and agree on the result with one all_gather_object. A shard that fails stops every
+    rank with the same error (printed once, by rank 0: `agreed`), or with --auto-resume moves all of them to the
+    next older checkpoint that verifies, as start-up's walk-back does for a missing or short file. Updates
+    args.resume_path and args.skipped_checkpoints."""
+    import torch.distributed as dist
+
+    from . import checkpoint
+
+    path = getattr(args, "resume_path", None)
+    if path is None and getattr(args, "resume", None) and not hasattr(args, "resume_path"):
+        path = str(checkpoint.resolve(args.resume))  # a caller that skipped check_checkpoint_args (tests)
+    while path:
+        mine = checkpoint.shard_checksum_failures(path, rank, world)
+        every: list[list[str] | None] = [None] * world
+        dist.all_gather_object(every, mine)
+        failed = sorted(x for got in every for x in (got or []))
+        if not failed:
+            break
+        err = checkpoint.CheckpointError(f"checkpoint {path} is corrupt", failed[0] + (
+            f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""),
+            "resume from an earlier checkpoint (automatic restarts do so themselves)")
+        if args.resume or not args.auto_resume:
+            err.agreed = True
+            raise err
+        if rank == 0:
+            print(f"autoplan run: warning: skipped a broken checkpoint: {err.one_line()}", file=sys.stderr, flush=True)
+        args.skipped_checkpoints = [*getattr(args, "skipped_checkpoints", []), err.one_line()]
+        step = checkpoint.inspect(path, checksums=False)["step"]
+        meta, skipped = checkpoint.newest_complete(args.save, shards=False, older_than=step)
+        for line in skipped:
+            if rank == 0:
+                print(f"autoplan run: warning: skipped a broken checkpoint: {line}", file=sys.stderr, flush=True)
+        args.skipped_checkpoints += skipped
+        path = meta["path"] if meta else None
+    args.resume_path = path
 
 
 # ------------------------------------------------------------------------------------------------ log

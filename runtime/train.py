@@ -164,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
         lock = prepare_save_dir(args, plan, args.resume_path) if args.save and rank == 0 else None
         if args.steps < 1:
             raise AutoplanError("--steps must be >= 1", f"got {args.steps}", "pass --steps 10")
-        check_checkpoint_args(args, plan)
         if args.init_from:
             from .hf_init import check_init_from
 
@@ -186,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_checkpoint_args(args: argparse.Namespace, plan, rank: int = 0) -> None:
     """Start-up checks of --save/--resume/--auto-resume (every rank, before any process group): a bad checkpoint
-    stops here. Sets args.resume_path (the verified checkpoint to load, or None) and args.skipped_checkpoints."""
+    stops here (every file's size, the small files' sha256; the shards' sha256 are hashed by the ranks together
+    once the process group exists: faults.agree_on_shards). Sets args.resume_path (the checkpoint to load, or
+    None) and args.skipped_checkpoints."""
     if args.save_every < 0 or (args.save_every and not args.save):
         raise AutoplanError("--save-every needs --save DIR and K >= 1", f"got --save-every {args.save_every}",
                             "pass --save DIR --save-every K")
@@ -202,7 +203,7 @@ def check_checkpoint_args(args: argparse.Namespace, plan, rank: int = 0) -> None
         for line in args.skipped_checkpoints:
             print(f"autoplan run: warning: skipped a broken checkpoint: {line}", file=sys.stderr, flush=True)
     if args.resume_path:
-        meta = checkpoint.inspect(args.resume_path)
+        meta = checkpoint.inspect(args.resume_path, shards=False)
         checkpoint.check_compatible(meta, plan)
         args.resume_path = meta["path"]
 
@@ -240,7 +241,8 @@ def _run(args, plan, dims, rank: int, world: int) -> int:
     try:
         return train_loop(args, plan, dims, device)
     except AutoplanError as e:
-        print(f"[rank {rank}] autoplan run: {type(e).__name__}: {e.one_line()}", file=sys.stderr)
+        if rank == 0 or not getattr(e, "agreed", False):  # an agreed error is every rank's: said once
+            print(f"[rank {rank}] autoplan run: {type(e).__name__}: {e.one_line()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"[rank {rank}] autoplan run: interrupted", file=sys.stderr)
@@ -301,6 +303,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
     stop = faults.StopFlag()
     try:
         dims.build_mesh()
+        faults.agree_on_shards(args, rank, dist.get_world_size())
         # Dropout RNG: different across data/context/pipeline ranks (different tokens), the same across tp ranks
         # (their replicated activations must stay identical). Weights do not use it (init is by name). Seeded
         # again at every step when the model has dropout, so a resumed run draws the masks an uninterrupted one

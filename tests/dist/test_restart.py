@@ -126,6 +126,37 @@ def test_async_save_checkpoints_resume_like_synchronous_ones(setup, reference):
     assert {r["step"]: r["loss"] for r in _rows(log2) if "step" in r} == {s: reference[s] for s in (5, 6)}
 
 
+def test_the_ranks_hash_the_shards_between_them_and_agree(setup, reference):
+    """A bit flipped in the shard rank 1 hashes (`checkpoint.shard_share`: rank 0 never reads it): --resume stops
+    both ranks with one line naming the shard; --auto-resume moves both to the previous checkpoint and the losses
+    continue bit-exactly."""
+    import shutil
+
+    from autoplan.runtime import checkpoint
+
+    ck = setup["tmp"] / "ck-flip"
+    shutil.copytree(setup["tmp"] / "ck-ref", ck, ignore=shutil.ignore_patterns(".autoplan.lock"))
+    (rel,) = checkpoint.shard_share(checkpoint.read_manifest(ck / "step_6"), 1, 2)
+    assert rel not in checkpoint.shard_share(checkpoint.read_manifest(ck / "step_6"), 0, 2)
+    f = ck / "step_6" / rel
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0x10
+    f.write_bytes(bytes(b))
+    base = [str(AUTOPLAN), "run", setup["plan"], "--", "--steps", "8", "--data", setup["data"], "--quiet"]
+    p = subprocess.run([*base, "--resume", str(ck)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=400)
+    assert p.returncode != 0
+    said = [x for x in p.stderr.splitlines() if "is corrupt" in x]
+    assert len(said) == 1 and f"step_6 is corrupt: shard {rel} fails its sha256 check" in said[0], p.stderr[-3000:]
+    log = setup["tmp"] / "flip.jsonl"
+    p = subprocess.run([*base, "--save", str(ck), "--auto-resume", "--log", str(log)], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stderr.count("skipped a broken checkpoint") == 1, p.stderr[-3000:]
+    got = {r["step"]: r["loss"] for r in _rows(log) if "step" in r}
+    assert got == {s: reference[s] for s in (5, 6)} | {s: got[s] for s in (7, 8)}
+
+
 def _reader(proc, lines: list[str]) -> threading.Thread:
     def run():
         for line in proc.stderr:

@@ -105,6 +105,45 @@ def test_a_flipped_bit_is_detected_and_names_the_file(base, tmp_path, capsys):
     assert f"step_4 is corrupt: shard {shard.name} fails its sha256 check" in line and "fix:" in line
 
 
+def test_startup_hashes_no_shard_and_the_ranks_split_the_shards(base, tmp_path, monkeypatch):
+    """Start-up runs on every rank before the process group exists: it checks every file's size and the small
+    files' sha256, never a shard's (a large job's ranks would each read the whole checkpoint); the shards are
+    hashed once, split between the ranks by bytes."""
+    from autoplan.runtime import checkpoint, train
+
+    hashed = []
+    real = checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda f: hashed.append(Path(f).name) or real(f))
+    ck = _copy(base, tmp_path)
+    args = train.parse_args(["--plan", str(_plan(tmp_path)), "--steps", "5", "--resume", str(ck)])
+    from autoplan.plan import load_plan
+
+    train.check_checkpoint_args(args, load_plan(args.plan))
+    assert args.resume_path.endswith("step_4")
+    assert hashed and not [f for f in hashed if f.endswith(".distcp")]
+    assert {".metadata", "autoplan_checkpoint.json"} <= set(hashed)
+    # the split: every shard once, disjoint, about 1/world of the bytes each (no rank above the even share by
+    # more than one shard)
+    files = {f"__{r}_0.distcp": {"bytes": b, "sha256": "x"} for r, b in enumerate([900, 500, 400, 400, 300, 100, 7])}
+    files[".metadata"] = {"bytes": 10, "sha256": "x"}
+    m = {"files": files}
+    for world in (1, 2, 3, 5, 9):
+        shares = [checkpoint.shard_share(m, r, world) for r in range(world)]
+        flat = [f for s in shares for f in s]
+        assert sorted(flat) == sorted(f for f in files if f.endswith(".distcp"))
+        loads = [sum(files[f]["bytes"] for f in s) for s in shares]
+        assert max(loads) <= sum(loads) / world + 900
+        assert shares == [checkpoint.shard_share(m, r, world) for r in range(world)]  # every rank agrees
+    assert [sum(files[f]["bytes"] for f in checkpoint.shard_share(m, r, 2)) for r in range(2)] == [1307, 1300]
+    # a flipped bit is found by the rank whose share holds the shard, and only by it
+    shard = next((ck / "step_4").glob("*.distcp"))
+    _flip_a_bit(shard)
+    found = [checkpoint.shard_checksum_failures(ck / "step_4", r, 2) for r in range(2)]
+    owner = next(r for r in range(2) if shard.name in checkpoint.shard_share(checkpoint.read_manifest(ck / "step_4"), r, 2))
+    assert found[owner] == [f"shard {shard.name} fails its sha256 check (its contents changed after saving)"]
+    assert found[1 - owner] == []
+
+
 def test_a_truncated_file_is_detected(base, tmp_path, capsys):
     ck = _copy(base, tmp_path)
     meta = ck / "step_4" / "autoplan_checkpoint.json"
