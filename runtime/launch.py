@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -278,10 +279,70 @@ def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Se
     return supervise(cmd, full_env, term_timeout)
 
 
+_AGENT_LINE = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ \S*torch/distributed/elastic/")
+_CHILD_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+VERBOSE_LAUNCH_ENV = "AUTOPLAN_TORCHRUN_REPORT"  # =1: keep torchrun's own failure report
+
+
+class TorchrunReport:
+    """Drops torchrun's failure report once a worker has said in one line what went wrong.
+
+    A worker that stops on an autoplan error prints `autoplan run: <Error>: what. fix: ...` and exits 2; torchrun
+    then adds its agent's log lines (`E1128 ... torch/distributed/elastic/... failed (exitcode: 2)`, `Sending
+    process N closing signal SIGTERM`), its own traceback ending in ChildFailedError and a table of the failed
+    ranks: ~50 lines under the one that matters. Once an autoplan error line has been seen, those three are
+    dropped (a traceback is held until its last line shows whose it is: a worker's own traceback still passes).
+    Before that, and for any other output, every line passes."""
+
+    def __init__(self) -> None:
+        self.explained = False
+        self.dropped = 0
+        self._held: list[str] = []
+        self._rules = 0  # "=====" lines of the failure table still to drop (its first and last line)
+        self._in_report = False
+
+    def feed(self, line: str) -> list[str]:
+        """The lines to write now for one line read (none, this one, or a held traceback)."""
+        if self._in_report:
+            self.dropped += 1
+            if line.strip() and set(line.strip()) == {"="}:
+                self._rules += 1
+                self._in_report = self._rules < 2
+            return []
+        if line.startswith("autoplan run:") or "] autoplan run:" in line:
+            self.explained = self.explained or "warning:" not in line
+            return [line]
+        if not self.explained:
+            return [line]
+        if self._held:
+            self._held.append(line)
+            if line.startswith(_CHILD_FAILED):
+                self.dropped += len(self._held)
+                self._held, self._in_report, self._rules = [], True, 0
+                return []
+            if line[:1] in (" ", "\t") or line.startswith("Traceback"):
+                return []
+            out, self._held = self._held, []
+            return out
+        if line.startswith("Traceback (most recent call last):"):
+            self._held = [line]
+            return []
+        if _AGENT_LINE.match(line):
+            self.dropped += 1
+            return []
+        return [line]
+
+    def flush(self) -> list[str]:
+        out, self._held = self._held, []
+        return out
+
+
 def supervise(cmd: list[str], env: dict[str, str], term_timeout: float) -> int:
     """Run torchrun in its own process group; forward SIGTERM/SIGINT to it (it forwards them to the workers,
     which save and exit); after `term_timeout` seconds kill the whole group. While stopping, torchrun's own
-    shutdown traceback is dropped: the workers' one-line messages say what happened and how to resume."""
+    shutdown traceback is dropped: the workers' one-line messages say what happened and how to resume; after a
+    worker's one-line error, torchrun's failure report is dropped too (`TorchrunReport`; keep it with
+    AUTOPLAN_TORCHRUN_REPORT=1)."""
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True, bufsize=1)
     got: list[int] = []  # signals received
     since: list[float] = []  # when the first one came
@@ -295,12 +356,17 @@ def supervise(cmd: list[str], env: dict[str, str], term_timeout: float) -> int:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGTERM)
 
+    report = None if env.get(VERBOSE_LAUNCH_ENV) == "1" else TorchrunReport()
+
     def pump():
         for line in proc.stderr:
             if got and not (line.startswith("autoplan") or "] autoplan run:" in line):
                 continue
-            sys.stderr.write(line)
+            for out in report.feed(line) if report else [line]:
+                sys.stderr.write(out)
             sys.stderr.flush()
+        for out in report.flush() if report else []:
+            sys.stderr.write(out)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     reader = threading.Thread(target=pump, daemon=True)
@@ -324,6 +390,10 @@ def supervise(cmd: list[str], env: dict[str, str], term_timeout: float) -> int:
         if proc.poll() is None:  # interrupted ourselves: nothing of this job outlives the launcher
             _kill_group(proc.pid)
         reader.join(timeout=5)
+    if report and report.dropped and not got:
+        print(f"autoplan run: the job stopped (torchrun exit {rc}); the workers' lines above say why "
+              f"({report.dropped} lines of torchrun's own report left out: {VERBOSE_LAUNCH_ENV}=1 shows them)",
+              file=sys.stderr, flush=True)
     return 128 + got[0] if got else rc
 
 

@@ -125,3 +125,23 @@ def test_two_node_launch_on_one_machine(tmp_path):
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(0 < r["loss"] < 10 for r in rows)
+
+
+def test_a_workers_one_line_error_is_not_buried_under_torchruns_report(tmp_path):
+    """`autoplan run` with a training argument every rank refuses: the worker's line, then one line from the
+    launcher; torchrun's agent lines, traceback and failure table are left out (kept with
+    AUTOPLAN_TORCHRUN_REPORT=1)."""
+    plan = _plan(tmp_path, "tiny-gpt", 2, "dp=2")
+    cmd = [str(Path(sys.executable).with_name("autoplan")), "run", str(plan), "--", "--steps", "2",
+           "--profile-step", "9"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("AUTOPLAN_TORCHRUN_REPORT", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2, proc.stderr[-3000:]
+    assert "--profile-step must name a step of this run" in lines[0]
+    assert "torchrun's own report left out" in lines[1] and "Traceback" not in proc.stderr
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(env, AUTOPLAN_TORCHRUN_REPORT="1"), capture_output=True,
+                          text=True, timeout=120)
+    assert "ChildFailedError" in proc.stderr and "left out" not in proc.stderr

@@ -376,3 +376,42 @@ def test_a_bf16_step_casts_each_weight_once_for_all_its_micro_batches():
     # tiny-gpt: 4 blocks x (wq, wk, wv, wo, w1, w2) + the tied head = 25 weights, each saved once per micro-batch
     assert len(copies) == 4 * 25
     assert len(set(copies)) == 25
+
+
+# torchrun's stderr after a worker's start-up error (torch 2.13, trimmed to its shape): the agent's log lines, its
+# traceback ending in ChildFailedError, and the failure table between two rules of '='.
+_AGENT = "W1128 06:28:47.197000 2062 /x/torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 2068 " \
+         "closing signal SIGTERM\n"
+_TORCHRUN_TB = ["Traceback (most recent call last):\n", '  File "/x/torch/distributed/run.py", line 1032, in <module>\n',
+                "    main()\n", "    raise ChildFailedError(\n", f"{'torch.distributed.elastic.multiprocessing.errors'}."
+                "ChildFailedError: \n", "=" * 60 + "\n", "autoplan.runtime.train FAILED\n", "-" * 60 + "\n",
+                "Failures:\n", "[1]:\n", "  exitcode  : 2 (pid: 838)\n", "-" * 60 + "\n", "Root Cause (first observed "
+                "failure):\n", "[0]:\n", "  exitcode  : 2 (pid: 837)\n", "=" * 60 + "\n"]
+
+
+def _through(lines: list[str]) -> list[str]:
+    from autoplan.runtime.launch import TorchrunReport
+
+    r = TorchrunReport()
+    out = [x for line in lines for x in r.feed(line)] + r.flush()
+    return out
+
+
+def test_torchruns_report_is_dropped_after_a_workers_one_line_error():
+    err = "autoplan run: AutoplanError: --profile-step must name a step of this run: got 99. fix: pass 1-22\n"
+    assert _through([err, _AGENT, _AGENT, *_TORCHRUN_TB]) == [err]
+    after = "a line written after the report\n"
+    assert _through([f"[rank 0] {err}", _AGENT, *_TORCHRUN_TB, after]) == [f"[rank 0] {err}", after]
+
+
+def test_torchruns_report_stays_without_a_workers_error_and_a_workers_traceback_always_passes():
+    # no autoplan error line (a worker killed, a crash): everything passes, warnings do not count as errors
+    warn = "autoplan run: warning: skipped a broken checkpoint: x\n"
+    assert _through([warn, _AGENT, *_TORCHRUN_TB]) == [warn, _AGENT, *_TORCHRUN_TB]
+    # a worker's own Python traceback after another worker's one-line error is held only until its last line
+    err = "[rank 0] autoplan run: CheckpointError: checkpoint c is corrupt. fix: resume from an earlier one\n"
+    crash = ["Traceback (most recent call last):\n", '  File "/x/train.py", line 3, in step\n', "    f()\n",
+             "RuntimeError: boom\n"]
+    assert _through([err, *crash, _AGENT, *_TORCHRUN_TB]) == [err, *crash]
+    # a traceback cut off by the end of the stream is written out
+    assert _through([err, *crash[:2]]) == [err, *crash[:2]]
