@@ -95,8 +95,7 @@ def run_demo(args: argparse.Namespace) -> int:
     steady = rows[1:] or rows
     measured = sorted(r["step_time_s"] for r in steady)[len(steady) // 2]
     con.print(f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} over {len(rows)} steps")
-    con.print(f"step time: predicted {plan.prediction.step_time_s:.4f} s, measured {measured:.4f} s "
-              "(median after the first step)")
+    # the run's own closing line ("done: ...") gave the step time against the prediction (the same median)
     con.print(f"measured / predicted = {measured / plan.prediction.step_time_s:.2f} (local-cpu: 4 processes share "
               "2 cores; the local-cpu preset is this machine's, measured once: `autoplan calibrate` and "
               "`autoplan tune` fit yours)")

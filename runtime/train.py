@@ -354,6 +354,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
         lr = args.lr
         _set_lr(trainer.optimizer, lr)
         collector = GarbageCollection(getattr(args, "gc_every", 0))
+        summary = RunSummary(plan, dims.rank("pp"), args.plan)
         for step in range(start, args.steps):
             collector.between_steps(step - start)
             if reseed:
@@ -391,6 +392,7 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
                 }
                 if nonfinite:
                     rec["skipped"] = nonfinite
+                summary.add(rec)
                 _report_step(args, log, rec, predicted, spikes, profile)
                 if tb:
                     tb.write(rec)
@@ -412,7 +414,10 @@ def train_loop(args: argparse.Namespace, plan, dims, device) -> int:
             if signum is not None:
                 if rank == 0:
                     _print_stopped(args, signum, step + 1)
-                return 0
+                break
+        if rank == 0 and not args.quiet:
+            for line in summary.lines():
+                print(line, flush=True)
         return 0
     finally:
         if collector is not None:
@@ -461,6 +466,55 @@ class GarbageCollection:
 
         if self.every > 0 and self.was_enabled:
             gc.enable()
+
+
+class RunSummary:
+    """Rank 0's closing lines: the steady step time against the plan's prediction, the tensor-memory peak against
+    this stage's predicted tensors, the loss; and, when the time is far from the prediction, which command makes
+    the cluster spec describe this machine (the run lines alone show a ratio on every step and say nothing)."""
+
+    # outside this band of measured/predicted the spec, not noise, is the likely cause: launches of one plan differ
+    # by 10-30% on a shared host (what `autoplan tune` measures of repeated launches) and small steps more (the
+    # demo's 20 ms steps: measured/predicted 0.79-1.02 between launches)
+    BAND = (2 / 3, 1.5)
+
+    def __init__(self, plan, stage: int, plan_path: str = "plan.json") -> None:
+        self.plan = plan
+        self.stage = stage
+        self.plan_path = plan_path
+        self.rows: list[dict] = []
+
+    def add(self, rec: dict) -> None:
+        self.rows.append(rec)
+
+    def lines(self) -> list[str]:
+        import statistics
+
+        if not self.rows:
+            return []
+        plan, rows = self.plan, self.rows
+        steady = rows[1:] or rows  # the first step of a launch builds buffers, optimizer state and caches
+        measured = statistics.median(r["step_time_s"] for r in steady)
+        predicted = plan.prediction.step_time_s
+        ratio = measured / predicted if predicted > 0 else float("nan")
+        span = f"steps {steady[0]['step']}-{steady[-1]['step']}" if len(steady) > 1 else f"step {steady[0]['step']}"
+        out = [f"done: {rows[-1]['step']} steps; step time {measured * 1e3:.1f} ms (median of {span}) = "
+               f"{ratio:.2f} x the predicted {predicted * 1e3:.1f} ms; loss {rows[0]['loss']:.4f} -> "
+               f"{rows[-1]['loss']:.4f}"]
+        peak, at = rows[-1].get("peak_memory_gib"), rows[-1].get("memory_measured_step")
+        if peak is not None:
+            overhead = plan.cluster.gpu.calibration.framework_overhead_gib
+            tensors = plan.prediction.memory_gib["per_stage"][self.stage] - overhead
+            out.append(f"tensor memory {peak:.3f} GiB (step {at}) against {tensors:.3f} GiB predicted for stage "
+                       f"{self.stage} ({overhead:g} GiB of framework overhead priced beside it)")
+        lo, hi = self.BAND
+        if not lo <= ratio <= hi:
+            how = "slower" if ratio > 1 else "faster"
+            out.append(f"note: this machine runs the plan {max(ratio, 1 / ratio):.1f}x {how} than cluster spec "
+                       f"'{plan.cluster.name}' prices it. `autoplan tune --plan {self.plan_path} --cluster-out "
+                       "tuned.yaml` runs a few layouts and refits the spec to what they measure (`autoplan "
+                       "calibrate -o mine.yaml`: micro-benchmarks only); plan with --cluster tuned.yaml")
+        return out
 
 
 def _my_peak(profile: dict, rank: int) -> float:

@@ -73,6 +73,12 @@ def test_four_process_run_logs_measured_and_predicted(tmp_path):
         assert 0 < r["loss"] < 10
     assert rows[-1]["loss"] < rows[0]["loss"]  # a periodic token stream is learnable
     assert "predicted" in out.read_text()
+    # rank 0's closing lines: the median of steps 2-4 against the prediction, the tensor peak against stage 0's
+    text = out.read_text()
+    median = sorted(r["step_time_s"] for r in rows[1:])[1]
+    assert (f"done: 4 steps; step time {median * 1e3:.1f} ms (median of steps 2-4) = {median / predicted:.2f} x "
+            f"the predicted {predicted * 1e3:.1f} ms") in text, text[-2000:]
+    assert f"tensor memory {rows[-1]['peak_memory_gib']:.3f} GiB (step 3) against" in text
 
 
 def test_launcher_refuses_a_wrong_process_count_without_starting(tmp_path):

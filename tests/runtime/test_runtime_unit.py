@@ -415,3 +415,31 @@ def test_torchruns_report_stays_without_a_workers_error_and_a_workers_traceback_
     assert _through([err, *crash, _AGENT, *_TORCHRUN_TB]) == [err, *crash]
     # a traceback cut off by the end of the stream is written out
     assert _through([err, *crash[:2]]) == [err, *crash[:2]]
+
+
+def test_run_summary_compares_with_the_prediction_and_says_how_to_fix_the_spec():
+    from autoplan.runtime.train import RunSummary
+
+    plan = make_plan(load_model("tiny-gpt"), load_cluster("local-cpu", gpus=2),
+                     TrainingSpec(global_batch_size=4, seq_length=32, dtype="fp32", kernels="torch"), "dp=2")
+    pred = plan.prediction.step_time_s
+
+    def lines(times, peak=None):
+        s = RunSummary(plan, 0, "my-plan.json")
+        for i, t in enumerate(times):
+            s.add({"step": 11 + i, "loss": 5.0 - i, "step_time_s": t, "peak_memory_gib": peak,
+                   "memory_measured_step": 13 if peak else None})
+        return s.lines()
+
+    assert lines([]) == []
+    # the first step of the launch is left out of the median (steps 12-14 here: a resumed run)
+    got = lines([50 * pred, 1.4 * pred, 1.0 * pred, 1.45 * pred])
+    assert got[0] == (f"done: 14 steps; step time {1.4 * pred * 1e3:.1f} ms (median of steps 12-14) = 1.40 x the "
+                      f"predicted {pred * 1e3:.1f} ms; loss 5.0000 -> 2.0000")
+    assert len(got) == 1  # within the band: no note, and no memory line before memory was measured
+    slow = lines([pred, 2.0 * pred, 2.0 * pred], peak=0.25)
+    tensors = plan.prediction.memory_gib["per_stage"][0] - plan.cluster.gpu.calibration.framework_overhead_gib
+    assert slow[1].startswith(f"tensor memory 0.250 GiB (step 13) against {tensors:.3f} GiB predicted for stage 0")
+    assert slow[2].startswith("note: this machine runs the plan 2.0x slower than cluster spec 'local-cpu'")
+    assert "autoplan tune --plan my-plan.json --cluster-out tuned.yaml" in slow[2]
+    assert "2.5x faster" in lines([pred, 0.4 * pred])[-1]
