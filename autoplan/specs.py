@@ -74,6 +74,17 @@ def _validated(cls: type, data: dict[str, Any], where: str):
 # ---------------------------------------------------------------------------------------------- models
 
 
+def _did_you_mean(ref: str, names) -> str:
+    """' (did you mean 'x'?)' for the presets close to a name that is neither a preset nor a file (spelling, or a
+    part of the name: 'cpu' -> 'local-cpu'), else ''."""
+    import difflib
+
+    key = ref.lower()
+    close = difflib.get_close_matches(key, list(names), n=3, cutoff=0.6)
+    close += [n for n in names if len(key) >= 3 and key in n and n not in close]
+    return " (did you mean " + " or ".join(repr(n) for n in close[:3]) + "?)" if close else ""
+
+
 def load_model(ref: str | Path | ModelSpec) -> ModelSpec:
     """A preset name, a YAML/JSON model spec, or a Hugging Face config.json."""
     if isinstance(ref, ModelSpec):
@@ -85,7 +96,7 @@ def load_model(ref: str | Path | ModelSpec) -> ModelSpec:
         return MODEL_PRESETS[ref.lower()]
     path = Path(ref)
     if not path.exists():
-        raise SpecError(f"unknown model {ref!r}", "not a preset and no such file",
+        raise SpecError(f"unknown model {ref!r}", "not a preset and no such file" + _did_you_mean(ref, MODEL_PRESETS),
                         "run `autoplan models` for presets, or pass a spec/config.json path")
     data = _read_mapping(path)
     if "model_type" in data or "architectures" in data:
@@ -214,7 +225,8 @@ def load_cluster(ref: str | Path | ClusterSpec, gpus: int | None = None, *, note
     else:
         path = Path(str(ref))
         if not path.exists():
-            raise SpecError(f"unknown cluster {ref!r}", "not a preset and no such file",
+            raise SpecError(f"unknown cluster {ref!r}", "not a preset and no such file" +
+                            _did_you_mean(str(ref), CLUSTER_PRESETS),
                             "run `autoplan clusters` for presets, or pass a YAML cluster file")
         data = _read_mapping(path)
         sized = "num_nodes" in data or isinstance(data.get("base"), str)  # the file says how big it is

@@ -18,6 +18,8 @@ def register(subparsers) -> None:
     p.add_argument("--fix", action="append", default=[], metavar="KEY=VAL",
                    help="pin a knob, e.g. --fix tp=8 --fix recompute=selective (repeatable; commas allowed)")
     p.add_argument("-o", "--output", help="write the best plan to this file")
+    # not an option of search (it chooses the layout): taken only to say what to write instead
+    p.add_argument("--parallel", help=argparse.SUPPRESS)
     add_json(p)
     p.set_defaults(func=cmd_search)
 
@@ -41,6 +43,11 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     from .core import search
 
+    if args.parallel is not None:
+        raise ConfigError("search chooses the parallel layout: it has no --parallel",
+                          f"got --parallel {args.parallel}",
+                          f"pin knobs with --fix {args.parallel} (the others are searched), or price exactly this "
+                          f"layout with `autoplan estimate --parallel {args.parallel}`")
     model, cluster, training, profiles = load_workload(args)
     fix = parse_fix_args(args.fix)
     from autoplan.models.source import planner_pins

@@ -54,6 +54,14 @@ def test_estimate_errors_are_one_line(capsys, args, needle):
     assert needle in err and "\n" not in err and err.startswith("autoplan:") and "fix:" in err
 
 
+def test_search_says_what_to_write_for_a_parallel_configuration(capsys):
+    assert main(["search", "--model", "tiny-gpt", "--cluster", "local-cpu", "--gpus", "4", "--global-batch", "8",
+                 "--parallel", "tp=2,pp=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "search chooses the parallel layout: it has no --parallel" in err and "\n" not in err
+    assert "--fix tp=2,pp=2" in err and "autoplan estimate --parallel tp=2,pp=2" in err
+
+
 def test_bad_model_and_cluster(capsys):
     assert main(["estimate", "--model", "nope", "--cluster", "dgx-h100", "--global-batch", "8",
                  "--parallel", "tp=1"]) == 2

@@ -156,6 +156,18 @@ def test_unknown_presets_say_how_to_list():
         load_cluster("dgx-h100", gpus=12)
 
 
+def test_unknown_presets_name_the_close_ones():
+    with pytest.raises(SpecError) as e:
+        load_cluster("cpu")  # a part of the name
+    assert "no such file (did you mean 'local-cpu'?)" in str(e.value)
+    with pytest.raises(SpecError) as e:
+        load_model("llama3-8")  # a spelling
+    assert "did you mean 'llama3-8b'" in str(e.value)
+    with pytest.raises(SpecError) as e:
+        load_cluster("xyzzy")
+    assert "did you mean" not in str(e.value)
+
+
 HF = {
     "llama": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
               "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000, "rms_norm_eps": 1e-5,
