@@ -103,11 +103,16 @@ def read_texts(files: list[Path], field: str) -> Iterator[list[str]]:
                         continue
                     try:
                         row = json.loads(line)
-                        text = row[field]
-                    except (ValueError, KeyError, TypeError) as e:
-                        raise PrepareDataError(f"{f} line {n} has no text field {field!r}",
-                                               f"{type(e).__name__}: {str(e)[:80]}",
-                                               "pass --text-field, or fix that line") from None
+                    except ValueError as e:
+                        raise PrepareDataError(f"{f} line {n} is not JSON", f"{type(e).__name__}: {str(e)[:80]}",
+                                               "fix that line (JSON Lines: one JSON object per line)") from None
+                    if not isinstance(row, dict) or field not in row:
+                        keys = sorted(row)[:8] if isinstance(row, dict) else f"a JSON {type(row).__name__}"
+                        strings = [k for k in (row if isinstance(row, dict) else ()) if isinstance(row[k], str)]
+                        raise PrepareDataError(f"{f} line {n} has no text field {field!r}", f"it holds {keys}",
+                                               f"pass --text-field {strings[0]}" if strings else
+                                               "pass --text-field with the key holding the text, or fix that line")
+                    text = row[field]
                     batch.append(text if isinstance(text, str) else str(text))
                     if len(batch) == BATCH_ROWS:
                         yield batch

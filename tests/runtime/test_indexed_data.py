@@ -186,7 +186,12 @@ def test_prepare_data_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": "word1"}) + "\n")
     assert main(["prepare-data", str(tmp_path / "c.jsonl"), "--tokenizer", str(tok), "-o", str(tmp_path / "o"),
                  "--text-field", "body"]) == 2
-    assert "line 1 has no text field 'body'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "line 1 has no text field 'body': it holds ['text']. fix: pass --text-field text" in err
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "word1"}) + "\n{\"text\": word2\n")
+    assert main(["prepare-data", str(tmp_path / "d.jsonl"), "--tokenizer", str(tok), "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "d.jsonl line 2 is not JSON: JSONDecodeError" in err and "no text field" not in err
     assert main(["prepare-data", str(tmp_path / "nope"), "--tokenizer", str(tok), "-o", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
