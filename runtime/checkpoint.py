@@ -136,7 +136,7 @@ def verify(step_dir: str | Path, *, checksums: bool = True, shards: bool = True)
     .distcp shards between them once the process group exists (`shard_checksum_failures`)."""
     step_dir = Path(step_dir)
     m = read_manifest(step_dir)
-    hint = "resume from an earlier checkpoint (automatic restarts do so themselves)"
+    hint = CORRUPT_HINT
     for rel, want in m["files"].items():
         kind = "shard" if rel.endswith(".distcp") else "file"
         f = step_dir / rel
@@ -154,6 +154,10 @@ def verify(step_dir: str | Path, *, checksums: bool = True, shards: bool = True)
         raise CheckpointError(f"checkpoint {step_dir} holds files its manifest does not list", f"{sorted(extra)[:4]}",
                               "remove them, or resume from another checkpoint")
     return m
+
+
+# what to do about a checkpoint whose files do not match its manifest
+CORRUPT_HINT = "resume from an earlier checkpoint (automatic restarts do so themselves)"
 
 
 def _sha256_failure(kind: str, rel: str) -> str:

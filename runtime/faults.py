@@ -173,22 +173,24 @@ def agree_on_shards(args, rank: int, world: int) -> None:
         if not failed:
             break
         err = checkpoint.CheckpointError(f"checkpoint {path} is corrupt", failed[0] + (
-            f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""),
-            "resume from an earlier checkpoint (automatic restarts do so themselves)")
+            f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""), checkpoint.CORRUPT_HINT)
         if args.resume or not args.auto_resume:
-            err.agreed = True
+            err.agreed = True  # every rank raises it: runtime.train prints it once
             raise err
-        if rank == 0:
-            print(f"autoplan run: warning: skipped a broken checkpoint: {err.one_line()}", file=sys.stderr, flush=True)
-        args.skipped_checkpoints = [*getattr(args, "skipped_checkpoints", []), err.one_line()]
         step = checkpoint.inspect(path, checksums=False)["step"]
         meta, skipped = checkpoint.newest_complete(args.save, shards=False, older_than=step)
-        for line in skipped:
-            if rank == 0:
-                print(f"autoplan run: warning: skipped a broken checkpoint: {line}", file=sys.stderr, flush=True)
-        args.skipped_checkpoints += skipped
+        skipped = [err.one_line(), *skipped]
+        warn_skipped(skipped, rank)
+        args.skipped_checkpoints = [*getattr(args, "skipped_checkpoints", []), *skipped]
         path = meta["path"] if meta else None
     args.resume_path = path
+
+
+def warn_skipped(lines: list[str], rank: int) -> None:
+    """Rank 0: one warning per checkpoint passed over as broken."""
+    if rank == 0:
+        for line in lines:
+            print(f"autoplan run: warning: skipped a broken checkpoint: {line}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ log

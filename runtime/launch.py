@@ -298,7 +298,7 @@ class TorchrunReport:
         self.explained = False
         self.dropped = 0
         self._held: list[str] = []
-        self._rules = 0  # "=====" lines of the failure table still to drop (its first and last line)
+        self._rules = 0  # "=====" lines of the failure table dropped so far (it ends with the second)
         self._in_report = False
 
     def feed(self, line: str) -> list[str]:

@@ -196,12 +196,10 @@ def check_checkpoint_args(args: argparse.Namespace, plan, rank: int = 0) -> None
                             "training are written in the background (the last one is synchronous)",
                             "pass --save DIR --save-every K, or drop --async-save")
     from . import checkpoint
-    from .faults import resolve_resume
+    from .faults import resolve_resume, warn_skipped
 
     args.resume_path, args.skipped_checkpoints = resolve_resume(args)
-    if rank == 0:
-        for line in args.skipped_checkpoints:
-            print(f"autoplan run: warning: skipped a broken checkpoint: {line}", file=sys.stderr, flush=True)
+    warn_skipped(args.skipped_checkpoints, rank)
     if args.resume_path:
         meta = checkpoint.inspect(args.resume_path, shards=False)
         checkpoint.check_compatible(meta, plan)
