@@ -332,6 +332,13 @@ class FitResult:
         return sum(abs(r[when] / r["measured"] - 1) for r in rows) / len(rows)
 
     @property
+    def peak_raise(self) -> float:
+        """How many times the refit spec's compute peak exceeds the start's (`with_knobs` turns a fitted GEMM or
+        attention efficiency above 1 into a raised peak): 1 when the fit kept them at or below 1."""
+        return max(1.0, *(self.after[k] for k in ("matmul_max_efficiency", "attention_efficiency")
+                          if k in self.after))
+
+    @property
     def at_bounds(self) -> dict[str, str]:
         """Fitted knobs that ended on one of their physical bounds (`KNOBS`): "lower" or "upper". Such a value is
         not a measurement: the data pushed the knob as far as allowed and the other knobs absorbed the rest

@@ -152,8 +152,10 @@ def render_tune(con, result, args) -> None:
             tag = f"  [dim]({note})[/dim]" if note else ""
             con.print(f"  {k:<26} {fit.before[k]:>12.5g} -> {fit.after[k]:<12.5g}{tag}")
         for g in fit.collinear:
-            con.print(f"  [dim]only the combination of {' and '.join(g)} is determined by these runs (the others "
-                      "held)[/dim]")
+            held = [k for k in g if k in fit.held]
+            how = (f"{', '.join(held)} held at its start" if held else
+                   "holding either fitted the runs worse, so their separate values are not measurements")
+            con.print(f"  [dim]only the combination of {' and '.join(g)} is determined by these runs ({how})[/dim]")
         for m in fit.count_mismatches[:10]:
             con.print(f"  [yellow]count mismatch[/yellow] {m}")
     for n in result.notes:

@@ -532,8 +532,34 @@ def tune(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top:
             tmp.cleanup()
     result.fit = refit(cluster, cands, bench_rows, profiles)
     if result.fit is not None:
+        note = peak_raise_note(result.fit, cluster, training.dtype, bool(bench_rows[0]))
+        if note:
+            result.notes.append(note)
         _refit_choice(result, model, training, profiles, fix, kernels)
     return result
+
+
+# A refit peak this many times the start's is not a rate the runs measured: tune's launches differ by 10-30% and a
+# calibrated peak is the best GEMM rate measured, so 1.5x is beyond both.
+PEAK_RAISE_WARN = 1.5
+
+
+def peak_raise_note(fit: FitResult, cluster: ClusterSpec, dtype: str, had_gemm_bench: bool) -> str | None:
+    """Say so when the refit raised the compute peak far past the start's: a GEMM efficiency above 1 (often the
+    collinear pair matmul_max_efficiency / matmul_half_dim fitted to small GEMMs only, which the step times cannot
+    tell apart) becomes a peak no run measured. Predictions for the measured layouts are fine; MFU against that
+    peak is not comparable, and GEMMs larger than the runs' are priced by extrapolation."""
+    factor = fit.peak_raise
+    if factor < PEAK_RAISE_WARN:
+        return None
+    start = cluster.gpu.peak_flops(dtype) / 1e12
+    fix = ("the GEMM micro-benchmarks given (--bench) did not pin it: calibrate them at the model's shapes "
+           "(`autoplan calibrate --model M --bench-out bench.json`)" if had_gemm_bench else
+           "GEMM micro-benchmarks pin it: `autoplan calibrate --model M --bench-out bench.json`, then tune with "
+           "--bench bench.json")
+    return (f"the refit raises the {dtype} peak {factor:.1f}x ({start:g} -> {start * factor:.3g} TF/s), a rate "
+            f"these runs do not measure: their step times fit it, but MFU against the refit spec is not comparable "
+            f"and GEMMs larger than the runs' are priced by extrapolation; {fix}")
 
 
 def _term_as_interrupt():

@@ -598,3 +598,30 @@ def test_one_disturbed_measurement_does_not_set_the_constants():
     res = fit_cluster(start, collectives=samples, free=["intra_latency_us", "intra_bandwidth_gbps"])
     assert res.after["intra_latency_us"] == pytest.approx(100.0, rel=0.05)
     assert res.after["intra_bandwidth_gbps"] == pytest.approx(2.0, rel=0.05)
+
+
+def test_a_refit_peak_far_past_the_start_is_said_to_be_no_measurement():
+    """A GEMM or attention efficiency fitted above 1 is a raised peak (`with_knobs`); past 1.5x tune says that the
+    runs did not measure it and what pins it (session 26: a 4-layer Llama on 4 CPU processes refit
+    matmul_max_efficiency 1 -> 18.3 with matmul_half_dim 19 -> 2500, and MFU then read 0.4%)."""
+    from autoplan.cost_models.fit import FitResult
+    from autoplan.tune.core import peak_raise_note
+
+    base = load_cluster("local-cpu")
+
+    def fit(mme: float, att: float) -> FitResult:
+        after = {"matmul_max_efficiency": mme, "attention_efficiency": att, "matmul_half_dim": 2500.0}
+        return FitResult(cluster=with_knobs(base, after), before={k: 1.0 for k in after}, after=after,
+                         free=list(after), undetermined=[], collinear=[["matmul_max_efficiency", "matmul_half_dim"]])
+
+    assert fit(0.9, 0.4).peak_raise == 1.0 and peak_raise_note(fit(0.9, 0.4), base, "fp32", False) is None
+    assert peak_raise_note(fit(1.4, 0.4), base, "fp32", False) is None  # within launch noise of the start
+    f = fit(18.28, 0.4)
+    assert f.peak_raise == pytest.approx(18.28)
+    # the refit spec's own peak is what the note names
+    assert f.cluster.gpu.peak_flops("fp32") == pytest.approx(18.28 * base.gpu.peak_flops("fp32"))
+    start = base.gpu.peak_flops("fp32") / 1e12
+    note = peak_raise_note(f, base, "fp32", False)
+    assert note.startswith(f"the refit raises the fp32 peak 18.3x ({start:g} -> {start * 18.28:.3g} TF/s)")
+    assert "tune with --bench bench.json" in note
+    assert "did not pin it" in peak_raise_note(fit(1.0, 3.0), base, "fp32", True)  # attention counts too
