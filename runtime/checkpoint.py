@@ -188,6 +188,15 @@ def shard_checksum_failures(step_dir: str | Path, rank: int, world: int) -> list
             if _sha256(step_dir / rel) != m["files"][rel]["sha256"]]
 
 
+def step_of(step_dir: str | Path) -> int:
+    """The step number a step_<n> directory's name carries."""
+    m = _STEP_DIR.match(Path(step_dir).name)
+    if m is None:
+        raise CheckpointError(f"{step_dir} is not a step_<n> checkpoint directory", "",
+                              "pass a step_<n> directory or its parent")
+    return int(m.group(1))
+
+
 def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     """The step_<n> directories under root, newest first."""
     root = Path(root)

@@ -177,8 +177,7 @@ def agree_on_shards(args, rank: int, world: int) -> None:
         if args.resume or not args.auto_resume:
             err.agreed = True  # every rank raises it: runtime.train prints it once
             raise err
-        step = checkpoint.inspect(path, checksums=False)["step"]
-        meta, skipped = checkpoint.newest_complete(args.save, shards=False, older_than=step)
+        meta, skipped = checkpoint.newest_complete(args.save, shards=False, older_than=checkpoint.step_of(path))
         skipped = [err.one_line(), *skipped]
         warn_skipped(skipped, rank)
         args.skipped_checkpoints = [*getattr(args, "skipped_checkpoints", []), *skipped]

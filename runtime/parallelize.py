@@ -256,10 +256,15 @@ def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
 
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns on every call); a user's older
+# CUDA build has only the old one. Resolved once: the CP gather calls it in every attention layer.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None):
-    """torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns on every call); a user's
-    older CUDA build has only the old one. calibrate_bench times the same call."""
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
+    """Gather `inp` from every rank of `group` into `out` (concatenated on dim 0); calibrate_bench times the same
+    call."""
+    return _ALL_GATHER_SINGLE(out, inp, group=group)
 
 
 class _AllGatherSequence(torch.autograd.Function):
