@@ -52,7 +52,11 @@ from .estimate import (
     estimate,
     fsdp_collectives,
     fsdp_units,
+    grads_made_in_backward,
+    head_grad_bytes,
+    memory_of_rank,
     num_microbatches,
+    one_pass_config,
     rank_params,
     runtime_dp_units,
     step_scalar_all_reduces,
@@ -65,11 +69,12 @@ from .specs import ClusterSpec, ParallelConfig, TrainingSpec
 
 PHASES = ("forward", "backward", "recompute")
 # The phase each moment of the peak (`_moments`) falls in, as runtime.measure names its per-phase peaks.
-MOMENT_PHASE = {"block": "backward", "head": "backward", "forward": "forward", "dispatch": "forward"}
+MOMENT_PHASE = {"block": "backward", "head": "backward", "forward": "forward", "dispatch": "forward",
+                "step": "optimizer"}
 # Where each moment is, as runtime.measure names its per-moment peaks (`memory_by_moment`): "<phase>/block" inside a
 # transformer block's forward or backward, "<phase>/other" outside every block (the head, the loss, the root's hooks).
 MOMENT_AT = {"block": "backward/block", "head": "backward/other", "forward": "forward/other",
-             "dispatch": "forward/block"}
+             "dispatch": "forward/block", "step": "optimizer"}
 # Bytes of one expert-count entry in the EP split-size exchange (an int64 tensor of num_experts entries).
 _COUNT_BYTES = 8
 
@@ -422,7 +427,9 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     - under ZeRO-3 the root unit stays gathered, and a block's unit is gathered or prefetched (`_moments`);
     - the categories at the moment of the peak (`_moments`): a block's backward at its widest, the head's
       backward, the end of the model's forward (with FSDP2's last all-gather output) or a MoE dispatch in a
-      forward, whichever holds most (tensors released by then are not counted).
+      forward, whichever holds most (tensors released by then are not counted); where the gradients are made in
+      the backward (`estimate.grads_made_in_backward`) those moments hold none but the head's, and the optimizer
+      step ("step": every gradient, no activation but the token ids) is one more.
     Without the framework overhead (a process constant that tensor tracking does not see). Each term's source
     in torch or the runtime: docs/notes/session-5/issue-12-activations.md."""
     if not training.runtime_memory:
@@ -460,7 +467,15 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
         out["parameters"] += _root_unit(stages, profiles, ctx, cfg) * training.weight_bytes
     # The peak's moment: the categories each candidate adds (a tie goes to the first, the block: tiny-gpt
     # tp=2,pp=2's last stage measures the block at 80 KiB either way)
-    moments = _moments(stages, profiles, ctx, cfg, training)
+    moments = _moments(stages, profiles, ctx, one_pass_config(cfg, m), training)
+    if grads_made_in_backward(cfg, m, training):
+        # gradients only from the backward on (estimate.grads_made_in_backward): none in the forward nor at the
+        # loss, the head's at the last block's backward, every one at the optimizer step, where the step's
+        # activations are gone but its token ids (the autocast region's weight copies closed before it)
+        out["gradients"] = 0.0
+        moments["block"]["gradients"] = head_grad_bytes(stages, training)
+        ends = memory_of_rank(stages, in_flight, one_pass_config(cfg, m), cluster, training).gradients
+        moments["step"] = {"gradients": ends, "activations": token_ids_bytes(cfg, training) - out["activations"]}
     moment = max(moments, key=lambda k: sum(moments[k].values()))
     for k, v in moments[moment].items():
         out[k] += v
@@ -618,7 +633,9 @@ def predict_counts(profiles: list[LayerProfile], cluster: ClusterSpec, training:
         units = fsdp_units(stages) if cfg.zero >= 1 else runtime_dp_units(stages, cfg)
         dp_comm(dense, expert, cfg, training, m, comm, units)
         step_comm(stages, profiles, ctx, cfg, training, comm)
-        mem, moment = memory_bytes(est.memory[r], stages, profiles, ctx, cfg, cluster, training, m, fl[r])
+        # every gradient counted: memory_bytes places them by moment (est.memory has taken the larger moment)
+        base = memory_of_rank(stages, fl[r], cfg, cluster, training)
+        mem, moment = memory_bytes(base, stages, profiles, ctx, cfg, cluster, training, m, fl[r])
         out.append({"flops": {k: int(round(v)) for k, v in flops.items()}, "comm": comm.as_list(),
                     "memory_bytes": {k: int(round(v)) for k, v in mem.items()}, "in_flight": fl[r],
                     "memory_moment": moment, "memory_phase": MOMENT_PHASE[moment], "memory_at": MOMENT_AT[moment]})

@@ -83,6 +83,7 @@ class StageCost:
     zero3_s: float = 0.0  # exposed ZeRO-3 gathers and reduce-scatters per micro-batch (inside bwd_s)
     p2p_s: float = 0.0  # compute time lost to its pipeline messages per micro-batch (inside fwd_s + bwd_s)
     tied_head: float = 0.0  # a tied LM head's weight elements on this (head) stage, not in params (`tied_head_params`)
+    head_params: float = 0.0  # the head layer's own parameters on this (head) stage (final norm, an untied LM head)
     vocab_grad_extra: float = 0.0  # the embedding's whole-vocabulary gradient beyond its shard (`embedding_grad_extra`)
     sp_grads: tuple[int, float] = (0, 0.0)  # (tensors, elements) whose gradient is a partial sum over tp (`sp_partial_grads`)
     loss_transient: float = 0.0  # the loss's transient on the head's stage (compute.loss_transient)
@@ -237,6 +238,7 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
         params=sum(c.params_local for c, _ in parts), expert_params=sum(c.expert_params_local for c, _ in parts),
         model_flops=sum(c.model_flops for c, _ in parts), recompute_flops=rec_flops,
         tied_head=tied_head_params(profiles, ctx.tp) if has_head else 0.0,
+        head_params=cached_layer_cost(profiles[-1], ctx).params_local if has_head else 0.0,
         vocab_grad_extra=embedding_grad_extra(profiles, ctx.tp) if has_emb else 0.0,
         sp_grads=_sum_pairs([sp_partial_grads(profiles[1 + i]) for i in range(start, stop)]
                             + ([sp_partial_grads(profiles[0])] if has_emb else [])
@@ -328,6 +330,40 @@ def uses_torch_ddp(*, tp: int, zero: int, dp_cp: int) -> bool:
     """Whether autoplan's runtime runs data parallelism as torch's DDP (ZeRO-0 over dp x cp > 1 ranks without
     `uses_replicate`), with or without a pipeline."""
     return zero == 0 and dp_cp > 1 and not uses_replicate(tp=tp, zero=zero, dp_cp=dp_cp)
+
+
+def grads_made_in_backward(cfg: ParallelConfig, m: int, training: TrainingSpec) -> bool:
+    """Whether no gradient exists on a rank before its step's backward makes it, so that the activations' peak and
+    the gradients' do not meet: on autoplan's runtime (`TrainingSpec.runtime_memory`), one micro-batch, no
+    pipeline, and not torch's DDP. runtime.engine.Trainer.step sets every gradient to None at the start of a step
+    except DDP's (views of its buckets, allocated once); AccumulateGrad then allocates each gradient in the
+    backward as the activations it was computed from are freed, and FSDP2 (`replicate`, `fully_shard`) reduces each
+    unit's in its post-backward. With a second micro-batch the first one's gradients are alive through the
+    second's forward and backward; under a pipeline the schedule's micro-batches overlap on a rank (both priced as
+    before: every gradient at the peak). Measured (benchmarks/counts.py, tiny-gpt, one micro-batch): tp=4, dp=2 x
+    tp=2 (`replicate`) and dp=4 at ZeRO-1/2/3 hold no gradient at the forward's and the head's peak, the head's
+    own at the last block's backward, every one at the optimizer step."""
+    return (training.runtime_memory and m == 1 and cfg.pp == 1
+            and not uses_torch_ddp(tp=cfg.tp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp))
+
+
+def head_grad_bytes(stages: list[StageCost], training: TrainingSpec) -> float:
+    """Gradient bytes a rank holds at its last block's backward when gradients are made in the backward
+    (`grads_made_in_backward`): the head layer's own (final norm, an untied LM head: the layers after the last
+    block; a tied head's weight gradient waits in the autograd engine for the embedding's, a temporary:
+    counts._moments)."""
+    return sum(s.head_params for s in stages) * training.grad_bytes
+
+
+def one_pass_config(cfg: ParallelConfig, m: int) -> ParallelConfig:
+    """The configuration whose memory a rank holds under `cfg` with `m` micro-batches: ZeRO-1 with one micro-batch
+    and no pipeline is ZeRO-2. The runtime syncs FSDP2 in the last micro-batch (runtime.engine `_set_sync`), here
+    the only one: it reduce-scatters in that backward (gradients: ZeRO-2's shards at the optimizer step) after
+    gathering the parameters in that forward (the gather's last output kept to the forward's end, as ZeRO-2's:
+    counts._forward_gather)."""
+    if cfg.zero == 1 and m == 1 and cfg.pp == 1:
+        return cfg.model_copy(update={"zero": 2})
+    return cfg
 
 
 def runtime_per_param(*, dp: int, cp: int, tp: int, pp: int, ep: int, zero: int,
@@ -499,11 +535,23 @@ def runtime_extra(stages: list[StageCost], cfg: ParallelConfig, training: Traini
 
 
 def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelConfig, cluster: ClusterSpec,
-                   training: TrainingSpec) -> MemoryParts:
+                   training: TrainingSpec, m: int | None = None) -> MemoryParts:
     """Memory of one pipeline rank holding `stages` (its virtual stages) with `rank_inflight` micro-batches:
     Megatron's count (a tied head's own copy on the last of several stages included, `tied_copy`), plus
     (`TrainingSpec.runtime_memory`, the autoplan stack) what autoplan's runtime holds on top of it
-    (`runtime_extra`, the tied copy as a dense parameter)."""
+    (`runtime_extra`, the tied copy as a dense parameter). Every gradient is counted beside the activations,
+    unless the step's `m` micro-batches make them in the backward (`grads_made_in_backward`): then the larger of
+    the last block's backward (every activation, the head's gradients) and the optimizer step (every gradient,
+    no activation), each with the rest (counts.memory_bytes has the moments apart)."""
+    if m is not None and grads_made_in_backward(cfg, m, training):
+        out = memory_of_rank(stages, rank_inflight, cfg, cluster, training)
+        ends = memory_of_rank(stages, rank_inflight, one_pass_config(cfg, m), cluster, training).gradients
+        backward = head_grad_bytes(stages, training)
+        if ends > out.activations + backward:
+            out.gradients, out.activations = ends, 0.0
+        else:
+            out.gradients = backward
+        return out
     runtime = training.runtime_memory
     dense, expert = rank_params(stages, cfg)  # a tied head's own copy (pp > 1) on every stack
     shard_d = cfg.dp * cfg.cp
@@ -1070,7 +1118,7 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
     memory = []
     fl = in_flight(cfg.schedule, cfg.pp, m, cfg.vp)
     for r in range(cfg.pp):
-        memory.append(memory_of_rank(by_rank[r], fl[r], cfg, cluster, training))
+        memory.append(memory_of_rank(by_rank[r], fl[r], cfg, cluster, training, m))
     return Estimate(
         config=cfg, stages=stages, memory=memory, step_time_s=step, breakdown=breakdown,
         model_flops=model_flops, hardware_flops=hw_flops, num_gpus=cluster.num_gpus,

@@ -446,3 +446,58 @@ def test_attention_dropout_on_cpu_is_priced_as_sdpas_math_path():
         gemm = f["none"]["forward"] - attn
         assert f["none"]["backward"] == pytest.approx(2 * gemm + ATTN_BWD_FACTOR * attn, rel=1e-12)
         assert f["selective"]["recompute"] == pytest.approx(attn, rel=1e-12)
+
+
+def test_one_micro_batch_makes_its_gradients_in_the_backward():
+    """autoplan's runtime sets gradients to None at a step's start except under torch's DDP, so with one
+    micro-batch and no pipeline the activations' peak holds only the head's gradients, and the optimizer step every
+    gradient without the activations: the estimate takes the larger, the counts place each at its moment. Measured:
+    tests/dist/test_counts.py (tp=2 and dp=2 ZeRO-1 at one micro-batch)."""
+    from autoplan.cost_models.estimate import estimate, grads_made_in_backward, memory_of_rank
+    from autoplan.cost_models.pipeline import in_flight
+    from autoplan.cost_models.profile import profile_from_spec
+
+    def parts(cfg, training=None, model="tiny-gpt"):
+        plan = make_plan(load_model(model), load_cluster("local-cpu").with_gpus(4),
+                         training or TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32"), cfg,
+                         kernels="torch")
+        profiles = profile_from_spec(plan.model)
+        est = estimate(profiles, plan.cluster, plan.training, plan.parallel)
+        m = plan.training.global_batch_size // (plan.parallel.dp * plan.parallel.mbs)
+        fl = in_flight(plan.parallel.schedule, plan.parallel.pp, m, plan.parallel.vp)[0]
+        stages = [s for s in est.stages if s.index % plan.parallel.pp == 0]  # rank 0's
+        every = memory_of_rank(stages, fl, plan.parallel, plan.cluster, plan.training)  # every gradient
+        return plan, est.memory[0], every, counts_of_plan(plan)[0]
+
+    for cfg, made in [("tp=4,mbs=8", True), ("dp=4,zero=1,mbs=2", True), ("dp=2,tp=2,mbs=4", True),
+                      ("dp=4,zero=3,mbs=2", True), ("dp=4,mbs=2", False), ("tp=4,mbs=4", False),
+                      ("pp=2,tp=2,mbs=8,schedule=gpipe", False)]:
+        plan, mem, every, rank = parts(cfg)
+        m = plan.training.global_batch_size // (plan.parallel.dp * plan.parallel.mbs)
+        assert grads_made_in_backward(plan.parallel, m, plan.training) is made, cfg
+        if not made:
+            assert mem.total == pytest.approx(every.total, rel=1e-12), cfg
+            continue
+        # tiny-gpt's activations outweigh its gradients: the peak is the backward's, with the final norm's
+        # gradient only (the tied head's weight gradient is a temporary there)
+        assert mem.activations == pytest.approx(every.activations) and 0 < mem.gradients < 0.01 * every.gradients
+        assert mem.total < every.total
+        assert rank["memory_moment"] in ("block", "head", "forward") and rank["memory_at"] != "optimizer", cfg
+        assert rank["memory_bytes"]["gradients"] <= mem.gradients, cfg
+    # ZeRO-1 with one micro-batch holds ZeRO-2's gradient shards at its step (not every gradient, as with two)
+    plan, mem, every, _ = parts("dp=4,zero=1,mbs=2")
+    z2 = parts("dp=4,zero=2,mbs=2")[2]
+    assert every.gradients > z2.gradients > 0
+    # a wide model on few tokens: the gradients outweigh the activations, the optimizer step is the peak
+    wide = TrainingSpec(global_batch_size=1, seq_length=8, dtype="fp32")
+    plan, mem, every, rank = parts("tp=4,mbs=1", wide)
+    assert every.gradients > every.activations
+    assert mem.gradients == pytest.approx(every.gradients) and mem.activations == 0.0
+    assert mem.total < every.total
+    assert rank["memory_moment"] == "step" and rank["memory_at"] == "optimizer"
+    assert rank["memory_bytes"]["gradients"] == pytest.approx(every.gradients)
+    assert 0 < rank["memory_bytes"]["activations"] < 0.05 * every.activations  # the token ids only
+    # other software (Megatron's grad buffer) keeps every gradient: only autoplan's runtime is priced so
+    from autoplan.cost_models.stacks import apply_stack
+
+    assert not grads_made_in_backward(plan.parallel, 1, apply_stack(wide, "megatron-core", {}))
