@@ -343,8 +343,13 @@ def grads_made_in_backward(cfg: ParallelConfig, m: int, training: TrainingSpec) 
     before: every gradient at the peak). Measured (benchmarks/counts.py, tiny-gpt, one micro-batch): tp=4, dp=2 x
     tp=2 (`replicate`) and dp=4 at ZeRO-1/2/3 hold no gradient at the forward's and the head's peak, the head's
     own at the last block's backward, every one at the optimizer step."""
-    return (training.runtime_memory and m == 1 and cfg.pp == 1
-            and not uses_torch_ddp(tp=cfg.tp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp))
+    return grads_made_in_backward_of(pp=cfg.pp, m=m, tp=cfg.tp, zero=cfg.zero, dp_cp=cfg.dp * cfg.cp,
+                                     training=training)
+
+
+def grads_made_in_backward_of(*, pp: int, m: int, tp: int, zero: int, dp_cp: int, training: TrainingSpec) -> bool:
+    """`grads_made_in_backward` of the degrees (the search's form)."""
+    return training.runtime_memory and m == 1 and pp == 1 and not uses_torch_ddp(tp=tp, zero=zero, dp_cp=dp_cp)
 
 
 def head_grad_bytes(stages: list[StageCost], training: TrainingSpec) -> float:

@@ -65,6 +65,7 @@ from autoplan.cost_models.estimate import (
     estimate,
     fsdp_unit_time,
     grad_accum_time,
+    grads_made_in_backward_of,
     optimizer_time,
     p2p_occupancy,
     param_gather_exposed,
@@ -262,6 +263,19 @@ class CostTable:
             out = [b + sum(x) for b, x in zip(out, extra, strict=True)]
         got = self._static[key] = (out[0], out[1])
         return got
+
+    def grad_per_param(self, mesh: Mesh, zero: int) -> tuple[float, float]:
+        """The gradients' part of `static_per_param` (bytes per dense and per expert parameter): what a rank holds
+        only from the backward on where gradients are made there (`estimate.grads_made_in_backward`)."""
+        sd = mesh.dp * mesh.cp
+        se = max(1, sd // mesh.ep)
+        sharded = zero >= 2 and mesh.pp == 1
+        out = [self.g_bytes * (1 / shard if sharded else 1) for shard in (sd, se)]
+        if self.training.runtime_memory:
+            extra = runtime_per_param(dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep, zero=zero,
+                                      training=self.training)
+            out = [b + x[1] for b, x in zip(out, extra, strict=True)]
+        return out[0], out[1]
 
     def tied_copy(self, mesh: Mesh) -> float:
         """Elements per tp rank of a tied head's own copy on the last of several pipeline stages
@@ -529,19 +543,49 @@ class _Searcher:
         work = self.agg(mesh).work + sum(self.occupancy(mesh, occ_vp))
         return (m - 1 / vp) * work / mesh.pp + work / vp + 2 * (mesh.pp - 1) * self.p2p_time(mesh)
 
+    def made_in_backward(self, mesh: Mesh, zero: int) -> bool:
+        """Whether `mesh` at `zero` makes its gradients in the backward (`estimate.grads_made_in_backward`)."""
+        return grads_made_in_backward_of(pp=mesh.pp, m=self.micro_batches(mesh), tp=mesh.tp, zero=zero,
+                                         dp_cp=mesh.dp * mesh.cp, training=self.training)
+
+    def step_memory(self, mesh: Mesh, zero: int, dense_b: float, expert_b: float) -> float:
+        """Bytes of the optimizer step where gradients are made in the backward (no pipeline: the one rank holds
+        every layer), beside the capacity as `StageProblem.step_memory`: `dense_b`/`expert_b` without the
+        gradients, the loss's transient (estimate books it with the overheads at every moment), and the
+        gradients as held at the step (`estimate.one_pass_config`: ZeRO-1 with one micro-batch holds ZeRO-2's
+        shards), the embedding's whole-vocabulary one included (`ends_static`)."""
+        a = self.agg(mesh)
+        dense = a.blk_dense + sum(c.params_local - c.expert_params_local for c in (a.emb, a.head))
+        expert = a.blk_expert + a.emb.expert_params_local + a.head.expert_params_local
+        at_step = 2 if zero == 1 else zero
+        dg, eg = self.costs.grad_per_param(mesh, at_step)
+        return dense * (dense_b + dg) + expert * (expert_b + eg) + self.costs.ends_static(mesh, at_step)[0] \
+            + a.head.loss_transient
+
     def problem(self, mesh: Mesh, kn: Knobs) -> StageProblem:
         lc = self.costs.layers(mesh)
         dense_b, expert_b = self.costs.static_per_param(mesh, kn.zero)
+        emb_x, head_x = self.costs.ends_static(mesh, kn.zero)
+        head_b = dense_b
+        step: tuple[float, ...] = ()
+        if self.made_in_backward(mesh, kn.zero):
+            # the blocks' and the embedding's static bytes without gradients (none exists before their
+            # backward), the head's with its own, unsharded (its backward comes first; FSDP2 reduces the root's
+            # last); every gradient at the optimizer step instead (`step_memory`)
+            dg, eg = self.costs.grad_per_param(mesh, kn.zero)
+            dense_b, expert_b = dense_b - dg, expert_b - eg
+            head_b = dense_b + self.costs.g_bytes
+            emb_x = 0.0  # the embedding's whole-vocabulary gradient
+            step = (self.step_memory(mesh, kn.zero, dense_b, expert_b),)
         by_uid: dict[int, BlockCost] = {}
         for u in self.costs.block_counts:
             extra = (self.zero3_extra(mesh, lc[u]) if kn.zero >= 3 else 0.0) + self.accum(lc[u])
             by_uid[u] = _block_cost(lc[u], dense_b, expert_b, extra, lc[u].weight_copies)
         e, h = lc[self.costs.uid[0]], lc[self.costs.uid[-1]]
-        emb_x, head_x = self.costs.ends_static(mesh, kn.zero)
         emb = _block_cost(e, dense_b, expert_b, self.accum(e), emb_x + e.weight_copies)
         # the loss's transient, held once by the head's rank whatever its in-flight micro-batches (estimate books it
         # with that rank's fixed overheads): bytes that do not scale, as the head's static ones
-        head = _block_cost(h, dense_b, expert_b, self.accum(h) + self.accum_tied(mesh),
+        head = _block_cost(h, head_b, expert_b, self.accum(h) + self.accum_tied(mesh),
                            head_x + h.loss_transient + h.weight_copies)
         m = self.micro_batches(mesh)
         infl = tuple(in_flight(kn.schedule, mesh.pp, m, kn.vp))
@@ -565,7 +609,8 @@ class _Searcher:
             blocks = tuple(by_uid[u] for u in self.costs.block_uids)
         return StageProblem(blocks=blocks, first=emb, last=head,
                             pp=mesh.pp, vp=kn.vp, m=m, inflight=infl, capacity=tuple(caps), pin=pin,
-                            uniform=len(self.costs.block_counts) == 1, stage_extra=self.occupancy(mesh, kn.vp))
+                            uniform=len(self.costs.block_counts) == 1, stage_extra=self.occupancy(mesh, kn.vp),
+                            step_memory=step)
 
     def memory_floor(self, mesh: Mesh) -> tuple[float, dict]:
         """A lower bound on the busiest rank's bytes over every knob and layout of `mesh`: the largest ZeRO
@@ -578,6 +623,10 @@ class _Searcher:
         expert = a.blk_expert + a.emb.expert_params_local + a.head.expert_params_local
         static = (dense + self.costs.tied_copy(mesh)) * dense_b + expert * expert_b
         act = a.blk_act_full + a.emb.act_none + a.head.act_none
+        if self.made_in_backward(mesh, zero):  # no pipeline: the activations' moment or the optimizer step's
+            dg, eg = self.costs.grad_per_param(mesh, zero)
+            static -= dense * dg + expert * eg
+            act = max(act, self.step_memory(mesh, zero, dense_b - dg, expert_b - eg) - static)
         avg = (static + act) / mesh.pp + self.overhead
         return avg, {"static": static / mesh.pp, "activations": act / mesh.pp, "other": self.overhead}
 

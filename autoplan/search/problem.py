@@ -16,7 +16,8 @@ best of them exactly. The model mirrors `autoplan.cost_models.estimate.stage_cos
 - objective: the closed-form makespan (m - 1/v) * max_r R_r + (sum_s W_s) / v  (`closed_form_makespan`,
   constants such as point-to-point time and the data-parallel tail are the candidate's, not the layout's);
 - rank memory: sum over its stages of (static bytes + inflight_r * activation bytes) + the largest transient
-  of a fully recomputed block, at most the rank's capacity.
+  of a fully recomputed block, or the bytes of its optimizer step where larger (`step_memory`: gradients made in
+  the backward, when the blocks' static bytes hold none), at most the rank's capacity.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ class StageProblem:
     stage_extra: tuple[float, ...] = ()
     # no block recomputed fully (`pin` None): the search's second layout per candidate (`_Searcher.finalise`)
     no_full: bool = False
+    # per rank, bytes held at the optimizer step where that moment can hold more than the backward's (gradients
+    # made in the backward: cost_models.estimate.grads_made_in_backward, no pipeline, so one rank holding every
+    # layer whatever the layout); a rank's memory is the larger of the two; empty = none
+    step_memory: tuple[float, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -164,6 +169,8 @@ def evaluate(p: StageProblem, stages: tuple[StageChoice, ...]) -> tuple[float, t
     v = p.vp
     obj = (p.m - 1 / v) * max(rank_work) + total / v
     mem = tuple(rank_static[r] + p.inflight[r] * rank_act[r] + rank_extra[r] for r in range(p.pp))
+    if p.step_memory:
+        mem = tuple(max(x, f) for x, f in zip(mem, p.step_memory, strict=True))
     return obj, mem
 
 

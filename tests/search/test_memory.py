@@ -131,3 +131,42 @@ def test_tied_heads_copy_is_on_the_last_rank_on_every_stack(stack):
         if model.tie_embeddings:  # no pipeline: the tied weight is held once, on the embedding
             assert flat < last[True]
     assert last[True] == pytest.approx(last[False], rel=1e-12)
+
+
+@pytest.mark.parametrize("model", [DENSE, TIED, MOE], ids=lambda m: m.name)
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("seq", [1024, 16])
+def test_one_micro_batch_search_memory_is_the_estimates(model, tp, ep, zero, seq):
+    """With one micro-batch and no pipeline autoplan's runtime makes its gradients in the backward
+    (`estimate.grads_made_in_backward`): the search prices the larger of the activations' moment and the optimizer
+    step as the estimate does (long sequences: the activations'; 16 tokens: the step's), and torch's DDP (ZeRO-0
+    without tp) keeps every gradient beside the activations."""
+    if ep > 1 and not model.is_moe:
+        pytest.skip("ep only with experts")
+    from autoplan.cost_models.estimate import grads_made_in_backward
+
+    cluster = load_cluster("dgx-a100-80g", gpus=16)
+    dp = 16 // tp
+    training = TrainingSpec(global_batch_size=2 * dp, seq_length=seq)
+    profiles = profile_from_spec(model)
+    s = _Searcher(model, cluster, training, profiles, {}, 3, None)
+    mesh = Mesh(tp=tp, cp=1, ep=ep, pp=1, dp=dp, mbs=2, sp=tp > 1)
+    kn = Knobs(zero, "1f1b", 1)
+    prob = s.problem(mesh, kn)
+    sol = solve_stage_problem(prob)
+    assert sol is not None
+    cfg = check_config(to_config(mesh, kn, "none"), model, cluster, training, stage_layers=False)
+    made = grads_made_in_backward(cfg, 1, training)
+    assert made == (zero > 0 or tp > 1) and bool(prob.step_memory) == made
+    layout = [StageLayout((c.start, c.stop), c.recompute, c.recompute_layers) for c in sol.stages]
+    est = estimate(profiles, cluster, training, cfg, layout, simulate_pipeline=False)
+    mem = evaluate(prob, sol.stages)[1]
+    assert mem[0] + s.overhead == pytest.approx(est.memory[0].total, rel=1e-9)
+    if made:
+        step_is_peak = est.memory[0].activations == 0.0
+        if zero == 0:  # replicate (tp > 1): whole gradients, which outweigh 16 tokens' activations only
+            assert step_is_peak == (seq == 16)
+        assert (prob.step_memory[0] >= mem[0] * (1 - 1e-12)) == step_is_peak
+        # the search's lower bound stays below every layout's bytes
+        assert s.memory_floor(mesh)[0] <= est.memory[0].total * (1 + 1e-9)
