@@ -466,6 +466,11 @@ class GarbageCollection:
             gc.enable()
 
 
+def _size(gib: float) -> str:
+    """A tensor size as read at a glance: MiB below 1 GiB (a small model's 0.007 GiB hides a 20% miss)."""
+    return f"{gib * 1024:.1f} MiB" if abs(gib) < 1 else f"{gib:.2f} GiB"
+
+
 class RunSummary:
     """Rank 0's closing lines: the steady step time against the plan's prediction, the tensor-memory peak against
     this stage's predicted tensors, the loss; and, when the time is far from the prediction, which command makes
@@ -503,7 +508,8 @@ class RunSummary:
         if peak is not None:
             overhead = plan.cluster.gpu.calibration.framework_overhead_gib
             tensors = plan.prediction.memory_gib["per_stage"][self.stage] - overhead
-            out.append(f"tensor memory {peak:.3f} GiB (step {at}) against {tensors:.3f} GiB predicted for stage "
+            share = f" = {peak / tensors:.2f} x the" if tensors > 0 else " against"
+            out.append(f"tensor memory {_size(peak)} (step {at}){share} {_size(tensors)} predicted for stage "
                        f"{self.stage} ({overhead:g} GiB of framework overhead priced beside it)")
         lo, hi = self.BAND
         if not lo <= ratio <= hi:

@@ -78,7 +78,7 @@ def test_four_process_run_logs_measured_and_predicted(tmp_path):
     median = sorted(r["step_time_s"] for r in rows[1:])[1]
     assert (f"done: 4 steps; step time {median * 1e3:.1f} ms (median of steps 2-4) = {median / predicted:.2f} x "
             f"the predicted {predicted * 1e3:.1f} ms") in text, text[-2000:]
-    assert f"tensor memory {rows[-1]['peak_memory_gib']:.3f} GiB (step 3) against" in text
+    assert f"tensor memory {rows[-1]['peak_memory_gib'] * 1024:.1f} MiB (step 3) = " in text
 
 
 def test_launcher_refuses_a_wrong_process_count_without_starting(tmp_path):

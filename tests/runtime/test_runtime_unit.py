@@ -439,7 +439,11 @@ def test_run_summary_compares_with_the_prediction_and_says_how_to_fix_the_spec()
     assert len(got) == 1  # within the band: no note, and no memory line before memory was measured
     slow = lines([pred, 2.0 * pred, 2.0 * pred], peak=0.25)
     tensors = plan.prediction.memory_gib["per_stage"][0] - plan.cluster.gpu.calibration.framework_overhead_gib
-    assert slow[1].startswith(f"tensor memory 0.250 GiB (step 13) against {tensors:.3f} GiB predicted for stage 0")
+    assert slow[1].startswith(f"tensor memory 256.0 MiB (step 13) = {0.25 / tensors:.2f} x the "
+                              f"{tensors * 1024:.1f} MiB predicted for stage 0")
+    big = RunSummary(plan, 0, "my-plan.json")
+    big.add({"step": 1, "loss": 5.0, "step_time_s": pred, "peak_memory_gib": 61.5, "memory_measured_step": 1})
+    assert f"tensor memory 61.50 GiB (step 1) = {61.5 / tensors:.2f} x the" in big.lines()[1]
     assert slow[2].startswith("note: this machine runs the plan 2.0x slower than cluster spec 'local-cpu'")
     assert "autoplan tune --plan my-plan.json --cluster-out tuned.yaml" in slow[2]
     assert "2.5x faster" in lines([pred, 0.4 * pred])[-1]
