@@ -265,8 +265,10 @@ def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Se
 
         # manifest and sizes only: the workers verify every checksum (and fall back on restarts) themselves
         checkpoint.check_trusted(checkpoint.resolve(resume), checksums=False)
-    cmd = torchrun_command(plan_path, nproc, args, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
-                           max_restarts=max_restarts)
+    # a printed command is for another shell (a SLURM script, another node) that may start elsewhere: it names the
+    # plan checked here by its absolute path (the training arguments are passed as given)
+    cmd = torchrun_command(Path(plan_path).resolve() if print_command else plan_path, nproc, args, nnodes=nnodes,
+                           rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts)
     trust = {TRUSTED_MODULE_ENV: module} if module else {}
     if print_command:
         env_words = {**trust, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -280,13 +280,18 @@ def test_multi_node_launch_checks():
         check_launch(plan, 3, 2, "h:1")
 
 
-def test_print_command_prints_one_line_per_node(tmp_path, capsys):
+def test_print_command_prints_one_line_per_node(tmp_path, capsys, monkeypatch):
     from autoplan.runtime.launch import run
 
     path = plan_for(gpus=8, config="tp=2,pp=2").save(tmp_path / "p.json")
     assert run(path, nnodes=2, rdzv_endpoint="node0:29500", train_args=["--steps", "3"], print_command=True) == 0
     out = capsys.readouterr().out.strip()
     assert out.count("\n") == 0 and "--nnodes 2" in out and "--nproc-per-node 4" in out and str(path) in out
+    # a relative plan path is printed absolute: the command may run from another directory
+    monkeypatch.chdir(tmp_path)
+    assert run("p.json", nnodes=2, rdzv_endpoint="node0:29500", print_command=True) == 0
+    words = capsys.readouterr().out.split()
+    assert str((tmp_path / "p.json").resolve()) in words and "p.json" not in words
 
 
 def test_garbage_collection_runs_between_steps_and_restores_the_collector():
