@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from autoplan.cost_models.estimate import Estimate
+from autoplan.cost_models.estimate import Estimate, memory_moment_note
 from autoplan.cost_models.specs import ClusterSpec, ModelSpec, TrainingSpec
 from autoplan.inspect.common import fmt_tflops
 
@@ -36,6 +36,9 @@ def render_estimate(con: Console, model: ModelSpec, cluster: ClusterSpec, traini
         mem.add_row(str(r), *(f"{g[k]:.2f}" for k in ("weights", "gradients", "optimizer", "activations", "other")),
                     f"[{'red' if m.total > est.capacity_bytes else 'green'}]{g['total']:.2f}[/]")
     con.print(mem)
+    note = memory_moment_note(cfg, training, est.memory[0])
+    if note:
+        con.print(f"[dim]  {note}[/]")
     br = Table(title="Step time breakdown")
     br.add_column("component")
     br.add_column("seconds", justify="right")

@@ -352,6 +352,18 @@ def grads_made_in_backward_of(*, pp: int, m: int, tp: int, zero: int, dp_cp: int
     return training.runtime_memory and m == 1 and pp == 1 and not uses_torch_ddp(tp=tp, zero=zero, dp_cp=dp_cp)
 
 
+def memory_moment_note(cfg: ParallelConfig, training: TrainingSpec, parts: MemoryParts) -> str:
+    """One line for a memory table where its gradients and activations are not all held at once
+    (`grads_made_in_backward`): which moment the peak is, from `memory_of_rank`'s choice; else ""."""
+    if not grads_made_in_backward(cfg, num_microbatches(cfg, training), training):
+        return ""
+    if parts.activations == 0.0 and parts.gradients > 0.0:
+        return ("one micro-batch: the gradients are made in the backward; the peak is the optimizer step "
+                "(every gradient, no activation left)")
+    return ("one micro-batch: the gradients are made in the backward; the peak is the last block's backward "
+            "(every activation, the head's gradients only)")
+
+
 def head_grad_bytes(stages: list[StageCost], training: TrainingSpec) -> float:
     """Gradient bytes a rank holds at its last block's backward when gradients are made in the backward
     (`grads_made_in_backward`): the head layer's own (final norm, an untied LM head: the layers after the last

@@ -32,6 +32,24 @@ def test_estimate_rich_output(capsys):
     assert "step time" in out and "Memory per pipeline rank" in out and "bubble" in out
 
 
+def test_memory_tables_say_when_one_micro_batch_makes_its_gradients_in_the_backward(tmp_path, capsys):
+    """estimate's and show's memory tables name the moment of the peak where gradients and activations are not
+    held together (cost_models.estimate.grads_made_in_backward), and say nothing otherwise."""
+    base = ["estimate", "--model", "tiny-gpt", "--cluster", "local-cpu", "--gpus", "1", "--seq-len", "8"]
+
+    def out(batch, extra=()):
+        capsys.readouterr()
+        assert main(base + ["--global-batch", str(batch), "--parallel", "mbs=1", *extra]) == 0
+        return " ".join(capsys.readouterr().out.split())
+
+    assert "gradients are made in the backward" not in out(2)  # two micro-batches: every gradient at the peak
+    assert "the peak is the optimizer step (every gradient, no activation left)" in out(1)  # 8 tokens
+    plan = tmp_path / "p.json"
+    out(1, ["-o", str(plan)])
+    assert main(["show", str(plan)]) == 0
+    assert "the peak is the optimizer step" in " ".join(capsys.readouterr().out.split())
+
+
 def test_estimate_writes_a_plan(tmp_path, capsys):
     from autoplan.plan import load_plan
 
