@@ -5,7 +5,8 @@ The procedure (every number is the cost model's; nothing is measured):
 1. **Enumerate** legal meshes (tp, cp, ep, pp, dp) with micro-batch sizes and sequence parallelism
    (`space.meshes`), and for each mesh the ZeRO stages, schedules and virtual stages (`space.knob_options`).
    The three benchmark cases have 0.2-0.3 million such candidates; they are never all built. ZeRO-2 is left
-   out where it prices exactly as ZeRO-1 (under pipeline parallelism: whole gradients, `distinct_zeros`).
+   out where it prices exactly as ZeRO-1 (under pipeline parallelism: whole gradients; one micro-batch on
+   autoplan's runtime: ZeRO-1 reduce-scatters in its only backward; `distinct_zeros`).
 2. **Bound**: best-first branch and bound over one heap. A candidate's key is first a lower bound: its
    perfectly balanced step without recomputation, (m - 1/v) W/pp + W/v + the closed form's point-to-point
    time + the data-parallel tail (W = every layer's work for one micro-batch plus the compute time the
@@ -121,7 +122,7 @@ class SearchStats:
     screened: int = 0  # ILP layouts estimated with the closed-form pipeline
     estimated: int = 0  # finalists re-estimated with the pipeline simulation
     pruned_dominated: int = 0  # dominated by a twin that cannot fit (GPipe by 1F1B, sp=0 by sp=1), or priced
-    # exactly as a twin that is searched (ZeRO-2 under pp, `distinct_zeros`)
+    # exactly as a twin that is searched (ZeRO-2 under pp or at one micro-batch, `distinct_zeros`)
     search_time_s: float = 0.0
     kernels_note: str = ""  # why the plan runs torch's kernels where the stack's are autoplan's fused ones
 
@@ -528,9 +529,12 @@ class _Searcher:
 
     def distinct_zeros(self, mesh: Mesh, zeros: list[int]) -> list[int]:
         """ZeRO stages that price differently on `mesh`: ZeRO-2 is ZeRO-1 wherever it keeps whole gradients
-        (under pipeline parallelism, `static_per_param`) -- the same traffic, optimizer and memory -- so it is
-        left out when ZeRO-1 is searched (the tie would go to zero=1 anyway, by name)."""
-        if 1 in zeros and 2 in zeros and self.costs.static_per_param(mesh, 2) == self.costs.static_per_param(mesh, 1):
+        (under pipeline parallelism, `static_per_param`) -- the same traffic, optimizer and memory -- and ZeRO-1
+        is ZeRO-2 where one micro-batch without a pipeline makes the gradients in the backward on autoplan's
+        runtime (`estimate.one_pass_config`), so ZeRO-2 is left out when ZeRO-1 is searched (the tie would go to
+        zero=1 anyway, by name)."""
+        if 1 in zeros and 2 in zeros and (self.made_in_backward(mesh, 1) or
+                                          self.costs.static_per_param(mesh, 2) == self.costs.static_per_param(mesh, 1)):
             return [z for z in zeros if z != 2]
         return zeros
 

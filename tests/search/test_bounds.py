@@ -107,6 +107,19 @@ def test_zero2_is_left_out_only_where_it_prices_as_zero1():
         assert same == (pp > 1)  # under a pipeline ZeRO-2 keeps whole gradients (estimate.memory_of_rank)
         assert (2 in s.distinct_zeros(mesh, [0, 1, 2, 3])) == (not same)
         assert s.distinct_zeros(mesh, [2]) == [2]  # pinned: kept
+    # one micro-batch without a pipeline: ZeRO-1 reduce-scatters in its only backward (estimate.one_pass_config),
+    # on autoplan's runtime only (Megatron's distributed optimizer keeps its whole gradient buffer)
+    for stack in ("autoplan", "megatron-core"):
+        cluster, training, profiles, s = _setup(stack)
+        mesh = Mesh(tp=1, cp=1, ep=1, pp=1, dp=16, mbs=2, sp=False)  # 32 = 16 x 2: one micro-batch
+        ests = {}
+        for z in (1, 2):
+            cfg = check_config(to_config(mesh, Knobs(z, "1f1b", 1), "none"), MODEL, cluster, training,
+                               stage_layers=False)
+            ests[z] = estimate(profiles, cluster, training, cfg)
+        same = ests[1].step_time_s == ests[2].step_time_s and ests[1].peak_memory_gib == ests[2].peak_memory_gib
+        assert same == (stack == "autoplan")
+        assert (2 in s.distinct_zeros(mesh, [0, 1, 2, 3])) == (not same)
 
 
 def test_gpt3_175b_search_stays_small():
