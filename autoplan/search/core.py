@@ -209,7 +209,7 @@ class CostTable:
         self.g_bytes = training.grad_bytes
         self.opt_bytes = training.master_bytes + 8
         self.profiles = profiles
-        self._static: dict[tuple, tuple[float, float]] = {}
+        self._static: dict[tuple, tuple[tuple[float, float, float], tuple[float, float, float]]] = {}  # `per_param`
         self._crowded: dict[tuple, ClusterSpec] = {}  # `cluster_for`
         self._tied: dict[int, float] = {}  # `tied_copy` by tp
         # (tensors, elements) with partial gradients under sp: all blocks, the embedding, the head
@@ -242,8 +242,8 @@ class CostTable:
             self._layer[key] = got
         return got
 
-    def static_per_param(self, mesh: Mesh, zero: int) -> tuple[float, float]:
-        """Bytes per dense and per expert parameter (weights + gradients + optimizer) after ZeRO sharding, as
+    def per_param(self, mesh: Mesh, zero: int) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+        """Bytes per dense and per expert parameter, (weights, gradients, optimizer), after ZeRO sharding, as
         `estimate.memory_of_rank` prices them: under pipeline parallelism ZeRO-2/3 keep whole gradients (the
         schedule defers the reduce-scatter to the last micro-batch); on autoplan's runtime
         (`TrainingSpec.runtime_memory`) with what it holds beyond that (`estimate.runtime_per_param`)."""
@@ -254,29 +254,25 @@ class CostTable:
         sd = mesh.dp * mesh.cp
         se = max(1, sd // mesh.ep)
         grads_sharded = zero >= 2 and mesh.pp == 1
-        out = []
-        for shard in (sd, se):
-            out.append(self.w_bytes * (1 / shard if zero >= 3 else 1) + self.g_bytes * (1 / shard if grads_sharded else 1)
-                       + self.opt_bytes * (1 / shard if zero >= 1 else 1))
+        out = [(self.w_bytes * (1 / shard if zero >= 3 else 1), self.g_bytes * (1 / shard if grads_sharded else 1),
+                self.opt_bytes * (1 / shard if zero >= 1 else 1)) for shard in (sd, se)]
         if self.training.runtime_memory:
             extra = runtime_per_param(dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep, zero=zero,
                                       training=self.training)
-            out = [b + sum(x) for b, x in zip(out, extra, strict=True)]
+            out = [tuple(a + b for a, b in zip(base, x, strict=True)) for base, x in zip(out, extra, strict=True)]
         got = self._static[key] = (out[0], out[1])
         return got
+
+    def static_per_param(self, mesh: Mesh, zero: int) -> tuple[float, float]:
+        """Bytes per dense and per expert parameter (weights + gradients + optimizer), `per_param` summed."""
+        dense, expert = self.per_param(mesh, zero)
+        return sum(dense), sum(expert)
 
     def grad_per_param(self, mesh: Mesh, zero: int) -> tuple[float, float]:
         """The gradients' part of `static_per_param` (bytes per dense and per expert parameter): what a rank holds
         only from the backward on where gradients are made there (`estimate.grads_made_in_backward`)."""
-        sd = mesh.dp * mesh.cp
-        se = max(1, sd // mesh.ep)
-        sharded = zero >= 2 and mesh.pp == 1
-        out = [self.g_bytes * (1 / shard if sharded else 1) for shard in (sd, se)]
-        if self.training.runtime_memory:
-            extra = runtime_per_param(dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep, zero=zero,
-                                      training=self.training)
-            out = [b + x[1] for b, x in zip(out, extra, strict=True)]
-        return out[0], out[1]
+        dense, expert = self.per_param(mesh, zero)
+        return dense[1], expert[1]
 
     def tied_copy(self, mesh: Mesh) -> float:
         """Elements per tp rank of a tied head's own copy on the last of several pipeline stages
