@@ -94,30 +94,28 @@ def test_step_time_lower_bound_never_exceeds_the_simulation(stack, pp, vp, layer
     assert bound <= sim.step_time_s * (1 + 1e-12)
 
 
+def _zero1_prices_as_zero2(stack: str, mesh: Mesh) -> tuple[bool, _Searcher]:
+    """Whether ZeRO-1 and ZeRO-2 give the same step time and peak on `mesh`, and the stack's searcher."""
+    cluster, training, profiles, s = _setup(stack)
+    ests = []
+    for z in (1, 2):
+        cfg = check_config(to_config(mesh, Knobs(z, "1f1b", 1), "none"), MODEL, cluster, training, stage_layers=False)
+        ests.append(estimate(profiles, cluster, training, cfg))
+    return ests[0].step_time_s == ests[1].step_time_s and ests[0].peak_memory_gib == ests[1].peak_memory_gib, s
+
+
 def test_zero2_is_left_out_only_where_it_prices_as_zero1():
-    cluster, training, profiles, s = _setup("autoplan")
     for pp in (1, 2):
         mesh = Mesh(tp=2, cp=1, ep=1, pp=pp, dp=16 // (2 * pp), mbs=1, sp=True)
-        ests = {}
-        for z in (1, 2):
-            cfg = check_config(to_config(mesh, Knobs(z, "1f1b", 1), "none"), MODEL, cluster, training,
-                               stage_layers=False)
-            ests[z] = estimate(profiles, cluster, training, cfg)
-        same = ests[1].step_time_s == ests[2].step_time_s and ests[1].peak_memory_gib == ests[2].peak_memory_gib
+        same, s = _zero1_prices_as_zero2("autoplan", mesh)
         assert same == (pp > 1)  # under a pipeline ZeRO-2 keeps whole gradients (estimate.memory_of_rank)
         assert (2 in s.distinct_zeros(mesh, [0, 1, 2, 3])) == (not same)
         assert s.distinct_zeros(mesh, [2]) == [2]  # pinned: kept
     # one micro-batch without a pipeline: ZeRO-1 reduce-scatters in its only backward (estimate.one_pass_config),
     # on autoplan's runtime only (Megatron's distributed optimizer keeps its whole gradient buffer)
+    mesh = Mesh(tp=1, cp=1, ep=1, pp=1, dp=16, mbs=2, sp=False)  # 32 = 16 x 2: one micro-batch
     for stack in ("autoplan", "megatron-core"):
-        cluster, training, profiles, s = _setup(stack)
-        mesh = Mesh(tp=1, cp=1, ep=1, pp=1, dp=16, mbs=2, sp=False)  # 32 = 16 x 2: one micro-batch
-        ests = {}
-        for z in (1, 2):
-            cfg = check_config(to_config(mesh, Knobs(z, "1f1b", 1), "none"), MODEL, cluster, training,
-                               stage_layers=False)
-            ests[z] = estimate(profiles, cluster, training, cfg)
-        same = ests[1].step_time_s == ests[2].step_time_s and ests[1].peak_memory_gib == ests[2].peak_memory_gib
+        same, s = _zero1_prices_as_zero2(stack, mesh)
         assert same == (stack == "autoplan")
         assert (2 in s.distinct_zeros(mesh, [0, 1, 2, 3])) == (not same)
 
