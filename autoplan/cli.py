@@ -325,9 +325,13 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     from autoplan.cost_models.stacks import KNOB_ALIASES
 
     short = {field: alias for alias, field in KNOB_ALIASES.items()}  # --stack-set takes either name
+    def value(knobs: dict, k: str, v) -> str:
+        if v is None and k == "grad_reduce_dtype" and knobs.get("autocast_fp32_params"):
+            return "fp32 (the fp32 parameters' own)"  # TrainingSpec.grad_dtype: autocast over fp32 parameters
+        return "compute" if v is None else str(v).lower()
+
     for r in rows:
-        knobs = "\n".join(f"{short.get(k, k)}={'compute' if v is None else str(v).lower()}"
-                          for k, v in r["knobs"].items())
+        knobs = "\n".join(f"{short.get(k, k)}={value(r['knobs'], k, v)}" for k, v in r["knobs"].items())
         about = f"{r['title']}{' (default)' if r['default'] else ''}\n{r['assumes']}"
         if r["typical"]:
             about += f"\ntypically run with: {r['typical']}"

@@ -505,12 +505,18 @@ class TrainingSpec(_Frozen):
         return 0 if self.fp32_params else 4
 
     @property
-    def grad_bytes(self) -> int:
-        """Bytes per gradient element held and reduced: fp32 under `fp32_params` (autoplan's runtime reduces the
-        parameters' own fp32 gradients: DDP, and FSDP2 with no MixedPrecisionPolicy), else the reduce dtype."""
+    def grad_dtype(self) -> str:
+        """Dtype of the gradients held and reduced: fp32 under `fp32_params` (autoplan's runtime reduces the
+        parameters' own fp32 gradients: DDP, and FSDP2 with no MixedPrecisionPolicy), else the reduce dtype
+        (`grad_reduce_dtype`, by default the compute dtype; bf16 under fp8)."""
         if self.fp32_params:
-            return 4
-        return DTYPE_BYTES[self.grad_reduce_dtype or ("bf16" if self.dtype == "fp8" else self.dtype)]
+            return "fp32"
+        return self.grad_reduce_dtype or ("bf16" if self.dtype == "fp8" else self.dtype)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element held and reduced (`grad_dtype`)."""
+        return DTYPE_BYTES[self.grad_dtype]
 
     selective_policy: Literal["attention_core", "every_other_matmul"] = Field(
         default="attention_core",

@@ -70,7 +70,7 @@ def _stack(**kw) -> Stack:
 
 STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack(
-        name="autoplan", title="autoplan's own runtime (default)",
+        name="autoplan", title="autoplan's own runtime",
         knobs={"flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                "tp_comm_overlap": False, "kernels": "fused", "grad_reduce_dtype": None, "runtime_memory": True,
                "sp_grads_coalesced": False, "autocast_fp32_params": True,

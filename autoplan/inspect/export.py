@@ -218,7 +218,7 @@ def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
     # What the plan's cost assumed, stated rather than left to Megatron's defaults: gradients reduced in the
     # training dtype unless the plan says fp32 (Megatron reduces its fp32 main grads unless
     # --grad-reduce-in-bf16), the attention kernel, and (below) the MoE dispatcher.
-    reduce = tr.grad_reduce_dtype or ("bf16" if tr.dtype == "fp8" else tr.dtype)
+    reduce = tr.grad_dtype  # fp32 on the autoplan stack (autocast over fp32 parameters): Megatron's default
     if reduce == "bf16":
         f.append(("--grad-reduce-in-bf16", None))
     elif reduce == "fp16":
@@ -353,8 +353,8 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
     if tr.dtype == "fp8":
         warnings.append("fp8: torchtitan runs Float8 through a model converter (e.g. llama3_8b's float8 configs); "
                         "exported bfloat16 parameters without it")
-    reduce = tr.grad_reduce_dtype or ("bf16" if tr.dtype == "fp8" else tr.dtype)
-    if reduce != "fp32" and tr.dtype != "fp32":
+    reduce = tr.grad_dtype
+    if reduce != "fp32":
         warnings.append(f"the plan reduces gradients in {reduce}; torchtitan reduces in float32 only "
                         "(mixed_precision_reduce), twice the data-parallel bytes the plan assumed")
     par: dict[str, object] = {}

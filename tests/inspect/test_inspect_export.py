@@ -173,6 +173,23 @@ def test_torchtitan_llama_flavour():
     assert cfg["activation_checkpoint"]["mode"] == "full"
 
 
+def test_exports_reduce_gradients_in_the_dtype_the_plan_priced():
+    """The autoplan stack trains under autocast over fp32 parameters: its gradients are fp32 and reduced in fp32
+    (TrainingSpec.grad_dtype), which is Megatron's default reduce and torchtitan's only one, so neither export
+    asks for bf16 or warns; a plan priced with Megatron-Core's bf16 reduce asks Megatron for it and is warned
+    about torchtitan's fp32."""
+    from autoplan.cost_models.stacks import apply_stack
+    from autoplan.specs import TrainingSpec, load_model
+
+    base = TrainingSpec(global_batch_size=16, seq_length=4096)
+    for stack, grad in (("autoplan", "fp32"), ("megatron-core", "bf16")):
+        plan = make_plan(load_model("llama3-8b"), load_cluster("dgx-h100", gpus=8), apply_stack(base, stack, {}),
+                         "tp=2,mbs=1,zero=1,recompute=selective")
+        assert plan.training.grad_dtype == grad
+        assert ("--grad-reduce-in-bf16" in export_megatron(plan)["flags"]) == (grad == "bf16")
+        assert any("float32 only" in w for w in export_torchtitan(plan)["warnings"]) == (grad == "bf16")
+
+
 def test_torchtitan_mixed_recompute_warns(gpt175):
     m, c, tr = gpt175
     plan = make_plan(m, c, tr, "tp=8,pp=8,mbs=1,sp=1,recompute=full,recompute_layers=3")

@@ -20,14 +20,19 @@ def _est(capsys, *extra: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_stacks_lists_the_issue_profiles(capsys):
+def test_stacks_lists_the_issue_profiles(capsys, monkeypatch):
     assert main(["stacks", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert set(rows) >= {"autoplan", "megatron-2021", "megatron-2022", "megatron-core", "deepspeed-zero3",
                          "torchtitan"}
     assert rows["autoplan"]["default"] and rows["megatron-2021"]["knobs"]["flash_attention"] is False
     assert all(r["assumes"] and r["source"] for r in rows.values())
-    assert main(["stacks"]) == 0 and "megatron-core" in capsys.readouterr().out
+    monkeypatch.setenv("COLUMNS", "300")  # one line per knob: no cell folded
+    assert main(["stacks"]) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "megatron-core" in out and "(default) (default)" not in out
+    # the autoplan stack's gradients are its fp32 parameters' own (TrainingSpec.grad_dtype), not the compute dtype
+    assert "grad_dtype=fp32 (the fp32 parameters' own)" in out
 
 
 def test_every_stack_is_valid_training_values():
