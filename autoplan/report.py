@@ -36,7 +36,7 @@ def render_estimate(con: Console, model: ModelSpec, cluster: ClusterSpec, traini
         mem.add_row(str(r), *(f"{g[k]:.2f}" for k in ("weights", "gradients", "optimizer", "activations", "other")),
                     f"[{'red' if m.total > est.capacity_bytes else 'green'}]{g['total']:.2f}[/]")
     con.print(mem)
-    note = memory_moment_note(cfg, training, est.memory[0])
+    note = memory_moment_note(cfg, training)
     if note:
         con.print(f"[dim]  {note}[/]")
     br = Table(title="Step time breakdown")

@@ -48,6 +48,7 @@ MATRIX = [
     "tiny-moe:dp=4,ep=4", "tiny-moe:dp=4,ep=2,zero=1", "tiny-moe:dp=2,tp=2,ep=2", "tiny-moe:pp=2,dp=2,ep=2",
     # one micro-batch: gradients made in the backward (cost_models.estimate.grads_made_in_backward), or DDP's kept
     "tiny-gpt:tp=4,mbs=8", "tiny-gpt:dp=4,zero=1,mbs=2", "tiny-gpt:dp=2,tp=2,mbs=4", "tiny-gpt:dp=4,mbs=2",
+    "tiny-gpt:dp=4,zero=3,recompute=full,mbs=2", "tiny-gpt:dp=4,zero=1,recompute=full,mbs=2",
 ]
 
 

@@ -52,6 +52,7 @@ from .estimate import (
     estimate,
     fsdp_collectives,
     fsdp_units,
+    grad_bytes_per_param,
     grads_made_in_backward,
     head_grad_bytes,
     memory_of_rank,
@@ -62,6 +63,7 @@ from .estimate import (
     step_scalar_all_reduces,
     tied_copy,
     tied_sync_bytes,
+    uses_fsdp2,
 )
 from .pipeline import in_flight, schedule_actions
 from .profile import LayerProfile
@@ -338,7 +340,18 @@ def _block_backward(p: LayerProfile, ctx: Context, training: TrainingSpec,
         # sequence parallelism: w2 (RowwiseParallel, its output reduce-scattered over the sequence) needs its
         # output's gradient whole again: DTensor all-gathers it (all_gather_into_tensor), alive through w2's backward
         tmp += ctx.tokens * p.hidden * e
-    return tmp + ctx.tokens * w2.k / ctx.tp * e + w2.n * w2.k / ctx.tp * training.grad_bytes, 0.0
+    return tmp + ctx.tokens * w2.k / ctx.tp * e + fresh_weight_grad(p, ctx, training), 0.0
+
+
+def fresh_weight_grad(p: LayerProfile, ctx: Context, training: TrainingSpec) -> float:
+    """Bytes of the weight gradient a dense block's last GEMM (w2) makes at the widest point of its backward
+    (`_block_backward`): a temporary that AccumulateGrad adds into .grad, or, where no .grad exists yet
+    (`estimate.grads_made_in_backward`) and the block is not the first to run its backward, already the .grad
+    itself (`memory_bytes`). 0 for MoE blocks and blocks without GEMMs."""
+    w2 = p.gemms[-1] if p.gemms else None
+    if w2 is None or p.moe_top_k:
+        return 0.0
+    return w2.n * w2.k / ctx.tp * training.grad_bytes
 
 
 def _moe_dispatch_transients(p: LayerProfile, ctx: Context) -> float:
@@ -428,8 +441,9 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     - the categories at the moment of the peak (`_moments`): a block's backward at its widest, the head's
       backward, the end of the model's forward (with FSDP2's last all-gather output) or a MoE dispatch in a
       forward, whichever holds most (tensors released by then are not counted); where the gradients are made in
-      the backward (`estimate.grads_made_in_backward`) those moments hold none but the head's, and the optimizer
-      step ("step": every gradient, no activation but the token ids) is one more.
+      the backward (`estimate.grads_made_in_backward`) the forward's and the head's hold none, a block's those
+      made before it (the fuller of the last block's and the first block's backward), and the optimizer step
+      ("step": every gradient, no activation but the token ids) is one more.
     Without the framework overhead (a process constant that tensor tracking does not see). Each term's source
     in torch or the runtime: docs/notes/session-5/issue-12-activations.md."""
     if not training.runtime_memory:
@@ -470,11 +484,44 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     moments = _moments(stages, profiles, ctx, one_pass_config(cfg, m), training)
     if grads_made_in_backward(cfg, m, training):
         # gradients only from the backward on (estimate.grads_made_in_backward): none in the forward nor at the
-        # loss, the head's at the last block's backward, every one at the optimizer step, where the step's
+        # loss; at a block's backward the head's and those of the blocks after it, the fuller of the last
+        # block's (every activation) and the first block's (the later blocks' activations released, their
+        # gradients made: estimate.memory_of_rank); every one at the optimizer step, where the step's
         # activations are gone but its token ids (the autocast region's weight copies closed before it)
+        # As the backward goes from the last block to the first, each finished block has made its gradients
+        # (as the step holds them: one_pass_config) and released its kept activations, and under FSDP2 that
+        # reshards after backward (fully_shard at ZeRO-1/2, here one pass; `replicate`) its unsharded
+        # parameters; and fully_shard holds the latest unit's reduce-scatter input (its unsharded gradients,
+        # flat: FSDPParamGroup's reduce_scatter_state, kept until the next reduce-scatter; SiteMemTracker sees
+        # it as the unit's `empty`) from the first unit on. So the fullest block moment is the last block's, the
+        # one before it (the held input added) or the first block's (every change added).
         out["gradients"] = 0.0
-        moments["block"]["gradients"] = head_grad_bytes(stages, training)
-        ends = memory_of_rank(stages, in_flight, one_pass_config(cfg, m), cluster, training).gradients
+        end_cfg = one_pass_config(cfg, m)
+        head = head_grad_bytes(stages, training)
+        gd, ge = grad_bytes_per_param(end_cfg, training)
+        blocks = _stage_blocks(stages, profiles)
+        fresh = max((fresh_weight_grad(p, ctx, training) for p in blocks), default=0.0)
+        last = {**moments["block"], "gradients": head}
+        later = len(blocks) - len(stages)  # blocks after each stage's first (one stage: no pipeline)
+        if later > 0:
+            dense = sum(s.later_blocks_params[0] for s in stages)
+            fsdp = uses_fsdp2(tp=cfg.tp, zero=end_cfg.zero, dp_cp=cfg.dp * cfg.cp)
+            freed = dense * training.weight_bytes if fsdp and end_cfg.zero in (0, 2) else 0.0
+            change = {"gradients": dense * gd + sum(s.later_blocks_params[1] for s in stages) * ge,
+                      "activations": -in_flight * sum(s.later_blocks_act for s in stages), "parameters": -freed}
+            # measured there (SiteMemTracker): w2's fresh weight gradient already the .grad (at the last block's
+            # widest point it is not yet: booked as a temporary, `_block_backward`)
+            held = max((_fsdp_unit(p, ctx) for p in blocks), default=0.0) * training.grad_bytes \
+                if end_cfg.zero >= 1 and cfg.dp * cfg.cp > 1 else 0.0
+            candidates = [last]
+            for share in (1 / later, 1.0):  # the block before the last, the first block
+                moment = {k: last.get(k, 0.0) + share * change.get(k, 0.0) for k in {*last, *change}}
+                moment["temporaries"] += held - fresh
+                moment["gradients"] += fresh
+                candidates.append(moment)
+            last = max(candidates, key=lambda k: sum(k.values()))
+        moments["block"] = last
+        ends = memory_of_rank(stages, in_flight, end_cfg, cluster, training).gradients
         moments["step"] = {"gradients": ends, "activations": token_ids_bytes(cfg, training) - out["activations"]}
     moment = max(moments, key=lambda k: sum(moments[k].values()))
     for k, v in moments[moment].items():

@@ -84,6 +84,10 @@ class StageCost:
     p2p_s: float = 0.0  # compute time lost to its pipeline messages per micro-batch (inside fwd_s + bwd_s)
     tied_head: float = 0.0  # a tied LM head's weight elements on this (head) stage, not in params (`tied_head_params`)
     head_params: float = 0.0  # the head layer's own parameters on this (head) stage (final norm, an untied LM head)
+    # the stage's blocks after its first: their kept activation bytes per micro-batch and (dense, expert) parameters,
+    # for the moment of the first block's backward where gradients are made in the backward (`memory_of_rank`)
+    later_blocks_act: float = 0.0
+    later_blocks_params: tuple[float, float] = (0.0, 0.0)
     vocab_grad_extra: float = 0.0  # the embedding's whole-vocabulary gradient beyond its shard (`embedding_grad_extra`)
     sp_grads: tuple[int, float] = (0, 0.0)  # (tensors, elements) whose gradient is a partial sum over tp (`sp_partial_grads`)
     loss_transient: float = 0.0  # the loss's transient on the head's stage (compute.loss_transient)
@@ -212,7 +216,9 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
     rec, rec_flops, act, extra, ckpt = 0.0, 0.0, 0.0, 0.0, 0.0
     n_full = layout.recompute_layers if layout.recompute == "full" else 0
     k = 0
+    block_acts: list[float] = []  # kept bytes of each block, in order
     for c, is_block in parts:
+        before = act
         if is_block and k < n_full:
             rec += c.recompute_full_s
             ckpt += c.checkpoint_full_s
@@ -229,6 +235,9 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
             act += c.act_selective
         else:
             act += c.act_none
+        if is_block:
+            block_acts.append(act - before)
+    later = [c for c, is_block in parts if is_block][1:]
     mine = [profiles[i] for i in ([0] if has_emb else []) + list(range(1 + start, 1 + stop))
             + ([len(profiles) - 1] if has_head else [])]
     return StageCost(
@@ -239,6 +248,9 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
         model_flops=sum(c.model_flops for c, _ in parts), recompute_flops=rec_flops,
         tied_head=tied_head_params(profiles, ctx.tp) if has_head else 0.0,
         head_params=cached_layer_cost(profiles[-1], ctx).params_local if has_head else 0.0,
+        later_blocks_act=sum(block_acts[1:]),
+        later_blocks_params=(sum(c.params_local - c.expert_params_local for c in later),
+                             sum(c.expert_params_local for c in later)),
         vocab_grad_extra=embedding_grad_extra(profiles, ctx.tp) if has_emb else 0.0,
         sp_grads=_sum_pairs([sp_partial_grads(profiles[1 + i]) for i in range(start, stop)]
                             + ([sp_partial_grads(profiles[0])] if has_emb else [])
@@ -352,16 +364,30 @@ def grads_made_in_backward_of(*, pp: int, m: int, tp: int, zero: int, dp_cp: int
     return training.runtime_memory and m == 1 and pp == 1 and not uses_torch_ddp(tp=tp, zero=zero, dp_cp=dp_cp)
 
 
-def memory_moment_note(cfg: ParallelConfig, training: TrainingSpec, parts: MemoryParts) -> str:
+def memory_moment_note(cfg: ParallelConfig, training: TrainingSpec) -> str:
     """One line for a memory table where its gradients and activations are not all held at once
-    (`grads_made_in_backward`): which moment the peak is, from `memory_of_rank`'s choice; else ""."""
+    (`grads_made_in_backward`): what its categories are; else ""."""
     if not grads_made_in_backward(cfg, num_microbatches(cfg, training), training):
         return ""
-    if parts.activations == 0.0 and parts.gradients > 0.0:
-        return ("one micro-batch: the gradients are made in the backward; the peak is the optimizer step "
-                "(every gradient, no activation left)")
-    return ("one micro-batch: the gradients are made in the backward; the peak is the last block's backward "
-            "(every activation, the head's gradients only)")
+    return ("one micro-batch: gradients are made in the backward, so the columns are those of the fullest moment: "
+            "the last block's backward (every activation, the head's gradients), the first block's (its and the "
+            "embedding's activations, every later layer's gradients) or the optimizer step (every gradient, no "
+            "activation)")
+
+
+def grad_bytes_per_param(cfg: ParallelConfig, training: TrainingSpec) -> tuple[float, float]:
+    """Gradient bytes a rank holds per dense and per expert parameter (`memory_of_rank`'s gradients, less the
+    embedding's whole-vocabulary extra): whole, or ZeRO-2/3's shards without a pipeline, and on autoplan's runtime
+    what it holds beyond them (`runtime_per_param`)."""
+    shard_d = cfg.dp * cfg.cp
+    shard_e = max(1, shard_d // cfg.ep)
+    g = training.grad_bytes
+    dense, expert = (g / shard_d, g / shard_e) if cfg.zero >= 2 and cfg.pp == 1 else (g, g)
+    if training.runtime_memory:
+        (_, dg, _), (_, eg, _) = runtime_per_param(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep,
+                                                   zero=cfg.zero, training=training)
+        dense, expert = dense + dg, expert + eg
+    return dense, expert
 
 
 def head_grad_bytes(stages: list[StageCost], training: TrainingSpec) -> float:
@@ -557,17 +583,23 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     Megatron's count (a tied head's own copy on the last of several stages included, `tied_copy`), plus
     (`TrainingSpec.runtime_memory`, the autoplan stack) what autoplan's runtime holds on top of it
     (`runtime_extra`, the tied copy as a dense parameter). Every gradient is counted beside the activations,
-    unless the step's `m` micro-batches make them in the backward (`grads_made_in_backward`): then the larger of
-    the last block's backward (every activation, the head's gradients) and the optimizer step (every gradient,
-    no activation), each with the rest (counts.memory_bytes has the moments apart)."""
+    unless the step's `m` micro-batches make them in the backward (`grads_made_in_backward`): then the fullest of
+    three moments, each with the rest (counts.memory_bytes has them apart):
+    - the last block's backward: every activation, the head's gradients (`head_grad_bytes`);
+    - the first block's backward: its and the embedding's activations and the transients, every later layer's
+      gradients as the step holds them (`one_pass_config`, each unit reduced in its post-backward) and the
+      head's, not yet reduced (FSDP2 reduces the root unit last). The moments between are linear in the blocks
+      done, so these two bound them;
+    - the optimizer step: every gradient, no activation."""
     if m is not None and grads_made_in_backward(cfg, m, training):
         out = memory_of_rank(stages, rank_inflight, cfg, cluster, training)
-        ends = memory_of_rank(stages, rank_inflight, one_pass_config(cfg, m), cluster, training).gradients
-        backward = head_grad_bytes(stages, training)
-        if ends > out.activations + backward:
-            out.gradients, out.activations = ends, 0.0
-        else:
-            out.gradients = backward
+        end_cfg = one_pass_config(cfg, m)
+        ends = memory_of_rank(stages, rank_inflight, end_cfg, cluster, training).gradients
+        head = head_grad_bytes(stages, training)
+        gd, ge = grad_bytes_per_param(end_cfg, training)
+        first = (out.activations - rank_inflight * sum(s.later_blocks_act for s in stages),
+                 head + sum(s.later_blocks_params[0] * gd + s.later_blocks_params[1] * ge for s in stages))
+        out.activations, out.gradients = max([(out.activations, head), first, (0.0, ends)], key=sum)
         return out
     runtime = training.runtime_memory
     dense, expert = rank_params(stages, cfg)  # a tied head's own copy (pp > 1) on every stack
@@ -583,13 +615,14 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     m.weights = (sharded if cfg.zero >= 3 else params_eff) * w_bytes
     # Under pipeline parallelism the runtime's schedule (torch.distributed.pipelining) defers FSDP's gradient
     # reduce-scatter to the last micro-batch, so ZeRO-2/3 keep whole gradients during the step: priced as run
-    # (the plan's runtime_semantics says so; cost_models.counts.runtime_semantics).
-    m.gradients = (sharded if cfg.zero >= 2 and cfg.pp == 1 else params_eff) * g_bytes
+    # (the plan's runtime_semantics says so; cost_models.counts.runtime_semantics). `grad_bytes_per_param`.
+    gd, ge = grad_bytes_per_param(cfg, training)
+    m.gradients = dense * gd + expert * ge
     m.optimizer = (sharded if cfg.zero >= 1 else params_eff) * opt_bytes
     if runtime:
-        w, g, o = runtime_extra(stages, cfg, training, dense, expert)
+        w, _, o = runtime_extra(stages, cfg, training, dense, expert)
         m.weights += w
-        m.gradients += g
+        m.gradients += embedding_grad_whole(stages, cfg) * g_bytes
         m.optimizer += o
     per_mb = sum(s.act_per_mb for s in stages) / max(1, len(stages))  # one chunk's worth, averaged
     chunks = len(stages)

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from autoplan.cost_models.estimate import GIB, MemoryParts, memory_moment_note, num_microbatches
+from autoplan.cost_models.estimate import memory_moment_note, num_microbatches
 from autoplan.cost_models.pipeline import simulate
 
 from ..plan import Plan
@@ -281,8 +281,7 @@ def render_memory(con: Console, plan: Plan) -> None:
     con.print(Text(f"  peak (rank {peak_rank}): weights {r['weights']:.1f}, gradients {r['gradients']:.1f}, "
                    f"optimizer {r['optimizer']:.1f}, activations {r['activations']:.1f}, "
                    f"other {r['other']:.1f} GiB", style="dim"))
-    parts = MemoryParts(**{k: r[k] * GIB for k in ("weights", "gradients", "optimizer", "activations", "other")})
-    note = memory_moment_note(plan.parallel, plan.training, parts)
+    note = memory_moment_note(plan.parallel, plan.training)
     if note:
         con.print(Text(f"  {note}", style="dim"))
 

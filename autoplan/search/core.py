@@ -568,15 +568,21 @@ class _Searcher:
         emb_x, head_x = self.costs.ends_static(mesh, kn.zero)
         head_b = dense_b
         step: tuple[float, ...] = ()
+        grads: tuple[float, ...] = ()
         if self.made_in_backward(mesh, kn.zero):
             # the blocks' and the embedding's static bytes without gradients (none exists before their
             # backward), the head's with its own, unsharded (its backward comes first; FSDP2 reduces the root's
-            # last); every gradient at the optimizer step instead (`step_memory`)
+            # last); the later blocks' gradients at the first block's backward (`block_grads`, as the step holds
+            # them: `estimate.one_pass_config`) and every gradient at the optimizer step (`step_memory`)
             dg, eg = self.costs.grad_per_param(mesh, kn.zero)
             dense_b, expert_b = dense_b - dg, expert_b - eg
             head_b = dense_b + self.costs.g_bytes
             emb_x = 0.0  # the embedding's whole-vocabulary gradient
             step = (self.step_memory(mesh, kn.zero, dense_b, expert_b),)
+            sdg, seg = self.costs.grad_per_param(mesh, 2 if kn.zero == 1 else kn.zero)
+            per_uid = {u: (lc[u].params_local - lc[u].expert_params_local) * sdg + lc[u].expert_params_local * seg
+                       for u in self.costs.block_counts}
+            grads = tuple(per_uid[u] for u in self.costs.block_uids)
         by_uid: dict[int, BlockCost] = {}
         for u in self.costs.block_counts:
             extra = (self.zero3_extra(mesh, lc[u]) if kn.zero >= 3 else 0.0) + self.accum(lc[u])
@@ -610,7 +616,7 @@ class _Searcher:
         return StageProblem(blocks=blocks, first=emb, last=head,
                             pp=mesh.pp, vp=kn.vp, m=m, inflight=infl, capacity=tuple(caps), pin=pin,
                             uniform=len(self.costs.block_counts) == 1, stage_extra=self.occupancy(mesh, kn.vp),
-                            step_memory=step)
+                            step_memory=step, block_grads=grads)
 
     def memory_floor(self, mesh: Mesh) -> tuple[float, dict]:
         """A lower bound on the busiest rank's bytes over every knob and layout of `mesh`: the largest ZeRO

@@ -69,10 +69,13 @@ class StageProblem:
     stage_extra: tuple[float, ...] = ()
     # no block recomputed fully (`pin` None): the search's second layout per candidate (`_Searcher.finalise`)
     no_full: bool = False
-    # per rank, bytes held at the optimizer step where that moment can hold more than the backward's (gradients
-    # made in the backward: cost_models.estimate.grads_made_in_backward, no pipeline, so one rank holding every
-    # layer whatever the layout); a rank's memory is the larger of the two; empty = none
+    # Gradients made in the backward (cost_models.estimate.grads_made_in_backward: no pipeline, one stage holding
+    # every layer), else empty: the blocks' static bytes hold no gradient and the rank's memory is the fullest of
+    # the last block's backward (the usual sum), the first block's (the later blocks' activations released, their
+    # gradients made: `block_grads`, bytes per block as the step holds them) and the optimizer step
+    # (`step_memory`, per rank).
     step_memory: tuple[float, ...] = ()
+    block_grads: tuple[float, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -123,6 +126,14 @@ class StageSolution:
 # ------------------------------------------------------------------------------------------ evaluation
 
 
+def block_act(b: BlockCost, j: int, ch: StageChoice) -> float:
+    """Kept activation bytes of a stage's `j`-th block under choice ch: its first k blocks fully recomputed, the
+    rest selectively (FULL or SELECTIVE), else none."""
+    if ch.recompute == FULL and j < ch.recompute_layers:
+        return b.act_full
+    return b.act_sel if ch.recompute in (SELECTIVE, FULL) else b.act_none
+
+
 def stage_work_act(p: StageProblem, s: int, ch: StageChoice) -> tuple[float, float, float, float]:
     """(work, activation bytes, static bytes, transient bytes) of stage s under choice ch."""
     work, act, static, extra = p.extra_work(s), 0.0, 0.0, 0.0
@@ -137,17 +148,11 @@ def stage_work_act(p: StageProblem, s: int, ch: StageChoice) -> tuple[float, flo
     k_full = ch.recompute_layers if ch.recompute == FULL else 0
     for j, i in enumerate(range(ch.start, ch.stop)):
         b = p.blocks[i]
-        work += b.work
+        work += b.work + (b.rec_full if j < k_full else b.rec_sel if ch.recompute in (SELECTIVE, FULL) else 0.0)
         static += b.static
+        act += block_act(b, j, ch)
         if j < k_full:
-            work += b.rec_full
-            act += b.act_full
             extra = max(extra, b.transient)
-        elif ch.recompute in (SELECTIVE, FULL):
-            work += b.rec_sel
-            act += b.act_sel
-        else:
-            act += b.act_none
     return work, act, static, extra
 
 
@@ -169,8 +174,12 @@ def evaluate(p: StageProblem, stages: tuple[StageChoice, ...]) -> tuple[float, t
     v = p.vp
     obj = (p.m - 1 / v) * max(rank_work) + total / v
     mem = tuple(rank_static[r] + p.inflight[r] * rank_act[r] + rank_extra[r] for r in range(p.pp))
-    if p.step_memory:
-        mem = tuple(max(x, f) for x, f in zip(mem, p.step_memory, strict=True))
+    if p.step_memory:  # one stage (no pipeline): the first block's backward and the optimizer step
+        (ch,) = stages
+        later = range(ch.start + 1, ch.stop)
+        first = mem[0] + sum(p.block_grads[i] for i in later) \
+            - p.inflight[0] * sum(block_act(p.blocks[i], j, ch) for j, i in enumerate(later, start=1))
+        mem = (max(mem[0], first, p.step_memory[0]),)
     return obj, mem
 
 

@@ -163,9 +163,13 @@ def test_one_micro_batch_search_memory_is_the_estimates(model, tp, ep, zero, seq
     mem = evaluate(prob, sol.stages)[1]
     assert mem[0] + s.overhead == pytest.approx(est.memory[0].total, rel=1e-9)
     if made:
-        step_is_peak = est.memory[0].activations == 0.0
-        if zero == 0:  # replicate (tp > 1): whole gradients, which outweigh 16 tokens' activations only
-            assert step_is_peak == (seq == 16)
-        assert (prob.step_memory[0] >= mem[0] * (1 - 1e-12)) == step_is_peak
+        every = estimate(profiles, cluster, training.model_copy(update={"global_batch_size": 4 * dp}), cfg, layout,
+                         simulate_pipeline=False).memory[0]  # two micro-batches: every gradient at the peak
+        share = est.memory[0].gradients / every.gradients
+        if zero == 0:  # replicate (tp > 1): whole gradients (under ZeRO the head's unsharded one can outweigh them)
+            # 1024 tokens: the last block's backward, the head's gradients only; 16 tokens: the gradients outweigh
+            # the activations, the first block's backward or the step
+            assert share < 0.2 if seq == 1024 else share > 0.5
+        assert (prob.step_memory[0] >= mem[0] * (1 - 1e-12)) == (est.memory[0].activations == 0.0)
         # the search's lower bound stays below every layout's bytes
         assert s.memory_floor(mesh)[0] <= est.memory[0].total * (1 + 1e-9)

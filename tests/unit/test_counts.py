@@ -457,8 +457,8 @@ def test_one_micro_batch_makes_its_gradients_in_the_backward():
     from autoplan.cost_models.pipeline import in_flight
     from autoplan.cost_models.profile import profile_from_spec
 
-    def parts(cfg, training=None, model="tiny-gpt"):
-        plan = make_plan(load_model(model), load_cluster("local-cpu").with_gpus(4),
+    def parts(cfg, training=None, model="tiny-gpt", gpus=4):
+        plan = make_plan(load_model(model), load_cluster("local-cpu").with_gpus(gpus),
                          training or TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32"), cfg,
                          kernels="torch")
         profiles = profile_from_spec(plan.model)
@@ -484,6 +484,11 @@ def test_one_micro_batch_makes_its_gradients_in_the_backward():
         assert mem.total < every.total
         assert rank["memory_moment"] in ("block", "head", "forward") and rank["memory_at"] != "optimizer", cfg
         assert rank["memory_bytes"]["gradients"] <= mem.gradients, cfg
+    # under full recomputation a block keeps little: the first block's backward, with every later block's
+    # gradient, outweighs the last block's (measured: tests/dist/test_counts.py)
+    plan, mem, every, rank = parts("mbs=8,recompute=full", gpus=1)
+    assert 0.5 * every.gradients < mem.gradients < every.gradients and 0 < mem.activations < every.activations
+    assert rank["memory_moment"] == "block" and 0.5 * every.gradients < rank["memory_bytes"]["gradients"]
     # ZeRO-1 with one micro-batch holds ZeRO-2's gradient shards at its step (not every gradient, as with two)
     plan, mem, every, _ = parts("dp=4,zero=1,mbs=2")
     z2 = parts("dp=4,zero=2,mbs=2")[2]
