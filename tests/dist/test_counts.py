@@ -26,16 +26,20 @@ CASES = ["tiny-gpt:tp=2,sp=1", "tiny-gpt:tp=2,sp=1,recompute=full", "tiny-gpt:pp
          "tiny-gpt:tp=2,mbs=8", "tiny-gpt:dp=2,zero=1,mbs=4"]
 
 
-@pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    out = tmp_path_factory.mktemp("counts") / "counts.json"
+def _launch_counts(out: Path, layouts, *extra: str) -> list[dict]:
+    """benchmarks/counts.py's worker on two gloo ranks: one record per layout (a failed launch fails the test)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(ROOT / "benchmarks" / "counts.py"),
-           "--worker", str(out), "--steps-before", "2", "--layouts", *CASES]
+           "--worker", str(out), "--steps-before", "2", *extra, "--layouts", *layouts]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     if not out.exists():
         pytest.fail(f"counts launch failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return {r["case"]: r for r in json.loads(out.read_text())}
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    return {r["case"]: r for r in _launch_counts(tmp_path_factory.mktemp("counts") / "counts.json", CASES)}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -90,14 +94,7 @@ def test_bytes_on_the_wire_under_autocast(tmp_path):
     and the head move the fp32 residual stream; expert all-to-alls dispatch fp32 norm outputs and combine bf16
     ones (compute.tp_units, compute.ep_routed_bytes); pipeline messages are the fp32 residual stream. Pricing
     every one at 2 bytes was 36% (tp), 33% (ep) and 50% (pp) short of the measured bytes."""
-    out = tmp_path / "counts.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(ROOT / "benchmarks" / "counts.py"),
-           "--worker", str(out), "--steps-before", "2", "--dtype", "bf16", "--layouts", *BF16_CASES]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    if not out.exists():
-        pytest.fail(f"counts launch failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    for rec in json.loads(out.read_text()):
+    for rec in _launch_counts(tmp_path / "counts.json", BF16_CASES, "--dtype", "bf16"):
         case = rec["case"]
         assert "error" not in rec, rec.get("traceback")
         c = compare(rec)
@@ -119,14 +116,7 @@ def test_one_micro_batch_peaks_where_its_gradients_and_activations_meet(tmp_path
     docs/cost_model.md.)"""
     cases = {"tiny-gpt:tp=2,mbs=8": False, "tiny-gpt:tp=2,recompute=full,mbs=8": False,
              "tiny-gpt:dp=2,zero=3,recompute=full,mbs=4": True, "tiny-gpt:dp=2,zero=1,recompute=full,mbs=4": True}
-    out = tmp_path / "counts.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(ROOT / "benchmarks" / "counts.py"),
-           "--worker", str(out), "--steps-before", "2", "--layouts", *cases]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    if not out.exists():
-        pytest.fail(f"counts launch failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    for rec in json.loads(out.read_text()):
+    for rec in _launch_counts(tmp_path / "counts.json", cases):
         assert "error" not in rec, rec.get("traceback")
         for r in rec["ranks"]:
             pred, meas = r["predicted"]["memory_bytes"], r["measured"]["memory_bytes"]
