@@ -442,8 +442,8 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
       backward, the end of the model's forward (with FSDP2's last all-gather output) or a MoE dispatch in a
       forward, whichever holds most (tensors released by then are not counted); where the gradients are made in
       the backward (`estimate.grads_made_in_backward`) the forward's and the head's hold none, a block's those
-      made before it (the fuller of the last block's and the first block's backward), and the optimizer step
-      ("step": every gradient, no activation but the token ids) is one more.
+      made before it (the fullest of the last block's, the one before it and the first block's backward), and
+      the optimizer step ("step": every gradient, no activation but the token ids) is one more.
     Without the framework overhead (a process constant that tensor tracking does not see). Each term's source
     in torch or the runtime: docs/notes/session-5/issue-12-activations.md."""
     if not training.runtime_memory:
@@ -483,18 +483,18 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
     # tp=2,pp=2's last stage measures the block at 80 KiB either way)
     moments = _moments(stages, profiles, ctx, one_pass_config(cfg, m), training)
     if grads_made_in_backward(cfg, m, training):
-        # gradients only from the backward on (estimate.grads_made_in_backward): none in the forward nor at the
-        # loss; at a block's backward the head's and those of the blocks after it, the fuller of the last
-        # block's (every activation) and the first block's (the later blocks' activations released, their
-        # gradients made: estimate.memory_of_rank); every one at the optimizer step, where the step's
-        # activations are gone but its token ids (the autocast region's weight copies closed before it)
-        # As the backward goes from the last block to the first, each finished block has made its gradients
+        # Gradients only from the backward on (estimate.grads_made_in_backward): none in the forward nor at the
+        # loss. As the backward goes from the last block to the first, each finished block has made its gradients
         # (as the step holds them: one_pass_config) and released its kept activations, and under FSDP2 that
-        # reshards after backward (fully_shard at ZeRO-1/2, here one pass; `replicate`) its unsharded
-        # parameters; and fully_shard holds the latest unit's reduce-scatter input (its unsharded gradients,
-        # flat: FSDPParamGroup's reduce_scatter_state, kept until the next reduce-scatter; SiteMemTracker sees
-        # it as the unit's `empty`) from the first unit on. So the fullest block moment is the last block's, the
-        # one before it (the held input added) or the first block's (every change added).
+        # reshards after backward (fully_shard at ZeRO-1/2, here one pass; `replicate`: end zero 0) its
+        # unsharded parameters; fully_shard holds the latest unit's reduce-scatter input (its unsharded
+        # gradients, flat: FSDPParamGroup's reduce_scatter_state, kept until the next reduce-scatter;
+        # SiteMemTracker sees it as the unit's `empty`) from the first finished unit on; and w2's fresh weight
+        # gradient is already the .grad there (at the last block's widest point it is not yet: a temporary,
+        # `_block_backward`). So the fullest block moment is the last block's (the head's gradients), the one
+        # before it (one block's change and the held input) or the first block's (every change). At the
+        # optimizer step every gradient, and no activation but the token ids (the autocast region's weight
+        # copies closed before it).
         out["gradients"] = 0.0
         end_cfg = one_pass_config(cfg, m)
         head = head_grad_bytes(stages, training)
@@ -509,8 +509,6 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
             freed = dense * training.weight_bytes if fsdp and end_cfg.zero in (0, 2) else 0.0
             change = {"gradients": dense * gd + sum(s.later_blocks_params[1] for s in stages) * ge,
                       "activations": -in_flight * sum(s.later_blocks_act for s in stages), "parameters": -freed}
-            # measured there (SiteMemTracker): w2's fresh weight gradient already the .grad (at the last block's
-            # widest point it is not yet: booked as a temporary, `_block_backward`)
             held = max((_fsdp_unit(p, ctx) for p in blocks), default=0.0) * training.grad_bytes \
                 if end_cfg.zero >= 1 and cfg.dp * cfg.cp > 1 else 0.0
             candidates = [last]

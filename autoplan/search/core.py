@@ -210,6 +210,7 @@ class CostTable:
         self.opt_bytes = training.master_bytes + 8
         self.profiles = profiles
         self._static: dict[tuple, tuple[tuple[float, float, float], tuple[float, float, float]]] = {}  # `per_param`
+        self._static_sum: dict[tuple, tuple[float, float]] = {}  # `static_per_param`
         self._crowded: dict[tuple, ClusterSpec] = {}  # `cluster_for`
         self._tied: dict[int, float] = {}  # `tied_copy` by tp
         # (tensors, elements) with partial gradients under sp: all blocks, the embedding, the head
@@ -264,9 +265,14 @@ class CostTable:
         return got
 
     def static_per_param(self, mesh: Mesh, zero: int) -> tuple[float, float]:
-        """Bytes per dense and per expert parameter (weights + gradients + optimizer), `per_param` summed."""
-        dense, expert = self.per_param(mesh, zero)
-        return sum(dense), sum(expert)
+        """Bytes per dense and per expert parameter (weights + gradients + optimizer), `per_param` summed (cached:
+        the search asks for it per candidate)."""
+        key = (mesh.tp, mesh.cp, mesh.ep, mesh.pp, mesh.dp, zero)
+        got = self._static_sum.get(key)
+        if got is None:
+            dense, expert = self.per_param(mesh, zero)
+            got = self._static_sum[key] = (sum(dense), sum(expert))
+        return got
 
     def grad_per_param(self, mesh: Mesh, zero: int) -> tuple[float, float]:
         """The gradients' part of `static_per_param` (bytes per dense and per expert parameter): what a rank holds
