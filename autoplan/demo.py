@@ -57,8 +57,7 @@ def run_demo(args: argparse.Namespace) -> int:
     con.rule("[bold]2. Plan and train a tiny GPT on this machine (local-cpu, 4 processes)")
     tiny = load_model("tiny-gpt")
     local = load_cluster("local-cpu")
-    tiny_train = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", flash_attention=False,
-                              kernels="torch")
+    tiny_train = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", kernels="torch")
     if _search_available():
         from .search import search
 

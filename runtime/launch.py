@@ -133,8 +133,10 @@ def check_stack(plan) -> list[str]:
     """The plan must price the program autoplan's runtime executes. One priced for another software stack
     (`--stack megatron-2022`, `deepspeed-zero3`, `torchtitan`, ...: for comparison and for `autoplan export`) or
     with a `--stack-set` knob the runtime does not have predicts another program's step time and memory; run
-    as it is, the prediction the run reports against would be silently wrong. Plans of autoplan's stack (or
-    written before stacks, `stack` None) pass."""
+    as it is, the prediction the run reports against would be silently wrong. Plans of autoplan's stack pass, and
+    so do plans that name no stack (written before stacks, or made through the Python API with a TrainingSpec)
+    whose knobs are the runtime's: a TrainingSpec(flash_attention=False) prices explicit-softmax attention, which
+    the runtime (SDPA) never runs."""
     from autoplan.cost_models.stacks import DEFAULT_STACK, stack_knobs
     from autoplan.models.source import record_runs_torch_ops
 
@@ -143,9 +145,7 @@ def check_stack(plan) -> list[str]:
         return [f"plan {plan.short_hash} prices autoplan's fused kernels, which its model ({what}) does not run: "
                 "the model keeps its own modules and runs torch's ops; re-plan it (estimate and search price "
                 "torch's kernels for it)"]
-    if plan.stack is None:
-        return []
-    base = plan.stack.split("+", 1)[0]
+    base = DEFAULT_STACK if plan.stack is None else plan.stack.split("+", 1)[0]
     if base != DEFAULT_STACK:
         return [f"plan {plan.short_hash} is priced for the {base} stack, not for autoplan's runtime, which is what "
                 f"`autoplan run` trains with: re-plan it with --stack {DEFAULT_STACK} to run it here, or `autoplan "

@@ -356,6 +356,10 @@ def test_a_plan_priced_for_another_stack_is_not_run_as_if_it_were_autoplans(tmp_
         update={"flash_attention": False})}).sealed()
     (problem,) = launch.check_stack(unfused)
     assert "flash_attention=false" in problem and "re-plan without them" in problem
+    # the same knob without a stack name (a plan made through the Python API with a TrainingSpec): `make demo`
+    # planned its tiny GPT so until session 27, pricing explicit-softmax attention the runtime never runs
+    (problem,) = launch.check_stack(unfused.model_copy(update={"stack": None}).sealed())
+    assert "flash_attention=false" in problem
     # plans of autoplan's stack written before its pipeline messages were priced as sent (session 21) say
     # p2p_scatter_gather=true: refused only where it priced something (tp > 1 and pp > 1 without SP)
     old = plan.model_copy(update={"stack": "autoplan", "training": plan.training.model_copy(
