@@ -58,6 +58,7 @@ from .estimate import (
     memory_of_rank,
     num_microbatches,
     one_pass_config,
+    rank_gradients,
     rank_params,
     runtime_dp_units,
     step_scalar_all_reduces,
@@ -519,7 +520,7 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
                 candidates.append(moment)
             last = max(candidates, key=lambda k: sum(k.values()))
         moments["block"] = last
-        ends = memory_of_rank(stages, in_flight, end_cfg, cluster, training).gradients
+        ends = rank_gradients(stages, end_cfg, training)
         moments["step"] = {"gradients": ends, "activations": token_ids_bytes(cfg, training) - out["activations"]}
     moment = max(moments, key=lambda k: sum(moments[k].values()))
     for k, v in moments[moment].items():

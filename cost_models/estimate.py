@@ -404,9 +404,13 @@ def one_pass_config(cfg: ParallelConfig, m: int) -> ParallelConfig:
     the only one: it reduce-scatters in that backward (gradients: ZeRO-2's shards at the optimizer step) after
     gathering the parameters in that forward (the gather's last output kept to the forward's end, as ZeRO-2's:
     counts._forward_gather)."""
-    if cfg.zero == 1 and m == 1 and cfg.pp == 1:
-        return cfg.model_copy(update={"zero": 2})
-    return cfg
+    zero = one_pass_zero(cfg.zero, m, cfg.pp)
+    return cfg if zero == cfg.zero else cfg.model_copy(update={"zero": zero})
+
+
+def one_pass_zero(zero: int, m: int, pp: int) -> int:
+    """`one_pass_config`'s ZeRO stage, from the degrees (the search's form)."""
+    return 2 if zero == 1 and m == 1 and pp == 1 else zero
 
 
 def runtime_per_param(*, dp: int, cp: int, tp: int, pp: int, ep: int, zero: int,
@@ -577,6 +581,15 @@ def runtime_extra(stages: list[StageCost], cfg: ParallelConfig, training: Traini
     return dense * dw + expert * ew, dense * dg + expert * eg + vocab, dense * do + expert * eo
 
 
+def rank_gradients(stages: list[StageCost], cfg: ParallelConfig, training: TrainingSpec) -> float:
+    """Gradient bytes a rank holding `stages` has once every gradient exists: `grad_bytes_per_param` over its
+    parameters, and on autoplan's runtime the embedding's whole-vocabulary gradient (`embedding_grad_whole`)."""
+    dense, expert = rank_params(stages, cfg)
+    gd, ge = grad_bytes_per_param(cfg, training)
+    vocab = embedding_grad_whole(stages, cfg) * training.grad_bytes if training.runtime_memory else 0.0
+    return dense * gd + expert * ge + vocab
+
+
 def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelConfig, cluster: ClusterSpec,
                    training: TrainingSpec, m: int | None = None) -> MemoryParts:
     """Memory of one pipeline rank holding `stages` (its virtual stages) with `rank_inflight` micro-batches:
@@ -594,7 +607,7 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     if m is not None and grads_made_in_backward(cfg, m, training):
         out = memory_of_rank(stages, rank_inflight, cfg, cluster, training)
         end_cfg = one_pass_config(cfg, m)
-        ends = memory_of_rank(stages, rank_inflight, end_cfg, cluster, training).gradients
+        ends = rank_gradients(stages, end_cfg, training)
         head = head_grad_bytes(stages, training)
         gd, ge = grad_bytes_per_param(end_cfg, training)
         first = (out.activations - rank_inflight * sum(s.later_blocks_act for s in stages),
@@ -606,7 +619,6 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     shard_d = cfg.dp * cfg.cp
     shard_e = max(1, shard_d // cfg.ep)
     w_bytes = training.weight_bytes
-    g_bytes = training.grad_bytes
     master = training.master_bytes
     opt_bytes = master + 8  # fp32 master copy + Adam first and second moments
     params_eff = dense + expert
@@ -615,14 +627,12 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     m.weights = (sharded if cfg.zero >= 3 else params_eff) * w_bytes
     # Under pipeline parallelism the runtime's schedule (torch.distributed.pipelining) defers FSDP's gradient
     # reduce-scatter to the last micro-batch, so ZeRO-2/3 keep whole gradients during the step: priced as run
-    # (the plan's runtime_semantics says so; cost_models.counts.runtime_semantics). `grad_bytes_per_param`.
-    gd, ge = grad_bytes_per_param(cfg, training)
-    m.gradients = dense * gd + expert * ge
+    # (the plan's runtime_semantics says so; cost_models.counts.runtime_semantics). `rank_gradients`.
+    m.gradients = rank_gradients(stages, cfg, training)
     m.optimizer = (sharded if cfg.zero >= 1 else params_eff) * opt_bytes
     if runtime:
         w, _, o = runtime_extra(stages, cfg, training, dense, expert)
         m.weights += w
-        m.gradients += embedding_grad_whole(stages, cfg) * g_bytes
         m.optimizer += o
     per_mb = sum(s.act_per_mb for s in stages) / max(1, len(stages))  # one chunk's worth, averaged
     chunks = len(stages)

@@ -67,6 +67,7 @@ from autoplan.cost_models.estimate import (
     fsdp_unit_time,
     grad_accum_time,
     grads_made_in_backward_of,
+    one_pass_zero,
     optimizer_time,
     p2p_occupancy,
     param_gather_exposed,
@@ -563,7 +564,7 @@ class _Searcher:
         a = self.agg(mesh)
         dense = a.blk_dense + sum(c.params_local - c.expert_params_local for c in (a.emb, a.head))
         expert = a.blk_expert + a.emb.expert_params_local + a.head.expert_params_local
-        at_step = 2 if zero == 1 else zero
+        at_step = one_pass_zero(zero, self.micro_batches(mesh), mesh.pp)
         dg, eg = self.costs.grad_per_param(mesh, at_step)
         return dense * (dense_b + dg) + expert * (expert_b + eg) + self.costs.ends_static(mesh, at_step)[0] \
             + a.head.loss_transient
@@ -585,7 +586,7 @@ class _Searcher:
             head_b = dense_b + self.costs.g_bytes
             emb_x = 0.0  # the embedding's whole-vocabulary gradient
             step = (self.step_memory(mesh, kn.zero, dense_b, expert_b),)
-            sdg, seg = self.costs.grad_per_param(mesh, 2 if kn.zero == 1 else kn.zero)
+            sdg, seg = self.costs.grad_per_param(mesh, one_pass_zero(kn.zero, self.micro_batches(mesh), mesh.pp))
             per_uid = {u: (lc[u].params_local - lc[u].expert_params_local) * sdg + lc[u].expert_params_local * seg
                        for u in self.costs.block_counts}
             grads = tuple(per_uid[u] for u in self.costs.block_uids)
