@@ -15,11 +15,12 @@ def _gpt(name: str, layers: int, hidden: int, heads: int, *, seq: int = 2048, vo
                      dropout=dropout, tie_embeddings=tied)
 
 
-def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seq: int) -> ModelSpec:
+def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seq: int,
+           rope_theta: float = 10000.0) -> ModelSpec:
     """A Llama-style model: RoPE, RMSNorm, SwiGLU, no biases, untied embeddings."""
     return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                      num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=vocab, max_seq_length=seq,
-                     activation="swiglu", norm="rmsnorm", position="rope", bias=False)
+                     activation="swiglu", norm="rmsnorm", position="rope", bias=False, rope_theta=rope_theta)
 
 
 _PRESETS: list[ModelSpec] = [
@@ -56,20 +57,22 @@ _PRESETS: list[ModelSpec] = [
     _gpt("mlm-h100-177b", 96, 12288, 96, seq=4096, vocab=131072, tied=False),
     _gpt("mlm-h100-314b", 96, 16384, 128, seq=4096, vocab=131072, tied=False),
     _gpt("mlm-h100-462b", 112, 18432, 144, seq=4096, vocab=131072, tied=False),
-    # Llama 2: Touvron et al. 2023 (Table 1 and the released config.json files): vocab 32,000, context 4,096.
+    # Llama 2: Touvron et al. 2023 (Table 1 and the released config.json files): vocab 32,000, context 4,096,
+    # rotary base 10,000 (config.json rope_theta).
     _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
     _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
     _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
-    # Llama 3 / 3.1: Dubey et al. 2024, Table 3 (layers, width, FFN, heads, 8 KV heads, vocab 128,256);
-    # pre-training context 8,192.
-    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-    _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+    # Llama 3 / 3.1: Dubey et al. 2024, Table 3 (layers, width, FFN, heads, 8 KV heads, vocab 128,256, "RoPE
+    # (theta = 500,000)"); pre-training context 8,192.
+    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, rope_theta=500000.0),
+    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, rope_theta=500000.0),
+    _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, rope_theta=500000.0),
     # Mixtral 8x7B: Jiang et al. 2024 (Table 1): 32 layers, dim 4096, 32 heads, 8 KV heads, expert FFN 14,336,
-    # 8 experts, top-2, vocab 32,000, context 32,768; every layer is MoE.
+    # 8 experts, top-2, vocab 32,000, context 32,768; every layer is MoE. Rotary base 1,000,000 (the released
+    # Mixtral-8x7B-v0.1 config.json, rope_theta).
     ModelSpec(name="mixtral-8x7b", num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8,
               ffn_hidden_size=14336, vocab_size=32000, max_seq_length=32768, activation="swiglu",
-              norm="rmsnorm", position="rope", bias=False,
+              norm="rmsnorm", position="rope", bias=False, rope_theta=1e6,
               moe=MoESpec(num_experts=8, top_k=2, expert_ffn_hidden_size=14336, every_n_layers=1)),
     # Tiny models for this machine: the demo, the tests and the parity runs. Sizes are chosen so that every
     # parallel layout of the tests divides them (heads, KV heads, layers by pp*vp=4, sequence by tp*cp*2).

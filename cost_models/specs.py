@@ -75,6 +75,10 @@ class ModelSpec(_Frozen):
         default="learned", description="Position encoding: learned table, rotary, or ALiBi (no position weights, "
         "a per-head linear bias added to the attention scores; Press et al. 2022, BLOOM).")
     tie_embeddings: bool = Field(default=False, description="LM head shares the input embedding's weight.")
+    rope_theta: float = Field(
+        default=10000.0, gt=0, description="Rotary base frequency (position rope only): 10000 as in RoFormer "
+        "(Su et al. 2021) and Megatron-LM's --rotary-base default; Llama 3 uses 500000. The runtime's model rotates "
+        "with it; it does not change the cost.")
     bias: bool | None = Field(
         default=None, description="Linear layers carry biases (defaults to true for GeLU/LayerNorm GPTs)."
     )
@@ -91,6 +95,12 @@ class ModelSpec(_Frozen):
                 "num_attention_heads must be a multiple of num_kv_heads",
                 f"{self.name}: heads={self.num_attention_heads}, kv_heads={kv}",
                 "choose num_kv_heads that divides num_attention_heads",
+            )
+        if self.position != "rope" and self.rope_theta != 10000.0:
+            raise SpecError(
+                "rope_theta is the rotary base; the model has no rotary positions",
+                f"{self.name}: position={self.position}, rope_theta={self.rope_theta:g}",
+                "set position: rope, or drop rope_theta",
             )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise SpecError(

@@ -10,7 +10,12 @@ from __future__ import annotations
 import shlex
 
 from ..plan import Plan
-from .export_numerics import SQUARED_RELU_WARNING, megatron_model_numerics, titan_model_notes
+from .export_numerics import (
+    SQUARED_RELU_WARNING,
+    megatron_model_numerics,
+    rotary_base_flag,
+    titan_model_notes,
+)
 
 # ------------------------------------------------------------------------------------------- Megatron-LM
 
@@ -133,6 +138,8 @@ def _megatron_model(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]
         f.append(("--normalization", "RMSNorm"))
     if m.position == "rope":
         f.append(("--position-embedding-type", "rope"))
+        if numerics is None:  # a zoo model: its spec's rotary base (a config's comes with its numerics)
+            f.append(rotary_base_flag(m.rope_theta, warnings))
     if not m.tie_embeddings:
         f.append(("--untie-embeddings-and-output-weights", None))
     if numerics is None:
@@ -274,6 +281,8 @@ TORCHTITAN_VERSIONS = ("0.3", "0.2")
 # model flavours behind them (torchtitan/models/llama3/__init__.py).
 _TITAN_CONFIGS = {"llama3-8b": ("llama3", "llama3_8b", "8B"), "llama3-70b": ("llama3", "llama3_70b", "70B"),
                   "llama3-405b": ("llama3", "llama3_405b", "405B")}
+# The rotary base of every llama3 flavour (torchtitan/models/llama3/__init__.py: rope_theta=500000 for 8B, 70B, 405B)
+_TITAN_ROPE_THETA = 500000.0
 # TrainingConfig.mixed_precision_param is Literal["bfloat16", "float32"]; mixed_precision_reduce is
 # Literal["float32"] (torchtitan/config/configs.py, 0.2.2 and 0.3.0).
 _TITAN_PARAM_DTYPE = {"bf16": "bfloat16", "fp32": "float32", "tf32": "float32", "fp16": "bfloat16",
@@ -335,6 +344,9 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
     if m.name not in _TITAN_CONFIGS:
         warnings.append(f"torchtitan has no config for {m.name}: the export starts from {config_fn}; register a "
                         "model flavour with the shape in the header comment and use it")
+    elif m.position == "rope" and m.rope_theta != _TITAN_ROPE_THETA:
+        warnings.append(f"{m.name} rotates with rope_theta={m.rope_theta:g}; torchtitan's {flavor} flavour uses "
+                        f"{_TITAN_ROPE_THETA:g}: register a flavour with rope_theta={m.rope_theta:g} and use it")
     if m.activation != "swiglu" or m.position != "rope" or m.norm != "rmsnorm":
         warnings.append(f"{m.name} is not a Llama-style model (activation={m.activation}, position={m.position}, "
                         f"norm={m.norm}); torchtitan's llama3 model will not reproduce it")
@@ -408,7 +420,8 @@ def _titan_comments(plan: Plan, notes: list[str]) -> list[str]:
     return [f"autoplan plan {plan.short_hash}: {cfg.to_string()}",
             f"predicted step {plan.prediction.step_time_s:.3f} s, MFU {100 * plan.prediction.mfu:.1f}%",
             f"model shape: layers={m.num_layers} hidden={m.hidden_size} heads={m.num_attention_heads} "
-            f"kv_heads={m.kv_heads} ffn={m.ffn} vocab={m.vocab_size}", *notes]
+            f"kv_heads={m.kv_heads} ffn={m.ffn} vocab={m.vocab_size}"
+            + (f" rope_theta={m.rope_theta:g}" if m.position == "rope" and not notes else ""), *notes]
 
 
 def _titan_python(plan: Plan, sections: dict[str, dict], module_name: str, notes: list[str]) -> str:

@@ -63,12 +63,15 @@ def _pattern(bits: list[int]) -> str:
     raise AssertionError("unreachable: the whole list is its own period")
 
 
-def _megatron_rope(arch, warnings: list[str]) -> list[Flag]:
-    f: list[Flag] = []
-    theta = arch.rope_theta
+def rotary_base_flag(theta: float, warnings: list[str]) -> Flag:
+    """Megatron's --rotary-base (an int, default 10000) for a rotary base; a warning where it must round."""
     if theta != int(theta):
         warnings.append(f"rope_theta={theta:g}: Megatron's --rotary-base is an integer: exported {round(theta)}")
-    f.append(("--rotary-base", int(round(theta))))
+    return ("--rotary-base", int(round(theta)))
+
+
+def _megatron_rope(arch, warnings: list[str]) -> list[Flag]:
+    f: list[Flag] = [rotary_base_flag(arch.rope_theta, warnings)]
     if arch.rot_dim != arch.head_dim:
         f.append(("--rotary-percent", arch.rot_dim / arch.head_dim))
     if arch.rope_type == "linear":

@@ -342,7 +342,8 @@ def spec_of(arch: Arch, name: str | None = None) -> ModelSpec:
         head_dim=arch.head_dim, ffn_hidden_size=arch.ffn_size, vocab_size=arch.vocab_size,
         max_seq_length=arch.max_positions, activation="swiglu" if arch.gated_mlp else
         ("relu" if arch.act == "relu" else "gelu"), norm="layernorm" if arch.norm == "layernorm" else "rmsnorm",
-        position=arch.position, tie_embeddings=arch.tie_embeddings, bias=arch.qkv_bias, moe=moe)
+        position=arch.position, tie_embeddings=arch.tie_embeddings, bias=arch.qkv_bias, moe=moe,
+        rope_theta=arch.rope_theta if arch.position == "rope" else 10000.0)
 
 
 # ------------------------------------------------------------------------------------------------ init

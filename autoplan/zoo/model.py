@@ -87,7 +87,7 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         h, dh, bias = spec.hidden_size, spec.dhead, spec.has_bias
-        self.head_dim = dh
+        self.head_dim, self.rope_theta = dh, spec.rope_theta
         self.rope = spec.position == "rope"
         if spec.position == "alibi":
             raise NotImplementedError(f"{spec.name}: autoplan's runtime has no ALiBi attention (position=alibi is "
@@ -106,7 +106,7 @@ class Attention(nn.Module):
         if self.rope:
             if positions is None:
                 positions = torch.arange(s, device=q.device)
-            cos, sin = rope_cos_sin(positions, self.head_dim)
+            cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.wo(self.core(q, k, v))  # (b, s, nh*dh) -> (b, s, h)
 

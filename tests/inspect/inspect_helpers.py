@@ -33,7 +33,7 @@ def megatron_parser() -> argparse.ArgumentParser:
                  "--global-batch-size", "--recompute-num-layers", "--num-layers", "--hidden-size",
                  "--num-attention-heads", "--ffn-hidden-size", "--seq-length", "--max-position-embeddings",
                  "--vocab-size", "--num-query-groups", "--kv-channels", "--num-experts", "--moe-router-topk",
-                 "--moe-ffn-hidden-size", "--moe-layer-freq"):
+                 "--moe-ffn-hidden-size", "--moe-layer-freq", "--rotary-base"):
         ap.add_argument(flag, type=int)
     for flag in ("--recompute-granularity", "--recompute-method", "--normalization", "--position-embedding-type",
                  "--pipeline-model-parallel-layout", "--fp8-format", "--ckpt-format", "--attention-backend",

@@ -155,3 +155,25 @@ def test_qwen2_moe_routing_shared_expert_and_sparse_layers():
     assert f["--moe-shared-expert-intermediate-size"] == 1024 and f["--moe-shared-expert-gate"] is True
     assert ec._literal(f["--moe-layer-freq"]) == [0, 1, 0, 1]  # decoder_sparse_step 2: layers 1 and 3
     core_accepts(d)
+
+
+def test_zoo_model_exports_its_rotary_base():
+    """A preset or spec file's rope_theta is what autoplan's zoo model rotates with (Llama 3: 500000); both exports
+    carry it, so the exported run and `autoplan run` train the same model."""
+    def plan_of(model):
+        return make_plan(model, load_cluster("dgx-h100", gpus=8), TrainingSpec(global_batch_size=8, seq_length=4096),
+                         "tp=8,mbs=1")
+
+    llama3, llama2 = plan_of(load_model("llama3-8b")), plan_of(load_model("llama2-7b"))
+    d = export_megatron(llama3)
+    assert d["flags"]["--rotary-base"] == 500000 and not [w for w in d["warnings"] if "rope" in w]
+    core_accepts(d)
+    assert export_megatron(llama2)["flags"]["--rotary-base"] == 10000
+    t = export_torchtitan(llama3)
+    assert "rope_theta=500000" in t["text"] and not [w for w in t["warnings"] if "rope_theta" in w]
+    assert "rope_theta=10000 " in export_torchtitan(llama2)["text"].replace("\n", " ")
+    # a spec named like torchtitan's flavour but rotating otherwise: the flavour's 500000 would train another model
+    mine = plan_of(load_model("llama3-8b").model_copy(update={"rope_theta": 10000.0}))
+    (w,) = [w for w in export_torchtitan(mine)["warnings"] if "rope_theta" in w]
+    assert "rope_theta=10000" in w and "500000" in w
+    assert export_megatron(mine)["flags"]["--rotary-base"] == 10000

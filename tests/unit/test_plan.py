@@ -187,3 +187,25 @@ def test_profiles_recorded_before_tensor_counts_still_load(plan, tmp_path):
     path.write_text(json.dumps(d))
     with pytest.raises(PlanError, match="modified after it was made"):
         load_plan(path)
+
+
+def test_rope_theta_is_hashed_only_where_it_is_set(tmp_path):
+    """ModelSpec.rope_theta came after plans were written: a plan at the default 10000 hashes without it (a file
+    written before the field loads, and runs the zoo model it ran then), a set one is hashed, so editing it is
+    caught."""
+    tr = TrainingSpec(global_batch_size=8, seq_length=256)
+    llama2 = make_plan(load_model("llama2-7b"), load_cluster("dgx-h100", gpus=8), tr, "tp=8,mbs=1")
+    d = json.loads(llama2.to_json())
+    assert d["model"].pop("rope_theta") == 10000.0
+    old = tmp_path / "before-the-field.json"
+    old.write_text(json.dumps(d))
+    assert load_plan(old) == llama2
+
+    llama3 = make_plan(load_model("llama3-8b"), load_cluster("dgx-h100", gpus=8), tr, "tp=8,mbs=1")
+    assert llama3.model.rope_theta == 500000.0 and load_plan(llama3.save(tmp_path / "l3.json")) == llama3
+    d = json.loads(llama3.to_json())
+    d["model"]["rope_theta"] = 10000.0
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="modified after it was made"):
+        load_plan(edited)

@@ -215,3 +215,26 @@ def test_hf_configs_map_to_specs(tmp_path):
 def test_hf_config_missing_fields():
     with pytest.raises(SpecError, match="lacks"):
         model_from_hf_config({"model_type": "llama", "hidden_size": 64})
+
+
+def test_rope_theta_from_presets_spec_files_and_hf_configs(tmp_path):
+    """The rotary base: the presets' published values, a spec file's own, a Hugging Face config's (either field
+    transformers has used), and one-line errors for a base on a model without rotary positions or a bad value."""
+    from autoplan.models.arch import arch_from_hf
+    from autoplan.models.blocks import spec_of
+
+    assert [load_model(n).rope_theta for n in ("llama3-70b", "llama2-70b", "mixtral-8x7b")] == [5e5, 1e4, 1e6]
+    spec = tmp_path / "m.yaml"
+    spec.write_text("name: m\nnum_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nvocab_size: 128\n"
+                    "max_seq_length: 64\nposition: rope\nrope_theta: 250000\n")
+    assert load_model(str(spec)).rope_theta == 250000.0
+    spec.write_text(spec.read_text().replace("position: rope", "position: learned"))
+    with pytest.raises(SpecError, match="no rotary positions"):
+        load_model(str(spec))
+    cfg = dict(HF["llama"], rope_theta=500000.0)
+    assert model_from_hf_config(cfg).rope_theta == 500000.0 == spec_of(arch_from_hf(cfg)).rope_theta
+    assert model_from_hf_config(dict(HF["llama"], rope_parameters={"rope_theta": 1e6})).rope_theta == 1e6
+    assert model_from_hf_config(HF["llama"]).rope_theta == 10000.0
+    assert model_from_hf_config(dict(HF["gpt2"], rope_theta=5.0)).rope_theta == 10000.0  # learned positions
+    with pytest.raises(SpecError, match="rope_theta must be a number"):
+        model_from_hf_config(dict(HF["llama"], rope_theta="big"))

@@ -131,3 +131,34 @@ def test_dropout_only_in_training():
     torch.testing.assert_close(model(tokens), model(tokens))
     model.train()
     assert not torch.allclose(model(tokens), model(tokens))
+
+
+def test_rotary_base_is_the_specs(monkeypatch):
+    """The zoo model rotates q and k with its spec's rope_theta (Llama 3's presets: 500000), at the frequencies the
+    Hugging Face families use (models.blocks.rope_inv_freq), and a different base is a different model."""
+    from autoplan.models.arch import Arch
+    from autoplan.models.blocks import rope_inv_freq
+    from autoplan.zoo import model as zoo
+
+    assert load_model("llama3-8b").rope_theta == 500000.0 and load_model("llama2-7b").rope_theta == 10000.0
+    spec = load_model("tiny-llama")
+    arch = Arch(family="llama", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_layers=1,
+                num_heads=spec.num_attention_heads, num_kv_heads=spec.kv_heads, head_dim=spec.dhead,
+                ffn_size=spec.ffn, max_positions=spec.max_seq_length, rope_theta=500000.0)
+    pos = torch.arange(spec.max_seq_length)
+    cos, sin = zoo.rope_cos_sin(pos, spec.dhead, 500000.0)
+    angles = pos.float()[:, None] * rope_inv_freq(arch)[None, :]
+    torch.testing.assert_close(cos, angles.cos(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, angles.sin(), rtol=0, atol=1e-6)
+
+    seen, real = [], zoo.rope_cos_sin
+    monkeypatch.setattr(zoo, "rope_cos_sin", lambda p, d, base=10000.0: seen.append(base) or real(p, d, base))
+    tokens = torch.randint(0, spec.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for theta in (10000.0, 500000.0):
+        model = build_model(spec.model_copy(update={"rope_theta": theta}), seed=0)
+        with torch.no_grad():
+            logits[theta] = model(tokens)
+        assert set(seen) == {theta}, seen
+        seen.clear()
+    assert not torch.allclose(logits[10000.0], logits[500000.0], atol=1e-4)
