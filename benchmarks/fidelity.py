@@ -133,6 +133,8 @@ def evaluate(ref_path: Path, calibration: dict[str, GPUCalibration] | None = Non
 
 
 HELDOUT = Path(__file__).resolve().parent / "published" / "heldout_runs.yaml"
+# runs compared only with each other (their absolute level rests on something unpublished): `--pairs`
+PAIR_RUNS = Path(__file__).resolve().parent / "published" / "pair_runs.yaml"
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -144,7 +146,7 @@ def heldout_command(run: dict) -> list[str]:
     argv = ["estimate", "--model", model_file(run["model"]), "--cluster", cluster, "--gpus", str(run["gpus"]),
             "--global-batch", str(run["global_batch"]), "--seq-len", str(run["seq_len"]), "--stack", run["stack"],
             "--parallel", run["parallel"]]
-    for key in ("stack_set", "layout", "uneven"):
+    for key in ("stack_set", "layout", "uneven", "dtype"):
         if run.get(key):
             argv += ["--" + key.replace("_", "-"), str(run[key])]
     return argv
@@ -169,7 +171,8 @@ def published_step(run: dict, est) -> float:
     return flops / (pub["hw_tflops"] * 1e12 * run["gpus"])
 
 
-def evaluate_heldout(path: Path = HELDOUT, calibration: dict[str, GPUCalibration] | None = None) -> list[dict]:
+def evaluate_heldout(path: Path = HELDOUT, calibration: dict[str, GPUCalibration] | None = None,
+                     table: str = "held-out") -> list[dict]:
     """One row per held-out published run, predicted through the CLI's path."""
     runs = yaml.safe_load(path.read_text())["runs"]
     rows = []
@@ -178,7 +181,7 @@ def evaluate_heldout(path: Path = HELDOUT, calibration: dict[str, GPUCalibration
         model, cluster, cfg, est = predict(argv, calibration)
         pub = published_step(run, est)
         rows.append({
-            "table": "held-out", "model": run["name"], "gpus": cluster.num_gpus, "pp": cfg.pp,
+            "table": table, "model": run["name"], "published_memory_gib": run["published"].get("memory_gib"), "gpus": cluster.num_gpus, "pp": cfg.pp,
             "config": cfg.to_string(), "stack": run["stack"], "source": run["source"],
             "command": "autoplan " + " ".join(argv), "published_step_s": pub, "predicted_step_s": est.step_time_s,
             "step_error": (est.step_time_s - pub) / pub, "published_tflops": est.model_flops / pub / est.num_gpus / 1e12,
@@ -334,11 +337,12 @@ PAIRS = (
 )
 
 
-def pairs(rows: list[dict]) -> list[dict]:
-    """Published vs predicted step-time ratio B/A for each of PAIRS present in `rows`."""
+def pairs(rows: list[dict], more: tuple = ()) -> list[dict]:
+    """Published vs predicted step-time ratio B/A for each of PAIRS (and `more`) present in `rows`; where both
+    runs publish their memory, its change B - A too."""
     by_name = {r["model"]: r for r in rows}
     out = []
-    for label, a, b in PAIRS:
+    for label, a, b in (*PAIRS, *more):
         if a not in by_name or b not in by_name:
             continue
         ra, rb = by_name[a], by_name[b]
@@ -348,7 +352,15 @@ def pairs(rows: list[dict]) -> list[dict]:
                     "published_delta_s": rb["published_step_s"] - ra["published_step_s"],
                     "predicted_delta_s": rb["predicted_step_s"] - ra["predicted_step_s"],
                     "residual": pred / pub - 1})
+        if ra.get("published_memory_gib") is not None and rb.get("published_memory_gib") is not None:
+            out[-1].update(published_memory_delta_gib=rb["published_memory_gib"] - ra["published_memory_gib"],
+                           predicted_memory_delta_gib=rb["peak_memory_gib"] - ra["peak_memory_gib"])
     return out
+
+
+def pair_runs(path: Path = PAIR_RUNS) -> tuple[list[dict], tuple]:
+    """The runs compared only with each other (table 'pairs only') and their pairs."""
+    return evaluate_heldout(path, table="pairs only"), tuple(tuple(p) for p in yaml.safe_load(path.read_text())["pairs"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,14 +384,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = evaluate(args.reference) + evaluate_heldout(args.heldout)
     if args.pairs:
-        prs = pairs(rows)
+        only, more = pair_runs()
+        prs = pairs(rows + only, more)
         if args.json:
-            print(json.dumps(prs, indent=1))
+            print(json.dumps({"pairs": prs, "pair_only_rows": only}, indent=1))
             return 0
         for p in prs:
+            mem = (f"; memory B-A published {p['published_memory_delta_gib']:+.1f} GiB, predicted "
+                   f"{p['predicted_memory_delta_gib']:+.1f}" if "published_memory_delta_gib" in p else "")
             print(f"{p['pair']}\n    B/A published {p['published_ratio']:.3f} ({p['published_delta_s']:+.2f} s), "
                   f"predicted {p['predicted_ratio']:.3f} ({p['predicted_delta_s']:+.2f} s): "
-                  f"residual {100 * p['residual']:+.1f}%")
+                  f"residual {100 * p['residual']:+.1f}%{mem}")
+        print(f"\nruns compared only with each other ({PAIR_RUNS.name}; absolute errors for context, not a test):")
+        for r in only:
+            print(f"    {r['model']}: published {r['published_step_s']:.3f} s, predicted {r['predicted_step_s']:.3f} s "
+                  f"({100 * r['step_error']:+.1f}%), memory {r['peak_memory_gib']:.1f} GiB predicted"
+                  + (f", {r['published_memory_gib']:.1f} published" if r["published_memory_gib"] else ""))
         return 0
     summary = summarize(rows)
     trends = {"by_gpus": trend(rows, "gpus", GPU_BUCKETS), "by_pp": trend(rows, "pp", PP_BUCKETS),

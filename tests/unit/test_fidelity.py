@@ -71,3 +71,22 @@ def test_published_tokens_per_gpu_second_is_a_step_time():
     run = {"global_batch": 64, "seq_len": 8192, "gpus": 64, "published": {"tokens_per_gpu_s": 2904}}
     assert abs(published_step(run, None) - 64 * 8192 / (2904 * 64)) < 1e-12
     assert abs(published_step(run, None) - 2.8209) < 1e-3
+
+
+def test_pair_runs_resolve_and_their_scale_pairs_stay_guarded():
+    """Runs compared only with each other (benchmarks/published/pair_runs.yaml: torchtitan's H100 tables, measured
+    at a 500 W power limit whose clock no source states) go through the CLI's path; every pair names two of them,
+    and none enters the held-out means. The data-parallel pairs (8 -> 128 GPUs, all else equal) are guarded at
+    what session 28 measured: step-time ratio within 2.5% of the published one, memory change within 1 GiB."""
+    from benchmarks.fidelity import pair_runs, pairs
+
+    only, more = pair_runs()
+    names = {r["model"] for r in only}
+    assert len(only) >= 8 and all(r["table"] == "pairs only" for r in only)
+    assert all(a in names and b in names for _, a, b in more)
+    assert all(r["command"].startswith("autoplan estimate --model ") for r in only)
+    scale = [p for p in pairs(only, more) if p["pair"].startswith("data parallelism 8 -> 128")]
+    assert len(scale) == 3
+    for p in scale:
+        assert abs(p["residual"]) <= 0.025, p
+        assert abs(p["predicted_memory_delta_gib"] - p["published_memory_delta_gib"]) <= 1.0, p
