@@ -132,6 +132,10 @@ def load_workload(args: argparse.Namespace):
         dtype, note = default_dtype(cluster, stack_of(args)[0])
         if note:  # said on stderr, so a user can pick the other
             print(f"autoplan: note: {note}", file=sys.stderr)
+    if dtype == "fp8" and stack_of(args)[0] in (None, "autoplan"):
+        print("autoplan: note: autoplan's runtime does not train in fp8 (`autoplan run` refuses this plan): the "
+              "prediction is for Float8 linears as other stacks run them; plan with --stack torchtitan or "
+              "megatron-core and `autoplan export` it, or pass --dtype bf16 to run it here", file=sys.stderr)
     try:
         training = TrainingSpec(global_batch_size=args.global_batch, seq_length=seq, dtype=dtype,
                                 kernels=getattr(args, "kernels", None) or "fused")

@@ -129,6 +129,18 @@ def _knob_prices(plan, knob: str) -> bool:
     return True
 
 
+def check_dtype(plan) -> None:
+    """PlanError for a dtype the runtime cannot train in, --force or not: autocast has no fp8, so an fp8 plan would
+    run in fp32, another program than the one priced (parallelize.autocast_dtype refuses it too)."""
+    if plan.training.dtype == "fp8":
+        from autoplan.cost_models.errors import PlanError
+
+        raise PlanError(f"plan {plan.short_hash} computes in fp8, which autoplan's runtime does not run",
+                        "it trains in bf16, fp16 or fp32 (autocast over fp32 parameters)",
+                        "re-plan with --dtype bf16 to run it here, or `autoplan export` it for a stack with Float8 "
+                        "linears (--stack torchtitan or megatron-core)")
+
+
 def check_stack(plan) -> list[str]:
     """The plan must price the program autoplan's runtime executes. One priced for another software stack
     (`--stack megatron-2022`, `deepspeed-zero3`, `torchtitan`, ...: for comparison and for `autoplan export`) or
@@ -250,6 +262,7 @@ def run(plan_path: str | Path, nproc_per_node: int | None = None, train_args: Se
     check_module_trusted(plan, trusted_module, f"if you trust that code, run `autoplan run {plan_path} --model "
                                                f"{module}`")
     check_plan_model(plan)  # the recorded architecture builds as planned: refused before launch, not in torchrun
+    check_dtype(plan)
     nproc, warnings = check_launch(plan, nproc_per_node, nnodes, rdzv_endpoint)
     problems = check_machine(plan, nproc)
     if problems and not force and not print_command:

@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"launch it with `autoplan run PLAN --model {plan_module(plan)}` (which sets "
                              f"{TRUSTED_MODULE_ENV} for the workers) if you trust that code")
         check_plan_model(plan)  # the recorded architecture builds as planned (refuses unsupported fields)
+        from .launch import check_dtype
+
+        check_dtype(plan)  # also when the workers are started by hand, not by `autoplan run`
         if args.model:
             from autoplan.specs import load_model
 

@@ -383,6 +383,32 @@ def test_a_plan_priced_for_another_stack_is_not_run_as_if_it_were_autoplans(tmp_
     assert launch.run(str(path), force=True, print_command=True) == 0
 
 
+def test_an_fp8_plan_is_refused_even_with_force(tmp_path, capsys):
+    """autocast has no fp8: run as it was, an fp8 plan trained in fp32 (apply_mixed_precision's "no autocast"),
+    another program than the one priced. `autoplan run` refuses it, --force or not; the worker refuses it too
+    when started by hand; `estimate --dtype fp8` on autoplan's stack says so at planning time."""
+    from autoplan.cli import main
+    from autoplan.plan import load_plan
+    from autoplan.runtime import launch
+    from autoplan.runtime.parallelize import autocast_dtype
+
+    fp8 = load_plan(_plan(tmp_path))
+    fp8 = fp8.model_copy(update={"training": fp8.training.model_copy(update={"dtype": "fp8"})}).sealed()
+    path = fp8.save(tmp_path / "fp8.json")
+    for force in (False, True):
+        with pytest.raises(PlanError, match="computes in fp8, which autoplan's runtime does not run"):
+            launch.run(str(path), train_args=["--steps", "1"], force=force)
+    with pytest.raises(ValueError, match="fp8"):
+        autocast_dtype("fp8")
+    assert autocast_dtype("bf16") is not None and autocast_dtype("fp32") is None
+    assert main(["estimate", "--model", "tiny-gpt", "--cluster", "local-cpu", "--gpus", "1", "--global-batch", "4",
+                 "--seq-len", "64", "--parallel", "mbs=4", "--dtype", "fp8"]) == 0
+    assert "autoplan's runtime does not train in fp8" in capsys.readouterr().err
+    assert main(["estimate", "--model", "tiny-gpt", "--cluster", "local-cpu", "--gpus", "1", "--global-batch", "4",
+                 "--seq-len", "64", "--parallel", "mbs=4", "--dtype", "fp8", "--stack", "torchtitan"]) == 0
+    assert "does not train in fp8" not in capsys.readouterr().err
+
+
 def test_restarts_need_save_and_resume_from_it(tmp_path):
     from autoplan.runtime.launch import restart_args
 
