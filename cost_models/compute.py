@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from . import comm
 from .kernel_traffic import eager_extra
-from .profile import LayerProfile
+from .profile import Gemm, LayerProfile
 from .specs import DTYPE_BYTES, ClusterSpec, TrainingSpec
 
 
@@ -126,9 +126,45 @@ def gemm_efficiency(cluster: ClusterSpec, m: float, n: float, k: float) -> float
     return cal.matmul_max_efficiency * size / (size + cal.matmul_half_dim)
 
 
-def _gemm_time(ctx: Context, flops: float, m: float, n: float, k: float) -> float:
-    peak = ctx.cluster.gpu.peak_flops(ctx.training.dtype)
+def _gemm_time(ctx: Context, flops: float, m: float, n: float, k: float, fp8: bool = True) -> float:
+    """`fp8=False`: a GEMM that runs in 16 bits under an fp8 plan (`float8_gemm`)."""
+    peak = ctx.cluster.gpu.peak_flops(ctx.training.dtype if fp8 else compute16(ctx.training.dtype))
     return flops / (peak * gemm_efficiency(ctx.cluster, m, n, k))
+
+
+def compute16(dtype: str) -> str:
+    """The dtype of what an fp8 plan does not run in fp8 (bf16); any other dtype is its own."""
+    return "bf16" if dtype == "fp8" else dtype
+
+
+# Bytes per element to quantise a 16-bit tensor for an fp8 GEMM: read it once (2) and write its fp8 copy and that
+# copy's transpose (1 + 1), which Hopper's fp8 GEMMs need for the backward's operands (Transformer Engine's fused
+# cast-transpose kernel, transformer_engine/common/transpose/cast_transpose.cu; torchao's Float8Linear casts and
+# transposes the same tensors). A separate amax pass of current (dynamic) scaling is not priced: Transformer
+# Engine's delayed scaling takes the amax in the cast kernel, and under torch.compile torchao's fuses into the
+# tensor's producer.
+FP8_CAST_BYTES = 4.0
+
+
+def float8_gemm(g: Gemm) -> bool:
+    """Whether a weight GEMM runs in fp8 under an fp8 plan: the block and expert linears do; the LM head stays
+    16-bit on both stacks that train in fp8 (torchtitan's Float8 converter skips `output`, its filter_fqns
+    default; Megatron-Core's output layer is a plain ColumnParallelLinear outside Transformer Engine), and so
+    does the attention core (neither converts SDPA / DotProductAttention by default: `_attention`)."""
+    return g.tp != "vocab"
+
+
+def fp8_cast_bytes(p: LayerProfile, ctx: Context) -> tuple[float, float]:
+    """(forward, backward) bytes this GPU moves per micro-batch quantising the fp8 GEMMs' operands: each input and
+    weight in the forward, each output gradient in the backward (FP8_CAST_BYTES per element); 0 unless fp8."""
+    if ctx.training.dtype != "fp8":
+        return 0.0, 0.0
+    fwd = bwd = 0.0
+    for g, (m, n, k, copies) in zip(p.gemms, _gemm_shapes(p, ctx)):
+        if float8_gemm(g):
+            fwd += copies * (m * k + k * n) * FP8_CAST_BYTES
+            bwd += copies * m * n * FP8_CAST_BYTES
+    return fwd, bwd
 
 
 def _mem_time(ctx: Context, nbytes: float) -> float:
@@ -136,8 +172,10 @@ def _mem_time(ctx: Context, nbytes: float) -> float:
     return nbytes / (gpu.hbm_gbps * 1e9 * gpu.calibration.memory_efficiency)
 
 
-def _gemm_parts(p: LayerProfile, ctx: Context) -> list[tuple[float, float]]:
-    """(forward time, forward FLOPs) on this GPU of each of the layer's weight GEMMs, in `p.gemms` order."""
+def _gemm_shapes(p: LayerProfile, ctx: Context) -> list[tuple[float, float, float, int]]:
+    """(m, n, k, copies) on this GPU of each of the layer's weight GEMMs, in `p.gemms` order: copies are the
+    local experts of an expert GEMM (each sees an equal share of the tokens routed to this rank: balanced
+    routing), else 1."""
     t, out = ctx.tp, []
     for g in p.gemms:
         n, k = g.n, g.k
@@ -146,13 +184,17 @@ def _gemm_parts(p: LayerProfile, ctx: Context) -> list[tuple[float, float]]:
         elif g.tp == "row":
             k = -(-k // t)
         rows = ctx.tokens * g.tokens_per_token
-        flops = 2.0 * rows * n * k
-        m = rows
-        if g.expert and g.count:
-            local_experts = max(1, g.count // ctx.ep)
-            # each local expert sees an equal share of the tokens routed to this rank (balanced routing)
-            m = rows / local_experts
-        out.append((_gemm_time(ctx, flops, m, n, k), flops))
+        copies = max(1, g.count // ctx.ep) if g.expert and g.count else 1
+        out.append((rows / copies, n, k, copies))
+    return out
+
+
+def _gemm_parts(p: LayerProfile, ctx: Context) -> list[tuple[float, float]]:
+    """(forward time, forward FLOPs) on this GPU of each of the layer's weight GEMMs, in `p.gemms` order."""
+    out = []
+    for g, (m, n, k, copies) in zip(p.gemms, _gemm_shapes(p, ctx)):
+        flops = 2.0 * m * copies * n * k
+        out.append((_gemm_time(ctx, flops, m, n, k, fp8=float8_gemm(g)), flops))
     return out
 
 
@@ -210,7 +252,7 @@ def _attention_flops(p: LayerProfile, ctx: Context) -> float:
 def _attention_gemm_time(p: LayerProfile, ctx: Context) -> float:
     """The two batched GEMMs of an unfused attention core (QK^T and PV, causal computed in full), forward."""
     return _gemm_time(ctx, _attention_flops(p, ctx) * cp_score_fraction(ctx), ctx.seq / ctx.cp, ctx.seq,
-                      p.attention.head_dim)
+                      p.attention.head_dim, fp8=False)
 
 
 # The SDPA backward's matmuls relative to its forward's (torch.utils.flop_counter.sdpa_backward_flop_count:
@@ -228,7 +270,7 @@ def _attention(p: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     b, s = ctx.mbs, ctx.seq
     model_flops = _attention_flops(p, ctx)
     cal = ctx.cluster.gpu.calibration
-    peak = ctx.cluster.gpu.peak_flops(ctx.training.dtype)
+    peak = ctx.cluster.gpu.peak_flops(compute16(ctx.training.dtype))  # 16-bit under fp8 too (float8_gemm)
     if fused_attention(p, ctx):
         # a causal kernel skips the masked half of the scores; autoplan's context-parallel core computes its
         # query chunks against their key prefixes in full where it passes masks (`cp_mask_tensors`: CPU
@@ -810,8 +852,9 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     ep_f, ep_b = _ep_comm(p, ctx)
     comm_f, comm_b = tp_f + cp_f + ep_f, tp_b + cp_b + ep_b
     ac = autocast_terms(p, ctx, seq_div)
-    dev_f = gemm_fwd + attn_fwd + ew_fwd + ew_extra_f + _mem_time(ctx, ac.fwd_bytes)
-    dev_b = 2 * gemm_fwd + attn_bwd + 2 * ew_fwd + ew_extra_b + _mem_time(ctx, ac.bwd_bytes)
+    q8_f, q8_b = fp8_cast_bytes(p, ctx)
+    dev_f = gemm_fwd + attn_fwd + ew_fwd + ew_extra_f + _mem_time(ctx, ac.fwd_bytes + q8_f)
+    dev_b = 2 * gemm_fwd + attn_bwd + 2 * ew_fwd + ew_extra_b + _mem_time(ctx, ac.bwd_bytes + q8_b)
     if cpu_host:
         # CPU processes (a cluster whose cores are given): the thread that issues an operator also runs it, so
         # nothing of the host time hides under the kernels

@@ -77,7 +77,8 @@ def test_pair_runs_resolve_and_their_scale_pairs_stay_guarded():
     """Runs compared only with each other (benchmarks/published/pair_runs.yaml: torchtitan's H100 tables, measured
     at a 500 W power limit whose clock no source states) go through the CLI's path; every pair names two of them,
     and none enters the held-out means. The data-parallel pairs (8 -> 128 GPUs, all else equal) are guarded at
-    what session 28 measured: step-time ratio within 2.5% of the published one, memory change within 1 GiB."""
+    what session 28 measured: step-time ratio within 2.5% of the published one, memory change within 1 GiB.
+    Async TP's pair is not guarded: the model over-credits it (-12.8%, docs/cost_model.md)."""
     from benchmarks.fidelity import pair_runs, pairs
 
     only, more = pair_runs()
@@ -90,3 +91,8 @@ def test_pair_runs_resolve_and_their_scale_pairs_stay_guarded():
     for p in scale:
         assert abs(p["residual"]) <= 0.025, p
         assert abs(p["predicted_memory_delta_gib"] - p["published_memory_delta_gib"]) <= 1.0, p
+    # Float8 and torch.compile at 8 GPUs: -23.4% before the fp8 GEMMs' casts and the 16-bit attention and head
+    # were priced (session 28), -1.5% after; compile +0.3%
+    (float8,) = [p for p in pairs(only, more) if p["pair"].startswith("Float8")]
+    (compiled,) = [p for p in pairs(only, more) if p["pair"].startswith("torch.compile")]
+    assert abs(float8["residual"]) <= 0.03 and abs(compiled["residual"]) <= 0.03, (float8, compiled)
