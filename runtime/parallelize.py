@@ -406,10 +406,10 @@ def canonical_name(name: str) -> str:
 
 def autocast_dtype(dtype: str) -> torch.dtype | None:
     """The 16-bit type a plan's forward computes in under autocast (bf16, fp16); None: fp32, no autocast.
-    fp8 is refused (launch.check_stack refuses such plans first): autocast has no fp8, and running the plan in
+    fp8 is refused (launch.check_dtype refuses such plans first): autocast has no fp8, and running the plan in
     fp32 would be another program than the one priced."""
     if dtype == "fp8":
-        raise ValueError("autoplan's runtime does not train in fp8 (launch.check_stack refuses such plans)")
+        raise ValueError("autoplan's runtime does not train in fp8 (launch.check_dtype refuses such plans)")
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
 
 
