@@ -148,9 +148,10 @@ FP8_CAST_BYTES = 4.0
 
 def float8_gemm(g: Gemm) -> bool:
     """Whether a weight GEMM runs in fp8 under an fp8 plan: the block and expert linears do; the LM head stays
-    16-bit on both stacks that train in fp8 (torchtitan's Float8 converter skips `output`, its filter_fqns
-    default; Megatron-Core's output layer is a plain ColumnParallelLinear outside Transformer Engine), and so
-    does the attention core (neither converts SDPA / DotProductAttention by default: `_attention`)."""
+    16-bit on both stacks that train in fp8 (torchtitan's llama3 train configs leave it out of the Float8
+    converter: llama3_8b.toml's `filter_fqns = ["output"]`, 0.3's llama3_405b config `filter_fqns=["lm_head"]`;
+    Megatron-Core's output layer is a plain ColumnParallelLinear outside Transformer Engine), and so does the
+    attention core (neither converts SDPA / DotProductAttention by default: `_attention`)."""
     return g.tp != "vocab"
 
 
