@@ -277,6 +277,8 @@ def export_megatron(plan: Plan, script: str = "pretrain_gpt.py") -> dict:
 
 TORCHTITAN_VERSIONS = ("0.3", "0.2")
 
+# torchtitan 0.3's name of the LM head module (0.2 called it `output`)
+TITAN_HEAD = "lm_head"
 # torchtitan's registered Llama 3 trainer configs (torchtitan/models/llama3/config_registry.py) and the
 # model flavours behind them (torchtitan/models/llama3/__init__.py).
 _TITAN_CONFIGS = {"llama3-8b": ("llama3", "llama3_8b", "8B"), "llama3-70b": ("llama3", "llama3_70b", "70B"),
@@ -362,8 +364,9 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
                                    "mixed_precision_reduce": "float32"}
     if tr.dtype == "fp16":
         warnings.append("torchtitan has no fp16 mixed precision: exported bfloat16")
-    if tr.dtype == "fp8":
-        warnings.append("fp8: torchtitan runs Float8 through a model converter (e.g. llama3_8b's float8 configs); "
+    if tr.dtype == "fp8" and (version != "0.3" or m.name not in _TITAN_CONFIGS):
+        warnings.append("fp8: torchtitan runs Float8 through a model converter (Float8LinearConverter, the LM head "
+                        "filtered out); the export sets it for the registered llama3 flavours under 0.3 only: "
                         "exported bfloat16 parameters without it")
     reduce = tr.grad_dtype
     if reduce != "fp32":
@@ -395,7 +398,7 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
         par["pipeline_parallel_schedule"] = _TITAN_SCHEDULE[cfg.schedule]
         par["pipeline_parallel_microbatch_size"] = cfg.mbs
         if version == "0.3":
-            par.update(_titan_stage_layout(plan, "lm_head"))
+            par.update(_titan_stage_layout(plan, TITAN_HEAD))
         else:  # 0.2: explicit module lists per stage (the head module was called `output` then)
             par["module_fqns_per_model_part"] = _titan_stage_layout_explicit(plan, "output")
     par["context_parallel_degree"] = cfg.cp
@@ -437,11 +440,18 @@ def _titan_python(plan: Plan, sections: dict[str, dict], module_name: str, notes
         lines.append("from torchtitan.distributed.activation_checkpoint import FullAC")
     elif ac == "selective":
         lines.append("from torchtitan.distributed.activation_checkpoint import SelectiveAC")
-    plain = plan.model.name in _TITAN_CONFIGS and plan.training.dtype != "fp8"
-    if plain:
+    registered = plan.model.name in _TITAN_CONFIGS
+    float8 = registered and plan.training.dtype == "fp8"
+    if registered:
         lines.append(f"from torchtitan.models.{mdl['module']} import model_registry")
+    if float8:
+        lines.append("from torchtitan.components.quantization import Float8LinearConverter")
     lines += ["", "", "def autoplan_config():", "    config = _base()"]
-    if plain:  # the registered config may add Float8 converters (llama3_405b): the plan trains in bf16/fp32
+    if float8:  # the block linears in Float8, the head in bf16, as the plan prices them (compute.float8_gemm)
+        lines += ["    compiled = config.compile.enable and \"model\" in config.compile.components",
+                  f"    config.model_spec = model_registry({mdl['flavor']!r}, converters=[",
+                  f"        Float8LinearConverter.Config(filter_fqns=[{TITAN_HEAD!r}], model_compile_enabled=compiled)])"]
+    elif registered:  # the registered config may add Float8 converters (llama3_405b): the plan trains in bf16/fp32
         lines.append(f"    config.model_spec = model_registry({mdl['flavor']!r})")
     for k, v in sections["training"].items():
         lines.append(f"    config.training.{k} = {v!r}")

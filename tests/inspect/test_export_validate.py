@@ -92,6 +92,28 @@ def test_torchtitan_loads_exports(plans):
 
 
 @pytest.mark.skipif(not ec.torchtitan_available(), reason="torchtitan >= 0.3 is not installed")
+def test_torchtitan_builds_an_fp8_plan_with_float8_block_linears_and_a_bf16_head(tmp_path):
+    """What the fp8 plan prices (compute.float8_gemm) is what torchtitan builds from the export: every block
+    linear a Float8Linear, the LM head a plain Linear."""
+    from torchtitan.models.common.linear import Linear
+
+    from autoplan.api import make_plan
+    from autoplan.cost_models.stacks import apply_stack
+    from autoplan.inspect.export import megatron_arch
+    from autoplan.specs import TrainingSpec, load_cluster, load_model
+
+    training = apply_stack(TrainingSpec(global_batch_size=16, seq_length=8192), "torchtitan", {}).model_copy(
+        update={"dtype": "fp8"})
+    plan = make_plan(load_model("llama3-8b"), load_cluster("dgx-h100", gpus=8), training, "tp=2,mbs=1,zero=3")
+    assert ec.check_torchtitan(plan) is None
+    with ec._as_on_gpu(megatron_arch(plan), megatron=False):
+        cfg = ec.load_torchtitan_export(plan, str(tmp_path))
+    kinds = {fqn: type(c).__qualname__ for fqn, c, _, _ in cfg.model_spec.model.traverse(Linear.Config)}
+    assert kinds.pop("lm_head") == "Linear.Config"
+    assert len(kinds) >= 4 * 32 and set(kinds.values()) == {"Float8Linear.Config"}, kinds
+
+
+@pytest.mark.skipif(not ec.torchtitan_available(), reason="torchtitan >= 0.3 is not installed")
 def test_torchtitan_check_catches_the_old_layer_count(plans, monkeypatch):
     """The old export gave layers_per_stage as transformer layers only; torchtitan also counts the embedding
     and the head (first/last_stage_less_layers default to 1), so its split differs from the plan's."""

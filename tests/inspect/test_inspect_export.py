@@ -173,6 +173,30 @@ def test_torchtitan_llama_flavour():
     assert cfg["activation_checkpoint"]["mode"] == "full"
 
 
+def test_torchtitan_export_trains_fp8_plans_with_float8_linears():
+    """An fp8 plan prices the block linears in fp8 and the LM head in bf16 (compute.float8_gemm); torchtitan 0.3
+    runs Float8 through a model converter, which the export now sets with the head filtered out (before: bf16
+    parameters and a warning). 0.2 and unregistered models keep the warning."""
+    from autoplan.cost_models.stacks import apply_stack
+    from autoplan.specs import TrainingSpec, load_model
+
+    training = apply_stack(TrainingSpec(global_batch_size=16, seq_length=8192), "torchtitan", {}).model_copy(
+        update={"dtype": "fp8"})
+    plan = make_plan(load_model("llama3-8b"), load_cluster("dgx-h100", gpus=8), training, "tp=2,mbs=1,zero=3")
+    d = export_torchtitan(plan)
+    assert "from torchtitan.components.quantization import Float8LinearConverter" in d["python"]
+    assert "Float8LinearConverter.Config(filter_fqns=['lm_head'], model_compile_enabled=compiled)" in d["python"]
+    assert "model_registry('8B', converters=[" in d["python"]
+    assert not [w for w in d["warnings"] if w.startswith("fp8")]
+    assert [w for w in export_torchtitan(plan, "0.2")["warnings"] if w.startswith("fp8")]
+    bf16 = make_plan(load_model("llama3-8b"), load_cluster("dgx-h100", gpus=8),
+                     training.model_copy(update={"dtype": "bf16"}), "tp=2,mbs=1,zero=3")
+    assert "Float8" not in export_torchtitan(bf16)["python"]
+    other = make_plan(load_model("llama2-7b"), load_cluster("dgx-h100", gpus=8), training, "tp=2,mbs=1,zero=3")
+    d = export_torchtitan(other)
+    assert "Float8" not in d["python"] and [w for w in d["warnings"] if w.startswith("fp8")]
+
+
 def test_exports_reduce_gradients_in_the_dtype_the_plan_priced():
     """The autoplan stack trains under autocast over fp32 parameters: its gradients are fp32 and reduced in fp32
     (TrainingSpec.grad_dtype), which is Megatron's default reduce and torchtitan's only one, so neither export
