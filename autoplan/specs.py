@@ -26,6 +26,7 @@ from autoplan.cost_models.specs import (
     check_config,
 )
 
+from .models.arch import hf_rope_theta
 from .presets import MODEL_PRESETS
 
 __all__ = [
@@ -159,22 +160,6 @@ def hf_config_name(path: Path) -> str:
     return path.stem
 
 
-def _hf_rope_theta(cfg: dict[str, Any]) -> float:
-    """The rotary base of a Hugging Face config: rope_parameters (transformers 5), rope_theta, or GPT-NeoX's
-    rotary_emb_base; 10000 when none is given (every family's default)."""
-    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    value = params.get("rope_theta", cfg.get("rope_theta", cfg.get("rotary_emb_base", 10000.0)))
-    try:
-        theta = float(value)
-    except (TypeError, ValueError):
-        raise SpecError("Hugging Face config: rope_theta must be a number", f"got {value!r}",
-                        "fix rope_theta in config.json") from None
-    if not theta > 0:
-        raise SpecError("Hugging Face config: rope_theta must be positive", f"got {value!r}",
-                        "fix rope_theta in config.json")
-    return theta
-
-
 def model_from_hf_config(cfg: dict[str, Any], name: str = "hf-model") -> ModelSpec:
     """Map a Hugging Face config (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, Mixtral field names) to a ModelSpec."""
     mtype = str(cfg.get("model_type", "")).lower()
@@ -213,7 +198,7 @@ def model_from_hf_config(cfg: dict[str, Any], name: str = "hf-model") -> ModelSp
         vocab_size=_hf_int(cfg, vocab, "vocab_size"), max_seq_length=_hf_int(cfg, seq, "max_position_embeddings"), activation=activation, norm=norm,
         position="rope" if rope else "learned",
         tie_embeddings=bool(_hf_get(cfg, "tie_word_embeddings", default=mtype == "gpt2")),
-        rope_theta=_hf_rope_theta(cfg) if rope else 10000.0,
+        rope_theta=hf_rope_theta(cfg) if rope else 10000.0,
         bias=bool(_hf_get(cfg, "attention_bias", "use_bias", default=mtype in ("gpt2", "gpt_neox"))),
         moe=moe,
     )

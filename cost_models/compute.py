@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from . import comm
 from .kernel_traffic import eager_extra
 from .profile import Gemm, LayerProfile
-from .specs import DTYPE_BYTES, ClusterSpec, TrainingSpec
+from .specs import DTYPE_BYTES, ClusterSpec, TrainingSpec, compute16
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Context:
 
     @property
     def act_bytes(self) -> int:
-        return DTYPE_BYTES[self.training.dtype] if self.training.dtype != "fp8" else 2
+        return DTYPE_BYTES[compute16(self.training.dtype)]
 
     @property
     def residual_bytes(self) -> int:
@@ -130,11 +130,6 @@ def _gemm_time(ctx: Context, flops: float, m: float, n: float, k: float, fp8: bo
     """`fp8=False`: a GEMM that runs in 16 bits under an fp8 plan (`float8_gemm`)."""
     peak = ctx.cluster.gpu.peak_flops(ctx.training.dtype if fp8 else compute16(ctx.training.dtype))
     return flops / (peak * gemm_efficiency(ctx.cluster, m, n, k))
-
-
-def compute16(dtype: str) -> str:
-    """The dtype of what an fp8 plan does not run in fp8 (bf16); any other dtype is its own."""
-    return "bf16" if dtype == "fp8" else dtype
 
 
 # Bytes per element to quantise a 16-bit tensor for an fp8 GEMM: read it once (2) and write its fp8 copy and that

@@ -24,6 +24,12 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
+def compute16(dtype: str) -> str:
+    """The dtype of what an fp8 plan does not run in fp8 (activations, gradients, attention, the LM head): bf16;
+    any other dtype is its own."""
+    return "bf16" if dtype == "fp8" else dtype
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -521,7 +527,7 @@ class TrainingSpec(_Frozen):
         (`grad_reduce_dtype`, by default the compute dtype; bf16 under fp8)."""
         if self.fp32_params:
             return "fp32"
-        return self.grad_reduce_dtype or ("bf16" if self.dtype == "fp8" else self.dtype)
+        return self.grad_reduce_dtype or compute16(self.dtype)
 
     @property
     def grad_bytes(self) -> int:

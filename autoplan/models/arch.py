@@ -143,10 +143,26 @@ def read_hf_config(source: str | Path | dict) -> dict:
     return cfg
 
 
+def hf_rope_theta(cfg: dict) -> float:
+    """The rotary base of a Hugging Face config, raw or normalised: rope_parameters (transformers 5), rope_theta,
+    or GPT-NeoX's rotary_emb_base; 10000 when none is given (every family's default)."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    value = params.get("rope_theta", cfg.get("rope_theta", cfg.get("rotary_emb_base", 10000.0)))
+    try:
+        theta = float(value)
+    except (TypeError, ValueError):
+        raise SpecError("Hugging Face config: rope_theta must be a number", f"got {value!r}",
+                        "fix rope_theta in config.json") from None
+    if not theta > 0:
+        raise SpecError("Hugging Face config: rope_theta must be positive", f"got {value!r}",
+                        "fix rope_theta in config.json")
+    return theta
+
+
 def _rope(cfg: dict, head_dim: int, problems: list[Unsupported]) -> dict:
     rp = dict(cfg.get("rope_parameters") or {})
     rtype = rp.get("rope_type", rp.get("type", "default")) or "default"
-    out: dict[str, Any] = {"rope_theta": float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))}
+    out: dict[str, Any] = {"rope_theta": hf_rope_theta(cfg)}
     prf = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0
     out["rotary_dim"] = int(head_dim * prf)
     if rtype == "linear":
