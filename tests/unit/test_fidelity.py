@@ -41,10 +41,13 @@ def test_heldout_runs_are_cli_commands_and_stay_guarded():
                                                               "torchtitan"}
     assert all(r["command"].startswith("autoplan estimate --model ") for r in rows)
     assert any("--layout" in r["command"] for r in rows) and any("--stack-set" in r["command"] for r in rows)
-    errs = [abs(r["step_error"]) for r in rows]
-    # worst 0.17 on branch s7-fidelity-refit: with SC21's unfused gradient accumulation priced and the A100
-    # constants refitted, MT-NLG's 3360-GPU row goes from -14.0% to -16.1% (Korthikanti's rows improve)
-    assert statistics.mean(errs) <= 0.10 and max(errs) <= 0.17, errs
+    nemo = [abs(r["step_error"]) for r in rows if r["source"].startswith("NeMo 24.07")]
+    errs = [abs(r["step_error"]) for r in rows if not r["source"].startswith("NeMo 24.07")]
+    # the 24 rows of sessions 6-18: 3.87% / 11.62% since session 22 (the worst, MT-NLG's 3360-GPU row)
+    assert len(errs) == 24 and statistics.mean(errs) <= 0.045 and max(errs) <= 0.125, errs
+    # NeMo 24.07's H100 FP8 table, all twelve pre-training rows (session 29): 5.8% / 18.7% (Nemotron 340B)
+    assert len(nemo) == 12 and statistics.mean(nemo) <= 0.065 and max(nemo) <= 0.20, nemo
+    assert all("--dtype fp8" in r["command"] for r in rows if r["source"].startswith("NeMo 24.07"))
     by_gpus = trend(rows, "gpus", ((1, 512), (513, 1 << 30)))
     assert len(by_gpus) == 2 and all(b["runs"] >= 4 for b in by_gpus)
 
