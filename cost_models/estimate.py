@@ -31,6 +31,8 @@ GIB = 1024**3
 # Adam step bytes per parameter: read fp32 master, m, v and the fp32 grad, write master, m, v and the
 # 16-bit copy (4*4 + 3*4 + 2 = 30), plus reading the grad again for the clipping norm (4).
 _ADAM_BYTES_PER_PARAM = 34.0
+# With the state in bf16 (`TrainingSpec.optimizer_dtype`) the master, m and v are read and written at 2 bytes, not 4.
+_ADAM_BF16_STATE_SAVING = 3 * 2 + 3 * 2
 # Megatron-LM's DDP bucket: max(40M, 1M * dp) parameters (distributed.py, bucket_size default).
 _BUCKET_PARAMS = 40e6
 
@@ -427,7 +429,7 @@ def runtime_per_param(*, dp: int, cp: int, tp: int, pp: int, ep: int, zero: int,
       `memory_of_rank` divides by dp x cp / ep is whole)."""
     n = dp * cp
     w, g = training.weight_bytes, training.grad_bytes
-    opt = training.master_bytes + 8
+    opt = training.optimizer_state_bytes
     if uses_replicate(tp=tp, zero=zero, dp_cp=n):
         dense_w = float(w)
     elif n > 1 and zero in (1, 2):
@@ -619,8 +621,7 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
     shard_d = cfg.dp * cfg.cp
     shard_e = max(1, shard_d // cfg.ep)
     w_bytes = training.weight_bytes
-    master = training.master_bytes
-    opt_bytes = master + 8  # fp32 master copy + Adam first and second moments
+    opt_bytes = training.optimizer_state_bytes  # master copy + Adam first and second moments
     params_eff = dense + expert
     sharded = dense / shard_d + expert / shard_e
     m = MemoryParts()
@@ -891,6 +892,8 @@ def optimizer_time(params: float, shards: int, cluster: ClusterSpec, training: T
     casts the weights to 16 bits under autocast (`casts_once_per_step`: 1, or the micro-batches)."""
     gpu = cluster.gpu
     per, whole = _ADAM_BYTES_PER_PARAM, 0.0
+    if training is not None and training.optimizer_dtype == "bf16":
+        per -= _ADAM_BF16_STATE_SAVING
     if training is not None and training.optimizer_separate_passes:
         # Megatron-LM MixedPrecisionOptimizer.step() (megatron/optimizer/optimizer.py at de593298, 2022-05-24;
         # the same passes in FP16OptimizerWithFP16Params.step at 50a4b5fa, 2021-04-08), in order:

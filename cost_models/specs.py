@@ -436,6 +436,13 @@ class TrainingSpec(_Frozen):
         "kernel: zeroing the whole gradient buffer, casting 16-bit main grads to fp32, unscaling (fp16), and "
         "copying the fp32 master into the 16-bit weights (estimate.optimizer_time); false = one fused Adam "
         "that also writes the 16-bit copy.")
+    optimizer_dtype: Literal["fp32", "bf16"] = Field(
+        default="fp32", description="Dtype of the optimizer's state: the master copy of 16-bit weights and Adam's "
+        "two moments. 'bf16': all three in bf16, 6 bytes a parameter instead of 12, as apex's "
+        "DistributedFusedAdam keeps them with dtype=bfloat16 (apex/contrib/optimizers/distributed_fused_adam.py: "
+        "params_shard, exp_avg_shard and exp_avg_sq_shard are allocated in the optimizer's `dtype`; store_params "
+        "defaults to true), which NeMo's `optim: {name: distributed_fused_adam, dtype: bf16}` runs (e.g. "
+        "NeMo-Framework-Launcher 24.07 nemotron_340b.yaml). autoplan's runtime keeps fp32 state (torch's AdamW).")
     grad_sync_all_reduce: bool = Field(
         default=False, description="With ZeRO-1/2 the data-parallel gradients are still all-reduced whole (every "
         "rank receives the full reduced gradient, then steps only its shard and the parameters are all-gathered), "
@@ -519,6 +526,14 @@ class TrainingSpec(_Frozen):
     def master_bytes(self) -> int:
         """The optimizer's fp32 master copy per parameter: none where the parameters are fp32 already."""
         return 0 if self.fp32_params else 4
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Optimizer state per parameter: the master copy (`master_bytes`, in the state's dtype) and Adam's two
+        moments, 4 bytes each in fp32 (`optimizer_dtype`), 2 in bf16."""
+        if self.optimizer_dtype == "bf16":
+            return (2 if self.master_bytes else 0) + 4
+        return self.master_bytes + 8
 
     @property
     def grad_dtype(self) -> str:

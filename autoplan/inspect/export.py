@@ -176,6 +176,22 @@ def _megatron_sharding(plan: Plan, warnings: list[str]) -> list[tuple[str, objec
     return [("--use-distributed-optimizer", None)]
 
 
+def _megatron_optimizer_state(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]:
+    """optimizer_dtype=bf16 -> Megatron-Core's precision-aware optimizer with bf16 moments. Its master copy takes
+    fp32 or fp16 only (`--main-params-dtype`, megatron/training/arguments.py), so it stays fp32, and the
+    optimizer needs the distributed optimizer (megatron/core/optimizer/__init__.py: "--use-precision-aware-
+    optimizer only supported with distributed optimizer")."""
+    if plan.training.optimizer_dtype != "bf16":
+        return []
+    if plan.parallel.zero == 0:
+        warnings.append("optimizer_dtype=bf16: Megatron-Core keeps bf16 optimizer state only with the distributed "
+                        "optimizer (zero >= 1); exported with fp32 state, 6 bytes a parameter more than planned")
+        return []
+    warnings.append("optimizer_dtype=bf16: Megatron-Core's master copy stays fp32 (--main-params-dtype takes fp32 "
+                    "or fp16): 2 bytes a parameter more optimizer state than planned, before ZeRO's sharding")
+    return [("--use-precision-aware-optimizer", None), ("--exp-avg-dtype", "bf16"), ("--exp-avg-sq-dtype", "bf16")]
+
+
 # Megatron-LM's validate_args: with tensor or context parallelism on GPUs before Blackwell (compute capability
 # < 10) the launch must set CUDA_DEVICE_MAX_CONNECTIONS=1 so communication kernels are scheduled in order;
 # (Megatron-)FSDP refuses that value.
@@ -214,6 +230,7 @@ def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
     f += [("--micro-batch-size", cfg.mbs), ("--global-batch-size", tr.global_batch_size)]
     f += _megatron_recompute(plan, warnings)
     f += _megatron_sharding(plan, warnings)
+    f += _megatron_optimizer_state(plan, warnings)
     if cfg.schedule == "gpipe" and cfg.pp > 1:
         warnings.append("Megatron-LM has no GPipe schedule; it will run 1F1B (less activation memory)")
     if tr.dtype == "bf16":
@@ -352,6 +369,9 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
     if m.activation != "swiglu" or m.position != "rope" or m.norm != "rmsnorm":
         warnings.append(f"{m.name} is not a Llama-style model (activation={m.activation}, position={m.position}, "
                         f"norm={m.norm}); torchtitan's llama3 model will not reproduce it")
+    if tr.optimizer_dtype != "fp32":
+        warnings.append(f"optimizer_dtype={tr.optimizer_dtype}: torchtitan's AdamW keeps fp32 state (12 bytes a "
+                        "parameter with the master copy, not the 6 planned)")
     if m.moe is not None:
         warnings.append("MoE model: torchtitan's MoE models (deepseek_v3, llama4, qwen3) each route differently; "
                         "pick the one that matches and register the shape")

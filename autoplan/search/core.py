@@ -208,7 +208,7 @@ class CostTable:
         self._layer: dict[tuple, list[LayerCost]] = {}
         self.w_bytes = training.weight_bytes
         self.g_bytes = training.grad_bytes
-        self.opt_bytes = training.master_bytes + 8
+        self.opt_bytes = training.optimizer_state_bytes
         self.profiles = profiles
         self._static: dict[tuple, tuple[tuple[float, float, float], tuple[float, float, float]]] = {}  # `per_param`
         self._static_sum: dict[tuple, tuple[float, float]] = {}  # `static_per_param`

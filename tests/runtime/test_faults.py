@@ -360,6 +360,11 @@ def test_a_plan_priced_for_another_stack_is_not_run_as_if_it_were_autoplans(tmp_
     # planned its tiny GPT so until session 27, pricing explicit-softmax attention the runtime never runs
     (problem,) = launch.check_stack(unfused.model_copy(update={"stack": None}).sealed())
     assert "flash_attention=false" in problem
+    # bf16 optimizer state (NeMo's distributed_fused_adam with dtype bf16): torch's AdamW keeps fp32 state
+    bf16_state = plan.model_copy(update={"stack": "autoplan+optimizer_dtype=bf16", "training": plan.training.model_copy(
+        update={"optimizer_dtype": "bf16"})}).sealed()
+    (problem,) = launch.check_stack(bf16_state)
+    assert "optimizer_dtype=bf16" in problem
     # plans of autoplan's stack written before its pipeline messages were priced as sent (session 21) say
     # p2p_scatter_gather=true: refused only where it priced something (tp > 1 and pp > 1 without SP)
     old = plan.model_copy(update={"stack": "autoplan", "training": plan.training.model_copy(

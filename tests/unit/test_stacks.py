@@ -159,3 +159,42 @@ def test_a_non_reentrant_checkpoint_stops_before_the_last_gemm():
                          "dp=2,recompute=full")
         label = "autoplan" + ("" if value is None else f"+checkpoint_early_stop={str(value).lower()}")
         assert bool(check_stack(plan.model_copy(update={"stack": label}).sealed())) is refused
+
+
+def test_bf16_optimizer_state_halves_the_optimizer_memory_and_exports_as_megatron_can(capsys):
+    """`--stack-set optimizer_dtype=bf16` (apex's DistributedFusedAdam with dtype=bf16, as NeMo runs Nemotron-4
+    340B): master copy and both Adam moments in bf16, 6 bytes a parameter instead of 12, sharded as the state is;
+    Megatron's export asks for bf16 moments and says its master copy stays fp32; torchtitan's says it has none."""
+    from autoplan.api import make_plan
+    from autoplan.inspect import export_megatron, export_torchtitan
+    from autoplan.specs import load_cluster, load_model
+
+    assert parse_stack_set("optimizer_dtype=bf16") == {"optimizer_dtype": "bf16"}
+    assert TrainingSpec(global_batch_size=8, seq_length=256, dtype="bf16", autocast_fp32_params=False,
+                        optimizer_dtype="bf16").optimizer_state_bytes == 6
+    assert TrainingSpec(global_batch_size=8, seq_length=256, dtype="bf16",
+                        autocast_fp32_params=False).optimizer_state_bytes == 12
+    # fp32 parameters are their own master copy: the moments alone
+    assert TrainingSpec(global_batch_size=8, seq_length=256, dtype="fp32",
+                        optimizer_dtype="bf16").optimizer_state_bytes == 4
+    plans = {}
+    for opt in ("fp32", "bf16"):
+        tr = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-core",
+                         {"optimizer_dtype": opt})
+        plans[opt] = make_plan(load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16), tr,
+                               "tp=2,pp=1,mbs=1,sp=1,zero=1")
+    mem = {k: p.prediction.memory_breakdown[0] for k, p in plans.items()}
+    assert mem["bf16"].optimizer == pytest.approx(mem["fp32"].optimizer / 2, abs=2e-6)  # GiB, 6 decimals
+    assert mem["bf16"].weights == mem["fp32"].weights and mem["bf16"].gradients == mem["fp32"].gradients
+    assert plans["bf16"].prediction.step_time_s < plans["fp32"].prediction.step_time_s  # a lighter Adam pass
+    meg = export_megatron(plans["bf16"])
+    assert meg["flags"]["--use-precision-aware-optimizer"] is True and meg["flags"]["--exp-avg-dtype"] == "bf16"
+    assert meg["flags"]["--exp-avg-sq-dtype"] == "bf16" and "--use-distributed-optimizer" in meg["flags"]
+    assert any("master copy stays fp32" in w for w in meg["warnings"])
+    assert "--use-precision-aware-optimizer" not in export_megatron(plans["fp32"])["flags"]
+    assert any("optimizer_dtype=bf16" in w for w in export_torchtitan(plans["bf16"])["warnings"])
+    # a wrong value is one line naming the knob
+    assert main(["estimate", "--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
+                 "--parallel", "tp=8", "--stack", "megatron-core", "--stack-set", "optimizer_dtype=fp8"]) != 0
+    err = capsys.readouterr().err
+    assert "optimizer_dtype" in err and "Traceback" not in err and len(err.strip().splitlines()) <= 4
