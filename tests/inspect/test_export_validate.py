@@ -84,6 +84,23 @@ def test_megatron_lm_validate_args_accepts_exports(plans):
     assert "CUDA_DEVICE_MAX_CONNECTIONS" in ec.check_megatron(d["args"], plan.cluster.num_gpus, {}, 9)
 
 
+@pytest.mark.skipif(not ec.megatron_available(), reason="Megatron-LM (megatron.training) is not importable; "
+                    "set MEGATRON_LM to a checkout")
+def test_megatron_lm_accepts_bf16_optimizer_state():
+    """optimizer_dtype=bf16 exports as the precision-aware optimizer's bf16 moments, which Megatron-LM parses."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.specs import TrainingSpec
+    from autoplan.cost_models.stacks import apply_stack
+    from autoplan.specs import load_cluster, load_model
+
+    tr = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-core", {"optimizer_dtype": "bf16"})
+    plan = make_plan(load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16), tr, "tp=2,pp=1,mbs=1,sp=1,zero=1")
+    d = export_megatron(plan)
+    assert "--use-precision-aware-optimizer" in d["args"]
+    assert ec.check_megatron(d["args"], 16, d["env"], megatron_arch(plan)) is None
+    assert "invalid choice" in ec.check_megatron(d["args"] + ["--exp-avg-dtype", "bf17"], 16, d["env"], 9)
+
+
 @pytest.mark.skipif(not ec.torchtitan_available(), reason="torchtitan >= 0.3 is not installed")
 def test_torchtitan_loads_exports(plans):
     for label, plan in plans:
