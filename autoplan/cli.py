@@ -89,6 +89,20 @@ def default_dtype(cluster, stack: str | None) -> tuple[str, str | None]:
     return "fp32", f"{cluster.name} runs on CPU cores: training in fp32 (pass --dtype bf16 for CPU autocast)"
 
 
+def _note_foreign_knobs(args) -> None:
+    """On autoplan's stack, `--stack-set` knobs the runtime does not have (all but kernels: launch.RUNTIME_KNOBS)
+    price another program: said when planning, as `autoplan run` will refuse the plan (launch.check_stack)."""
+    from autoplan.cost_models.stacks import DEFAULT_STACK, stack_knobs
+    from autoplan.runtime.launch import RUNTIME_KNOBS
+
+    name, overrides = stack_of(args)
+    own = stack_knobs(DEFAULT_STACK)
+    foreign = [f"{k}={str(v).lower()}" for k, v in overrides.items() if k not in RUNTIME_KNOBS and own.get(k) != v]
+    if name in (None, "autoplan") and foreign:
+        print(f"autoplan: note: --stack-set {','.join(foreign)} prices software autoplan's runtime does not have "
+              "(`autoplan run` refuses this plan): the prediction is for comparison and export", file=sys.stderr)
+
+
 def load_workload(args: argparse.Namespace):
     """(model, cluster, training, profiles-or-None) from the shared options."""
     from autoplan.cost_models.errors import SpecError
@@ -136,6 +150,7 @@ def load_workload(args: argparse.Namespace):
         print("autoplan: note: autoplan's runtime does not train in fp8 (`autoplan run` refuses this plan): the "
               "prediction is for Float8 linears as other stacks run them; plan with --stack torchtitan or "
               "megatron-core and `autoplan export` it, or pass --dtype bf16 to run it here", file=sys.stderr)
+    _note_foreign_knobs(args)
     try:
         training = TrainingSpec(global_batch_size=args.global_batch, seq_length=seq, dtype=dtype,
                                 kernels=getattr(args, "kernels", None) or "fused")

@@ -193,6 +193,13 @@ def test_bf16_optimizer_state_halves_the_optimizer_memory_and_exports_as_megatro
     assert any("master copy stays fp32" in w for w in meg["warnings"])
     assert "--use-precision-aware-optimizer" not in export_megatron(plans["fp32"])["flags"]
     assert any("optimizer_dtype=bf16" in w for w in export_torchtitan(plans["bf16"])["warnings"])
+    # planned on autoplan's own stack, the knob is named as one `autoplan run` refuses; kernels (the runtime's) is not
+    base = ["estimate", "--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
+            "--parallel", "tp=8"]
+    assert main([*base, "--stack-set", "optimizer_dtype=bf16"]) == 0
+    assert "optimizer_dtype=bf16 prices software autoplan's runtime does not have" in capsys.readouterr().err
+    assert main([*base, "--stack-set", "kernels=torch,p2p_overlap=true"]) == 0  # its own values: no note
+    assert "does not have" not in capsys.readouterr().err
     # a wrong value is one line naming the knob
     assert main(["estimate", "--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
                  "--parallel", "tp=8", "--stack", "megatron-core", "--stack-set", "optimizer_dtype=fp8"]) != 0
