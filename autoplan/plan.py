@@ -47,7 +47,8 @@ class MemoryBreakdown(_Frozen):
 
     weights: float = Field(description="Parameters held (after TP/PP/EP and ZeRO-3 sharding).")
     gradients: float = Field(description="Gradient buffers (after ZeRO-2/3 sharding).")
-    optimizer: float = Field(description="fp32 master weights and Adam moments (after ZeRO-1+ sharding).")
+    optimizer: float = Field(description="Master weights and Adam moments, fp32 (bf16 under optimizer_dtype=bf16), "
+                             "after ZeRO-1+ sharding.")
     activations: float = Field(description="Activations of the micro-batches in flight, logits included.")
     other: float = Field(description="Framework overhead, communication buffers and workspaces.")
     total: float = Field(description="Sum of the above.")

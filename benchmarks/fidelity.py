@@ -194,9 +194,9 @@ def evaluate_heldout(path: Path = HELDOUT, calibration: dict[str, GPUCalibration
 def decompose(path: Path = HELDOUT) -> list[dict]:
     """Per held-out run, the predicted step taken apart: micro-batches, the per-micro-batch forward/backward of
     the first, a middle and the last (virtual) stage, one pipeline message, and the step's breakdown. Runs of
-    one model from one source at several GPU counts (same stage costs, fewer micro-batches) also get the line T = a*m + b fitted
-    through the published and through the predicted steps: a is the time per micro-batch, b what each step pays
-    once (fill and drain, gradient sync, optimizer)."""
+    one model from one source at several GPU counts (same stage costs, fewer micro-batches) also get the line
+    T = a*m + b fitted through the published and through the predicted steps: a is the time per micro-batch, b
+    what each step pays once (fill and drain, gradient sync, optimizer)."""
     from autoplan.cost_models.estimate import num_microbatches, pipeline_p2p_time
 
     out = []
@@ -209,7 +209,8 @@ def decompose(path: Path = HELDOUT) -> list[dict]:
                                 dp=cfg.dp, mbs=cfg.mbs, sp=cfg.sp)
         pick = {"first": st[0], "middle": st[len(st) // 2], "last": st[-1]}
         out.append({
-            "model": run["name"], "family": (run["source"], run["model"]["name"]), "gpus": cluster.num_gpus, "config": cfg.to_string(),
+            "model": run["name"], "family": (run["source"], run["model"]["name"]), "gpus": cluster.num_gpus,
+            "config": cfg.to_string(),
             "m": num_microbatches(cfg, training), "published_step_s": published_step(run, est),
             "predicted_step_s": est.step_time_s, "p2p_ms": 1e3 * p2p,
             "stages_ms": {k: {"blocks": s.layout.layers[1] - s.layout.layers[0], "fwd": 1e3 * s.fwd_s,
