@@ -91,7 +91,9 @@ def default_dtype(cluster, stack: str | None) -> tuple[str, str | None]:
 
 def _note_foreign_knobs(args) -> None:
     """On autoplan's stack, `--stack-set` knobs the runtime does not have (all but kernels: launch.RUNTIME_KNOBS)
-    price another program: said when planning, as `autoplan run` will refuse the plan (launch.check_stack)."""
+    price another program: said when planning, as `autoplan run` refuses the plan wherever the knob changes its
+    prediction (launch.check_stack; a knob that prices nothing in the layout, e.g. p2p_scatter_gather without a
+    pipeline, passes there)."""
     from autoplan.cost_models.stacks import DEFAULT_STACK, stack_knobs
     from autoplan.runtime.launch import RUNTIME_KNOBS
 
@@ -100,7 +102,8 @@ def _note_foreign_knobs(args) -> None:
     foreign = [f"{k}={str(v).lower()}" for k, v in overrides.items() if k not in RUNTIME_KNOBS and own.get(k) != v]
     if name in (None, "autoplan") and foreign:
         print(f"autoplan: note: --stack-set {','.join(foreign)} prices software autoplan's runtime does not have "
-              "(`autoplan run` refuses this plan): the prediction is for comparison and export", file=sys.stderr)
+              "(`autoplan run` refuses a plan where that changes the prediction): the prediction is for comparison "
+              "and export", file=sys.stderr)
 
 
 def load_workload(args: argparse.Namespace):
