@@ -527,6 +527,15 @@ def _ep_comm(p: LayerProfile, ctx: Context) -> tuple[float, float]:
     return one, one
 
 
+# Squared ReLU run eagerly as `F.relu(x).square()` (autoplan.zoo.model.Act, autoplan.models.blocks.Activation)
+# beyond the profile's one-pass activation count (read x, write y; backward twice that): forward relu (r x, w r) and
+# square (r r, w y) move one tensor-sized read and write more, 4 bytes an element at 2-byte activations; backward
+# square's (r dy, r r, w dr) and relu's threshold_backward (r dr, r r, w dx) move 6 passes against the counted 4,
+# 4 bytes more. Megatron jit-fuses it (megatron/core/activations.py: `@jit_fuser def squared_relu`), so its
+# kernels price the one pass.
+RELU2_EAGER_EXTRA = (4.0, 4.0)
+
+
 def _eager_extra_bytes(p: LayerProfile, ctx: Context, seq_div: int) -> tuple[float, float]:
     """Bytes eager PyTorch moves beyond fused kernels for the norms, activation and RoPE of one micro-batch
     (the profile's elementwise counts are those of fused kernels; `autoplan.kernels.traffic` has the counts): all
@@ -548,6 +557,9 @@ def _eager_extra_bytes(p: LayerProfile, ctx: Context, seq_div: int) -> tuple[flo
         xf, xb = eager_extra(op)
         f += ctx.tokens * elems * xf * scale
         b += ctx.tokens * elems * xb * scale
+    if p.act_kind == "relu2":  # no fused kernel on either set of autoplan's kernels: two eager ops
+        f += ctx.tokens * p.act_elems / ctx.tp * RELU2_EAGER_EXTRA[0] * scale
+        b += ctx.tokens * p.act_elems / ctx.tp * RELU2_EAGER_EXTRA[1] * scale
     return f, b
 
 

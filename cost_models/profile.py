@@ -102,7 +102,8 @@ class LayerProfile(_Frozen):
     # What the fusable ops process, so the kernel set (fused / eager torch / Megatron) can be costed.
     norm_kind: Literal["layernorm", "rmsnorm"] | None = Field(default=None, description="Normalisation op.")
     norm_elems: float = Field(default=0.0, description="Elements per token through norms (residual stream).")
-    act_kind: Literal["gelu", "swiglu", "relu"] | None = Field(default=None, description="MLP activation op.")
+    act_kind: Literal["gelu", "swiglu", "relu", "relu2"] | None = Field(default=None,
+                                                                          description="MLP activation op.")
     act_elems: float = Field(default=0.0, description="Activation output elements per token (TP region).")
     rope_elems: float = Field(default=0.0, description="Elements of q and k rotated per token (TP region).")
 

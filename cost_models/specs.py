@@ -75,7 +75,9 @@ class ModelSpec(_Frozen):
     ffn_hidden_size: int | None = Field(default=None, gt=0, description="MLP hidden size (defaults to 4h).")
     vocab_size: int = Field(gt=0, description="Vocabulary size V.")
     max_seq_length: int = Field(gt=0, description="Longest sequence the positions support.")
-    activation: Literal["gelu", "swiglu", "relu"] = Field(default="gelu", description="MLP activation.")
+    activation: Literal["gelu", "swiglu", "relu", "relu2"] = Field(
+        default="gelu", description="MLP activation. relu2: squared ReLU, relu(x)**2 (Nemotron-4 and Nemotron-3; "
+        "Hugging Face hidden_act 'relu2', Megatron's --squared-relu).")
     norm: Literal["layernorm", "rmsnorm"] = Field(default="layernorm", description="Normalisation layer.")
     position: Literal["learned", "rope", "alibi"] = Field(
         default="learned", description="Position encoding: learned table, rotary, or ALiBi (no position weights, "

@@ -134,6 +134,8 @@ def _megatron_model(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]
     elif numerics is None and m.activation == "relu":
         warnings.append(SQUARED_RELU_WARNING)
         f.append(("--squared-relu", None))
+    elif numerics is None and m.activation == "relu2":
+        f.append(("--squared-relu", None))
     if m.norm == "rmsnorm":
         f.append(("--normalization", "RMSNorm"))
     if m.position == "rope":

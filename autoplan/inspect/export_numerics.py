@@ -102,6 +102,8 @@ def _megatron_mlp(arch, warnings: list[str]) -> list[Flag]:
     if arch.act == "relu":
         warnings.append(SQUARED_RELU_WARNING)
         return [("--squared-relu", None)]
+    if arch.act == "relu2":
+        return [("--squared-relu", None)]
     if arch.act == "silu":
         warnings.append("the MLP is SiLU without a gate; Megatron has no such flag: exported its default GeLU")
     return []

@@ -153,7 +153,7 @@ class LayoutSpec:
     def __init__(self, arch: Arch) -> None:
         self.arch = arch
         self.position = arch.position
-        self.activation = "swiglu" if arch.gated_mlp else ("relu" if arch.act == "relu" else "gelu")
+        self.activation = "swiglu" if arch.gated_mlp else (arch.act if arch.act in ("relu", "relu2") else "gelu")
         self.norm = arch.norm
         self.sandwich_norms = arch.sandwich_norms
         self.residual = arch.residual

@@ -205,7 +205,7 @@ def _common(cfg: dict, problems: list[Unsupported]) -> dict:
 
 
 _ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
-         "gelu_fast": "gelu_tanh", "relu": "relu"}
+         "gelu_fast": "gelu_tanh", "relu": "relu", "relu2": "relu2"}
 
 
 def _act(name: str, problems: list[Unsupported]) -> str:

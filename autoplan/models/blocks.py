@@ -178,7 +178,8 @@ class Attention(nn.Module):
 class Activation(nn.Module):
     """act(a) [* b]: swappable module (fused kernels substitute it); `gated` when the MLP has w3."""
 
-    _FN = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+    _FN = {"silu": F.silu, "relu": F.relu, "relu2": lambda t: F.relu(t).square(), "gelu": F.gelu,
+           "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -341,7 +342,8 @@ def spec_of(arch: Arch, name: str | None = None) -> ModelSpec:
         hidden_size=arch.hidden_size, num_attention_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim, ffn_hidden_size=arch.ffn_size, vocab_size=arch.vocab_size,
         max_seq_length=arch.max_positions, activation="swiglu" if arch.gated_mlp else
-        ("relu" if arch.act == "relu" else "gelu"), norm="layernorm" if arch.norm == "layernorm" else "rmsnorm",
+        (arch.act if arch.act in ("relu", "relu2") else "gelu"), norm="layernorm" if arch.norm == "layernorm" else
+        "rmsnorm",
         position=arch.position, tie_embeddings=arch.tie_embeddings, bias=arch.qkv_bias, moe=moe,
         rope_theta=arch.rope_theta if arch.position == "rope" else 10000.0)
 

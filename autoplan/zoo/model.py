@@ -123,6 +123,8 @@ class Activation(nn.Module):
             return F.silu(a) * b
         if self.kind == "relu":
             return F.relu(a)
+        if self.kind == "relu2":
+            return F.relu(a).square()
         return F.gelu(a, approximate="tanh")
 
     def extra_repr(self) -> str:

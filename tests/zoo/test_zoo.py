@@ -162,3 +162,56 @@ def test_rotary_base_is_the_specs(monkeypatch):
         assert set(seen) == {theta}, seen
         seen.clear()
     assert not torch.allclose(logits[10000.0], logits[500000.0], atol=1e-4)
+
+
+def test_squared_relu_mlp_is_relu_squared_and_priced_as_two_eager_ops(tmp_path, capsys):
+    """activation: relu2 (Nemotron's squared ReLU): the zoo MLP computes w2(relu(w1 x)^2) and trains; a Hugging
+    Face config with hidden_act relu2 reads as relu2 on both paths (spec and Arch); the cost model prices the two
+    eager ops on autoplan's kernels and Megatron's fused one as one pass; Megatron's export says --squared-relu
+    without the ReLU warning."""
+    import json
+
+    import yaml
+
+    from autoplan.api import make_plan
+    from autoplan.cli import main
+    from autoplan.cost_models.specs import TrainingSpec
+    from autoplan.inspect import export_megatron
+    from autoplan.inspect.export_numerics import SQUARED_RELU_WARNING
+    from autoplan.models.arch import read_arch
+    from autoplan.specs import load_cluster, model_from_hf_config
+
+    spec = load_model("tiny-gpt").model_copy(update={"activation": "relu2", "bias": False})
+    model = build_model(spec, seed=0)
+    mlp = model.layers["0"].mlp
+    x = torch.randn(2, 5, spec.hidden_size, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(mlp(x), mlp.w2(torch.relu(mlp.w1(x)) ** 2))
+    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+    hf = {"architectures": ["NemotronForCausalLM"], "model_type": "nemotron", "hidden_act": "relu2",
+          "hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4,
+          "num_hidden_layers": 2, "vocab_size": 128, "max_position_embeddings": 64}
+    assert model_from_hf_config(hf).activation == "relu2"
+    # the runtime's own blocks take it as an activation of any family they build (Nemotron itself runs as the
+    # user's module: its model_type is not one of autoplan/models' families)
+    arch, problems = read_arch({**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    assert arch.act == "relu2" and not [p for p in problems if p.field == "hidden_act"]
+
+    step = {}
+    big = load_model("gpt3-1.3b")  # 8 x 2048 tokens a micro-batch: device-bound (small layers hide the bytes)
+    for act in ("relu", "relu2"):
+        path = tmp_path / f"{act}.yaml"
+        path.write_text(yaml.safe_dump(big.model_copy(update={"name": act, "activation": act}).model_dump()))
+        for stack in ("autoplan", "megatron-core"):
+            assert main(["estimate", "--model", str(path), "--cluster", "dgx-h100", "--gpus", "8", "--global-batch",
+                         "64", "--seq-len", "2048", "--parallel", "tp=1,mbs=8", "--stack", stack, "--json"]) == 0
+            step[act, stack] = json.loads(capsys.readouterr().out)["step_time_s"]
+    assert step["relu2", "autoplan"] > step["relu", "autoplan"]
+    assert step["relu2", "megatron-core"] == step["relu", "megatron-core"]
+    plan = make_plan(big.model_copy(update={"activation": "relu2"}), load_cluster("dgx-h100", gpus=8),
+                     TrainingSpec(global_batch_size=64, seq_length=2048), "tp=1,mbs=8")
+    ex = export_megatron(plan)
+    assert "--squared-relu" in ex["flags"] and SQUARED_RELU_WARNING not in ex["warnings"]
