@@ -527,7 +527,7 @@ def _ep_comm(p: LayerProfile, ctx: Context) -> tuple[float, float]:
     return one, one
 
 
-# Squared ReLU run eagerly as `F.relu(x).square()` (autoplan.zoo.model.Act, autoplan.models.blocks.Activation)
+# Squared ReLU run eagerly as `F.relu(x).square()` (autoplan.zoo.model.Activation, models.blocks.Activation)
 # beyond the profile's one-pass activation count (read x, write y; backward twice that): forward relu (r x, w r) and
 # square (r r, w y) move one tensor-sized read and write more, 4 bytes an element at 2-byte activations; backward
 # square's (r dy, r r, w dr) and relu's threshold_backward (r dr, r r, w dx) move 6 passes against the counted 4,
