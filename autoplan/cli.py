@@ -89,7 +89,7 @@ def default_dtype(cluster, stack: str | None) -> tuple[str, str | None]:
     return "fp32", f"{cluster.name} runs on CPU cores: training in fp32 (pass --dtype bf16 for CPU autocast)"
 
 
-def _note_foreign_knobs(args) -> None:
+def _note_foreign_knobs(name: str | None, overrides: dict[str, object]) -> None:
     """On autoplan's stack, `--stack-set` knobs the runtime does not have (all but kernels: launch.RUNTIME_KNOBS)
     price another program: said when planning, as `autoplan run` refuses the plan wherever the knob changes its
     prediction (launch.check_stack; a knob that prices nothing in the layout, e.g. p2p_scatter_gather without a
@@ -97,7 +97,6 @@ def _note_foreign_knobs(args) -> None:
     from autoplan.cost_models.stacks import DEFAULT_STACK, stack_knobs
     from autoplan.runtime.launch import RUNTIME_KNOBS
 
-    name, overrides = stack_of(args)
     own = stack_knobs(DEFAULT_STACK)
     foreign = [f"{k}={str(v).lower()}" for k, v in overrides.items() if k not in RUNTIME_KNOBS and own.get(k) != v]
     if name in (None, "autoplan") and foreign:
@@ -144,16 +143,17 @@ def load_workload(args: argparse.Namespace):
         print(f"autoplan: note: --seq-len {seq} is longer than {model.name} was made for (max_seq_length "
               f"{model.max_seq_length}, a Hugging Face config's max_position_embeddings): its {model.position} "
               "positions go past what it was trained on; planned as asked", file=sys.stderr)
+    stack, overrides = stack_of(args)
     dtype = getattr(args, "dtype", None)
     if dtype is None:
-        dtype, note = default_dtype(cluster, stack_of(args)[0])
+        dtype, note = default_dtype(cluster, stack)
         if note:  # said on stderr, so a user can pick the other
             print(f"autoplan: note: {note}", file=sys.stderr)
-    if dtype == "fp8" and stack_of(args)[0] in (None, "autoplan"):
+    if dtype == "fp8" and stack in (None, "autoplan"):
         print("autoplan: note: autoplan's runtime does not train in fp8 (`autoplan run` refuses this plan): the "
               "prediction is for Float8 linears as other stacks run them; plan with --stack torchtitan or "
               "megatron-core and `autoplan export` it, or pass --dtype bf16 to run it here", file=sys.stderr)
-    _note_foreign_knobs(args)
+    _note_foreign_knobs(stack, overrides)
     try:
         training = TrainingSpec(global_batch_size=args.global_batch, seq_length=seq, dtype=dtype,
                                 kernels=getattr(args, "kernels", None) or "fused")

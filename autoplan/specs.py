@@ -26,7 +26,7 @@ from autoplan.cost_models.specs import (
     check_config,
 )
 
-from .models.arch import hf_rope_theta
+from .models.arch import hf_rope_theta, spec_activation
 from .presets import MODEL_PRESETS
 
 __all__ = [
@@ -179,7 +179,7 @@ def model_from_hf_config(cfg: dict[str, Any], name: str = "hf-model") -> ModelSp
     ffn = _hf_get(cfg, "intermediate_size", "n_inner", "ffn_dim")
     act = str(_hf_get(cfg, "hidden_act", "activation_function", default="gelu")).lower()
     gated = mtype in ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "gemma", "gemma2", "qwen3") or act in ("silu", "swish")
-    activation = "swiglu" if gated else (act if act in ("relu", "relu2") else "gelu")
+    activation = spec_activation(gated, act)
     rope = mtype not in ("gpt2", "opt", "bloom") and "n_positions" not in cfg
     norm = "rmsnorm" if ("rms_norm_eps" in cfg or mtype in ("llama", "mistral", "qwen2", "mixtral")) else "layernorm"
     if mtype == "gpt_neox":

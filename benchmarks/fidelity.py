@@ -181,7 +181,8 @@ def evaluate_heldout(path: Path = HELDOUT, calibration: dict[str, GPUCalibration
         model, cluster, cfg, est = predict(argv, calibration)
         pub = published_step(run, est)
         rows.append({
-            "table": table, "model": run["name"], "published_memory_gib": run["published"].get("memory_gib"), "gpus": cluster.num_gpus, "pp": cfg.pp,
+            "table": table, "model": run["name"], "published_memory_gib": run["published"].get("memory_gib"),
+            "gpus": cluster.num_gpus, "pp": cfg.pp,
             "config": cfg.to_string(), "stack": run["stack"], "source": run["source"],
             "command": "autoplan " + " ".join(argv), "published_step_s": pub, "predicted_step_s": est.step_time_s,
             "step_error": (est.step_time_s - pub) / pub, "published_tflops": est.model_flops / pub / est.num_gpus / 1e12,

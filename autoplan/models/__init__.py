@@ -21,7 +21,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .arch import FAMILIES, Arch, Unsupported, UnsupportedConfigError, arch_from_hf, check, read_hf_config
+from .arch import (
+    FAMILIES,
+    Arch,
+    Unsupported,
+    UnsupportedConfigError,
+    arch_from_hf,
+    check,
+    read_hf_config,
+    spec_activation,
+)
 
 __all__ = ["FAMILIES", "Arch", "Unsupported", "UnsupportedConfigError", "arch_from_hf", "check", "hf_config_of",
            "is_factory", "load", "build", "read_hf_config", "resolve_arch"]
@@ -153,7 +162,7 @@ class LayoutSpec:
     def __init__(self, arch: Arch) -> None:
         self.arch = arch
         self.position = arch.position
-        self.activation = "swiglu" if arch.gated_mlp else (arch.act if arch.act in ("relu", "relu2") else "gelu")
+        self.activation = spec_activation(arch.gated_mlp, arch.act)
         self.norm = arch.norm
         self.sandwich_norms = arch.sandwich_norms
         self.residual = arch.residual

@@ -208,6 +208,12 @@ _ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh
          "gelu_fast": "gelu_tanh", "relu": "relu", "relu2": "relu2"}
 
 
+def spec_activation(gated: bool, act: str) -> str:
+    """ModelSpec.activation of an MLP (the cost model's kinds): swiglu when gated, relu / relu2 as they are, else
+    gelu (the GeLU variants cost alike)."""
+    return "swiglu" if gated else (act if act in ("relu", "relu2") else "gelu")
+
+
 def _act(name: str, problems: list[Unsupported]) -> str:
     if name not in _ACTS:
         problems.append(Unsupported("hidden_act", name, f"activations implemented: {', '.join(sorted(_ACTS))}"))

@@ -33,7 +33,7 @@ from autoplan.cost_models.specs import ModelSpec, MoESpec
 from autoplan.zoo.model import MoE as _ZooMoE
 from autoplan.zoo.model import run_experts
 
-from .arch import Arch
+from .arch import Arch, spec_activation
 
 # ------------------------------------------------------------------------------------------------ norms
 
@@ -341,9 +341,8 @@ def spec_of(arch: Arch, name: str | None = None) -> ModelSpec:
         name=name or str(arch.hf_config.get("_name_or_path") or arch.family), num_layers=arch.num_layers,
         hidden_size=arch.hidden_size, num_attention_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim, ffn_hidden_size=arch.ffn_size, vocab_size=arch.vocab_size,
-        max_seq_length=arch.max_positions, activation="swiglu" if arch.gated_mlp else
-        (arch.act if arch.act in ("relu", "relu2") else "gelu"), norm="layernorm" if arch.norm == "layernorm" else
-        "rmsnorm",
+        max_seq_length=arch.max_positions, activation=spec_activation(arch.gated_mlp, arch.act),
+        norm="layernorm" if arch.norm == "layernorm" else "rmsnorm",
         position=arch.position, tie_embeddings=arch.tie_embeddings, bias=arch.qkv_bias, moe=moe,
         rope_theta=arch.rope_theta if arch.position == "rope" else 10000.0)
 
