@@ -57,20 +57,32 @@ class Context:
         return 4 if self.training.autocast else self.act_bytes
 
 
+# Under an fp8 plan with sp a block's two all-gathers move fp8, 1 byte an element: they gather the inputs of fp8
+# GEMMs, cast before the gather. Transformer Engine 1.9 (the NeMo 24.07 container): LayerNormLinear's norm writes
+# fp8 when the GEMM runs in fp8 (`fp8 and not return_layernorm_output`) and `gather_along_first_dim(ln_out, ...)`
+# gathers that; the row-parallel linear's output gradient is cast first ("FP8 case with gather: unfused bgrad,
+# cast, transpose for efficient gather", base.py `grad_output_preprocess`), with or without userbuffers. torchao's
+# float8 TP (torchtitan): Float8ColwiseParallel casts its input before the redistribute, and Float8RowwiseParallel
+# wraps its output in NoopFwToFloat8BwDynamic after the reduce-scatter, so the gradient is cast before that
+# collective's backward all-gather. The reduce-scatters sum 16-bit GEMM outputs and gradients: 16 bits.
+FP8_GATHER_BYTES = 1
+
+
 def tp_units(p: LayerProfile, ctx: Context) -> tuple[dict[str, float], dict[str, float]]:
     """A layer's tensor-parallel traffic per reduction point and micro-batch, (forward, backward), each a map
     collective -> bytes. A block's forward reduces its row-parallel linears' outputs (matmul outputs, activation
     dtype) and its backward the gradients of its column-parallel linears' input (a norm's output:
     `residual_bytes`); the embedding's output and the LM head's input gradient are the residual stream. With sp
     each reduction point is a reduce-scatter and an all-gather: a block's forward gathers the norm's output and
-    scatters the linear's, its backward the reverse."""
+    scatters the linear's, its backward the reverse; under fp8 the block's gathers move fp8 (`FP8_GATHER_BYTES`)."""
     unit = ctx.tokens * p.hidden
     e, r = ctx.act_bytes, ctx.residual_bytes
     block = p.kind == "block"
     if ctx.sp:
         if block:
-            return ({"all_gather": unit * r, "reduce_scatter": unit * e},
-                    {"reduce_scatter": unit * r, "all_gather": unit * e})
+            g = FP8_GATHER_BYTES if ctx.training.dtype == "fp8" else None
+            return ({"all_gather": unit * (g or r), "reduce_scatter": unit * e},
+                    {"reduce_scatter": unit * r, "all_gather": unit * (g or e)})
         both = {"reduce_scatter": unit * r, "all_gather": unit * r}
         return both, dict(both)
     return {"all_reduce": unit * (e if block else r)}, {"all_reduce": unit * r}
@@ -431,7 +443,8 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
         # stays exposed. (Session 7: before, the no-sp case also left half exposed, which put Korthikanti et al.
         # Table 4's 22B backward at 13.3 ms per layer against the paper's 11.9 ms.)
         k = ctx.cluster.gpu.calibration.overlap_interference
-        sync = bwd / 2 if ctx.sp else 0.0  # the all-gathers of sp's backward, not overlapped
+        # the all-gathers of sp's backward, not overlapped (fp8 ones are half the reduce-scatters' bytes)
+        sync = n_bwd * comm.all_gather(ctx.cluster, grp, tp_units(p, ctx)[1]["all_gather"]) if ctx.sp else 0.0
         async_part = bwd - sync
         bwd_exp = sync + max(0.0, async_part - gemm_fwd / 2)  # the wgrad GEMMs of the column-parallel linears
         bwd = bwd_exp + k * (bwd - bwd_exp)

@@ -130,9 +130,16 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack(
         name="megatron-core", title="Megatron-Core with Transformer Engine and overlaps (2024+)",
         knobs={"dtype": "bf16", "flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
-               "tp_comm_overlap": True, "kernels": "megatron", "grad_reduce_dtype": None, "p2p_overlap": False},
+               "tp_comm_overlap": True, "kernels": "megatron", "grad_reduce_dtype": None, "p2p_overlap": False,
+               # Without userbuffers (tp_comm_overlap=false) TE's linears still overlap their backward collectives
+               # as Megatron-LM 2022 did: Transformer Engine 1.9 `_Linear.backward` / `_LayerNormLinear.backward`
+               # issue "dgrad, handle = reduce_scatter_along_first_dim(dgrad, ctx.tp_group, async_op=True)" (or
+               # `allreduce(..., async_op=True)` without sp) before the wgrad GEMM and wait after it; the row-parallel
+               # output gradient's all-gather (`grad_output_preprocess`) stays synchronous.
+               "tp_bwd_comm_overlap": True},
         assumes="bf16; TE fused (flash) attention and fused kernels; --overlap-grad-reduce, --overlap-param-gather "
-                "(distributed optimizer), --tp-comm-overlap (userbuffers); fp32 cross-entropy over materialised "
+                "(distributed optimizer), --tp-comm-overlap (userbuffers; without it, TE's backward still reduces "
+                "each linear pair's input gradient beside its wgrad GEMM); fp32 cross-entropy over materialised "
                 "logits; gradients reduced in bf16 (grad_reduce_in_fp32=False)",
         typical="sp=1, zero=1 (--use-distributed-optimizer), recompute=selective",
         source="Megatron-LM README performance table (Megatron-Core r0.8.0); megatron/core arguments",

@@ -198,6 +198,52 @@ def test_async_tp_backward_hides_the_one_collective_of_a_pair_without_sp(sp):
         assert hidden == pytest.approx(k * full)
 
 
+def test_fp8_plans_gather_the_fp8_gemm_inputs_in_one_byte():
+    """Under fp8 with sp a block's two all-gathers carry the inputs of fp8 GEMMs (the norm's output forward, the
+    row-parallel output's gradient backward), cast before the gather (Transformer Engine, torchao's float8 TP):
+    1 byte an element; the reduce-scatters sum 16-bit outputs and gradients: 2 bytes, as in a bf16 plan."""
+    from autoplan.cost_models.compute import FP8_GATHER_BYTES, Context, tp_units
+
+    block = profile_from_spec(load_model("gpt3-13b"))[1]
+    h100 = load_cluster("dgx-h100", gpus=64)
+
+    def units(dtype: str):
+        t = _train(batch=4, dtype=dtype)
+        return tp_units(block, Context(h100, t, tp=8, cp=1, sp=True, ep=1, mbs=4))
+
+    unit = 4 * 2048 * block.hidden
+    (f8, b8), (f16, b16) = units("fp8"), units("bf16")
+    assert FP8_GATHER_BYTES == 1
+    assert f8 == {"all_gather": unit, "reduce_scatter": 2 * unit} and b8 == {"reduce_scatter": 2 * unit,
+                                                                          "all_gather": unit}
+    assert f16 == {"all_gather": 2 * unit, "reduce_scatter": 2 * unit} and b16 == dict(f16)
+
+
+def test_megatron_core_without_userbuffers_still_overlaps_the_backward_reduce_scatter():
+    """Transformer Engine's linears reduce-scatter their input gradient asynchronously beside the wgrad GEMM
+    (`tp_bwd_comm_overlap`), with or without userbuffers: `--stack megatron-core --stack-set tp_comm_overlap=false`
+    leaves the backward's all-gathers exposed (under fp8, at 1 byte) and only the interference of the rest."""
+    from autoplan.cost_models.compute import Context, layer_cost, tp_units
+
+    h100 = load_cluster("dgx-h100", gpus=64)
+    assert get_stack("megatron-core").knobs["tp_bwd_comm_overlap"] is True
+    block = profile_from_spec(load_model("gpt3-13b"))[1]
+    base = _train(batch=4, dtype="fp8")
+
+    def bwd(**knobs) -> tuple[float, Context]:
+        t = apply_stack(base, "megatron-core", {"tp_comm_overlap": False, **knobs}, keep=("dtype",))
+        # tp=2: the wgrad GEMMs (h/tp wide) are long enough to hide the reduce-scatters whole
+        ctx = Context(h100, t, tp=2, cp=1, sp=True, ep=1, mbs=4)
+        return layer_cost(block, ctx).comm_bwd_s, ctx
+
+    (hidden, ctx), (exposed, _) = bwd(), bwd(tp_bwd_comm_overlap=False)
+    grp = comm.group_of(h100, 2, 1)
+    gather = comm.all_gather(h100, grp, tp_units(block, ctx)[1]["all_gather"])
+    k = h100.gpu.calibration.overlap_interference
+    assert exposed > hidden > gather
+    assert hidden == pytest.approx(2 * gather + k * (exposed - 2 * gather))  # 2 reduction points a block
+
+
 def test_unfused_gradient_accumulation_pass_is_in_the_buffer_dtype():
     """Without fused wgrad accumulation each micro-batch's 16-bit gradients are added into the accumulation
     buffer, which is in the reduction dtype: 2 + 2*4 bytes per parameter in fp32 (Megatron with bf16, DeepSpeed's
