@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from . import comm
 from .kernel_traffic import eager_extra
-from .profile import Gemm, LayerProfile
+from .profile import EAGER_CE_BYTES, FUSED_CE_BYTES, Gemm, LayerProfile
 from .specs import DTYPE_BYTES, ClusterSpec, TrainingSpec, compute16
 
 
@@ -852,6 +852,8 @@ def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     # softmax is read, written and kept as the profile counts it (session 12: the H200's saved-tensor census,
     # benchmarks/gpu/saved.py, finds 4 bytes per logit kept with the fused kernels too).
     ew_tp = p.elementwise_tp
+    if p.kind == "head" and ctx.training.loss_fusion:  # Megatron-Core's fused cross-entropy (its backward: twice)
+        ew_tp *= FUSED_CE_BYTES / EAGER_CE_BYTES
     ew_elems = ctx.tokens * (ew_tp / t + p.elementwise_seq / seq_div)
     ew_fwd = _mem_time(ctx, ew_elems * e)
     xf, xb = _eager_extra_bytes(p, ctx, seq_div)

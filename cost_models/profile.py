@@ -217,6 +217,17 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
     )
 
 
+# The cross-entropy's traffic per logit on fp32 logits. Eager (PyTorch; Megatron's vocab_parallel_cross_entropy):
+# upcast (read 2, write 4 bytes), max (read 4), subtract and exp (read 8, write 8), sum (read 4), normalise for
+# backward (read 4, write 4) = 38. Megatron-Core's fused one (megatron/core/fusions/fused_cross_entropy.py,
+# core_r0.8.0: `jit_fuser` is torch.compile on torch >= 2.2) runs each of its three functions as one pass:
+# upcast + max (read 2, write 4), in-place subtract + exp + sum (read 4, write 4), in-place normalise (read 4,
+# write 4) = 22. (Should inductor split a reduction from its pointwise producer, a pass reads its input twice:
+# up to 26.) TrainingSpec.loss_fusion picks the fused count.
+EAGER_CE_BYTES = 38
+FUSED_CE_BYTES = 22
+
+
 def profile_from_spec(model: ModelSpec, dropout: bool | None = None) -> list[LayerProfile]:
     """Embedding, the blocks, and the head (final norm, LM head, loss) of a ModelSpec."""
     h, v = model.hidden_size, model.vocab_size
@@ -236,9 +247,8 @@ def profile_from_spec(model: ModelSpec, dropout: bool | None = None) -> list[Lay
         params_replicated=norm_p,
         param_tensors=(2 if model.norm == "layernorm" else 1) + (not model.tie_embeddings),
         # final norm (read, write h); cross-entropy as eager PyTorch / Megatron runs it on fp32 logits:
-        # upcast (read 2, write 4 bytes), max (read 4), subtract and exp (read 8, write 8), sum (read 4),
-        # normalise for backward (read 4, write 4) ~ 38 bytes ~ 19 two-byte elements per logit.
-        elementwise_seq=2 * h, elementwise_tp=19 * v, kernels_fwd=10,
+        # EAGER_CE_BYTES = 38 bytes = 19 two-byte elements per logit.
+        elementwise_seq=2 * h, elementwise_tp=EAGER_CE_BYTES // 2 * v, kernels_fwd=10,
         act_seq=2 * h + 2 * h,  # final-norm input and LM-head input
         act_tp=4 * v,  # fp32 softmax of the vocab-parallel cross-entropy (Megatron keeps it for backward)
         logits_per_token=v, norm_kind=model.norm, norm_elems=h,

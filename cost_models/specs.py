@@ -438,6 +438,12 @@ class TrainingSpec(_Frozen):
         "kernel: zeroing the whole gradient buffer, casting 16-bit main grads to fp32, unscaling (fp16), and "
         "copying the fp32 master into the 16-bit weights (estimate.optimizer_time); false = one fused Adam "
         "that also writes the 16-bit copy.")
+    loss_fusion: bool = Field(
+        default=False, description="The LM head's vocab-parallel cross-entropy runs as Megatron-Core's fused "
+        "kernels (--cross-entropy-loss-fusion; NeMo's cross_entropy_loss_fusion: true): megatron/core/fusions/"
+        "fused_cross_entropy.py, three torch.compile'd functions (upcast + max, subtract + exp + sum, normalise) "
+        "that move 22 bytes a logit where the eager one moves 38 (cost_models.profile.FUSED_CE_BYTES). autoplan's "
+        "runtime computes the loss eagerly.")
     optimizer_dtype: Literal["fp32", "bf16"] = Field(
         default="fp32", description="Dtype of the optimizer's state: the master copy of 16-bit weights and Adam's "
         "two moments. 'bf16': all three in bf16, 6 bytes a parameter instead of 12, as apex's "

@@ -24,9 +24,9 @@ DEFAULT_STACK = "autoplan"
 # are never part of a stack).
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
-               "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "grad_sync_all_reduce",
-               "sp_grads_coalesced", "runtime_memory", "autocast_fp32_params", "selective_policy", "kernels",
-               "checkpoint_early_stop", "cp_attention")
+               "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion",
+               "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory", "autocast_fp32_params",
+               "selective_policy", "kernels", "checkpoint_early_stop", "cp_attention")
 # The short names `autoplan stacks` prints for some knobs; --stack-set takes them as well as the field names.
 KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce",
                 "overlap_gather": "overlap_param_gather", "tp_overlap": "tp_comm_overlap",
@@ -39,6 +39,7 @@ KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce
 # shard (reshard_after_forward=False), is left out with the rest: torchtitan's typical run is ZeRO-3.
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
            "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "optimizer_dtype": "fp32",
+           "loss_fusion": False,
            "grad_sync_all_reduce": False,
            "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False,
            "selective_policy": "attention_core", "checkpoint_early_stop": None, "cp_attention": None}

@@ -257,6 +257,8 @@ def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
         f.append(("--overlap-param-gather", None))
     if tr.tp_comm_overlap and cfg.tp > 1:
         f.append(("--tp-comm-overlap", None))
+    if tr.loss_fusion:  # megatron/core/fusions/fused_cross_entropy.py (TrainingSpec.loss_fusion)
+        f.append(("--cross-entropy-loss-fusion", None))
     f += _megatron_model(plan, warnings)
     return f, warnings
 
@@ -374,6 +376,9 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
     if tr.optimizer_dtype != "fp32":
         warnings.append(f"optimizer_dtype={tr.optimizer_dtype}: torchtitan's AdamW keeps fp32 state (12 bytes a "
                         "parameter with the master copy, not the 6 planned)")
+    if tr.loss_fusion:
+        warnings.append("loss_fusion: the plan priced Megatron-Core's fused cross-entropy (22 bytes a logit); "
+                        "torchtitan runs torch's cross-entropy, fused only as far as torch.compile takes it")
     if m.moe is not None:
         warnings.append("MoE model: torchtitan's MoE models (deepseek_v3, llama4, qwen3) each route differently; "
                         "pick the one that matches and register the shape")

@@ -101,6 +101,22 @@ def test_megatron_lm_accepts_bf16_optimizer_state():
     assert "invalid choice" in ec.check_megatron(d["args"] + ["--exp-avg-dtype", "bf17"], 16, d["env"], 9)
 
 
+@pytest.mark.skipif(not ec.megatron_available(), reason="Megatron-LM (megatron.training) is not importable; "
+                    "set MEGATRON_LM to a checkout")
+def test_megatron_lm_accepts_the_fused_cross_entropy():
+    """loss_fusion exports as --cross-entropy-loss-fusion, which Megatron-LM parses and validates."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.specs import TrainingSpec
+    from autoplan.cost_models.stacks import apply_stack
+    from autoplan.specs import load_cluster, load_model
+
+    tr = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-core", {"loss_fusion": True})
+    plan = make_plan(load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16), tr, "tp=2,pp=1,mbs=1,sp=1,zero=1")
+    d = export_megatron(plan)
+    assert "--cross-entropy-loss-fusion" in d["args"]
+    assert ec.check_megatron(d["args"], 16, d["env"], megatron_arch(plan)) is None
+
+
 @pytest.mark.skipif(not ec.torchtitan_available(), reason="torchtitan >= 0.3 is not installed")
 def test_torchtitan_loads_exports(plans):
     for label, plan in plans:

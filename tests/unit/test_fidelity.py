@@ -46,8 +46,9 @@ def test_heldout_runs_are_cli_commands_and_stay_guarded():
     # the 24 rows of sessions 6-18: 3.87% / 11.62% since session 22 (the worst, MT-NLG's 3360-GPU row)
     assert len(errs) == 24 and statistics.mean(errs) <= 0.045 and max(errs) <= 0.125, errs
     # NeMo 24.07's H100 FP8 table, all twelve pre-training rows (session 29): 5.8% / 18.7% (Nemotron 340B);
-    # session 30 (TE's backward TP overlap without userbuffers, fp8 gathers): 4.4% / 10.2% (Nemotron 22B)
-    assert len(nemo) == 12 and statistics.mean(nemo) <= 0.05 and max(nemo) <= 0.11, nemo
+    # session 30 (TE's backward TP overlap without userbuffers, fp8 gathers, the fused cross-entropy where the
+    # configs set it): 3.9% / 9.6% (Nemotron 340B)
+    assert len(nemo) == 12 and statistics.mean(nemo) <= 0.045 and max(nemo) <= 0.105, nemo
     assert all("--dtype fp8" in r["command"] for r in rows if r["source"].startswith("NeMo 24.07"))
     by_gpus = trend(rows, "gpus", ((1, 512), (513, 1 << 30)))
     assert len(by_gpus) == 2 and all(b["runs"] >= 4 for b in by_gpus)

@@ -205,3 +205,44 @@ def test_bf16_optimizer_state_halves_the_optimizer_memory_and_exports_as_megatro
                  "--parallel", "tp=8", "--stack", "megatron-core", "--stack-set", "optimizer_dtype=fp8"]) != 0
     err = capsys.readouterr().err
     assert "optimizer_dtype" in err and "Traceback" not in err and len(err.strip().splitlines()) <= 4
+
+
+def test_fused_cross_entropy_prices_22_bytes_a_logit_and_exports_megatrons_flag(capsys):
+    """`--stack-set loss_fusion=true` (Megatron-Core's --cross-entropy-loss-fusion, NeMo's
+    cross_entropy_loss_fusion): the head's loss moves FUSED_CE_BYTES a logit where the eager one moves
+    EAGER_CE_BYTES; nothing else in the plan changes. Megatron's export asks for it, torchtitan's says it has not."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.compute import Context, _mem_time, layer_cost
+    from autoplan.cost_models.profile import EAGER_CE_BYTES, FUSED_CE_BYTES, profile_from_spec
+    from autoplan.inspect import export_megatron, export_torchtitan
+    from autoplan.specs import load_cluster, load_model
+
+    assert parse_stack_set("loss_fusion=true") == {"loss_fusion": True}
+    assert (EAGER_CE_BYTES, FUSED_CE_BYTES) == (38, 22)
+    model, h100 = load_model("llama3-8b"), load_cluster("dgx-h100", gpus=16)
+    prof = profile_from_spec(model)
+    head, block = prof[-1], prof[1]
+    cost = {}
+    for fused in (False, True):
+        tr = apply_stack(TrainingSpec(global_batch_size=64, seq_length=4096), "megatron-core", {"loss_fusion": fused})
+        ctx = Context(h100, tr, tp=2, cp=1, sp=True, ep=1, mbs=1)
+        cost[fused] = (layer_cost(head, ctx), layer_cost(block, ctx), ctx)
+    (eager, b0, ctx), (fused, b1, _) = cost[False], cost[True]
+    logits = ctx.tokens * model.vocab_size / 2  # this rank's vocabulary shard
+    saved = _mem_time(ctx, logits * (EAGER_CE_BYTES - FUSED_CE_BYTES))
+    assert eager.fwd_s - fused.fwd_s == pytest.approx(saved, rel=1e-9)
+    assert eager.bwd_s - fused.bwd_s == pytest.approx(2 * saved, rel=1e-9)  # the backward's rule: twice the forward
+    assert b0 == b1 and eager.act_none == fused.act_none  # blocks unchanged; the fp32 softmax is kept all the same
+    plans = {f: make_plan(model, h100, apply_stack(TrainingSpec(global_batch_size=64, seq_length=4096),
+                                                    "megatron-core", {"loss_fusion": f}), "tp=2,pp=2,mbs=1,sp=1,zero=1")
+             for f in (False, True)}
+    assert plans[True].prediction.step_time_s < plans[False].prediction.step_time_s
+    assert plans[True].short_hash != plans[False].short_hash
+    assert plans[True].prediction.memory_breakdown == plans[False].prediction.memory_breakdown
+    assert export_megatron(plans[True])["flags"]["--cross-entropy-loss-fusion"] is True
+    assert "--cross-entropy-loss-fusion" not in export_megatron(plans[False])["flags"]
+    assert any("loss_fusion" in w for w in export_torchtitan(plans[True])["warnings"])
+    base = ["estimate", "--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
+            "--parallel", "tp=8"]
+    assert main([*base, "--stack-set", "loss_fusion=true"]) == 0  # a knob autoplan's runtime lacks: named
+    assert "loss_fusion=true prices software autoplan's runtime does not have" in capsys.readouterr().err
