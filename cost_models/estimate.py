@@ -20,6 +20,7 @@ from .pipeline import (
     Timeline,
     closed_form_makespan,
     in_flight,
+    interleaved_backward_stage,
     last_backward_stage,
     rank_end_lower_bounds,
     simulate,
@@ -833,7 +834,9 @@ def step_time_lower_bound(est: Estimate, cluster: ClusterSpec, training: Trainin
     (which the closed form and the simulation share): each rank's `rank_end_lower_bounds`, then its gradient
     sync, optimizer and parameter gather. The gradient sync overlaps the rank's last action, a backward of a
     stage the schedule fixes (`last_backward_stage`), exactly as in the simulation (`estimate`'s window is
-    rank_end - last_backward_start, that action's duration). The search keys closed-form finalists by this, so
+    rank_end - last_backward_start, that action's duration); under interleaving, where each chunk's share goes
+    once the chunk is done (`chunk_sync_window`), it takes all of the reduction as hidden but the last bucket.
+    The search keys closed-form finalists by this, so
     an uneven pipeline the closed form overstates is still simulated before it is ruled out."""
     cfg = est.config
     cluster = crowded(cluster, training, cfg)  # as `estimate` priced the stages
@@ -842,13 +845,74 @@ def step_time_lower_bound(est: Estimate, cluster: ClusterSpec, training: Trainin
     bwd = [s.bwd_s for s in est.stages]
     ends = rank_end_lower_bounds([s.fwd_s for s in est.stages], bwd, cfg.pp, m, cfg.vp,
                                  p2p_s if cfg.pp > 1 else 0.0)
-    windows = [bwd[last_backward_stage(cfg.schedule, cfg.pp, m, cfg.vp, r)] for r in range(cfg.pp)]
     tails = _rank_tails(by_rank, cfg, cluster, training, m)
+    windows = [bwd[last_backward_stage(cfg.schedule, cfg.pp, m, cfg.vp, r)] for r in range(cfg.pp)]
+    if cfg.vp > 1 and cfg.schedule == "interleaved":
+        # the chunks' reductions can hide under the whole cool-down (`chunk_sync_window`): only the last bucket
+        # is certain to be exposed, so the bound takes all of `red` as hidden
+        windows = [red for red, _, _, _ in tails]
     ready = [end + dp_exposed(red, tail, window, cluster, training)
              for end, window, (red, tail, _, _) in zip(ends, windows, tails, strict=True)]
     tied_s = tied_grad_sync(tied_copy(by_rank[-1], cfg), pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, dp=cfg.dp, zero=cfg.zero,
                             cluster=cluster, training=training)
     return max(t + opt + g_exp for t, (_, _, opt, g_exp) in zip(sync_tied_ranks(ready, tied_s), tails, strict=True))
+
+
+def chunk_sync_window(red: float, rank_end: float, launches: list[tuple[float, float]]) -> float:
+    """The overlap window (`dp_exposed`'s) a rank's interleaved gradient reduction has when each model chunk's
+    share is reduced once that chunk's gradients are complete, not all of it at the rank's end: the shares,
+    (launch time, duration), go over the data-parallel network one after another; the window is whatever of `red`
+    finished before `rank_end`. Megatron-Core (schedules.py `forward_backward_pipelining_with_interleaving`,
+    core_r0.8.0 to today) calls each chunk's `grad_sync_func` once its last micro-batch's backward is done, and
+    torch.distributed.pipelining enables FSDP's gradient sync on each stage's last backward (stage.py
+    `backward_maybe_with_nosync`, or a REDUCE_GRAD action right after it)."""
+    t = 0.0
+    for t0, d in sorted(launches):
+        t = max(t, t0) + d
+    return red - (t - rank_end)
+
+
+def chunk_sync_launches(rank_stages: list[StageCost], r: int, red: float, timeline: Timeline,
+                        align: bool) -> list[tuple[float, float]]:
+    """(launch, duration) of each of rank r's model chunks' share of its gradient reduction `red` (by parameters)
+    from the simulated timeline: at the start of the chunk's last backward, as the reduction of a one-chunk
+    stage is (its buckets fill during it); with `align` (TrainingSpec.align_grad_reduce, Megatron-Core's default)
+    once the rank's backward r actions later has ended ("we launch asynchronous communication at the same time
+    across the pipeline-parallel group": `grad_sync_microbatch_id = microbatch_id - pipeline_parallel_rank`), or at
+    the rank's end where it has none."""
+    weights = [s.params + s.expert_params + s.tied_head for s in rank_stages]
+    total = sum(weights) or 1.0
+    ends = timeline.backward_ends[r]
+    out = []
+    for s, w in zip(rank_stages, weights, strict=True):
+        idx, start = timeline.stage_last_backward[s.index]
+        if align:
+            j = idx + r
+            start = ends[j] if j < len(ends) else timeline.rank_end[r]
+        out.append((start, red * w / total))
+    return out
+
+
+def closed_form_sync_launches(rank_stages: list[StageCost], r: int, red: float, rank_end: float, cfg: ParallelConfig,
+                              m: int, align: bool) -> list[tuple[float, float]]:
+    """`chunk_sync_launches` without a timeline (the closed form): rank r's backwards in Megatron's interleaved
+    order (`_interleaved_backward`), the last ones packed back to back before `rank_end`, as its cool-down runs
+    them (only backwards: the warm-up's forwards are done)."""
+    order = [interleaved_backward_stage(r, k, cfg.pp, cfg.vp) for k in range(m * cfg.vp)]
+    by_index = {s.index: s for s in rank_stages}
+    ends, t = [0.0] * len(order), rank_end
+    for k in range(len(order) - 1, -1, -1):
+        ends[k] = t
+        t -= by_index[order[k]].bwd_s
+    last = {stage: k for k, stage in enumerate(order)}
+    weights = {s.index: s.params + s.expert_params + s.tied_head for s in rank_stages}
+    total = sum(weights.values()) or 1.0
+    out = []
+    for stage, k in last.items():
+        j = k + r if align else k
+        start = (ends[j] if j < len(ends) else rank_end) if align else ends[k] - by_index[stage].bwd_s
+        out.append((start, red * weights[stage] / total))
+    return out
 
 
 def dp_exposed(red: float, tail: float, window: float, cluster: ClusterSpec, training: TrainingSpec) -> float:
@@ -1142,7 +1206,14 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
     by_rank = _stages_by_rank(stages, cfg.pp)
     ready, dp_times, opt_time, gather_times = [], [], [], []
     for r, (red, tail, opt, g_exp) in enumerate(_rank_tails(by_rank, cfg, cluster, training, m)):
-        dp_t = dp_exposed(red, tail, rank_end[r] - last_b[r], cluster, training)
+        window = rank_end[r] - last_b[r]
+        if cfg.vp > 1 and cfg.schedule == "interleaved" and red > 0:
+            # each model chunk's gradients reduce once complete, during the cool-down's later chunks
+            align = training.align_grad_reduce
+            launches = (chunk_sync_launches(by_rank[r], r, red, timeline, align) if timeline is not None else
+                        closed_form_sync_launches(by_rank[r], r, red, rank_end[r], cfg, m, align))
+            window = chunk_sync_window(red, rank_end[r], launches)
+        dp_t = dp_exposed(red, tail, window, cluster, training)
         ready.append(rank_end[r] + dp_t)
         dp_times.append(dp_t)
         opt_time.append(opt)

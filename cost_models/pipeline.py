@@ -91,6 +91,11 @@ def _interleaved_backward(r: int, k: int, pp: int, vp: int) -> Action:
     return Action(chunk * pp + r, "B", mb)
 
 
+def interleaved_backward_stage(r: int, k: int, pp: int, vp: int) -> int:
+    """The stage of rank r's k-th backward in Megatron's interleaved order (`_interleaved_backward`)."""
+    return _interleaved_backward(r, k, pp, vp).stage
+
+
 def last_backward_stage(schedule: str, pp: int, m: int, vp: int, r: int) -> int:
     """The stage of rank r's last action (every schedule ends each rank with a backward): stage r for GPipe
     and 1F1B, the chunk of its last backward for the interleaved schedule."""
@@ -120,6 +125,10 @@ class Timeline:
     rank_end: list[float] = field(default_factory=list)
     last_backward_start: list[float] = field(default_factory=list)
     busy: list[float] = field(default_factory=list)
+    # per rank, the end times of its backward actions in order; per stage, (index of its last micro-batch's
+    # backward in its rank's list, that action's start): when each model chunk's gradients are complete
+    backward_ends: list[list[float]] = field(default_factory=list)
+    stage_last_backward: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def makespan(self) -> float:
@@ -153,6 +162,8 @@ def simulate(
     free = [0.0] * pp
     busy = [0.0] * pp
     last_b = [0.0] * pp
+    b_ends: list[list[float]] = [[] for _ in range(pp)]
+    stage_last_b: list[tuple[int, float]] = [(0, 0.0)] * n_stages
     slices: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
     work = list(range(pp))
     remaining = sum(len(a) for a in acts)
@@ -200,6 +211,9 @@ def simulate(
             else:
                 done_b[key] = end
                 wkey = 2 * key + 1
+                b_ends[r].append(end)
+                if mb == m - 1:
+                    stage_last_b[st] = (len(b_ends[r]) - 1, start)
             if keep_slices:
                 slices[r].append((a, start, end))
             i += 1
@@ -212,7 +226,8 @@ def simulate(
     if remaining:
         raise RuntimeError(f"pipeline schedule {schedule} deadlocked with {remaining} actions left "
                            f"(pp={pp}, m={m}, vp={vp})")
-    return Timeline(slices=slices if keep_slices else [], rank_end=free, last_backward_start=last_b, busy=busy)
+    return Timeline(slices=slices if keep_slices else [], rank_end=free, last_backward_start=last_b, busy=busy,
+                    backward_ends=b_ends, stage_last_backward=stage_last_b)
 
 
 def rank_end_lower_bounds(fwd: list[float], bwd: list[float], pp: int, m: int, vp: int = 1,

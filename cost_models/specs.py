@@ -438,6 +438,13 @@ class TrainingSpec(_Frozen):
         "kernel: zeroing the whole gradient buffer, casting 16-bit main grads to fp32, unscaling (fp16), and "
         "copying the fp32 master into the 16-bit weights (estimate.optimizer_time); false = one fused Adam "
         "that also writes the 16-bit copy.")
+    align_grad_reduce: bool = Field(
+        default=False, description="Under the interleaved schedule, each model chunk's gradient reduction is "
+        "launched pipeline-rank backward actions after the chunk's last backward, at the same time across the "
+        "pipeline group (Megatron-Core's --align-grad-reduce, before 0.9 --delay-grad-reduce, on by default: "
+        "schedules.py `grad_sync_microbatch_id = microbatch_id - pipeline_parallel_rank`); false = at the chunk's "
+        "last backward (torch.distributed.pipelining's FSDP gradient sync). Prices only with overlap_grad_reduce "
+        "and vp > 1 (estimate.chunk_sync_window).")
     loss_fusion: bool = Field(
         default=False, description="The LM head's vocab-parallel cross-entropy runs as Megatron-Core's fused "
         "kernels (--cross-entropy-loss-fusion; NeMo's cross_entropy_loss_fusion: true): megatron/core/fusions/"

@@ -24,7 +24,7 @@ DEFAULT_STACK = "autoplan"
 # are never part of a stack).
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
-               "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion",
+               "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion", "align_grad_reduce",
                "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory", "autocast_fp32_params",
                "selective_policy", "kernels", "checkpoint_early_stop", "cp_attention")
 # The short names `autoplan stacks` prints for some knobs; --stack-set takes them as well as the field names.
@@ -39,7 +39,7 @@ KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce
 # shard (reshard_after_forward=False), is left out with the rest: torchtitan's typical run is ZeRO-3.
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
            "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "optimizer_dtype": "fp32",
-           "loss_fusion": False,
+           "loss_fusion": False, "align_grad_reduce": False,
            "grad_sync_all_reduce": False,
            "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False,
            "selective_policy": "attention_core", "checkpoint_early_stop": None, "cp_attention": None}
@@ -137,7 +137,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                # issue "dgrad, handle = reduce_scatter_along_first_dim(dgrad, ctx.tp_group, async_op=True)" (or
                # `allreduce(..., async_op=True)` without sp) before the wgrad GEMM and wait after it; the row-parallel
                # output gradient's all-gather (`grad_output_preprocess`) stays synchronous.
-               "tp_bwd_comm_overlap": True},
+               "tp_bwd_comm_overlap": True,
+               # megatron/training/arguments.py: --delay-grad-reduce (core_r0.8.0), --align-grad-reduce today,
+               # both on unless turned off (training.py sets grad_sync_func from it)
+               "align_grad_reduce": True},
         assumes="bf16; TE fused (flash) attention and fused kernels; --overlap-grad-reduce, --overlap-param-gather "
                 "(distributed optimizer), --tp-comm-overlap (userbuffers; without it, TE's backward still reduces "
                 "each linear pair's input gradient beside its wgrad GEMM); fp32 cross-entropy over materialised "
