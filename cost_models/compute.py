@@ -418,7 +418,8 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
     grp = comm.group_of(ctx.cluster, ctx.tp, 1)
     # With sp, each all-reduce becomes a reduce-scatter + all-gather pair: the same bytes and hops on an NCCL
     # ring, but more on gloo (whose reduce-scatter is a whole all-reduce, see comm.reduce_scatter).
-    one_f, one_b = (sum(_TP_COLLECTIVE[c](ctx.cluster, grp, b) for c, b in u.items()) for u in tp_units(p, ctx))
+    units = tp_units(p, ctx)
+    one_f, one_b = (sum(_TP_COLLECTIVE[c](ctx.cluster, grp, b) for c, b in u.items()) for u in units)
     n_fwd, n_bwd = tp_points(p, ctx.training)
     fwd, bwd = n_fwd * one_f, n_bwd * one_b
     # after the head's GEMM, not beside it: no overlap below applies to it
@@ -444,7 +445,7 @@ def _tp_comm(p: LayerProfile, ctx: Context, gemm_fwd: float) -> tuple[float, flo
         # Table 4's 22B backward at 13.3 ms per layer against the paper's 11.9 ms.)
         k = ctx.cluster.gpu.calibration.overlap_interference
         # the all-gathers of sp's backward, not overlapped (fp8 ones are half the reduce-scatters' bytes)
-        sync = n_bwd * comm.all_gather(ctx.cluster, grp, tp_units(p, ctx)[1]["all_gather"]) if ctx.sp else 0.0
+        sync = n_bwd * comm.all_gather(ctx.cluster, grp, units[1]["all_gather"]) if ctx.sp else 0.0
         async_part = bwd - sync
         bwd_exp = sync + max(0.0, async_part - gemm_fwd / 2)  # the wgrad GEMMs of the column-parallel linears
         bwd = bwd_exp + k * (bwd - bwd_exp)

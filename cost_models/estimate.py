@@ -872,47 +872,40 @@ def chunk_sync_window(red: float, rank_end: float, launches: list[tuple[float, f
     return red - (t - rank_end)
 
 
-def chunk_sync_launches(rank_stages: list[StageCost], r: int, red: float, timeline: Timeline,
+def chunk_sync_launches(rank_stages: list[StageCost], r: int, red: float, backward_ends: list[float],
+                        last_backward: dict[int, tuple[int, float]], rank_end: float,
                         align: bool) -> list[tuple[float, float]]:
-    """(launch, duration) of each of rank r's model chunks' share of its gradient reduction `red` (by parameters)
-    from the simulated timeline: at the start of the chunk's last backward, as the reduction of a one-chunk
-    stage is (its buckets fill during it); with `align` (TrainingSpec.align_grad_reduce, Megatron-Core's default)
-    once the rank's backward r actions later has ended ("we launch asynchronous communication at the same time
-    across the pipeline-parallel group": `grad_sync_microbatch_id = microbatch_id - pipeline_parallel_rank`), or at
-    the rank's end where it has none."""
+    """(launch, duration) of each of rank r's model chunks' share of its gradient reduction `red` (by parameters):
+    at the start of the chunk's last backward (`last_backward[stage]` = its index among the rank's backwards, whose
+    end times are `backward_ends`, and its start), as the reduction of a one-chunk stage is (its buckets fill
+    during it); with `align` (TrainingSpec.align_grad_reduce, Megatron-Core's default) once the rank's backward r
+    actions later has ended ("we launch asynchronous communication at the same time across the pipeline-parallel
+    group": `grad_sync_microbatch_id = microbatch_id - pipeline_parallel_rank`), or at the rank's end where it has
+    none."""
     weights = [s.params + s.expert_params + s.tied_head for s in rank_stages]
     total = sum(weights) or 1.0
-    ends = timeline.backward_ends[r]
     out = []
     for s, w in zip(rank_stages, weights, strict=True):
-        idx, start = timeline.stage_last_backward[s.index]
+        idx, start = last_backward[s.index]
         if align:
             j = idx + r
-            start = ends[j] if j < len(ends) else timeline.rank_end[r]
+            start = backward_ends[j] if j < len(backward_ends) else rank_end
         out.append((start, red * w / total))
     return out
 
 
-def closed_form_sync_launches(rank_stages: list[StageCost], r: int, red: float, rank_end: float, cfg: ParallelConfig,
-                              m: int, align: bool) -> list[tuple[float, float]]:
-    """`chunk_sync_launches` without a timeline (the closed form): rank r's backwards in Megatron's interleaved
-    order (`_interleaved_backward`), the last ones packed back to back before `rank_end`, as its cool-down runs
-    them (only backwards: the warm-up's forwards are done)."""
+def interleaved_cool_down(rank_stages: list[StageCost], r: int, rank_end: float, cfg: ParallelConfig,
+                          m: int) -> tuple[list[float], dict[int, tuple[int, float]]]:
+    """`chunk_sync_launches`' timeline inputs without a simulation (the closed form): rank r's backwards in
+    Megatron's interleaved order (`interleaved_backward_stage`), packed back to back before `rank_end` as its
+    cool-down runs them (only backwards: the warm-up's forwards are done)."""
     order = [interleaved_backward_stage(r, k, cfg.pp, cfg.vp) for k in range(m * cfg.vp)]
-    by_index = {s.index: s for s in rank_stages}
+    bwd = {s.index: s.bwd_s for s in rank_stages}
     ends, t = [0.0] * len(order), rank_end
     for k in range(len(order) - 1, -1, -1):
         ends[k] = t
-        t -= by_index[order[k]].bwd_s
-    last = {stage: k for k, stage in enumerate(order)}
-    weights = {s.index: s.params + s.expert_params + s.tied_head for s in rank_stages}
-    total = sum(weights.values()) or 1.0
-    out = []
-    for stage, k in last.items():
-        j = k + r if align else k
-        start = (ends[j] if j < len(ends) else rank_end) if align else ends[k] - by_index[stage].bwd_s
-        out.append((start, red * weights[stage] / total))
-    return out
+        t -= bwd[order[k]]
+    return ends, {stage: (k, ends[k] - bwd[stage]) for k, stage in enumerate(order)}
 
 
 def dp_exposed(red: float, tail: float, window: float, cluster: ClusterSpec, training: TrainingSpec) -> float:
@@ -1209,9 +1202,11 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
         window = rank_end[r] - last_b[r]
         if cfg.vp > 1 and cfg.schedule == "interleaved" and red > 0:
             # each model chunk's gradients reduce once complete, during the cool-down's later chunks
-            align = training.align_grad_reduce
-            launches = (chunk_sync_launches(by_rank[r], r, red, timeline, align) if timeline is not None else
-                        closed_form_sync_launches(by_rank[r], r, red, rank_end[r], cfg, m, align))
+            if timeline is not None:
+                ends, last = timeline.backward_ends[r], dict(enumerate(timeline.stage_last_backward))
+            else:
+                ends, last = interleaved_cool_down(by_rank[r], r, rank_end[r], cfg, m)
+            launches = chunk_sync_launches(by_rank[r], r, red, ends, last, rank_end[r], training.align_grad_reduce)
             window = chunk_sync_window(red, rank_end[r], launches)
         dp_t = dp_exposed(red, tail, window, cluster, training)
         ready.append(rank_end[r] + dp_t)
