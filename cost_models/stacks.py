@@ -24,9 +24,9 @@ DEFAULT_STACK = "autoplan"
 # are never part of a stack).
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
-               "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion", "align_grad_reduce",
-               "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory", "autocast_fp32_params",
-               "selective_policy", "kernels", "checkpoint_early_stop", "cp_attention")
+               "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion",
+               "align_grad_reduce", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory",
+               "autocast_fp32_params", "selective_policy", "kernels", "checkpoint_early_stop", "cp_attention")
 # The short names `autoplan stacks` prints for some knobs; --stack-set takes them as well as the field names.
 KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce",
                 "overlap_gather": "overlap_param_gather", "tp_overlap": "tp_comm_overlap",
