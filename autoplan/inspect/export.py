@@ -253,6 +253,10 @@ def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
     f.append(("--attention-backend", "flash" if tr.flash_attention else "unfused"))
     if tr.overlap_grad_reduce and (cfg.dp or 1) * cfg.cp > 1:
         f.append(("--overlap-grad-reduce", None))
+        if cfg.vp > 1 and not tr.align_grad_reduce:
+            # the plan priced each chunk's reduction launched at its last backward (estimate.chunk_sync_launches);
+            # Megatron aligns the launches across the pipeline group unless told not to
+            f.append(("--no-align-grad-reduce", None))
     if tr.overlap_param_gather and cfg.zero in (1, 2):
         f.append(("--overlap-param-gather", None))
     if tr.tp_comm_overlap and cfg.tp > 1:

@@ -117,6 +117,29 @@ def test_megatron_lm_accepts_the_fused_cross_entropy():
     assert ec.check_megatron(d["args"], 16, d["env"], megatron_arch(plan)) is None
 
 
+@pytest.mark.skipif(not ec.megatron_available(), reason="Megatron-LM (megatron.training) is not importable; "
+                    "set MEGATRON_LM to a checkout")
+def test_megatron_lm_accepts_unaligned_gradient_reduction():
+    """An interleaved plan priced with each chunk's reduction launched at its last backward (align_grad_reduce
+    false: torch's pipelining, Meta's stack) exports --no-align-grad-reduce, which Megatron-LM parses; with
+    Megatron-Core's own default the flag is left out."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.specs import TrainingSpec
+    from autoplan.cost_models.stacks import apply_stack
+    from autoplan.specs import load_cluster, load_model
+
+    args = {}
+    for align in (True, False):
+        tr = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-core",
+                         {"align_grad_reduce": align})
+        plan = make_plan(load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16), tr,
+                         "tp=2,pp=2,vp=2,mbs=1,sp=1,zero=1,schedule=interleaved")
+        d = export_megatron(plan)
+        assert ec.check_megatron(d["args"], 16, d["env"], megatron_arch(plan)) is None
+        args[align] = d["args"]
+    assert "--no-align-grad-reduce" in args[False] and "--no-align-grad-reduce" not in args[True]
+
+
 @pytest.mark.skipif(not ec.torchtitan_available(), reason="torchtitan >= 0.3 is not installed")
 def test_torchtitan_loads_exports(plans):
     for label, plan in plans:
