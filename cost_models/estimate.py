@@ -9,6 +9,7 @@ breakdown, and MFU/HFU. The search calls the same pieces (`stage_costs`, `memory
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
@@ -873,11 +874,11 @@ def chunk_sync_window(red: float, rank_end: float, launches: list[tuple[float, f
 
 
 def chunk_sync_launches(rank_stages: list[StageCost], r: int, red: float, backward_ends: list[float],
-                        last_backward: dict[int, tuple[int, float]], rank_end: float,
-                        align: bool) -> list[tuple[float, float]]:
+                        last_backward: Mapping[int, tuple[int, float]] | Sequence[tuple[int, float]],
+                        rank_end: float, align: bool) -> list[tuple[float, float]]:
     """(launch, duration) of each of rank r's model chunks' share of its gradient reduction `red` (by parameters):
     at the start of the chunk's last backward (`last_backward[stage]` = its index among the rank's backwards, whose
-    end times are `backward_ends`, and its start), as the reduction of a one-chunk stage is (its buckets fill
+    end times are `backward_ends`, and its start; a timeline's per-stage list or a map), as the reduction of a one-chunk stage is (its buckets fill
     during it); with `align` (TrainingSpec.align_grad_reduce, Megatron-Core's default) once the rank's backward r
     actions later has ended ("we launch asynchronous communication at the same time across the pipeline-parallel
     group": `grad_sync_microbatch_id = microbatch_id - pipeline_parallel_rank`), or at the rank's end where it has
@@ -898,8 +899,11 @@ def interleaved_cool_down(rank_stages: list[StageCost], r: int, rank_end: float,
                           m: int) -> tuple[list[float], dict[int, tuple[int, float]]]:
     """`chunk_sync_launches`' timeline inputs without a simulation (the closed form): rank r's backwards in
     Megatron's interleaved order (`interleaved_backward_stage`), packed back to back before `rank_end` as its
-    cool-down runs them (only backwards: the warm-up's forwards are done)."""
-    order = [interleaved_backward_stage(r, k, cfg.pp, cfg.vp) for k in range(m * cfg.vp)]
+    cool-down runs them (only backwards: the warm-up's forwards are done). Only the last round, pp backwards of
+    each chunk: it holds every chunk's last one (the schedule needs m to be a multiple of pp, check_config), and
+    indices count from its start, which leaves `chunk_sync_launches`' "r actions later" as it is."""
+    n = m * cfg.vp
+    order = [interleaved_backward_stage(r, k, cfg.pp, cfg.vp) for k in range(max(0, n - cfg.vp * cfg.pp), n)]
     bwd = {s.index: s.bwd_s for s in rank_stages}
     ends, t = [0.0] * len(order), rank_end
     for k in range(len(order) - 1, -1, -1):
@@ -1203,7 +1207,7 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
         if cfg.vp > 1 and cfg.schedule == "interleaved" and red > 0:
             # each model chunk's gradients reduce once complete, during the cool-down's later chunks
             if timeline is not None:
-                ends, last = timeline.backward_ends[r], dict(enumerate(timeline.stage_last_backward))
+                ends, last = timeline.backward_ends[r], timeline.stage_last_backward
             else:
                 ends, last = interleaved_cool_down(by_rank[r], r, rank_end[r], cfg, m)
             launches = chunk_sync_launches(by_rank[r], r, red, ends, last, rank_end[r], training.align_grad_reduce)
