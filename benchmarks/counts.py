@@ -42,6 +42,8 @@ MATRIX = [
     "tiny-gpt:dp=4", "tiny-gpt:dp=4,zero=1", "tiny-gpt:dp=4,zero=2", "tiny-gpt:dp=4,zero=3",
     "tiny-gpt:dp=2,tp=2", "tiny-gpt:dp=2,tp=2,sp=1", "tiny-gpt:dp=2,tp=2,sp=1,recompute=full", "tiny-gpt:cp=2,dp=2",
     "tiny-gpt:pp=2,dp=2", "tiny-gpt:pp=2,vp=2,dp=2,schedule=interleaved", "tiny-gpt:pp=4",
+    # three micro-batches on pp=2: the interleaved schedule in one round of three (pipeline.microbatch_group)
+    "tiny-gpt:pp=2,vp=2,dp=2,mbs=1@gbs=6",
     "tiny-gpt:dp=4,recompute=selective", "tiny-gpt:dp=4,recompute=full",
     "tiny-gpt:tp=2,pp=2,recompute=full", "tiny-gpt:cp=2,tp=2,sp=1,recompute=selective",
     "tiny-gpt:pp=2,dp=2,zero=2", "tiny-gpt:pp=2,dp=2,zero=3",
@@ -50,6 +52,15 @@ MATRIX = [
     "tiny-gpt:tp=4,mbs=8", "tiny-gpt:dp=4,zero=1,mbs=2", "tiny-gpt:dp=2,tp=2,mbs=4", "tiny-gpt:dp=4,mbs=2",
     "tiny-gpt:dp=4,zero=3,recompute=full,mbs=2", "tiny-gpt:dp=4,zero=1,recompute=full,mbs=2",
 ]
+
+
+
+
+def case_parts(case: str, default_gbs: int = GBS) -> tuple[str, str, int]:
+    """"model:config" or "model:config@gbs=N" (a global batch other than the matrix's) -> (model, config, gbs)."""
+    name, config = case.split(":", 1)
+    config, _, batch = config.partition("@gbs=")
+    return name, config, int(batch) if batch else default_gbs
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -66,13 +77,13 @@ def run_case(case: str, world: int, steps_before: int, sites: bool = False, dtyp
     from autoplan.runtime.parallel_dims import ParallelDims
     from autoplan.specs import TrainingSpec, load_cluster, load_model
 
-    name, config = case.split(":", 1)
+    name, config, gbs = case_parts(case)
     spec = load_model(name).model_copy(update={"dropout": 0.0})
-    training = TrainingSpec(global_batch_size=GBS, seq_length=SEQ, dtype=dtype)
+    training = TrainingSpec(global_batch_size=gbs, seq_length=SEQ, dtype=dtype)
     plan = make_plan(spec, load_cluster("local-cpu").with_gpus(world), training, config, kernels="torch")
     dims = ParallelDims.from_plan(plan, world).build_mesh()
     trainer = Trainer(plan, dims, device=torch.device("cpu"), seed=0)
-    data = SyntheticDataset(spec.vocab_size, SEQ, GBS, seed=0)
+    data = SyntheticDataset(spec.vocab_size, SEQ, gbs, seed=0)
     for s in range(steps_before):
         trainer.step(data.batch(s))
     _, rec = profile_record(trainer, steps_before + 1, data.batch(steps_before), sites)
@@ -227,7 +238,7 @@ def render_sites(results: list[dict], console) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--layouts", nargs="*", default=None, help="model:config cases (default: the matrix)")
+    ap.add_argument("--layouts", nargs="*", default=None, help="model:config cases, optionally @gbs=N (default: the matrix)")
     ap.add_argument("--steps-before", type=int, default=2,
                     help="steps before the profiled one (2: step 3 is the first steady step; DDP rebuilds its "
                          "buckets during step 2)")

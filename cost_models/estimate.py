@@ -23,6 +23,7 @@ from .pipeline import (
     in_flight,
     interleaved_backward_stage,
     last_backward_stage,
+    microbatch_group,
     rank_end_lower_bounds,
     simulate,
 )
@@ -899,11 +900,12 @@ def interleaved_cool_down(rank_stages: list[StageCost], r: int, rank_end: float,
                           m: int) -> tuple[list[float], dict[int, tuple[int, float]]]:
     """`chunk_sync_launches`' timeline inputs without a simulation (the closed form): rank r's backwards in
     Megatron's interleaved order (`interleaved_backward_stage`), packed back to back before `rank_end` as its
-    cool-down runs them (only backwards: the warm-up's forwards are done). Only the last round, pp backwards of
-    each chunk: it holds every chunk's last one (the schedule needs m to be a multiple of pp, check_config), and
-    indices count from its start, which leaves `chunk_sync_launches`' "r actions later" as it is."""
+    cool-down runs them (only backwards: the warm-up's forwards are done). Only the last round, `microbatch_group`
+    backwards of each chunk: it holds every chunk's last one (the rounds are equal, check_config), and indices
+    count from its start, which leaves `chunk_sync_launches`' "r actions later" as it is."""
     n = m * cfg.vp
-    order = [interleaved_backward_stage(r, k, cfg.pp, cfg.vp) for k in range(max(0, n - cfg.vp * cfg.pp), n)]
+    first = max(0, n - cfg.vp * microbatch_group(cfg.pp, m))
+    order = [interleaved_backward_stage(r, k, cfg.pp, cfg.vp, m) for k in range(first, n)]
     bwd = {s.index: s.bwd_s for s in rank_stages}
     ends, t = [0.0] * len(order), rank_end
     for k in range(len(order) - 1, -1, -1):

@@ -57,43 +57,55 @@ def _actions(schedule: str, pp: int, m: int, vp: int) -> tuple[tuple[Action, ...
     return tuple(tuple(a) for a in schedule_actions(schedule, pp, m, vp))
 
 
+def microbatch_group(pp: int, m: int) -> int:
+    """Micro-batches the interleaved schedule runs through each model chunk in turn (a round): m split into
+    max(1, m // pp) equal rounds, i.e. pp when pp divides m (Narayanan et al. 2021's schedule), else a round of
+    between pp and 2 pp - 1. The rule of torch.distributed.pipelining's ScheduleInterleaved1F1B (torch 2.13
+    schedules.py: `number_of_rounds = max(1, n_microbatches // pp_group_size)`, which must divide
+    n_microbatches) and a legal `--microbatch-group-size-per-virtual-pipeline-stage` of Megatron-Core >= 0.10
+    (between pp and m, dividing m); the flexible round of the Llama 3 paper (sec. 3.3.2). `check_config` refuses
+    an m it does not split evenly."""
+    return m // max(1, m // pp)
+
+
+def interleaved_rounds_fit(pp: int, m: int) -> bool:
+    """Whether m micro-batches split into the interleaved schedule's equal rounds (`microbatch_group`) of at
+    least pp each (Megatron-Core's lower bound; with fewer a round's first chunk would wait on its own last)."""
+    return m >= pp and m % max(1, m // pp) == 0
+
+
+def _interleaved_action(r: int, k: int, pp: int, vp: int, group: int, kind: str) -> Action:
+    """Rank r's k-th forward (chunks in order) or backward (chunks in reverse) in the interleaved order:
+    micro-batches in rounds of `group`, each round through every model chunk of the rank in turn."""
+    chunk = (k // group) % vp
+    if kind == "B":
+        chunk = vp - 1 - chunk
+    mb = (k // (group * vp)) * group + k % group
+    return Action(chunk * pp + r, kind, mb)
+
+
 def _interleaved(pp: int, m: int, vp: int) -> list[list[Action]]:
-    """Megatron's interleaved 1F1B: micro-batches in groups of pp run through each model chunk in turn."""
-    total = m * vp
-
-    def fwd_of(r: int, k: int) -> Action:
-        chunk = (k // pp) % vp
-        mb = (k // (pp * vp)) * pp + k % pp
-        return Action(chunk * pp + r, "F", mb)
-
-    def bwd_of(r: int, k: int) -> Action:
-        return _interleaved_backward(r, k, pp, vp)
-
+    """Megatron's interleaved 1F1B (torch's Interleaved1F1B): rounds of `microbatch_group` micro-batches run
+    through each model chunk in turn; a rank's warm-up is (vp - 1) rounds plus two forwards per later rank."""
+    total, group = m * vp, microbatch_group(pp, m)
     out = []
     for r in range(pp):
-        warm = min((pp - r - 1) * 2 + (vp - 1) * pp, total)
-        acts = [fwd_of(r, k) for k in range(warm)]
+        warm = min((pp - r - 1) * 2 + (vp - 1) * group, total)
+        acts = [_interleaved_action(r, k, pp, vp, group, "F") for k in range(warm)]
         f, b = warm, 0
         while f < total:
-            acts.append(fwd_of(r, f))
+            acts.append(_interleaved_action(r, f, pp, vp, group, "F"))
             f += 1
-            acts.append(bwd_of(r, b))
+            acts.append(_interleaved_action(r, b, pp, vp, group, "B"))
             b += 1
-        acts += [bwd_of(r, k) for k in range(b, total)]
+        acts += [_interleaved_action(r, k, pp, vp, group, "B") for k in range(b, total)]
         out.append(acts)
     return out
 
 
-def _interleaved_backward(r: int, k: int, pp: int, vp: int) -> Action:
-    """Rank r's k-th backward in Megatron's interleaved order: chunks in reverse, micro-batches in groups of pp."""
-    chunk = vp - 1 - (k // pp) % vp
-    mb = (k // (pp * vp)) * pp + k % pp
-    return Action(chunk * pp + r, "B", mb)
-
-
-def interleaved_backward_stage(r: int, k: int, pp: int, vp: int) -> int:
-    """The stage of rank r's k-th backward in Megatron's interleaved order (`_interleaved_backward`)."""
-    return _interleaved_backward(r, k, pp, vp).stage
+def interleaved_backward_stage(r: int, k: int, pp: int, vp: int, m: int) -> int:
+    """The stage of rank r's k-th backward in the interleaved order (`_interleaved`)."""
+    return _interleaved_action(r, k, pp, vp, microbatch_group(pp, m), "B").stage
 
 
 def last_backward_stage(schedule: str, pp: int, m: int, vp: int, r: int) -> int:
@@ -101,20 +113,22 @@ def last_backward_stage(schedule: str, pp: int, m: int, vp: int, r: int) -> int:
     and 1F1B, the chunk of its last backward for the interleaved schedule."""
     if schedule == "gpipe" or schedule == "1f1b" or vp == 1:
         return r
-    return _interleaved_backward(r, m * vp - 1, pp, vp).stage
+    return interleaved_backward_stage(r, m * vp - 1, pp, vp, m)
 
 
 def in_flight(schedule: str, pp: int, m: int, vp: int = 1) -> list[float]:
     """Peak micro-batches whose activations a rank holds at once, in units of one rank's full layer set.
 
     GPipe holds all m; 1F1B holds min(p - r, m) on rank r; interleaved holds its warm-up chunks plus one,
-    each 1/v of the rank's layers (so rank 0 holds about p * (1 + (p-1)/(p*v)), Korthikanti et al. 2022).
+    each 1/v of the rank's layers (so rank 0 holds about p * (1 + (p-1)/(p*v)), Korthikanti et al. 2022, with
+    rounds of p micro-batches; a longer round, `microbatch_group`, holds more).
     """
     if schedule == "gpipe":
         return [float(m)] * pp
     if schedule == "1f1b" or vp == 1:
         return [float(min(pp - r, m)) for r in range(pp)]
-    return [min((pp - r - 1) * 2 + (vp - 1) * pp + 1, m * vp) / vp for r in range(pp)]
+    group = microbatch_group(pp, m)
+    return [min((pp - r - 1) * 2 + (vp - 1) * group + 1, m * vp) / vp for r in range(pp)]
 
 
 @dataclass

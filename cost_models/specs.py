@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import ConfigError, SpecError
+from .pipeline import interleaved_rounds_fit
 
 Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 Recompute = Literal["none", "selective", "full"]
@@ -837,12 +838,14 @@ def check_config(
             f"{n_micro} micro-batches per step, pp={pp}",
             "raise the global batch, lower mbs or dp, or use schedule=gpipe",
         )
-    if cfg.schedule == "interleaved" and n_micro % pp:
-        m = train.global_batch_size // (dp * cfg.mbs)
+    if cfg.schedule == "interleaved" and not interleaved_rounds_fit(pp, n_micro):
+        ok = [k for k in range(max(pp, n_micro - 2 * pp), n_micro + 2 * pp + 1) if interleaved_rounds_fit(pp, k)]
+        near = ", ".join(str(k) for k in sorted(ok, key=lambda k: (abs(k - n_micro), k))[:3])
         raise ConfigError(
-            "the interleaved schedule needs the micro-batch count to be a multiple of pp (Megatron-LM's rule)",
-            f"{m} micro-batches per step, pp={pp}",
-            f"use a global batch that gives a multiple of {pp} micro-batches, or schedule=1f1b",
+            "the interleaved schedule runs the micro-batches in equal rounds of at least pp: m // pp rounds must "
+            "divide m (torch.distributed.pipelining's Interleaved1F1B; Megatron-Core's micro-batch group)",
+            f"{n_micro} micro-batches per step, pp={pp}",
+            f"use a global batch that gives {near} micro-batches (global batch = m x dp x mbs), or schedule=1f1b",
         )
     if ep > 1:
         if not model.is_moe:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import shlex
 
+from ..cost_models.estimate import num_microbatches
+from ..cost_models.pipeline import microbatch_group
 from ..plan import Plan
 from .export_numerics import (
     SQUARED_RELU_WARNING,
@@ -235,6 +237,10 @@ def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
     f += _megatron_optimizer_state(plan, warnings)
     if cfg.schedule == "gpipe" and cfg.pp > 1:
         warnings.append("Megatron-LM has no GPipe schedule; it will run 1F1B (less activation memory)")
+    if cfg.schedule == "interleaved" and cfg.vp > 1:
+        group = microbatch_group(cfg.pp, num_microbatches(cfg, tr))
+        if group != cfg.pp:  # rounds longer than pp (pipeline.microbatch_group): Megatron-Core >= 0.10
+            f.append(("--microbatch-group-size-per-virtual-pipeline-stage", group))
     if tr.dtype == "bf16":
         f.append(("--bf16", None))
     elif tr.dtype == "fp16":

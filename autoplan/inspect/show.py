@@ -7,7 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autoplan.cost_models.estimate import memory_moment_note, num_microbatches
-from autoplan.cost_models.pipeline import simulate
+from autoplan.cost_models.pipeline import microbatch_group, simulate
 
 from ..plan import Plan
 from .common import COMPONENT_SHORT, config_diff, fmt_s, fmt_tflops, mesh_info, short_config
@@ -77,8 +77,10 @@ def timeline_grid(plan: Plan, max_microbatches: int | None = None) -> dict:
     if max_microbatches is None:
         max_microbatches = 2 * pp if pp > 1 else 4
     shown = min(m, max_microbatches)
-    if cfg.schedule == "interleaved" and shown >= pp:
-        shown -= shown % pp  # the interleaved order runs micro-batches in groups of pp
+    if cfg.schedule == "interleaved" and vp > 1:
+        # whole rounds of the plan's own length (pipeline.microbatch_group): of pp, or one longer round
+        group = microbatch_group(pp, m)
+        shown = max(pp, shown - shown % pp) if group == pp else group
     n = pp * vp
     tl = simulate(cfg.schedule, pp, shown, vp, [1.0] * n, [1.0] * n, 0.0, keep_slices=True)
     ticks = int(round(tl.makespan))

@@ -2,10 +2,9 @@
 
 The rules are those of `autoplan.cost_models.specs.check_config` (with `stage_layers=False`: the search places uneven
 stages itself), restated as divisor enumeration so that millions of combinations are never built one by one;
-`tests/search/test_space.py` checks that every candidate enumerated here passes `check_config`. Two rules are
+`tests/search/test_space.py` checks that every candidate enumerated here passes `check_config`. One rule is
 stricter than `check_config`: tp divides the node size, so that a tp group never straddles two nodes (ranks
-are placed tp innermost, then cp, dp, pp); and the interleaved schedule needs the micro-batch count to be a
-multiple of pp (Megatron-LM's rule; `autoplan.cost_models.pipeline.simulate` deadlocks otherwise).
+are placed tp innermost, then cp, dp, pp).
 
 Recomputation is not enumerated here: it is chosen per stage by the stage ILP (`ilp.py`).
 """
@@ -16,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from autoplan.cost_models.errors import ConfigError
+from autoplan.cost_models.pipeline import interleaved_rounds_fit
 from autoplan.cost_models.specs import _ALIASES, ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec
 
 FIXABLE = ("tp", "pp", "dp", "cp", "ep", "vp", "mbs", "sp", "zero", "recompute", "recompute_layers", "schedule")
@@ -139,7 +139,7 @@ def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_bat
         if m >= mesh.pp:  # 1F1B's warm-up needs at least pp micro-batches (torch's Schedule1F1B, Megatron)
             scheds.append(("1f1b", 1))
         scheds.append(("gpipe", 1))
-        if m % mesh.pp == 0:  # Megatron-LM's interleaved schedule needs whole groups of pp micro-batches
+        if interleaved_rounds_fit(mesh.pp, m):  # equal rounds of at least pp micro-batches (microbatch_group)
             scheds += [("interleaved", v) for v in range(2, num_blocks // mesh.pp + 1)]
     if "schedule" in fix:
         scheds = [s for s in scheds if s[0] == fix["schedule"]]

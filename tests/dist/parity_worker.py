@@ -42,13 +42,13 @@ def spec_of(name: str):
     return load_model(name).model_copy(update={"dropout": 0.0})
 
 
-def training() -> TrainingSpec:
-    return TrainingSpec(global_batch_size=GBS, seq_length=SEQ, dtype="fp32")
+def training(gbs: int = GBS) -> TrainingSpec:
+    return TrainingSpec(global_batch_size=gbs, seq_length=SEQ, dtype="fp32")
 
 
-def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(name: str, gbs: int = GBS) -> tuple[list[float], dict[str, torch.Tensor]]:
     spec = spec_of(name)
-    return reference_run(build_model(spec, seed=SEED), spec.vocab_size, steps=STEPS, gbs=GBS, seq=SEQ, lr=LR,
+    return reference_run(build_model(spec, seed=SEED), spec.vocab_size, steps=STEPS, gbs=gbs, seq=SEQ, lr=LR,
                          betas=BETAS, weight_decay=WD, clip=CLIP, seed=SEED)
 
 
@@ -67,10 +67,13 @@ def full_grads(pm, tied: bool) -> dict[str, torch.Tensor]:
 def run_case(case: str, world: int, refs: dict) -> dict:
     name, config = case.split(":", 1)
     config, _, kernels = config.partition("|")  # "model:config|fused" runs with the fused-kernel substitution
+    config, _, batch = config.partition("@gbs=")  # "model:config@gbs=N": a global batch other than GBS
+    gbs = int(batch) if batch else GBS
     rank = dist.get_rank()
     t0 = time.perf_counter()
     spec = spec_of(name)
-    plan = make_plan(spec, load_cluster("local-cpu").with_gpus(world), training(), config, kernels=kernels or "torch")
+    plan = make_plan(spec, load_cluster("local-cpu").with_gpus(world), training(gbs), config,
+                     kernels=kernels or "torch")
     dims = ParallelDims.from_plan(plan, world).build_mesh()
     trainer = Trainer(plan, dims, device=torch.device("cpu"), seed=SEED, lr=LR, weight_decay=WD, betas=BETAS,
                       max_grad_norm=CLIP)
@@ -81,16 +84,16 @@ def run_case(case: str, world: int, refs: dict) -> dict:
             captured.update(full_grads(pm, spec.tie_embeddings))
 
     trainer.last_grads_hook = hook
-    data = SyntheticDataset(spec.vocab_size, SEQ, GBS, seed=SEED)
+    data = SyntheticDataset(spec.vocab_size, SEQ, gbs, seed=SEED)
     losses = [trainer.step(data.batch(s)).loss for s in range(STEPS)]
     gathered: list = [None] * world
     dist.all_gather_object(gathered, captured)
     fused = sum(type(m).__name__.startswith("Fused") for mod in trainer.pm.modules for m in mod.modules())
     result = {"case": case, "plan": plan.short_hash, "seconds": 0.0, "fused_modules": fused}
     if rank == 0:
-        if name not in refs:
-            refs[name] = reference(name)
-        ref_losses, ref_grads = refs[name]
+        if (name, gbs) not in refs:
+            refs[name, gbs] = reference(name, gbs)
+        ref_losses, ref_grads = refs[name, gbs]
         result.update(compare_with_reference(gathered, losses, ref_losses, ref_grads))
     result["seconds"] = time.perf_counter() - t0
     return result

@@ -43,6 +43,8 @@ CASES_2 = [f"{m}:{c}" for m in ("tiny-gpt", "tiny-llama") for c in DENSE_2] + [
     # explicit layouts (blocks per stage): virtual stages holding only the embedding / only the loss
     "tiny-gpt:pp=2,vp=2,layout=0/2/2/0",
     "tiny-llama:pp=2,layout=1/3",
+    # three micro-batches on pp=2: the interleaved schedule in one round of three (pipeline.microbatch_group)
+    "tiny-gpt:pp=2,vp=2,mbs=1@gbs=3",
 ]
 DENSE_4 = ["tp=2,pp=2", "dp=2,tp=2", "dp=2,pp=2"]
 CASES_4 = [f"{m}:{c}" for m in ("tiny-gpt", "tiny-llama") for c in DENSE_4] + [

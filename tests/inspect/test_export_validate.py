@@ -140,6 +140,41 @@ def test_megatron_lm_accepts_unaligned_gradient_reduction():
     assert "--no-align-grad-reduce" in args[False] and "--no-align-grad-reduce" not in args[True]
 
 
+@pytest.mark.skipif(not ec.megatron_available(), reason="Megatron-LM (megatron.training) is not importable; "
+                    "set MEGATRON_LM to a checkout")
+def test_megatron_lm_runs_longer_interleaved_rounds_in_the_priced_order():
+    """Six micro-batches on pp=4 run in one round of six (pipeline.microbatch_group): the export says so
+    (--microbatch-group-size-per-virtual-pipeline-stage, which Megatron-LM parses), and Megatron-Core's own
+    schedule table and warm-up counts for that group are the order autoplan simulates, rank by rank."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
+
+    from autoplan.api import make_plan
+    from autoplan.cost_models.pipeline import microbatch_group, schedule_actions
+    from autoplan.cost_models.specs import TrainingSpec
+    from autoplan.cost_models.stacks import apply_stack
+    from autoplan.specs import load_cluster, load_model
+
+    tr = apply_stack(TrainingSpec(global_batch_size=12, seq_length=2048), "megatron-core", {})
+    plan = make_plan(load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16), tr,
+                     "tp=2,pp=4,dp=2,vp=2,mbs=1,sp=1,zero=1,schedule=interleaved")
+    d = export_megatron(plan)
+    assert d["flags"]["--microbatch-group-size-per-virtual-pipeline-stage"] == 6
+    assert ec.check_megatron(d["args"], 16, d["env"], megatron_arch(plan)) is None
+    for pp, vp, m in [(4, 2, 6), (4, 2, 10), (4, 3, 8), (2, 2, 3)]:
+        group = microbatch_group(pp, m)
+        table = get_schedule_table(m, vp, group)
+        for r, acts in enumerate(schedule_actions("interleaved", pp, m, vp)):
+            fwd = [(a.mb, a.stage // pp) for a in acts if a.kind == "F"]
+            bwd = [(a.mb, vp - 1 - a.stage // pp) for a in acts if a.kind == "B"]  # backwards: chunks reversed
+            assert fwd == table and bwd == table, (pp, vp, m, r)
+            comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda pp=pp: pp, rank=lambda r=r: r),
+                                   virtual_pipeline_model_parallel_size=vp)
+            _, _, warm, _ = get_pp_rank_microbatches(m, vp, group, p2p_communicator=comm)
+            assert next(i for i, a in enumerate(acts) if a.kind == "B") == min(warm + 1, m * vp)
+
+
 @pytest.mark.skipif(not ec.torchtitan_available(), reason="torchtitan >= 0.3 is not installed")
 def test_torchtitan_loads_exports(plans):
     for label, plan in plans:

@@ -106,3 +106,17 @@ def test_timeline_truncates_long_schedules(plan_1f1b):
     # pp=16 ranks do not fit in 80 columns of 5-character cells: the middle ones are elided
     header = next(line for line in text.splitlines() if line.startswith("tick"))
     assert "r15" in header and ".." in header
+
+
+def test_timeline_grid_shows_a_round_longer_than_pp():
+    """Six micro-batches on pp=4 run interleaved in one round of six (pipeline.microbatch_group): the grid shows
+    that round, each rank's first chunk through all six before its second chunk starts."""
+    from autoplan.api import make_plan
+    from autoplan.specs import TrainingSpec, load_cluster, load_model
+
+    plan = make_plan(load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16),
+                     TrainingSpec(global_batch_size=12, seq_length=2048), "tp=2,pp=4,dp=2,vp=2,mbs=1,schedule=interleaved")
+    g = timeline_grid(plan)
+    assert g["microbatches"] == g["microbatches_shown"] == 6
+    first = [row[0] for row in g["rows"] if row[0]][:7]
+    assert first == ["0F0", "0F1", "0F2", "0F3", "0F4", "0F5", "4F0"]

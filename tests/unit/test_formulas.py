@@ -16,7 +16,10 @@ from autoplan.cost_models.pipeline import (
     bubble_fraction,
     closed_form_makespan,
     in_flight,
+    interleaved_rounds_fit,
+    microbatch_group,
     rank_end_lower_bounds,
+    schedule_actions,
     simulate,
 )
 from autoplan.cost_models.profile import profile_from_spec
@@ -124,12 +127,50 @@ def test_1f1b_bubble_is_p_minus_1_over_m(p, m):
     assert gp.makespan == pytest.approx(tl.makespan)
 
 
-@pytest.mark.parametrize("p,v,m", [(4, 2, 8), (4, 3, 8), (8, 2, 16)])
+@pytest.mark.parametrize("p,v,m", [(4, 2, 8), (4, 3, 8), (8, 2, 16), (4, 2, 6), (4, 2, 10), (8, 3, 20), (2, 2, 3)])
 def test_interleaved_bubble_is_p_minus_1_over_v_m(p, v, m):
     f, b = 1.0 / v, 2.0 / v  # a rank's layers split into v chunks
     tl = simulate("interleaved", p, m, v, [f] * (p * v), [b] * (p * v))
     ideal = m * v * (f + b)
     assert (tl.makespan - ideal) / ideal == pytest.approx(bubble_fraction(p, m, v))
+
+
+@pytest.mark.parametrize("p,m,group", [(4, 8, 4), (4, 6, 6), (4, 10, 5), (4, 12, 4), (8, 20, 10), (2, 3, 3), (4, 7, 7)])
+def test_interleaved_rounds_follow_torchs_rule(p, m, group):
+    """Rounds of `microbatch_group` micro-batches (torch's Interleaved1F1B: m // p rounds): every stage runs each
+    micro-batch once, forwards in order, a round through each of the rank's chunks before the next round."""
+    v = 2
+    assert microbatch_group(p, m) == group and interleaved_rounds_fit(p, m)
+    acts = schedule_actions("interleaved", p, m, v)
+    for r in range(p):
+        fwd = [a for a in acts[r] if a.kind == "F"]
+        assert [(a.stage // p, a.mb) for a in fwd] == [
+            (c, g + j) for g in range(0, m, group) for c in range(v) for j in range(group)]
+        for stage in (r, p + r):
+            assert sorted(a.mb for a in acts[r] if a.kind == "B" and a.stage == stage) == list(range(m))
+        # the warm-up, (v - 1) rounds and two forwards per later rank (torch's _get_warmup_ops), then one more
+        # forward before the first backward
+        first_backward = next(i for i, a in enumerate(acts[r]) if a.kind == "B")
+        assert first_backward == min((v - 1) * group + 2 * (p - 1 - r) + 1, m * v)
+
+
+@pytest.mark.parametrize("p,m", [(4, 9), (4, 2), (8, 17), (8, 25)])
+def test_uneven_rounds_are_refused(p, m):
+    """m // p rounds must divide m (torch raises otherwise; Megatron's last group would be shorter than p)."""
+    assert not interleaved_rounds_fit(p, m)
+
+
+def test_in_flight_matches_the_action_lists():
+    """A rank's peak of forwards without their backward (in chunks, / v) is `in_flight`, for rounds of p and
+    longer."""
+    for p, v, m in [(4, 2, 8), (4, 2, 6), (4, 3, 10), (2, 2, 3), (8, 2, 20)]:
+        fl = in_flight("interleaved", p, m, v)
+        for r, acts in enumerate(schedule_actions("interleaved", p, m, v)):
+            live = peak = 0
+            for a in acts:
+                live += 1 if a.kind == "F" else -1
+                peak = max(peak, live)
+            assert fl[r] == pytest.approx(peak / v), (p, v, m, r)
 
 
 def test_in_flight_microbatches():
