@@ -439,6 +439,11 @@ class TrainingSpec(_Frozen):
         "kernel: zeroing the whole gradient buffer, casting 16-bit main grads to fp32, unscaling (fp16), and "
         "copying the fp32 master into the 16-bit weights (estimate.optimizer_time); false = one fused Adam "
         "that also writes the 16-bit copy.")
+    flexible_rounds: bool = Field(
+        default=True, description="The interleaved schedule may run m micro-batches in m // pp equal rounds longer "
+        "than pp when pp does not divide m (pipeline.microbatch_group: torch.distributed.pipelining's "
+        "Interleaved1F1B; Megatron-Core >= 0.10's --microbatch-group-size-per-virtual-pipeline-stage); false = "
+        "m must be a multiple of pp (Megatron-LM before Megatron-Core 0.10).")
     align_grad_reduce: bool = Field(
         default=False, description="Under the interleaved schedule, each model chunk's gradient reduction is "
         "launched pipeline-rank backward actions after the chunk's last backward, at the same time across the "
@@ -837,6 +842,14 @@ def check_config(
             "the 1F1B schedule needs at least pp micro-batches per step",
             f"{n_micro} micro-batches per step, pp={pp}",
             "raise the global batch, lower mbs or dp, or use schedule=gpipe",
+        )
+    if cfg.schedule == "interleaved" and not train.flexible_rounds and n_micro % pp:
+        raise ConfigError(
+            "the interleaved schedule of this stack needs the micro-batch count to be a multiple of pp (Megatron-LM "
+            "before Megatron-Core 0.10)",
+            f"{n_micro} micro-batches per step, pp={pp}",
+            f"use a global batch that gives a multiple of {pp} micro-batches, schedule=1f1b, or "
+            "--stack-set flexible_rounds=true for a Megatron-Core >= 0.10 or torch pipelining run",
         )
     if cfg.schedule == "interleaved" and not interleaved_rounds_fit(pp, n_micro):
         ok = [k for k in range(max(pp, n_micro - 2 * pp), n_micro + 2 * pp + 1) if interleaved_rounds_fit(pp, k)]

@@ -124,9 +124,10 @@ def meshes(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, fix: 
                             yield Mesh(tp, cp, ep, pp, dp, mbs, sp)
 
 
-def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_batch: int
-                 ) -> tuple[list[int], list[tuple[str, int]]]:
-    """(ZeRO stages, (schedule, vp) pairs) legal for this mesh; the candidates are their product."""
+def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_batch: int,
+                 flexible_rounds: bool = True) -> tuple[list[int], list[tuple[str, int]]]:
+    """(ZeRO stages, (schedule, vp) pairs) legal for this mesh; the candidates are their product.
+    `flexible_rounds`: TrainingSpec's (interleaved rounds longer than pp, or m a multiple of pp)."""
     zeros = [0, 1, 2, 3] if mesh.dp * mesh.cp > 1 else [0]
     if "zero" in fix:
         zeros = [z for z in zeros if z == fix["zero"]]
@@ -139,7 +140,8 @@ def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_bat
         if m >= mesh.pp:  # 1F1B's warm-up needs at least pp micro-batches (torch's Schedule1F1B, Megatron)
             scheds.append(("1f1b", 1))
         scheds.append(("gpipe", 1))
-        if interleaved_rounds_fit(mesh.pp, m):  # equal rounds of at least pp micro-batches (microbatch_group)
+        # equal rounds of at least pp micro-batches (microbatch_group), of exactly pp on older Megatron-LM
+        if interleaved_rounds_fit(mesh.pp, m) if flexible_rounds else m % mesh.pp == 0:
             scheds += [("interleaved", v) for v in range(2, num_blocks // mesh.pp + 1)]
     if "schedule" in fix:
         scheds = [s for s in scheds if s[0] == fix["schedule"]]
@@ -148,9 +150,10 @@ def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_bat
     return zeros, scheds
 
 
-def knobs(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_batch: int) -> list[Knobs]:
+def knobs(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_batch: int,
+          flexible_rounds: bool = True) -> list[Knobs]:
     """ZeRO stages x schedules x virtual stages legal for this mesh."""
-    zeros, scheds = knob_options(mesh, fix, num_blocks, global_batch)
+    zeros, scheds = knob_options(mesh, fix, num_blocks, global_batch, flexible_rounds)
     return [Knobs(z, s, v) for z in zeros for s, v in scheds]
 
 
@@ -165,5 +168,5 @@ def all_configs(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     """Every enumerated candidate as a ParallelConfig (for tests and small brute-force searches)."""
     fix = fix or {}
     for mesh in meshes(model, cluster, training, fix):
-        for kn in knobs(mesh, fix, model.num_layers, training.global_batch_size):
+        for kn in knobs(mesh, fix, model.num_layers, training.global_batch_size, training.flexible_rounds):
             yield to_config(mesh, kn)

@@ -246,3 +246,34 @@ def test_fused_cross_entropy_prices_22_bytes_a_logit_and_exports_megatrons_flag(
             "--parallel", "tp=8"]
     assert main([*base, "--stack-set", "loss_fusion=true"]) == 0  # a knob autoplan's runtime lacks: named
     assert "loss_fusion=true prices software autoplan's runtime does not have" in capsys.readouterr().err
+
+
+def test_older_megatron_stacks_keep_whole_rounds_of_pp(capsys):
+    """Six micro-batches on pp=4: one interleaved round of six on autoplan's and Megatron-Core's stacks; Megatron-LM
+    before Megatron-Core 0.10 (megatron-2021/2022, megatron-deepspeed) needs m a multiple of pp, so estimate
+    refuses it with the fix and the search never proposes it; --stack-set flexible_rounds=true lifts that."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.errors import ConfigError
+    from autoplan.search.space import all_configs
+    from autoplan.specs import load_cluster, load_model
+
+    model, cluster = load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16)
+    cfg = "tp=2,pp=4,dp=2,vp=2,mbs=1,schedule=interleaved"
+    for stack, ok in (("autoplan", True), ("megatron-core", True), ("megatron-2022", False),
+                      ("megatron-2021", False), ("megatron-deepspeed", False)):
+        tr = apply_stack(TrainingSpec(global_batch_size=12, seq_length=2048), stack, {})
+        assert tr.flexible_rounds == ok
+        if ok:
+            assert make_plan(model, cluster, tr, cfg).prediction.step_time_s > 0
+        else:
+            with pytest.raises(ConfigError, match="multiple of pp"):
+                make_plan(model, cluster, tr, cfg)
+        odd = [c for c in all_configs(model, cluster, tr, {"tp": 2, "mbs": 1})
+               if c.schedule == "interleaved" and (12 // (c.dp * c.mbs)) % c.pp]
+        assert bool(odd) == ok, stack
+    tr = apply_stack(TrainingSpec(global_batch_size=12, seq_length=2048), "megatron-2022", {"flexible_rounds": True})
+    assert make_plan(model, cluster, tr, cfg).prediction.step_time_s > 0
+    assert main(["estimate", "--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "16", "--global-batch", "12",
+                 "--seq-len", "2048", "--stack", "megatron-2022", "--parallel", cfg]) != 0
+    err = capsys.readouterr().err
+    assert "flexible_rounds=true" in err and "Traceback" not in err
