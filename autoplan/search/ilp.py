@@ -20,7 +20,9 @@ subject to (family names as in the `add_<family>_constraint` methods; every cons
   work            W_s >= c^w_s + work of its blocks + rf of its full blocks + rs of the rest if sigma_s
   activation      A_s >= c^a_s + af of its full blocks + (as if sigma_s else an) of the rest
   full_selective  a stage that recomputes fully recomputes the rest selectively (sigma_s = 1)
-  cover / order   the stages partition the blocks contiguously, each stage >= 1 block
+  cover / order   the stages partition the blocks contiguously, each stage >= 1 block; under interleaving with
+                  identical blocks the first stage may hold only the embedding and the last only the head
+                  (N_r >= vp - 1 on their ranks: `StageProblem.empty_end_stages`)
   pin             `--fix recompute=...` fixes every stage's mode
   no_full         no stage recomputes a block fully (`StageProblem.no_full`: the search's second layout)
 
@@ -137,10 +139,11 @@ class StageILP:
         self.X = [self._var(f"X_r{r}", lowBound=0) for r in range(pp)]
         if self.compact:
             # Rank level: N_r blocks, K_r of them fully recomputed, U_r selectively (the rest not at all).
-            hi = L - (pp - 1) * v
+            floor = [problem.min_blocks(r) for r in range(pp)]
+            hi = L - sum(floor) + max(floor)
             self.R = [self._var(f"R_r{r}", lowBound=0) for r in range(pp)]
             self.A = [self._var(f"A_r{r}", lowBound=0) for r in range(pp)]
-            self.N = [self._var(f"N_r{r}", lowBound=v, upBound=hi, cat="Integer") for r in range(pp)]
+            self.N = [self._var(f"N_r{r}", lowBound=floor[r], upBound=hi, cat="Integer") for r in range(pp)]
             self.K = [self._var(f"K_r{r}", lowBound=0, upBound=hi, cat="Integer") for r in range(pp)]
             self.U = [self._var(f"U_r{r}", lowBound=0, upBound=hi, cat="Integer" if v > 1 else "Continuous")
                       for r in range(pp)]
@@ -217,8 +220,9 @@ class StageILP:
     # ------------------------------------------------------------------------- constraint families
 
     def add_cover_constraint(self) -> None:
-        """The stages partition the blocks contiguously, each holding at least one block."""
-        if self.compact:  # N_r >= vp (its bounds) and the ranks' blocks add up to L
+        """The stages partition the blocks contiguously, each holding at least one block (the first and the last
+        possibly none where `StageProblem.empty_end_stages`)."""
+        if self.compact:  # N_r >= min_blocks(r) (its bounds) and the ranks' blocks add up to L
             self._add(pulp.lpSum(self.N) == self.L, "cover_all")
             return
         for s in range(1, self.S):
@@ -421,32 +425,45 @@ def _split(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+def _rank_chunks(n: int, k: int, u: int, v: int) -> list[tuple[int, int, int]]:
+    """A rank's n blocks (k fully, u selectively recomputed) over v >= 1 stages, each (blocks, full, selective-mode
+    flag): blocks that recompute nothing go to stages of their own (as few as possible), the others are spread
+    evenly over the remaining stages, each taking full-recompute blocks first."""
+    none, rec = n - k - u, k + u
+    if none == 0:
+        j = 0
+    elif rec == 0:
+        j = v
+    else:
+        j = max(1, v - rec)
+    sizes = _split(none, j) + _split(rec, v - j)
+    out, left = [], k
+    for i, size in enumerate(sizes):
+        if i < j:
+            out.append((size, 0, 0))
+        else:
+            kk = min(size, left)
+            left -= kk
+            out.append((size, kk, 1))
+    return out
+
+
 def _stages_from_ranks(p: StageProblem, N: list[int], K: list[int], U: list[int]) -> list[StageChoice]:
-    """Turn rank totals (blocks, fully and selectively recomputed blocks) into the rank's vp stages: blocks
-    that recompute nothing go to stages of their own (as few as possible), the others are spread evenly over
-    the remaining stages, each taking full-recompute blocks first."""
+    """Turn rank totals (blocks, fully and selectively recomputed blocks) into the rank's vp stages
+    (`_rank_chunks`); a rank of the first or last stage holding one block fewer than it has stages leaves that
+    stage empty (only the embedding or the head: `StageProblem.empty_end_stages`)."""
     v, pp = p.vp, p.pp
+    last_rank = (pp * v - 1) % pp
     per_stage: dict[int, tuple[int, int, int]] = {}  # stage -> (blocks, full, selective-mode flag)
     for r in range(pp):
-        n, k, u = N[r], K[r], U[r]
-        none = n - k - u
-        rec = k + u
-        if none == 0:
-            j = 0
-        elif rec == 0:
-            j = v
+        if N[r] < v:  # N[r] = v - 1 (the ILP's bound): the end stage holds no block
+            chunks = _rank_chunks(N[r], K[r], U[r], v - 1)
+            chunks = [(0, 0, 0), *chunks] if r == 0 else [*chunks, (0, 0, 0)]
+            assert r in (0, last_rank) and p.empty_end_stages
         else:
-            j = max(1, v - rec)
-        sizes = _split(none, j) + _split(rec, v - j)
-        left = k
+            chunks = _rank_chunks(N[r], K[r], U[r], v)
         for i, s in enumerate(range(r, pp * v, pp)):
-            size = sizes[i]
-            if i < j:
-                per_stage[s] = (size, 0, 0)
-            else:
-                kk = min(size, left)
-                left -= kk
-                per_stage[s] = (size, kk, 1)
+            per_stage[s] = chunks[i]
     out, start = [], 0
     for s in range(pp * v):
         size, k, sig = per_stage[s]

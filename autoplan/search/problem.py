@@ -92,6 +92,19 @@ class StageProblem:
         b0 = self.blocks[0]
         return all(b == b0 for b in self.blocks)
 
+    @cached_property
+    def empty_end_stages(self) -> bool:
+        """Whether the first virtual stage may hold only the embedding and the last only the head, no block
+        (Megatron-Core's `E|...` and `...|L` layouts, Llama 3's 405B run): under interleaving, where such a rank
+        keeps its other chunks' blocks; for identical blocks (the rank-level ILP) only."""
+        return self.vp > 1 and self.pp > 1 and self.identical_blocks
+
+    def min_blocks(self, r: int) -> int:
+        """The fewest blocks pipeline rank r holds: one per virtual stage, one fewer on the ranks of the first and
+        the last stage where those may be empty (`empty_end_stages`)."""
+        ends = (0, (self.num_stages - 1) % self.pp)
+        return self.vp - (1 if self.empty_end_stages and r in ends else 0)
+
     def extra_work(self, s: int) -> float:
         return self.stage_extra[s] if self.stage_extra else 0.0
 
@@ -208,11 +221,22 @@ def compositions(total: int, parts: int):
         yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
 
 
+def layouts(p: StageProblem):
+    """Every contiguous split of the blocks into the stages (block counts per stage): each stage at least one
+    block, the first and the last possibly none where `empty_end_stages`."""
+    S, L = p.num_stages, p.num_blocks
+    ends = (0, 1) if p.empty_end_stages else (0,)
+    for e0 in ends:
+        for e1 in ends:
+            if S - e0 - e1 >= 1:
+                for sizes in compositions(L, S - e0 - e1):
+                    yield (0,) * e0 + sizes + (0,) * e1
+
+
 def brute_force(p: StageProblem) -> StageSolution | None:
     """Exhaustive: every contiguous layout with every per-stage recomputation. For tests (tiny problems)."""
     best: StageSolution | None = None
-    S, L = p.num_stages, p.num_blocks
-    for sizes in compositions(L, S):
+    for sizes in layouts(p):
         starts = [0]
         for n in sizes:
             starts.append(starts[-1] + n)
@@ -238,7 +262,7 @@ def _mean_block(blocks: tuple[BlockCost, ...]) -> BlockCost:
 def greedy_bound(p: StageProblem) -> float:
     """A feasible objective (upper bound, inf if none found) from rank-level block counts.
 
-    Start from the even split (at least vp blocks per rank); while the busiest rank has a block to give and
+    Start from the even split (at least `min_blocks` per rank); while the busiest rank has a block to give and
     some other rank would still be below the current maximum after taking one more block, move one block
     there. At the stop every other rank r has w_r(N_r + 1) >= max, so no allocation has a smaller maximum:
     the max term is optimal for identical blocks (each rank uses the least recomputation that fits, uniform
@@ -246,9 +270,12 @@ def greedy_bound(p: StageProblem) -> float:
     decides the chosen candidates)."""
     b = p.blocks[0] if p.identical_blocks else _mean_block(p.blocks)
     L, v, pp = p.num_blocks, p.vp, p.pp
-    if v * pp > L:
+    floor = [p.min_blocks(r) for r in range(pp)]
+    if sum(floor) > L:
         return math.inf
     counts = [L // pp + (1 if r >= pp - L % pp else 0) for r in range(pp)]
+    if any(c < f for c, f in zip(counts, floor, strict=True)):
+        return math.inf
     f = rank_work_fn(p, b)
     work = [f(r, counts[r]) for r in range(pp)]
     nxt = [f(r, counts[r] + 1) for r in range(pp)]
@@ -260,7 +287,7 @@ def greedy_bound(p: StageProblem) -> float:
         while -hi[0][0] != work[hi[0][1]]:
             heapq.heappop(hi)
         wmax, rmax = -hi[0][0], hi[0][1]
-        if counts[rmax] <= v:
+        if counts[rmax] <= floor[rmax]:
             break
         held = []
         while lo and (lo[0][0] != nxt[lo[0][1]] or lo[0][1] == rmax):

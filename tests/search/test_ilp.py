@@ -8,7 +8,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autoplan.search.ilp import StageILP, solve_stage_problem
-from autoplan.search.problem import BlockCost, StageProblem, brute_force, evaluate, feasible, greedy_bound
+from autoplan.search.problem import (
+    BlockCost,
+    StageChoice,
+    StageProblem,
+    brute_force,
+    evaluate,
+    feasible,
+    greedy_bound,
+)
 
 GIB = 2**30
 
@@ -35,7 +43,8 @@ def problems(draw):
     infl = tuple(float(min(pp - r, m)) for r in range(pp))
     cap = tuple(draw(st.floats(8.0, 60.0)) * GIB for _ in range(pp))
     first = BlockCost(work=0.3, act_none=0.5 * GIB, static=2 * GIB)
-    last = BlockCost(work=0.6, act_none=1.5 * GIB, static=2 * GIB)
+    # a head as heavy as a few blocks (a large vocabulary) makes a last stage of only the head worth its place
+    last = BlockCost(work=draw(st.sampled_from([0.6, 3.0])), act_none=1.5 * GIB, static=2 * GIB)
     pin = draw(st.sampled_from([None, None, None, "none", "selective", "full"]))
     # pipeline messages' occupancy: a stage with two neighbours pays twice an end stage's (p2p_occupancy)
     msg = draw(st.sampled_from([0.0, 0.05, 0.4])) if pp * vp > 1 else 0.0
@@ -56,10 +65,12 @@ def test_ilp_equals_brute_force(p):
     obj, mem = evaluate(p, sol.stages)
     assert feasible(p, mem)
     assert abs(obj - bf.objective) <= 1e-6 * bf.objective
-    # the layout is a contiguous cover with at least one block per stage
+    # the layout is a contiguous cover with at least one block per stage, but the first and last stage of an
+    # interleaved pipeline, which may hold only the embedding or the head
     assert sol.stages[0].start == 0 and sol.stages[-1].stop == p.num_blocks
     assert all(a.stop == b.start for a, b in zip(sol.stages, sol.stages[1:], strict=False))
-    assert all(s.stop > s.start for s in sol.stages)
+    inner = sol.stages[1:-1] if p.empty_end_stages else sol.stages
+    assert all(s.stop > s.start for s in inner)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -87,3 +98,23 @@ def test_greedy_is_feasible_upper_bound_for_identical_blocks(p):
         assert g == float("inf")
     elif g != float("inf"):
         assert g >= bf.objective * (1 - 1e-9)
+
+
+def test_a_heavy_head_gets_a_virtual_stage_of_its_own():
+    """Interleaved, with a head as heavy as six blocks: the best layout (brute force over every split, the end
+    stages allowed to be empty) leaves the last virtual stage to the head alone, and the ILP finds it; the greedy
+    proxy may use the empty stage too and stays an upper bound."""
+    b = BlockCost(work=1.0, act_none=1 * GIB, act_sel=1 * GIB, act_full=0.1 * GIB, static=1 * GIB)
+    p = StageProblem((b,) * 8, BlockCost(work=0.1, static=1 * GIB), BlockCost(work=6.0, static=1 * GIB), 2, 2, 8,
+                     (3.0, 2.0), (80 * GIB, 80 * GIB), "none")
+    assert p.empty_end_stages and [p.min_blocks(r) for r in range(2)] == [1, 1]  # both ranks hold an end
+    bf = brute_force(p)
+    sol = solve_stage_problem(p)
+    assert sol is not None and abs(sol.objective - bf.objective) <= 1e-9 * bf.objective
+    assert [s.stop - s.start for s in sol.stages][-1] == 0
+    # the same problem with every stage holding a block is strictly worse
+    blocked = min(evaluate(p, tuple(StageChoice(a, b_, "none") for a, b_ in zip(c, c[1:], strict=False)))[0]
+                  for c in ([0, n0, n0 + n1, n0 + n1 + n2, 8] for n0 in range(1, 6) for n1 in range(1, 6)
+                            for n2 in range(1, 6)) if c[3] < 8)
+    assert bf.objective < blocked
+    assert greedy_bound(p) >= bf.objective * (1 - 1e-9)

@@ -144,3 +144,30 @@ def test_search_balances_the_head_of_a_large_vocabulary(tmp_path, capsys):
     stages = json.loads(capsys.readouterr().out)["stages"]
     sizes = [s["layers"][1] - s["layers"][0] for s in stages]
     assert sum(sizes) == 24 and sizes[-1] < min(sizes[:-1]), sizes
+
+
+def test_search_gives_a_heavy_head_a_virtual_stage_of_its_own(tmp_path, capsys):
+    """With interleaving the search may leave the last virtual stage to the LM head alone (Megatron-Core's
+    `...|L`): a 256K-vocabulary head on a 2048-wide model outweighs the blocks, so it does, and the plan runs as
+    estimated from its own layout string and exports it."""
+    from autoplan.plan import load_plan
+
+    spec = tmp_path / "bigvocab.yaml"
+    spec.write_text("name: bigvocab\nnum_layers: 24\nhidden_size: 2048\nnum_attention_heads: 16\n"
+                    "vocab_size: 256000\nmax_seq_length: 2048\n")
+    out = tmp_path / "p.json"
+    args = ["--model", str(spec), "--cluster", "dgx-a100-80g", "--gpus", "32", "--global-batch", "64"]
+    assert main(["search", *args, "--fix", "tp=8,pp=4,vp=2", "--top", "1", "-o", str(out), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    sizes = [s["layers"][1] - s["layers"][0] for s in found["stages"]]
+    assert sizes[-1] == 0 and min(sizes[:-1]) >= 1 and sum(sizes) == 24
+    plan = load_plan(out)
+    assert plan.stages[-1].num_layers == 0 and plan.stages[-1].has_head
+    layout = ",".join(str(n) for n in sizes)
+    cfg = ",".join(f"{k}={v}" for k, v in found["parallel"].items() if k in ("tp", "pp", "vp", "mbs", "zero"))
+    assert main(["estimate", *args, "--parallel", f"{cfg},sp=1,schedule=interleaved", "--layout", layout,
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(found["step_time_s"], rel=1e-9)
+    assert main(["export", str(out), "--format", "megatron", "--json"]) == 0
+    exported = json.loads(capsys.readouterr().out)
+    assert exported["flags"]["--pipeline-model-parallel-layout"].endswith("|L")
