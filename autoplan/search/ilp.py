@@ -20,9 +20,10 @@ subject to (family names as in the `add_<family>_constraint` methods; every cons
   work            W_s >= c^w_s + work of its blocks + rf of its full blocks + rs of the rest if sigma_s
   activation      A_s >= c^a_s + af of its full blocks + (as if sigma_s else an) of the rest
   full_selective  a stage that recomputes fully recomputes the rest selectively (sigma_s = 1)
-  cover / order   the stages partition the blocks contiguously, each stage >= 1 block; under interleaving with
-                  identical blocks the first stage may hold only the embedding and the last only the head
-                  (N_r >= vp - 1 on their ranks: `StageProblem.empty_end_stages`)
+  cover / order   the stages partition the blocks contiguously, each stage >= 1 block; under interleaving the
+                  first stage may hold only the embedding and the last only the head
+                  (`StageProblem.empty_end_stages`: N_r >= vp - 1 on their ranks in the compact form, every
+                  start one block earlier or later in the positional one)
   pin             `--fix recompute=...` fixes every stage's mode
   no_full         no stage recomputes a block fully (`StageProblem.no_full`: the search's second layout)
 
@@ -153,14 +154,16 @@ class StageILP:
             self.W = [self._var(f"W_s{s}", lowBound=0) for s in range(S)]
             self.A = [self._var(f"A_s{s}", lowBound=0) for s in range(S)]
             self.sigma = [self._var(f"sigma_s{s}", cat="Binary") for s in range(S)]
-            # y[s][j]: stage s starts at block j (s = 1..S-1); z[s][j]: its full prefix ends at block j.
+            # y[s][j]: stage s starts at block j (s = 1..S-1); z[s][j]: its full prefix ends at block j. With empty
+            # end stages allowed every start may lie one block earlier (stage 0 empty) or later (stage S-1 empty).
+            self.e = 1 if problem.empty_end_stages else 0
             self.y: list[dict[int, pulp.LpVariable]] = [{} for _ in range(S)]
             self.z: list[dict[int, pulp.LpVariable]] = [{} for _ in range(S)]
             for s in range(1, S):
-                for j in range(s, L - (S - s) + 1):
+                for j in range(max(0, s - self.e), min(L, L - (S - s) + self.e) + 1):
                     self.y[s][j] = self._var(f"y_s{s}_j{j}", cat="Binary")
             for s in range(S):
-                for j in range(s, L - (S - s - 1) + 1):
+                for j in range(max(0, s - self.e), min(L, L - (S - s - 1) + self.e) + 1):
                     self.z[s][j] = self._var(f"z_s{s}_j{j}", cat="Binary")
             self.prefix = {f: self._prefix(f) for f in ("work", "rec_full", "rec_sel", "act_none", "act_sel",
                                                           "act_full", "static")}
@@ -237,7 +240,8 @@ class StageILP:
             return
         for s in range(self.S):
             if self.S > 1 and s < self.S - 1:
-                self._add(self._start(s + 1) - self._start(s) >= 1, f"order_s{s}")
+                least = 0 if (s == 0 and self.e) else 1  # the first stage may be empty; the last by y's domain
+                self._add(self._start(s + 1) - self._start(s) >= least, f"order_s{s}")
             self._add(self._full_end(s) - self._start(s) >= 0, f"order_full_lo_s{s}")
             self._add(self._start(s + 1) - self._full_end(s) >= 0, f"order_full_hi_s{s}")
 
@@ -308,7 +312,7 @@ class StageILP:
         for s in range(self.S):
             r = s % self.p.pp
             ys, zs = self.y[s], self.z[s]
-            for i in range(s, self.L - (self.S - s - 1)):
+            for i in range(max(0, s - self.e), min(self.L, self.L - (self.S - s - 1) + self.e)):
                 b = self.p.blocks[i]
                 started = (1 if s == 0 else pulp.lpSum(v for j, v in ys.items() if j <= i))
                 full_ended = pulp.lpSum(v for j, v in zs.items() if j <= i)

@@ -96,8 +96,8 @@ class StageProblem:
     def empty_end_stages(self) -> bool:
         """Whether the first virtual stage may hold only the embedding and the last only the head, no block
         (Megatron-Core's `E|...` and `...|L` layouts, Llama 3's 405B run): under interleaving, where such a rank
-        keeps its other chunks' blocks; for identical blocks (the rank-level ILP) only."""
-        return self.vp > 1 and self.pp > 1 and self.identical_blocks
+        keeps its other chunks' blocks."""
+        return self.vp > 1 and self.pp > 1
 
     def min_blocks(self, r: int) -> int:
         """The fewest blocks pipeline rank r holds: one per virtual stage, one fewer on the ranks of the first and

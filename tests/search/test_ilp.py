@@ -118,3 +118,17 @@ def test_a_heavy_head_gets_a_virtual_stage_of_its_own():
                             for n2 in range(1, 6)) if c[3] < 8)
     assert bf.objective < blocked
     assert greedy_bound(p) >= bf.objective * (1 - 1e-9)
+
+
+def test_the_positional_ilp_also_leaves_the_head_alone():
+    """Heterogeneous blocks (the positional ILP: every stage start one block earlier or later where the end stages
+    may be empty) on the problem above: the ILP's optimum equals the exhaustive one, whose last stage is empty."""
+    mk = [BlockCost(work=w, act_none=1 * GIB, act_sel=1 * GIB, act_full=0.1 * GIB, static=1 * GIB)
+          for w in (0.9, 1.1)]
+    p = StageProblem(tuple(mk[i % 2] for i in range(8)), BlockCost(work=0.1, static=1 * GIB),
+                     BlockCost(work=6.0, static=1 * GIB), 2, 2, 8, (3.0, 2.0), (80 * GIB, 80 * GIB), "none")
+    assert not p.identical_blocks and p.empty_end_stages
+    bf = brute_force(p)
+    sol = StageILP(p).build().solve()
+    assert sol.method == "ilp" and abs(sol.objective - bf.objective) <= 1e-9 * bf.objective
+    assert sol.stages[-1].stop == sol.stages[-1].start == 8
