@@ -642,6 +642,11 @@ class ParallelConfig(_Frozen):
                 raise ConfigError(f"parallel configuration key {key!r} given twice", f"in {text!r}",
                                   f"give {key} once")
             values[key] = _parse_value(key, val)
+        vp, sched = values.get("vp", 1), values.get("schedule")
+        if isinstance(vp, int) and vp > 1 and sched not in (None, "interleaved"):
+            # the model would quietly run the interleaved schedule instead of the one written
+            raise ConfigError(f"vp>1 runs the interleaved schedule, not {sched}", f"vp={vp}, schedule={sched} in "
+                              f"{text!r}", "drop vp (vp=1) to use that schedule, or write schedule=interleaved")
         try:
             return cls(**values)
         except SpecError:

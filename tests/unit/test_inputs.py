@@ -66,6 +66,14 @@ def test_duplicate_parallel_keys(capsys):
     assert "'tp' given twice" in err
 
 
+@pytest.mark.parametrize("sched", ["gpipe", "1f1b"])
+def test_virtual_stages_with_another_schedule_are_refused(capsys, sched):
+    """vp>1 with schedule=gpipe|1f1b was quietly run (and priced) as the interleaved schedule."""
+    err = _err(capsys, ["estimate", "--model", "gpt3-125m", "--cluster", "dgx-h100", "--gpus", "8",
+                        "--global-batch", "64", "--parallel", f"pp=2,vp=2,schedule={sched}"])
+    assert f"vp>1 runs the interleaved schedule, not {sched}" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("name,text,needle", [
     ("config.json", '{"model_type": "llama", "hidden_size": 4096,\n', "is not valid JSON"),
     ("config.json", '{"model_type":"llama","num_hidden_layers":4,"hidden_size":"big","num_attention_heads":8,'
