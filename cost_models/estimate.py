@@ -879,8 +879,8 @@ def chunk_sync_launches(rank_stages: list[StageCost], r: int, red: float, backwa
                         rank_end: float, align: bool) -> list[tuple[float, float]]:
     """(launch, duration) of each of rank r's model chunks' share of its gradient reduction `red` (by parameters):
     at the start of the chunk's last backward (`last_backward[stage]` = its index among the rank's backwards, whose
-    end times are `backward_ends`, and its start; a timeline's per-stage list or a map), as the reduction of a one-chunk stage is (its buckets fill
-    during it); with `align` (TrainingSpec.align_grad_reduce, Megatron-Core's default) once the rank's backward r
+    end times are `backward_ends`, and its start; a timeline's per-stage list or a map), as the reduction of a
+    one-chunk stage is (its buckets fill during it); with `align` (TrainingSpec.align_grad_reduce, Megatron-Core's default) once the rank's backward r
     actions later has ended ("we launch asynchronous communication at the same time across the pipeline-parallel
     group": `grad_sync_microbatch_id = microbatch_id - pipeline_parallel_rank`), or at the rank's end where it has
     none."""

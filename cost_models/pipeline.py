@@ -68,9 +68,12 @@ def microbatch_group(pp: int, m: int) -> int:
     return m // max(1, m // pp)
 
 
-def interleaved_rounds_fit(pp: int, m: int) -> bool:
+def interleaved_rounds_fit(pp: int, m: int, flexible: bool = True) -> bool:
     """Whether m micro-batches split into the interleaved schedule's equal rounds (`microbatch_group`) of at
-    least pp each (Megatron-Core's lower bound; with fewer a round's first chunk would wait on its own last)."""
+    least pp each (Megatron-Core's lower bound; with fewer a round's first chunk would wait on its own last);
+    not `flexible` (TrainingSpec.flexible_rounds, Megatron-LM before Megatron-Core 0.10): rounds of exactly pp."""
+    if not flexible:
+        return m >= pp and m % pp == 0
     return m >= pp and m % max(1, m // pp) == 0
 
 

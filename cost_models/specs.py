@@ -848,15 +848,15 @@ def check_config(
             f"{n_micro} micro-batches per step, pp={pp}",
             "raise the global batch, lower mbs or dp, or use schedule=gpipe",
         )
-    if cfg.schedule == "interleaved" and not train.flexible_rounds and n_micro % pp:
-        raise ConfigError(
-            "the interleaved schedule of this stack needs the micro-batch count to be a multiple of pp (Megatron-LM "
-            "before Megatron-Core 0.10)",
-            f"{n_micro} micro-batches per step, pp={pp}",
-            f"use a global batch that gives a multiple of {pp} micro-batches, schedule=1f1b, or "
-            "--stack-set flexible_rounds=true for a Megatron-Core >= 0.10 or torch pipelining run",
-        )
-    if cfg.schedule == "interleaved" and not interleaved_rounds_fit(pp, n_micro):
+    if cfg.schedule == "interleaved" and not interleaved_rounds_fit(pp, n_micro, train.flexible_rounds):
+        if not train.flexible_rounds:
+            raise ConfigError(
+                "the interleaved schedule of this stack needs the micro-batch count to be a multiple of pp "
+                "(Megatron-LM before Megatron-Core 0.10)",
+                f"{n_micro} micro-batches per step, pp={pp}",
+                f"use a global batch that gives a multiple of {pp} micro-batches, schedule=1f1b, or "
+                "--stack-set flexible_rounds=true for a Megatron-Core >= 0.10 or torch pipelining run",
+            )
         ok = [k for k in range(max(pp, n_micro - 2 * pp), n_micro + 2 * pp + 1) if interleaved_rounds_fit(pp, k)]
         near = ", ".join(str(k) for k in sorted(ok, key=lambda k: (abs(k - n_micro), k))[:3])
         raise ConfigError(

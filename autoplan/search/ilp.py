@@ -457,13 +457,12 @@ def _stages_from_ranks(p: StageProblem, N: list[int], K: list[int], U: list[int]
     (`_rank_chunks`); a rank of the first or last stage holding one block fewer than it has stages leaves that
     stage empty (only the embedding or the head: `StageProblem.empty_end_stages`)."""
     v, pp = p.vp, p.pp
-    last_rank = (pp * v - 1) % pp
     per_stage: dict[int, tuple[int, int, int]] = {}  # stage -> (blocks, full, selective-mode flag)
     for r in range(pp):
         if N[r] < v:  # N[r] = v - 1 (the ILP's bound): the end stage holds no block
             chunks = _rank_chunks(N[r], K[r], U[r], v - 1)
             chunks = [(0, 0, 0), *chunks] if r == 0 else [*chunks, (0, 0, 0)]
-            assert r in (0, last_rank) and p.empty_end_stages
+            assert r in (0, pp - 1) and p.empty_end_stages
         else:
             chunks = _rank_chunks(N[r], K[r], U[r], v)
         for i, s in enumerate(range(r, pp * v, pp)):

@@ -102,8 +102,7 @@ class StageProblem:
     def min_blocks(self, r: int) -> int:
         """The fewest blocks pipeline rank r holds: one per virtual stage, one fewer on the ranks of the first and
         the last stage where those may be empty (`empty_end_stages`)."""
-        ends = (0, (self.num_stages - 1) % self.pp)
-        return self.vp - (1 if self.empty_end_stages and r in ends else 0)
+        return self.vp - (1 if self.empty_end_stages and r in (0, self.pp - 1) else 0)
 
     def extra_work(self, s: int) -> float:
         return self.stage_extra[s] if self.stage_extra else 0.0
@@ -271,10 +270,8 @@ def greedy_bound(p: StageProblem) -> float:
     b = p.blocks[0] if p.identical_blocks else _mean_block(p.blocks)
     L, v, pp = p.num_blocks, p.vp, p.pp
     floor = [p.min_blocks(r) for r in range(pp)]
-    if sum(floor) > L:
-        return math.inf
     counts = [L // pp + (1 if r >= pp - L % pp else 0) for r in range(pp)]
-    if any(c < f for c, f in zip(counts, floor, strict=True)):
+    if any(c < f for c, f in zip(counts, floor, strict=True)):  # (an even split below the floor: too few blocks)
         return math.inf
     f = rank_work_fn(p, b)
     work = [f(r, counts[r]) for r in range(pp)]

@@ -141,7 +141,7 @@ def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_bat
             scheds.append(("1f1b", 1))
         scheds.append(("gpipe", 1))
         # equal rounds of at least pp micro-batches (microbatch_group), of exactly pp on older Megatron-LM
-        if interleaved_rounds_fit(mesh.pp, m) if flexible_rounds else m % mesh.pp == 0:
+        if interleaved_rounds_fit(mesh.pp, m, flexible_rounds):
             scheds += [("interleaved", v) for v in range(2, num_blocks // mesh.pp + 1)]
     if "schedule" in fix:
         scheds = [s for s in scheds if s[0] == fix["schedule"]]

@@ -32,6 +32,7 @@ from autoplan.zoo import build_model, cross_entropy_loss  # noqa: E402
 from autoplan.runtime.data import SyntheticDataset  # noqa: E402
 from autoplan.runtime.engine import Trainer  # noqa: E402
 from autoplan.runtime.parallel_dims import ParallelDims  # noqa: E402
+from benchmarks.counts import case_parts  # noqa: E402
 from tests.dist.worker_loop import compare_with_reference, reference_run, worker_main  # noqa: E402
 
 STEPS, GBS, SEQ, LR, WD, BETAS, CLIP, SEED = 10, 4, 64, 1e-3, 0.1, (0.9, 0.95), 0.5, 0
@@ -65,10 +66,8 @@ def full_grads(pm, tied: bool) -> dict[str, torch.Tensor]:
 
 
 def run_case(case: str, world: int, refs: dict) -> dict:
-    name, config = case.split(":", 1)
-    config, _, kernels = config.partition("|")  # "model:config|fused" runs with the fused-kernel substitution
-    config, _, batch = config.partition("@gbs=")  # "model:config@gbs=N": a global batch other than GBS
-    gbs = int(batch) if batch else GBS
+    layout_case, _, kernels = case.partition("|")  # "model:config|fused" runs with the fused-kernel substitution
+    name, config, gbs = case_parts(layout_case, GBS)  # "model:config@gbs=N": a global batch other than GBS
     rank = dist.get_rank()
     t0 = time.perf_counter()
     spec = spec_of(name)
