@@ -226,7 +226,7 @@ def parallel_of(args: argparse.Namespace, model):
         cfg = cfg.model_copy(update={"layout": normalize(args.layout)})
     elif getattr(args, "uneven", None):
         first, last = parse_uneven(args.uneven)
-        cfg = cfg.model_copy(update={"layout": uneven(model.num_layers, cfg.pp * cfg.vp, first, last)})
+        cfg = cfg.model_copy(update={"layout": uneven(model.num_layers, cfg.pp, cfg.vp, first, last)})
     return cfg
 
 
@@ -412,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="explicit stage layout: Megatron-Core's string (E embedding, t block, L loss, | stage "
                         "boundary, X*N repeats; e.g. 'Et*3|(t*4|)*6,t*3L') or blocks per stage ('3,4,4,3')")
     p.add_argument("--uneven", metavar="first=N,last=M",
-                   help="N blocks on the first stage and M on the last, the rest spread evenly")
+                   help="N blocks on the first pipeline rank and M on the last (over their virtual stages, as Megatron's "
+                        "--decoder-first/last-pipeline-num-layers), the rest spread evenly")
     p.add_argument("-o", "--output", help="also write the configuration as a plan file")
     add_json(p)
     p.set_defaults(func=cmd_estimate)

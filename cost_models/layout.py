@@ -123,27 +123,46 @@ def counts(text: str) -> list[int]:
     return [s.blocks for s in parse_layout(text)]
 
 
-def uneven(num_layers: int, num_stages: int, first: int | None, last: int | None) -> str:
-    """The layout with `first` blocks on stage 0 and `last` on the last stage (None: as the others), the rest
-    spread evenly over the middle stages (any remainder on the earliest of them, as `even_layout` does)."""
-    if num_stages < 2:
-        raise ConfigError("--uneven needs at least two pipeline stages", f"pp*vp={num_stages}",
-                          "set pp>1, or drop --uneven")
+def uneven(num_layers: int, pp: int, vp: int, first: int | None, last: int | None) -> str:
+    """The layout with `first` blocks on the first pipeline rank and `last` on the last (None: as the others), the
+    rest spread evenly over the middle ranks: Megatron-Core's --decoder-first-pipeline-num-layers and
+    --decoder-last-pipeline-num-layers, which count a pipeline rank's blocks over all its virtual stages
+    (megatron/core/transformer/transformer_block.py, get_num_layers_to_build). Megatron requires each count to be
+    a multiple of vp and the middle ranks' share to divide evenly; here a remainder is placed instead: on the first
+    rank toward its later virtual stages (away from the embedding), on the last rank toward its earlier ones (away
+    from the loss), over the middle ranks' virtual stages on the earliest in model order (as `even_layout` does).
+    With pp=16, vp=8, 126 blocks, first=7, last=7 this is Llama 3 405B's `E|(t|)*126L`."""
+    if pp * vp < 2 or pp < 2:
+        raise ConfigError("--uneven needs at least two pipeline ranks", f"pp={pp}", "set pp>1, or drop --uneven")
     for name, v in (("first", first), ("last", last)):
         if v is not None and v < 0:
             raise ConfigError(f"--uneven {name} must be >= 0", f"got {name}={v}", "give a block count")
     fixed = (first or 0) + (last or 0)
-    free = num_stages - (first is not None) - (last is not None)
+    free_ranks = pp - (first is not None) - (last is not None)
     rest = num_layers - fixed
-    if rest < 0 or (free == 0 and rest != 0):
-        raise ConfigError("--uneven leaves the wrong number of blocks for the other stages",
-                          f"{num_layers} blocks, first={first}, last={last}, {free} other stage(s)",
-                          f"make first+last{' equal' if free == 0 else ' at most'} {num_layers}")
-    base, extra = divmod(rest, free) if free else (0, 0)
-    middle = [base + (1 if i < extra else 0) for i in range(free)]
-    cs = ([first] if first is not None else [middle.pop(0)]) + middle[: len(middle) - (last is None)]
-    cs += [last] if last is not None else [middle[-1]]
-    return canonical([LayoutStage(n, embedding=k == 0, loss=k == num_stages - 1) for k, n in enumerate(cs)])
+    if rest < 0 or (free_ranks == 0 and rest != 0):
+        raise ConfigError("--uneven leaves the wrong number of blocks for the other pipeline ranks",
+                          f"{num_layers} blocks, first={first}, last={last}, {free_ranks} other rank(s)",
+                          f"make first+last{' equal' if free_ranks == 0 else ' at most'} {num_layers}")
+    n = pp * vp
+    cs = [0] * n
+
+    def spread(total: int, stages: list[int], late: bool) -> None:
+        base, extra = divmod(total, len(stages))
+        for j, k in enumerate(stages):
+            cs[k] = base + (1 if (j >= len(stages) - extra if late else j < extra) else 0)
+
+    rank_stages = [list(range(r, n, pp)) for r in range(pp)]  # stage k runs on rank k mod pp
+    if first is not None:
+        spread(first, rank_stages[0], late=True)
+    if last is not None:
+        spread(last, rank_stages[-1], late=False)
+    held = {0} if first is not None else set()
+    held |= {pp - 1} if last is not None else set()
+    free = [k for k in range(n) if k % pp not in held]
+    if free:
+        spread(rest, free, late=False)
+    return canonical([LayoutStage(c, embedding=k == 0, loss=k == n - 1) for k, c in enumerate(cs)])
 
 
 def parse_uneven(text: str) -> tuple[int | None, int | None]:

@@ -52,11 +52,25 @@ def test_layout_rules_name_the_stage(text, needle):
 
 
 def test_uneven():
-    assert counts(uneven(126, 16, 7, 7)) == [7] + [8] * 14 + [7]  # Llama 3 405B-like: 126 layers on pp=16
-    assert counts(uneven(24, 8, 0, 1)) == [0, 4, 4, 4, 4, 4, 3, 1]
-    assert counts(uneven(24, 4, None, 3)) == [7, 7, 7, 3]
+    assert counts(uneven(126, 16, 1, 7, 7)) == [7] + [8] * 14 + [7]  # Llama 3 405B-like: 126 layers on pp=16
+    assert counts(uneven(24, 8, 1, 0, 1)) == [0, 4, 4, 4, 4, 4, 3, 1]
+    assert counts(uneven(24, 4, 1, None, 3)) == [7, 7, 7, 3]
     with pytest.raises(ConfigError):
-        uneven(8, 2, 5, 5)
+        uneven(8, 2, 1, 5, 5)
+
+
+def test_uneven_counts_pipeline_ranks_under_interleaving_as_megatron_does():
+    """first/last are the first and last pipeline rank's blocks over all their virtual stages (Megatron-Core's
+    --decoder-first/last-pipeline-num-layers), not the first and last virtual stage's."""
+    # Llama 3 405B: one block fewer on the first and the last of 16 ranks, one block per virtual stage
+    assert uneven(126, 16, 8, 7, 7) == "E|(t|)*126L"
+    # divisible, as Megatron requires: ranks 0 and 3 hold 4 blocks as 2 + 2, the middle ranks 8 as 4 + 4
+    assert counts(uneven(24, 4, 2, 4, 4)) == [2, 4, 4, 2, 2, 4, 4, 2]
+    # a remainder goes away from the embedding on the first rank, away from the loss on the last
+    assert counts(uneven(24, 4, 2, 3, 3)) == [1, 5, 5, 2, 2, 4, 4, 1]
+    assert counts(uneven(24, 4, 2, None, 1)) == [4, 4, 4, 1, 4, 4, 3, 0]
+    with pytest.raises(ConfigError, match="other pipeline rank"):
+        uneven(24, 2, 2, 10, 10)
 
 
 def test_parallel_string_keeps_layout_commas_and_refuses_duplicates():
@@ -81,8 +95,8 @@ def test_estimate_follows_the_layout(capsys):
     assert lop["step_time_s"] > even["step_time_s"]  # the first ranks do 10 blocks per micro-batch
     assert lop["memory_gib"]["per_stage"][0] > even["memory_gib"]["per_stage"][0]
     # 32 layers-per-stage checks are lifted: an E-only virtual stage and a loss-only one
-    ends = _est(capsys, "--parallel", "tp=2,pp=4,vp=2", "--uneven", "first=0,last=0")
-    assert counts(ends["parallel"]["layout"]) == [0, 4, 4, 4, 4, 4, 4, 0]
+    ends = _est(capsys, "--parallel", "tp=2,pp=4,vp=2", "--uneven", "first=1,last=1")
+    assert counts(ends["parallel"]["layout"]) == [0, 6, 6, 1, 1, 5, 5, 0]
 
 
 def test_estimate_layout_errors_are_one_line(capsys):
@@ -100,9 +114,9 @@ def test_plan_carries_the_layout_to_show_trace_export(tmp_path, capsys):
     from autoplan.plan import load_plan
 
     out = tmp_path / "p.json"
-    _est(capsys, "--parallel", "tp=2,pp=4,vp=2", "--uneven", "first=0,last=1", "-o", str(out))
+    _est(capsys, "--parallel", "tp=2,pp=4,vp=2", "--uneven", "first=1,last=2", "-o", str(out))
     plan = load_plan(out)
-    assert [s.num_layers for s in plan.stages] == counts(plan.parallel.layout) == [0, 4, 4, 4, 4, 4, 3, 1]
+    assert [s.num_layers for s in plan.stages] == counts(plan.parallel.layout) == [0, 6, 5, 1, 1, 5, 5, 1]
     assert plan.stages[0].has_embedding and plan.stages[-1].has_head
     flags = export_megatron(plan)["command"]
     assert f"--pipeline-model-parallel-layout '{plan.parallel.layout}'" in flags
@@ -110,6 +124,19 @@ def test_plan_carries_the_layout_to_show_trace_export(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["stages"][0]["embedding"]
     assert main(["trace", str(out), "-o", str(tmp_path / "t.json"), "--json"]) == 0
     assert main(["explain", str(out), "--json"]) == 0
+
+
+def test_uneven_under_interleaving_exports_megatrons_own_flags(tmp_path, capsys):
+    """`--uneven first=4,last=4` at pp=4, vp=2 is what Megatron's --decoder-first/last-pipeline-num-layers 4 build:
+    the export writes those flags back with the same counts, not a layout string."""
+    from autoplan.inspect.export import export_megatron
+    from autoplan.plan import load_plan
+
+    out = tmp_path / "p.json"
+    _est(capsys, "--parallel", "tp=2,pp=4,vp=2", "--uneven", "first=4,last=4", "-o", str(out))
+    flags = export_megatron(load_plan(out))["command"]
+    assert "--decoder-first-pipeline-num-layers 4" in flags and "--decoder-last-pipeline-num-layers 4" in flags
+    assert "--num-virtual-stages-per-pipeline-rank 2" in flags and "--pipeline-model-parallel-layout" not in flags
 
 
 def test_plans_without_the_new_fields_still_load(tmp_path, capsys):
