@@ -82,11 +82,10 @@ def _as_on_gpu(arch_major: int, megatron: bool = True):
             rope_utils.fused_apply_rotary_pos_emb = rope_saved
 
 
-def check_megatron(args: list[str], world_size: int, env: dict[str, str] | None = None,
-                   arch_major: int = 9) -> str | None:
-    """None when Megatron-LM accepts `args` for `world_size` ranks under the launch environment `env`, else
-    the first line of its complaint."""
-    arguments, to_config = _megatron_training()
+@contextlib.contextmanager
+def _megatron_launch(args: list[str], world_size: int, env: dict[str, str] | None, arch_major: int):
+    """Megatron-LM's command line and environment as `pretrain_gpt.py` would see them; yields the sink for its
+    output."""
     keys = ("WORLD_SIZE", "RANK", "CUDA_DEVICE_MAX_CONNECTIONS")
     old_argv, old_env = sys.argv, {k: os.environ.get(k) for k in keys}
     # A data source and an iteration count are the training script's business, not the plan's.
@@ -97,6 +96,24 @@ def check_megatron(args: list[str], world_size: int, env: dict[str, str] | None 
     sink = io.StringIO()
     try:
         with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), _as_on_gpu(arch_major):
+            yield sink
+    finally:
+        sys.argv = old_argv
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def check_megatron(args: list[str], world_size: int, env: dict[str, str] | None = None,
+                   arch_major: int = 9) -> str | None:
+    """None when Megatron-LM accepts `args` for `world_size` ranks under the launch environment `env`, else
+    the first line of its complaint."""
+    arguments, to_config = _megatron_training()
+    sink = None
+    try:
+        with _megatron_launch(args, world_size, env, arch_major) as sink:
             ns = arguments.parse_args()
             arguments.validate_args(ns)
             to_config(ns)
@@ -106,14 +123,24 @@ def check_megatron(args: list[str], world_size: int, env: dict[str, str] | None 
     except Exception as e:  # noqa: BLE001 - Megatron validates with assert/ValueError/RuntimeError alike
         msg = str(e).strip().splitlines()
         return f"{type(e).__name__}: {msg[0] if msg else ''}"
-    finally:
-        sys.argv = old_argv
-        for k, v in old_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return None
+
+
+def megatron_stage_layers(args: list[str], world_size: int, env: dict[str, str] | None = None,
+                          arch_major: int = 9) -> list[int]:
+    """The transformer layers Megatron-LM builds on each (virtual) stage for `args`, in model order (stage k on
+    pipeline rank k mod pp), from its own get_num_layers_to_build. Raises what Megatron raises."""
+    arguments, to_config = _megatron_training()
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    with _megatron_launch(args, world_size, env, arch_major):
+        ns = arguments.parse_args()
+        arguments.validate_args(ns)
+        config = to_config(ns)
+    pp = config.pipeline_model_parallel_size
+    vp = config.virtual_pipeline_model_parallel_size or 1
+    return [get_num_layers_to_build(config, vp_stage=(k // pp if vp > 1 else None), pp_rank=k % pp)
+            for k in range(pp * vp)]
 
 
 def _torchtitan_config_manager():

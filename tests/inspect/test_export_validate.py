@@ -231,3 +231,28 @@ def test_torchtitan_export_values_in_range(plans):
         compile(d["python"], "export.py", "exec")
         old = export_torchtitan(plan, "0.2")
         assert "[parallelism]" in old["toml"] and old["command"].endswith("--job.config_file <this file>")
+
+
+@pytest.mark.skipif(not ec.megatron_available(), reason="Megatron-LM (megatron.training) is not importable; "
+                    "set MEGATRON_LM to a checkout")
+def test_megatron_lm_builds_the_uneven_stages_autoplan_priced():
+    """`--uneven first=N,last=M` means what Megatron's --decoder-first/last-pipeline-num-layers mean, interleaved
+    or not: Megatron-LM, given the export, builds on every (virtual) stage the layers the plan priced there."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.layout import uneven
+    from autoplan.cost_models.specs import TrainingSpec
+    from autoplan.cost_models.stacks import apply_stack
+    from autoplan.specs import load_cluster, load_model
+
+    model = load_model("llama2-7b")  # 32 layers
+    tr = apply_stack(TrainingSpec(global_batch_size=32, seq_length=2048), "megatron-core", {})
+    for pp, vp, first, last in [(4, 2, 4, 4), (4, 1, 7, 9), (4, 2, 6, 2)]:  # each Megatron-valid
+        layout = uneven(model.num_layers, pp, vp, first, last)
+        sched = ",schedule=interleaved" if vp > 1 else ""
+        plan = make_plan(model, load_cluster("dgx-h100", gpus=16), tr,
+                         f"tp=2,pp={pp},vp={vp},mbs=1,sp=1,zero=1,layout={layout}{sched}")
+        d = export_megatron(plan)
+        assert d["flags"]["--decoder-first-pipeline-num-layers"] == first, d["command"]
+        assert d["flags"]["--decoder-last-pipeline-num-layers"] == last
+        built = ec.megatron_stage_layers(d["args"], 16, d["env"], megatron_arch(plan))
+        assert built == [s.num_layers for s in plan.stages], (pp, vp, first, last)
