@@ -444,6 +444,12 @@ class TrainingSpec(_Frozen):
         "than pp when pp does not divide m (pipeline.microbatch_group: torch.distributed.pipelining's "
         "Interleaved1F1B; Megatron-Core >= 0.10's --microbatch-group-size-per-virtual-pipeline-stage); false = "
         "m must be a multiple of pp (Megatron-LM before Megatron-Core 0.10).")
+    zero_stages: str = Field(
+        default="0123", pattern=r"^0?1?2?3?$", min_length=1,
+        description="The ZeRO stages the stack runs, as digits in order (`zero` must be one of them; the search "
+        "tries only these): autoplan's runtime and FSDP2 stacks run all four; Megatron-Core has no ZeRO-2 (its "
+        "distributed optimizer keeps the whole gradient buffer; ZeRO-3 is Megatron-FSDP); DeepSpeed's pipeline "
+        "engine refuses ZeRO-2 and -3; Megatron-LM 2021 had no distributed optimizer.")
     align_grad_reduce: bool = Field(
         default=False, description="Under the interleaved schedule, each model chunk's gradient reduction is "
         "launched pipeline-rank backward actions after the chunk's last backward, at the same time across the "
@@ -764,6 +770,11 @@ def _first_error(e: Exception) -> str:
 # ----------------------------------------------------------------------------------------- validation
 
 
+def _nearest_zero(zero: int, stages: str) -> int:
+    """The stack's ZeRO stage nearest `zero`, the lower one on a tie (less sharding, less communication)."""
+    return min((int(c) for c in stages), key=lambda z: (abs(z - zero), z))
+
+
 def check_config(
     cfg: ParallelConfig, model: ModelSpec, cluster: ClusterSpec, train: TrainingSpec, *, stage_layers: bool = True
 ) -> ParallelConfig:
@@ -804,11 +815,13 @@ def check_config(
         raise ConfigError(
             "layers must divide evenly into pp*vp stages",
             f"{model.num_layers} layers, pp={pp}, vp={vp}",
-            "pick pp*vp dividing the layer count, or let `autoplan search` place uneven stages",
+            "pick pp*vp dividing the layer count, write the stages down (--layout, or --uneven first=N,last=M), or "
+            "let `autoplan search` place uneven stages",
         )
     if pp * vp > model.num_layers and cfg.layout is None:
         raise ConfigError(
-            "more pipeline stages than layers", f"pp*vp={pp * vp} > {model.num_layers} layers", "lower pp or vp"
+            "more pipeline stages than layers", f"pp*vp={pp * vp} > {model.num_layers} layers",
+            "lower pp or vp, or give stages of only the embedding or the loss a --layout (e.g. 'E|(t|)*N,L')"
         )
     if vp > 1 and pp == 1:
         raise ConfigError("virtual stages need pp>1", f"vp={vp}, pp=1", "set vp=1 or pp>1")
@@ -840,6 +853,14 @@ def check_config(
             "global batch must divide by dp*mbs",
             f"batch={train.global_batch_size}, dp={dp}, mbs={cfg.mbs}",
             f"use a batch that is a multiple of {dp * cfg.mbs}, or lower mbs/dp",
+        )
+    if str(cfg.zero) not in train.zero_stages:
+        raise ConfigError(
+            f"zero={cfg.zero} is not a ZeRO stage this software stack runs",
+            f"the stack runs zero={', '.join(train.zero_stages)}",
+            f"use zero={_nearest_zero(cfg.zero, train.zero_stages)}, or another --stack (`autoplan stacks`), or "
+            f"--stack-set zero_stages={''.join(sorted(set(train.zero_stages + str(cfg.zero))))} for a stack that "
+            "does run it",
         )
     n_micro = train.global_batch_size // (dp * cfg.mbs)
     if pp > 1 and cfg.schedule == "1f1b" and n_micro < pp:

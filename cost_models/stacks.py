@@ -25,7 +25,7 @@ DEFAULT_STACK = "autoplan"
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion",
-               "align_grad_reduce", "flexible_rounds", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory",
+               "align_grad_reduce", "flexible_rounds", "zero_stages", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory",
                "autocast_fp32_params", "selective_policy", "kernels", "checkpoint_early_stop", "cp_attention")
 # The short names `autoplan stacks` prints for some knobs; --stack-set takes them as well as the field names.
 KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce",
@@ -39,7 +39,7 @@ KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce
 # shard (reshard_after_forward=False), is left out with the rest: torchtitan's typical run is ZeRO-3.
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
            "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "optimizer_dtype": "fp32",
-           "loss_fusion": False, "align_grad_reduce": False, "flexible_rounds": True,
+           "loss_fusion": False, "align_grad_reduce": False, "flexible_rounds": True, "zero_stages": "0123",
            "grad_sync_all_reduce": False,
            "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False,
            "selective_policy": "attention_core", "checkpoint_early_stop": None, "cp_attention": None}
@@ -96,7 +96,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         knobs={"dtype": "fp16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "kernels": "megatron",
                "grad_reduce_dtype": None, "p2p_overlap": False, "grad_accum_fused": False,
-               "optimizer_separate_passes": True, "flexible_rounds": False},
+               "optimizer_separate_passes": True, "flexible_rounds": False,
+               # no distributed optimizer yet: it arrived in 2022 ("working on Float16DistributedOptimizer",
+               # 329fe582, 2022-02-10; megatron/optimizer/distrib_optimizer.py from 28b63ec7, 2022-03-09)
+               "zero_stages": "0"},
         # grad_accum_fused false: Megatron-LM v2 (2021) adds each micro-batch's weight gradients into the DDP
         # buffer in a backward hook, "param.main_grad.add_(param.grad.data)" (megatron/model/distributed.py at
         # 50a4b5fa "Release fixes", 2021-04-08), or lets autograd add into param.grad; the wgrad GEMM writing
@@ -117,7 +120,9 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "tp_bwd_comm_overlap": True,
                "kernels": "megatron", "grad_reduce_dtype": "fp32", "p2p_overlap": False,
-               "optimizer_separate_passes": True, "flexible_rounds": False},
+               "optimizer_separate_passes": True, "flexible_rounds": False,
+               # --use-distributed-optimizer (ZeRO-1: 2022-03, above); no ZeRO-2 or -3
+               "zero_stages": "01"},
         # optimizer_separate_passes (megatron-2021 too): Megatron-LM's Float16OptimizerWithFloat16Params zeroes
         # the grad buffer, casts main grads, (fp16) unscales them, runs apex FusedAdam on the fp32 master and then
         # copies the master into the 16-bit weights, each its own pass (estimate.optimizer_time quotes them).
@@ -144,6 +149,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                # flexible_rounds (the common default): interleaved rounds longer than pp when pp does not divide
                # m, --microbatch-group-size-per-virtual-pipeline-stage (Megatron-Core 0.10, Dec 2024; the export
                # writes it only then)
+               # ZeRO: the distributed optimizer (1; it reduce-scatters gradients but keeps the whole gradient
+               # buffer, megatron/core/distributed/param_and_grad_buffer.py, so there is no ZeRO-2) and
+               # Megatron-FSDP's optim_grads_params (3, --use-megatron-fsdp, the export's form)
+               "zero_stages": "013",
                },
         assumes="bf16; TE fused (flash) attention and fused kernels; --overlap-grad-reduce, --overlap-param-gather "
                 "(distributed optimizer), --tp-comm-overlap (userbuffers; without it, TE's backward still reduces "
@@ -157,7 +166,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         knobs={"dtype": "bf16", "flash_attention": False, "overlap_grad_reduce": False,
                "overlap_param_gather": False, "tp_comm_overlap": False, "p2p_overlap": False,
                "grad_accum_fused": False, "kernels": "megatron", "grad_reduce_dtype": "fp32",
-               "grad_sync_all_reduce": True, "grad_accum_cast_copy": True, "flexible_rounds": False},
+               "grad_sync_all_reduce": True, "grad_accum_cast_copy": True, "flexible_rounds": False,
+               # DeepSpeed's PipelineEngine: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
+               # (deepspeed/runtime/pipe/engine.py, an assert on the ZeRO stage)
+               "zero_stages": "01"},
         # grad_accum_cast_copy: BF16_Optimizer accumulates each micro-batch's bf16 gradients with
         # `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype).view(hp_grad.shape))` (update_hp_grads, called by the
         # PipelineEngine's `_exec_backward_pass` after every micro-batch): an fp32 temporary is written and read

@@ -655,7 +655,8 @@ class _Searcher:
         self.stats.meshes = len(mesh_list)
         gb = self.training.global_batch_size
         for i, mesh in enumerate(mesh_list):
-            zeros, scheds = knob_options(mesh, self.fix, self.L, gb, self.training.flexible_rounds)
+            zeros, scheds = knob_options(mesh, self.fix, self.L, gb, self.training.flexible_rounds,
+                                         self.training.zero_stages)
             n = len(zeros) * len(scheds)
             if not n:
                 continue

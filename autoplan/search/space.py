@@ -125,10 +125,11 @@ def meshes(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, fix: 
 
 
 def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_batch: int,
-                 flexible_rounds: bool = True) -> tuple[list[int], list[tuple[str, int]]]:
+                 flexible_rounds: bool = True, zero_stages: str = "0123") -> tuple[list[int], list[tuple[str, int]]]:
     """(ZeRO stages, (schedule, vp) pairs) legal for this mesh; the candidates are their product.
-    `flexible_rounds`: TrainingSpec's (interleaved rounds longer than pp, or m a multiple of pp)."""
-    zeros = [0, 1, 2, 3] if mesh.dp * mesh.cp > 1 else [0]
+    `flexible_rounds`, `zero_stages`: TrainingSpec's (interleaved rounds longer than pp, or m a multiple of pp;
+    the ZeRO stages the stack runs)."""
+    zeros = [z for z in (0, 1, 2, 3) if str(z) in zero_stages] if mesh.dp * mesh.cp > 1 else [0]
     if "zero" in fix:
         zeros = [z for z in zeros if z == fix["zero"]]
     scheds: list[tuple[str, int]] = []
@@ -151,9 +152,9 @@ def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_bat
 
 
 def knobs(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_batch: int,
-          flexible_rounds: bool = True) -> list[Knobs]:
+          flexible_rounds: bool = True, zero_stages: str = "0123") -> list[Knobs]:
     """ZeRO stages x schedules x virtual stages legal for this mesh."""
-    zeros, scheds = knob_options(mesh, fix, num_blocks, global_batch, flexible_rounds)
+    zeros, scheds = knob_options(mesh, fix, num_blocks, global_batch, flexible_rounds, zero_stages)
     return [Knobs(z, s, v) for z in zeros for s, v in scheds]
 
 
@@ -168,5 +169,6 @@ def all_configs(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     """Every enumerated candidate as a ParallelConfig (for tests and small brute-force searches)."""
     fix = fix or {}
     for mesh in meshes(model, cluster, training, fix):
-        for kn in knobs(mesh, fix, model.num_layers, training.global_batch_size, training.flexible_rounds):
+        for kn in knobs(mesh, fix, model.num_layers, training.global_batch_size, training.flexible_rounds,
+                        training.zero_stages):
             yield to_config(mesh, kn)

@@ -33,11 +33,16 @@ MODEL = ModelSpec(name="t", num_layers=10, hidden_size=512, num_attention_heads=
 TIED = MODEL.model_copy(update={"name": "t-tied", "tie_embeddings": True, "num_layers": 8})
 
 
-def _setup(stack: str, model: ModelSpec = MODEL, global_batch: int = 32):
+def _setup(stack: str, model: ModelSpec = MODEL, global_batch: int = 32, knobs: dict | None = None):
     cluster = load_cluster("dgx-a100-80g", gpus=16)
-    training = apply_stack(TrainingSpec(global_batch_size=global_batch, seq_length=1024), stack, {})
+    training = apply_stack(TrainingSpec(global_batch_size=global_batch, seq_length=1024), stack, knobs or {})
     profiles = profile_from_spec(model)
     return cluster, training, profiles, _Searcher(model, cluster, training, profiles, {}, 3, None)
+
+
+def _zero1(training: TrainingSpec) -> int:
+    """ZeRO-1 where the stack runs it (megatron-2021 had no distributed optimizer: ZeRO-0)."""
+    return 1 if "1" in training.zero_stages else 0
 
 
 def _solved(s: _Searcher, mesh: Mesh, kn: Knobs):
@@ -54,7 +59,7 @@ def _solved(s: _Searcher, mesh: Mesh, kn: Knobs):
 def test_stage_problem_objective_is_the_estimates_closed_form(stack, pp, vp, model):
     cluster, training, profiles, s = _setup(stack, model)
     mesh = Mesh(tp=2, cp=1, ep=1, pp=pp, dp=16 // (2 * pp), mbs=1, sp=True)
-    kn = Knobs(1, "interleaved" if vp > 1 else "1f1b", vp)
+    kn = Knobs(_zero1(training), "interleaved" if vp > 1 else "1f1b", vp)
     prob, sol, cfg, layout = _solved(s, mesh, kn)
     est = estimate(profiles, cluster, training, cfg, layout, simulate_pipeline=False)
     assert any(st.p2p_s > 0 for st in est.stages)  # the messages do cost the stages something here
@@ -125,7 +130,7 @@ def test_interleaved_gradient_sync_hides_under_the_cool_down():
 def test_step_time_lower_bound_never_exceeds_the_simulation(stack, pp, vp, layers, model):
     cluster, training, profiles, s = _setup(stack, model)
     mesh = Mesh(tp=2, cp=1, ep=1, pp=pp, dp=16 // (2 * pp), mbs=1, sp=True)
-    kn = Knobs(1, "interleaved" if vp > 1 else "1f1b", vp)
+    kn = Knobs(_zero1(training), "interleaved" if vp > 1 else "1f1b", vp)
     _, _, cfg, layout = _solved(s, mesh, kn)
     if layers:  # an uneven layout (the closed form overstates these)
         starts = [sum(layers[:i]) for i in range(len(layers) + 1)]
@@ -155,8 +160,9 @@ def test_longer_interleaved_rounds_are_priced_and_bounded(stack, global_batch):
 
 
 def _zero1_prices_as_zero2(stack: str, mesh: Mesh) -> tuple[bool, _Searcher]:
-    """Whether ZeRO-1 and ZeRO-2 give the same step time and peak on `mesh`, and the stack's searcher."""
-    cluster, training, profiles, s = _setup(stack)
+    """Whether ZeRO-1 and ZeRO-2 give the same step time and peak on `mesh`, and the stack's searcher (with every
+    ZeRO stage allowed: Megatron-Core itself runs no ZeRO-2)."""
+    cluster, training, profiles, s = _setup(stack, knobs={"zero_stages": "0123"})
     ests = []
     for z in (1, 2):
         cfg = check_config(to_config(mesh, Knobs(z, "1f1b", 1), "none"), MODEL, cluster, training, stage_layers=False)

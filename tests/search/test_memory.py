@@ -36,7 +36,8 @@ MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)]  # (
 @pytest.mark.parametrize("zero", [0, 1, 2])
 def test_search_memory_is_the_estimates(stack, model, tp, pp, ep, zero):
     cluster = load_cluster("dgx-a100-80g", gpus=16)
-    training = apply_stack(TrainingSpec(global_batch_size=32, seq_length=1024), stack, {})
+    # every ZeRO stage priced, whether or not the stack runs it (Megatron-Core has no ZeRO-2)
+    training = apply_stack(TrainingSpec(global_batch_size=32, seq_length=1024), stack, {"zero_stages": "0123"})
     profiles = profile_from_spec(model)
     s = _Searcher(model, cluster, training, profiles, {}, 3, None)
     mesh = Mesh(tp=tp, cp=1, ep=ep, pp=pp, dp=16 // (tp * pp), mbs=1, sp=tp > 1)

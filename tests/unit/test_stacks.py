@@ -142,7 +142,7 @@ def test_a_non_reentrant_checkpoint_stops_before_the_last_gemm():
     model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", gpus=8)
     block = profile_from_spec(model)[1]
     for training, stops in ((titan, True), (megatron, False)):
-        cfg = check_config(ParallelConfig.parse("dp=8,zero=3,recompute=full"), model, cluster, training)
+        cfg = check_config(ParallelConfig.parse("dp=8,zero=1,recompute=full"), model, cluster, training)
         ctx = context(cluster, training, cfg)
         c = layer_cost(block, ctx)
         assert early_stop_skips_last_gemm(block, training) is stops
@@ -277,3 +277,43 @@ def test_older_megatron_stacks_keep_whole_rounds_of_pp(capsys):
                  "--seq-len", "2048", "--stack", "megatron-2022", "--parallel", cfg]) != 0
     err = capsys.readouterr().err
     assert "flexible_rounds=true" in err and "Traceback" not in err
+
+
+def test_each_stack_plans_only_the_zero_stages_it_runs(capsys):
+    """Megatron-Core has no ZeRO-2 (its distributed optimizer keeps the whole gradient buffer), DeepSpeed's
+    pipeline engine refuses ZeRO-2/3, Megatron-LM 2021 had no distributed optimizer: estimate refuses those with
+    the fix, the search never proposes them, and --stack-set zero_stages=... widens a stack that does run them."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.errors import ConfigError
+    from autoplan.search.space import all_configs
+    from autoplan.specs import load_cluster, load_model
+
+    model, cluster = load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16)
+    runs = {"autoplan": {0, 1, 2, 3}, "torchtitan": {0, 1, 2, 3}, "deepspeed-zero3": {0, 1, 2, 3},
+            "megatron-core": {0, 1, 3}, "megatron-2022": {0, 1}, "megatron-deepspeed": {0, 1}, "megatron-2021": {0}}
+    assert set(runs) == set(STACKS)
+    for stack, zeros in runs.items():
+        tr = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), stack, {})
+        seen = {c.zero for c in all_configs(model, cluster, tr, {"tp": 2, "pp": 1, "mbs": 1})}
+        assert seen == zeros, stack
+        for z in range(4):
+            cfg = f"tp=2,pp=1,mbs=1,zero={z}"
+            if z in zeros:
+                assert make_plan(model, cluster, tr, cfg).prediction.step_time_s > 0
+            else:
+                with pytest.raises(ConfigError, match=f"zero={z} is not a ZeRO stage this software stack runs"):
+                    make_plan(model, cluster, tr, cfg)
+    wide = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-core", {"zero_stages": "0123"})
+    assert make_plan(model, cluster, wide, "tp=2,pp=1,mbs=1,zero=2").prediction.step_time_s > 0
+    base = ["--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "16", "--global-batch", "64", "--seq-len",
+            "2048", "--stack", "megatron-core"]
+    assert main(["estimate", *base, "--parallel", "tp=2,zero=2"]) != 0
+    err = capsys.readouterr().err
+    assert "use zero=1" in err and "zero_stages=0123" in err and "\n" not in err.strip()
+    assert main(["search", *base, "--fix", "zero=2"]) != 0
+    assert "zero=2 is not a ZeRO stage" in capsys.readouterr().err
+    assert main(["estimate", *base, "--parallel", "tp=2,zero=2", "--stack-set", "zero_stages=0123", "--json"]) == 0
+    capsys.readouterr()
+    for bad in ("0213", "", "4"):  # digits of 0-3 in order, at least one
+        with pytest.raises(ConfigError, match="stack knob zero_stages"):
+            apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan", {"zero_stages": bad})
