@@ -450,6 +450,13 @@ class TrainingSpec(_Frozen):
         "tries only these): autoplan's runtime and FSDP2 stacks run all four; Megatron-Core has no ZeRO-2 (its "
         "distributed optimizer keeps the whole gradient buffer; ZeRO-3 is Megatron-FSDP); DeepSpeed's pipeline "
         "engine refuses ZeRO-2 and -3; Megatron-LM 2021 had no distributed optimizer.")
+    schedules: str = Field(
+        default="gpipe+1f1b+interleaved",
+        pattern=r"^(none|(gpipe|1f1b|interleaved)(\+(gpipe|1f1b|interleaved))*)$",
+        description="The pipeline schedules the stack runs, joined by '+', or none (no pipeline parallelism): under "
+        "pp > 1 `schedule` must be one of them; the search tries only these. torch.distributed.pipelining has all "
+        "three; Megatron has 1F1B and the interleaved schedule (no GPipe); DeepSpeed's pipeline engine 1F1B only "
+        "(its TrainSchedule).")
     align_grad_reduce: bool = Field(
         default=False, description="Under the interleaved schedule, each model chunk's gradient reduction is "
         "launched pipeline-rank backward actions after the chunk's last backward, at the same time across the "
@@ -861,6 +868,21 @@ def check_config(
             f"use zero={_nearest_zero(cfg.zero, train.zero_stages)}, or another --stack (`autoplan stacks`), or "
             f"--stack-set zero_stages={''.join(sorted(set(train.zero_stages + str(cfg.zero))))} for a stack that "
             "does run it",
+        )
+    runs = train.schedules.split("+")
+    if pp > 1 and runs == ["none"]:
+        raise ConfigError("this software stack runs no pipeline parallelism", f"pp={pp}",
+                          "use pp=1, another --stack (`autoplan stacks`), or --stack-set schedules=1f1b for a stack "
+                          "that does run a pipeline")
+    if pp > 1 and cfg.schedule not in runs:
+        raise ConfigError(
+            f"schedule={cfg.schedule} is not a pipeline schedule this software stack runs",
+            f"the stack runs {', '.join(runs)}" + (f" (vp={cfg.vp} means the interleaved schedule)"
+                                                   if cfg.vp > 1 else ""),
+            f"use schedule={'1f1b' if '1f1b' in runs else runs[0]}{' and vp=1' if cfg.vp > 1 else ''}, another "
+            "--stack (`autoplan stacks`), or --stack-set schedules="
+            + "+".join(x for x in ("gpipe", "1f1b", "interleaved") if x in runs or x == cfg.schedule)
+            + " for a stack that does run it",
         )
     n_micro = train.global_batch_size // (dp * cfg.mbs)
     if pp > 1 and cfg.schedule == "1f1b" and n_micro < pp:

@@ -25,7 +25,7 @@ DEFAULT_STACK = "autoplan"
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion",
-               "align_grad_reduce", "flexible_rounds", "zero_stages", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory",
+               "align_grad_reduce", "flexible_rounds", "zero_stages", "schedules", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory",
                "autocast_fp32_params", "selective_policy", "kernels", "checkpoint_early_stop", "cp_attention")
 # The short names `autoplan stacks` prints for some knobs; --stack-set takes them as well as the field names.
 KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce",
@@ -40,9 +40,15 @@ KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
            "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "optimizer_dtype": "fp32",
            "loss_fusion": False, "align_grad_reduce": False, "flexible_rounds": True, "zero_stages": "0123",
+           "schedules": "gpipe+1f1b+interleaved",
            "grad_sync_all_reduce": False,
            "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False,
            "selective_policy": "attention_core", "checkpoint_early_stop": None, "cp_attention": None}
+
+
+# Megatron's pipeline schedules (megatron/core/pipeline_parallel/schedules.py get_forward_backward_func): 1F1B
+# (forward_backward_pipelining_without_interleaving) and the interleaved one; no GPipe.
+_MEGATRON_SCHEDULES = "1f1b+interleaved"
 
 
 class Stack(BaseModel):
@@ -99,7 +105,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                "optimizer_separate_passes": True, "flexible_rounds": False,
                # no distributed optimizer yet: it arrived in 2022 ("working on Float16DistributedOptimizer",
                # 329fe582, 2022-02-10; megatron/optimizer/distrib_optimizer.py from 28b63ec7, 2022-03-09)
-               "zero_stages": "0"},
+               "zero_stages": "0", "schedules": _MEGATRON_SCHEDULES},
         # grad_accum_fused false: Megatron-LM v2 (2021) adds each micro-batch's weight gradients into the DDP
         # buffer in a backward hook, "param.main_grad.add_(param.grad.data)" (megatron/model/distributed.py at
         # 50a4b5fa "Release fixes", 2021-04-08), or lets autograd add into param.grad; the wgrad GEMM writing
@@ -122,7 +128,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                "kernels": "megatron", "grad_reduce_dtype": "fp32", "p2p_overlap": False,
                "optimizer_separate_passes": True, "flexible_rounds": False,
                # --use-distributed-optimizer (ZeRO-1: 2022-03, above); no ZeRO-2 or -3
-               "zero_stages": "01"},
+               "zero_stages": "01", "schedules": _MEGATRON_SCHEDULES},
         # optimizer_separate_passes (megatron-2021 too): Megatron-LM's Float16OptimizerWithFloat16Params zeroes
         # the grad buffer, casts main grads, (fp16) unscales them, runs apex FusedAdam on the fp32 master and then
         # copies the master into the 16-bit weights, each its own pass (estimate.optimizer_time quotes them).
@@ -152,7 +158,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                # ZeRO: the distributed optimizer (1; it reduce-scatters gradients but keeps the whole gradient
                # buffer, megatron/core/distributed/param_and_grad_buffer.py, so there is no ZeRO-2) and
                # Megatron-FSDP's optim_grads_params (3, --use-megatron-fsdp, the export's form)
-               "zero_stages": "013",
+               "zero_stages": "013", "schedules": _MEGATRON_SCHEDULES,
                },
         assumes="bf16; TE fused (flash) attention and fused kernels; --overlap-grad-reduce, --overlap-param-gather "
                 "(distributed optimizer), --tp-comm-overlap (userbuffers; without it, TE's backward still reduces "
@@ -169,7 +175,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                "grad_sync_all_reduce": True, "grad_accum_cast_copy": True, "flexible_rounds": False,
                # DeepSpeed's PipelineEngine: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
                # (deepspeed/runtime/pipe/engine.py, an assert on the ZeRO stage)
-               "zero_stages": "01"},
+               "zero_stages": "01",
+               # its PipelineEngine runs one schedule, TrainSchedule (deepspeed/runtime/pipe/schedule.py): 1F1B
+               # without virtual stages
+               "schedules": "1f1b"},
         # grad_accum_cast_copy: BF16_Optimizer accumulates each micro-batch's bf16 gradients with
         # `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype).view(hp_grad.shape))` (update_hp_grads, called by the
         # PipelineEngine's `_exec_backward_pass` after every micro-batch): an fp32 temporary is written and read
@@ -198,7 +207,9 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack(
         name="deepspeed-zero3", title="DeepSpeed ZeRO-3 on a Hugging Face-style model",
         knobs={"dtype": "bf16", "flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
-               "tp_comm_overlap": False, "grad_accum_fused": False, "kernels": "torch", "grad_reduce_dtype": "fp32"},
+               "tp_comm_overlap": False, "grad_accum_fused": False, "kernels": "torch", "grad_reduce_dtype": "fp32",
+               # no pipeline: DeepSpeed pipelines only a PipelineModule, and its engine refuses ZeRO-2/3 (above)
+               "schedules": "none"},
         assumes="bf16 with eager PyTorch ops (no fused norms/activations); SDPA flash attention; overlap_comm "
                 "(parameter prefetch and gradient reduce-scatter behind compute); gradients accumulated in fp32 "
                 "by a separate pass per micro-batch and reduced in fp32",

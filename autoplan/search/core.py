@@ -656,7 +656,7 @@ class _Searcher:
         gb = self.training.global_batch_size
         for i, mesh in enumerate(mesh_list):
             zeros, scheds = knob_options(mesh, self.fix, self.L, gb, self.training.flexible_rounds,
-                                         self.training.zero_stages)
+                                         self.training.zero_stages, self.training.schedules)
             n = len(zeros) * len(scheds)
             if not n:
                 continue

@@ -125,10 +125,11 @@ def meshes(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, fix: 
 
 
 def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_batch: int,
-                 flexible_rounds: bool = True, zero_stages: str = "0123") -> tuple[list[int], list[tuple[str, int]]]:
+                 flexible_rounds: bool = True, zero_stages: str = "0123",
+                 schedules: str = "gpipe+1f1b+interleaved") -> tuple[list[int], list[tuple[str, int]]]:
     """(ZeRO stages, (schedule, vp) pairs) legal for this mesh; the candidates are their product.
-    `flexible_rounds`, `zero_stages`: TrainingSpec's (interleaved rounds longer than pp, or m a multiple of pp;
-    the ZeRO stages the stack runs)."""
+    `flexible_rounds`, `zero_stages`, `schedules`: TrainingSpec's (interleaved rounds longer than pp, or m a
+    multiple of pp; the ZeRO stages and the pipeline schedules the stack runs)."""
     zeros = [z for z in (0, 1, 2, 3) if str(z) in zero_stages] if mesh.dp * mesh.cp > 1 else [0]
     if "zero" in fix:
         zeros = [z for z in zeros if z == fix["zero"]]
@@ -144,6 +145,9 @@ def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_bat
         # equal rounds of at least pp micro-batches (microbatch_group), of exactly pp on older Megatron-LM
         if interleaved_rounds_fit(mesh.pp, m, flexible_rounds):
             scheds += [("interleaved", v) for v in range(2, num_blocks // mesh.pp + 1)]
+    if mesh.pp > 1:
+        runs = schedules.split("+")
+        scheds = [s for s in scheds if s[0] in runs]
     if "schedule" in fix:
         scheds = [s for s in scheds if s[0] == fix["schedule"]]
     if "vp" in fix:
@@ -152,9 +156,10 @@ def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_bat
 
 
 def knobs(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_batch: int,
-          flexible_rounds: bool = True, zero_stages: str = "0123") -> list[Knobs]:
+          flexible_rounds: bool = True, zero_stages: str = "0123",
+          schedules: str = "gpipe+1f1b+interleaved") -> list[Knobs]:
     """ZeRO stages x schedules x virtual stages legal for this mesh."""
-    zeros, scheds = knob_options(mesh, fix, num_blocks, global_batch, flexible_rounds, zero_stages)
+    zeros, scheds = knob_options(mesh, fix, num_blocks, global_batch, flexible_rounds, zero_stages, schedules)
     return [Knobs(z, s, v) for z in zeros for s, v in scheds]
 
 
@@ -170,5 +175,5 @@ def all_configs(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     fix = fix or {}
     for mesh in meshes(model, cluster, training, fix):
         for kn in knobs(mesh, fix, model.num_layers, training.global_batch_size, training.flexible_rounds,
-                        training.zero_stages):
+                        training.zero_stages, training.schedules):
             yield to_config(mesh, kn)

@@ -250,8 +250,9 @@ def test_fused_cross_entropy_prices_22_bytes_a_logit_and_exports_megatrons_flag(
 
 def test_older_megatron_stacks_keep_whole_rounds_of_pp(capsys):
     """Six micro-batches on pp=4: one interleaved round of six on autoplan's and Megatron-Core's stacks; Megatron-LM
-    before Megatron-Core 0.10 (megatron-2021/2022, megatron-deepspeed) needs m a multiple of pp, so estimate
-    refuses it with the fix and the search never proposes it; --stack-set flexible_rounds=true lifts that."""
+    before Megatron-Core 0.10 (megatron-2021/2022) needs m a multiple of pp, so estimate refuses it with the fix
+    and the search never proposes it; --stack-set flexible_rounds=true lifts that. (megatron-deepspeed runs no
+    interleaved schedule at all: test_each_stack_plans_only_the_schedules_it_runs.)"""
     from autoplan.api import make_plan
     from autoplan.cost_models.errors import ConfigError
     from autoplan.search.space import all_configs
@@ -260,7 +261,7 @@ def test_older_megatron_stacks_keep_whole_rounds_of_pp(capsys):
     model, cluster = load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16)
     cfg = "tp=2,pp=4,dp=2,vp=2,mbs=1,schedule=interleaved"
     for stack, ok in (("autoplan", True), ("megatron-core", True), ("megatron-2022", False),
-                      ("megatron-2021", False), ("megatron-deepspeed", False)):
+                      ("megatron-2021", False)):
         tr = apply_stack(TrainingSpec(global_batch_size=12, seq_length=2048), stack, {})
         assert tr.flexible_rounds == ok
         if ok:
@@ -317,3 +318,46 @@ def test_each_stack_plans_only_the_zero_stages_it_runs(capsys):
     for bad in ("0213", "", "4"):  # digits of 0-3 in order, at least one
         with pytest.raises(ConfigError, match="stack knob zero_stages"):
             apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan", {"zero_stages": bad})
+
+
+def test_each_stack_plans_only_the_schedules_it_runs(capsys):
+    """Megatron has 1F1B and the interleaved schedule but no GPipe; DeepSpeed's pipeline engine runs its
+    TrainSchedule (1F1B) only, so Megatron-DeepSpeed has no virtual stages, and ZeRO-3 on a plain model no pipeline;
+    torch.distributed.pipelining (autoplan, torchtitan) runs all three. estimate refuses the others with the fix, the search never proposes them, and
+    --stack-set schedules=... widens a stack."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.errors import ConfigError
+    from autoplan.search.space import all_configs
+    from autoplan.specs import load_cluster, load_model
+
+    model, cluster = load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16)
+    runs = {"autoplan": {"gpipe", "1f1b", "interleaved"}, "torchtitan": {"gpipe", "1f1b", "interleaved"},
+            "megatron-core": {"1f1b", "interleaved"}, "megatron-2022": {"1f1b", "interleaved"},
+            "megatron-2021": {"1f1b", "interleaved"}, "megatron-deepspeed": {"1f1b"}, "deepspeed-zero3": set()}
+    assert set(runs) == set(STACKS)
+    cfgs = {"gpipe": "tp=2,pp=4,mbs=1,schedule=gpipe", "1f1b": "tp=2,pp=4,mbs=1,schedule=1f1b",
+            "interleaved": "tp=2,pp=4,vp=2,mbs=1"}
+    for stack, scheds in runs.items():
+        tr = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), stack, {})
+        seen = {c.schedule for c in all_configs(model, cluster, tr, {"tp": 2, "pp": 4, "mbs": 1})}
+        assert seen == scheds, stack
+        for sched, cfg in cfgs.items():
+            if sched in scheds:
+                assert make_plan(model, cluster, tr, cfg).prediction.step_time_s > 0
+            else:
+                refusal = f"schedule={sched} is not a pipeline schedule" if scheds else "runs no pipeline parallelism"
+                with pytest.raises(ConfigError, match=refusal):
+                    make_plan(model, cluster, tr, cfg)
+        # without a pipeline there is no schedule to refuse
+        assert make_plan(model, cluster, tr, "tp=2,pp=1,mbs=1").prediction.step_time_s > 0
+    base = ["--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "16", "--global-batch", "64", "--seq-len",
+            "2048", "--stack", "megatron-deepspeed"]
+    assert main(["estimate", *base, "--parallel", "tp=2,pp=4,vp=2"]) != 0
+    err = capsys.readouterr().err
+    assert "schedule=1f1b and vp=1" in err and "schedules=1f1b+interleaved" in err and "\n" not in err.strip()
+    assert main(["estimate", *base, "--parallel", "tp=2,pp=4,vp=2", "--stack-set", "schedules=1f1b+interleaved,"
+                 "flexible_rounds=true", "--json"]) == 0
+    capsys.readouterr()
+    for bad in ("1f1b,interleaved", "zb", "1f1b+", "", "none+1f1b"):
+        with pytest.raises(ConfigError, match="stack knob schedules"):
+            apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan", {"schedules": bad})
