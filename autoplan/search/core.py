@@ -953,7 +953,13 @@ def _why_slower(est: Estimate, best: Estimate) -> str:
     worst, name = deltas[0]
     if diff <= 0:
         return "ties with the best plan"
-    return f"+{pct:.1f}% step time; most of it {name.replace('_', ' ')} (+{worst:.3f} s)"
+    head = f"+{pct:.1f}% step time; "
+    if worst > diff * (1 + 1e-9):  # other parts got cheaper: name the largest saving too
+        saved, other = deltas[-1]
+        return head + f"{name.replace('_', ' ')} +{worst:.3f} s, {other.replace('_', ' ')} {saved:.3f} s"
+    if worst >= 0.5 * diff:
+        return head + f"most of it {name.replace('_', ' ')} (+{worst:.3f} s)"
+    return head + f"largest part {name.replace('_', ' ')} (+{worst:.3f} s)"
 
 
 def _explain_no_candidate(model, cluster, training, fixd) -> None:
