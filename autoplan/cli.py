@@ -412,8 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="explicit stage layout: Megatron-Core's string (E embedding, t block, L loss, | stage "
                         "boundary, X*N repeats; e.g. 'Et*3|(t*4|)*6,t*3L') or blocks per stage ('3,4,4,3')")
     p.add_argument("--uneven", metavar="first=N,last=M",
-                   help="N blocks on the first pipeline rank and M on the last (over their virtual stages, as Megatron's "
-                        "--decoder-first/last-pipeline-num-layers), the rest spread evenly")
+                   help="N blocks on the first pipeline rank and M on the last (over their virtual stages, as "
+                        "Megatron's --decoder-first/last-pipeline-num-layers), the rest spread evenly")
     p.add_argument("-o", "--output", help="also write the configuration as a plan file")
     add_json(p)
     p.set_defaults(func=cmd_estimate)

@@ -132,7 +132,7 @@ def uneven(num_layers: int, pp: int, vp: int, first: int | None, last: int | Non
     rank toward its later virtual stages (away from the embedding), on the last rank toward its earlier ones (away
     from the loss), over the middle ranks' virtual stages on the earliest in model order (as `even_layout` does).
     With pp=16, vp=8, 126 blocks, first=7, last=7 this is Llama 3 405B's `E|(t|)*126L`."""
-    if pp * vp < 2 or pp < 2:
+    if pp < 2:
         raise ConfigError("--uneven needs at least two pipeline ranks", f"pp={pp}", "set pp>1, or drop --uneven")
     for name, v in (("first", first), ("last", last)):
         if v is not None and v < 0:

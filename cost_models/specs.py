@@ -445,9 +445,9 @@ class TrainingSpec(_Frozen):
         "Interleaved1F1B; Megatron-Core >= 0.10's --microbatch-group-size-per-virtual-pipeline-stage); false = "
         "m must be a multiple of pp (Megatron-LM before Megatron-Core 0.10).")
     zero_stages: str = Field(
-        default="0123", pattern=r"^0?1?2?3?$", min_length=1,
-        description="The ZeRO stages the stack runs, as digits in order (`zero` must be one of them; the search "
-        "tries only these): autoplan's runtime and FSDP2 stacks run all four; Megatron-Core has no ZeRO-2 (its "
+        default="0123", pattern=r"^01?2?3?$",
+        description="The ZeRO stages the stack runs, as digits in order, 0 (no sharding) always among them (`zero` "
+        "must be one of them; the search tries only these): autoplan's runtime and FSDP2 stacks run all four; Megatron-Core has no ZeRO-2 (its "
         "distributed optimizer keeps the whole gradient buffer; ZeRO-3 is Megatron-FSDP); DeepSpeed's pipeline "
         "engine refuses ZeRO-2 and -3; Megatron-LM 2021 had no distributed optimizer.")
     schedules: str = Field(

@@ -25,8 +25,9 @@ DEFAULT_STACK = "autoplan"
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion",
-               "align_grad_reduce", "flexible_rounds", "zero_stages", "schedules", "grad_sync_all_reduce", "sp_grads_coalesced", "runtime_memory",
-               "autocast_fp32_params", "selective_policy", "kernels", "checkpoint_early_stop", "cp_attention")
+               "align_grad_reduce", "flexible_rounds", "zero_stages", "schedules", "grad_sync_all_reduce",
+               "sp_grads_coalesced", "runtime_memory", "autocast_fp32_params", "selective_policy", "kernels",
+               "checkpoint_early_stop", "cp_attention")
 # The short names `autoplan stacks` prints for some knobs; --stack-set takes them as well as the field names.
 KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce",
                 "overlap_gather": "overlap_param_gather", "tp_overlap": "tp_comm_overlap",
@@ -266,9 +267,9 @@ def _coerce(key: str, value: str) -> object:
         if field.annotation is not bool and low in ("none", "null", "default"):
             return None
         raise ConfigError(f"--stack-set {key} takes true or false", f"got {key}={value}", f"write {key}=true")
-    if low in ("none", "null", "default"):
+    if low in ("none", "null", "default") and type(None) in getattr(field.annotation, "__args__", ()):
         return None
-    return low
+    return low  # e.g. schedules=none: a value of its own
 
 
 def parse_stack_set(text: str | None) -> dict[str, object]:

@@ -315,16 +315,16 @@ def test_each_stack_plans_only_the_zero_stages_it_runs(capsys):
     assert "zero=2 is not a ZeRO stage" in capsys.readouterr().err
     assert main(["estimate", *base, "--parallel", "tp=2,zero=2", "--stack-set", "zero_stages=0123", "--json"]) == 0
     capsys.readouterr()
-    for bad in ("0213", "", "4"):  # digits of 0-3 in order, at least one
+    for bad in ("0213", "", "4", "13"):  # digits of 0-3 in order, 0 among them
         with pytest.raises(ConfigError, match="stack knob zero_stages"):
             apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan", {"zero_stages": bad})
 
 
 def test_each_stack_plans_only_the_schedules_it_runs(capsys):
     """Megatron has 1F1B and the interleaved schedule but no GPipe; DeepSpeed's pipeline engine runs its
-    TrainSchedule (1F1B) only, so Megatron-DeepSpeed has no virtual stages, and ZeRO-3 on a plain model no pipeline;
-    torch.distributed.pipelining (autoplan, torchtitan) runs all three. estimate refuses the others with the fix, the search never proposes them, and
-    --stack-set schedules=... widens a stack."""
+    TrainSchedule (1F1B) only, so Megatron-DeepSpeed has no virtual stages, and ZeRO-3 on a plain model no
+    pipeline; torch.distributed.pipelining (autoplan, torchtitan) runs all three. estimate refuses the others with
+    the fix, the search never proposes them, and --stack-set schedules=... widens a stack."""
     from autoplan.api import make_plan
     from autoplan.cost_models.errors import ConfigError
     from autoplan.search.space import all_configs
@@ -358,6 +358,12 @@ def test_each_stack_plans_only_the_schedules_it_runs(capsys):
     assert main(["estimate", *base, "--parallel", "tp=2,pp=4,vp=2", "--stack-set", "schedules=1f1b+interleaved,"
                  "flexible_rounds=true", "--json"]) == 0
     capsys.readouterr()
+    # "none" is a value of its own here, not the knob's default
+    assert parse_stack_set("schedules=none") == {"schedules": "none"}
+    flat = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan", {"schedules": "none"})
+    with pytest.raises(ConfigError, match="runs no pipeline parallelism"):
+        make_plan(model, cluster, flat, "tp=2,pp=4,mbs=1")
+    assert not [c for c in all_configs(model, cluster, flat, {"tp": 2, "mbs": 1}) if c.pp > 1]
     for bad in ("1f1b,interleaved", "zb", "1f1b+", "", "none+1f1b"):
         with pytest.raises(ConfigError, match="stack knob schedules"):
             apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan", {"schedules": bad})
