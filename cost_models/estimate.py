@@ -896,16 +896,23 @@ def chunk_sync_launches(rank_stages: list[StageCost], r: int, red: float, backwa
     return out
 
 
-def interleaved_cool_down(rank_stages: list[StageCost], r: int, rank_end: float, cfg: ParallelConfig,
+@lru_cache(maxsize=4096)
+def _cool_down_order(r: int, pp: int, vp: int, m: int) -> tuple[int, ...]:
+    """The stages of rank r's last round of backwards under the interleaved schedule, in order (the search asks
+    for the same few thousand)."""
+    n = m * vp
+    first = max(0, n - vp * microbatch_group(pp, m))
+    return tuple(interleaved_backward_stage(r, k, pp, vp, m) for k in range(first, n))
+
+
+def interleaved_cool_down(rank_stages: list[StageCost], r: int, rank_end: float, pp: int, vp: int,
                           m: int) -> tuple[list[float], dict[int, tuple[int, float]]]:
     """`chunk_sync_launches`' timeline inputs without a simulation (the closed form): rank r's backwards in
     Megatron's interleaved order (`interleaved_backward_stage`), packed back to back before `rank_end` as its
     cool-down runs them (only backwards: the warm-up's forwards are done). Only the last round, `microbatch_group`
     backwards of each chunk: it holds every chunk's last one (the rounds are equal, check_config), and indices
     count from its start, which leaves `chunk_sync_launches`' "r actions later" as it is."""
-    n = m * cfg.vp
-    first = max(0, n - cfg.vp * microbatch_group(cfg.pp, m))
-    order = [interleaved_backward_stage(r, k, cfg.pp, cfg.vp, m) for k in range(first, n)]
+    order = _cool_down_order(r, pp, vp, m)
     bwd = {s.index: s.bwd_s for s in rank_stages}
     ends, t = [0.0] * len(order), rank_end
     for k in range(len(order) - 1, -1, -1):
@@ -1211,7 +1218,7 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
             if timeline is not None:
                 ends, last = timeline.backward_ends[r], timeline.stage_last_backward
             else:
-                ends, last = interleaved_cool_down(by_rank[r], r, rank_end[r], cfg, m)
+                ends, last = interleaved_cool_down(by_rank[r], r, rank_end[r], cfg.pp, cfg.vp, m)
             launches = chunk_sync_launches(by_rank[r], r, red, ends, last, rank_end[r], training.align_grad_reduce)
             window = chunk_sync_window(red, rank_end[r], launches)
         dp_t = dp_exposed(red, tail, window, cluster, training)

@@ -57,6 +57,8 @@ from autoplan.cost_models.estimate import (
     GIB,
     Estimate,
     StageLayout,
+    chunk_sync_launches,
+    chunk_sync_window,
     crowded_for,
     dp_exposed,
     dp_sync,
@@ -67,6 +69,7 @@ from autoplan.cost_models.estimate import (
     fsdp_unit_time,
     grad_accum_time,
     grads_made_in_backward_of,
+    interleaved_cool_down,
     one_pass_zero,
     optimizer_time,
     p2p_occupancy,
@@ -87,7 +90,7 @@ from autoplan.cost_models.estimate import (
     weight_casts_per_step,
     zero3_block_exposed,
 )
-from autoplan.cost_models.pipeline import in_flight
+from autoplan.cost_models.pipeline import in_flight, microbatch_group
 from autoplan.cost_models.profile import LayerProfile, profile_from_spec
 from autoplan.cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec, check_config
 
@@ -317,6 +320,17 @@ def _block_cost(c: LayerCost, dense_b: float, expert_b: float, extra_work: float
 
 
 @dataclass(frozen=True)
+class _Chunk:
+    """One model chunk of an even interleaved layout, as `estimate.chunk_sync_launches` reads a stage."""
+
+    index: int
+    bwd_s: float
+    params: float
+    expert_params: float = 0.0
+    tied_head: float = 0.0
+
+
+@dataclass(frozen=True)
 class _Agg:
     """Sums over the blocks of one context (per micro-batch, per GPU)."""
 
@@ -419,33 +433,66 @@ class _Searcher:
         fill and drain cross every virtual stage, 2 (pp vp - 1) messages (close to the simulation's)."""
         return 2 * (mesh.pp * kn.vp - 1) * self.p2p_time(mesh) if mesh.pp > 1 else 0.0
 
-    def tail(self, mesh: Mesh, zero: int, vp: int = 1) -> float:
+    def tail(self, mesh: Mesh, zero: int, vp: int = 1, sync: str = "last") -> float:
         """Data-parallel gradient sync, parameter gather and optimizer after the pipeline drains (as
-        `estimate._dp_sync`, for an even layout; the worst of the first, a middle and the last rank). The
-        gradient reduction overlaps only the rank's last backward (one chunk of 1/vp of its layers), so the
-        tail grows with vp; vp=1 gives the least tail (used in lower bounds over vp)."""
+        `estimate._dp_sync`, for an even layout; the worst of the first, a middle and the last rank). How much of
+        the gradient reduction hides (`sync`): "last", under the rank's last backward (one chunk of 1/vp of its
+        layers: 1F1B and GPipe; the tail grows with vp, vp=1 the least); "chunks", the interleaved schedule's
+        chunk-by-chunk reduction under the cool-down, as the estimate's closed form prices it (`_chunk_window`);
+        "floor", all of it but the last bucket, which no schedule beats (the lower bounds of candidates that may
+        interleave, as `estimate.step_time_lower_bound`)."""
         key = (mesh.ctx_key, mesh.pp, mesh.dp, zero, vp)
-        got = self._tail.get(key)
+        got = self._tail.get((*key, sync))
         if got is not None:
             return got
         a = self.agg(mesh)
         cl = self.costs.cluster_for(mesh)
         parts = self._dp_parts(mesh, zero, vp)
-        ready = []
-        for r, (red, tl, _) in parts:
-            bwd = a.blk_bwd / (mesh.pp * vp) + (a.head.bwd_s + self.accum(a.head) + self.accum_tied(mesh)
-                                                if r == mesh.pp - 1 else 0.0)
-            ready.append(dp_exposed(red, tl, bwd, cl, self.training))
         # the first and the last rank meet at the tied embedding's all-reduce (`estimate.sync_tied_ranks`); the
         # closed form ends every rank's pipeline at the same time
         tied_s = tied_grad_sync(self.costs.tied_copy(mesh), pp=mesh.pp, tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, zero=zero,
                                 cluster=cl, training=self.training)
-        if tied_s > 0:
-            ends = sync_tied_ranks([ready[0], ready[-1]], tied_s)
-            ready[0], ready[-1] = ends[0], ends[-1]
-        worst = max(t + rest + self.sp_grad_tail(mesh, r) for t, (r, (_, _, rest)) in zip(ready, parts, strict=True))
-        self._tail[key] = worst
-        return worst
+        after = [rest + self.sp_grad_tail(mesh, r) for r, (_, _, rest) in parts]
+        # "last" and "floor" share everything but the window: both are kept (the search asks for both)
+        for mode in ((sync,) if sync == "chunks" else ("last", "floor")):
+            ready = []
+            for r, (red, tl, _) in parts:
+                if mode == "floor":
+                    window = red
+                elif mode == "chunks" and red > 0:
+                    window = self._chunk_window(mesh, r, vp, red)
+                else:
+                    window = a.blk_bwd / (mesh.pp * vp) + (
+                        a.head.bwd_s + self.accum(a.head) + self.accum_tied(mesh) if r == mesh.pp - 1 else 0.0)
+                ready.append(dp_exposed(red, tl, window, cl, self.training))
+            if tied_s > 0:
+                ends = sync_tied_ranks([ready[0], ready[-1]], tied_s)
+                ready[0], ready[-1] = ends[0], ends[-1]
+            self._tail[(*key, mode)] = max(t + x for t, x in zip(ready, after, strict=True))
+        return self._tail[(*key, sync)]
+
+    def _chunk_window(self, mesh: Mesh, r: int, vp: int, red: float) -> float:
+        """`estimate.chunk_sync_window` of rank r in an even layout of vp chunks per rank: the interleaved
+        cool-down's backwards packed before the rank's end (`estimate.interleaved_cool_down`), each chunk's share
+        of `red` (by parameters; the embedding on the first chunk, the head and a tied copy on the last) launched
+        as `estimate.chunk_sync_launches` launches it."""
+        a, pp = self.agg(mesh), mesh.pp
+        chunks = []
+        for v in range(vp):
+            bwd, params = a.blk_bwd / (pp * vp), (a.blk_dense + a.blk_expert) / (pp * vp)
+            if r == 0 and v == 0:
+                bwd += a.emb.bwd_s + self.accum(a.emb)
+                params += a.emb.params_local
+            if r == pp - 1 and v == vp - 1:
+                bwd += a.head.bwd_s + self.accum(a.head) + self.accum_tied(mesh)
+                params += a.head.params_local + self.costs.tied_copy(mesh)
+            chunks.append(_Chunk(v * pp + r, bwd, params))
+        m = self.micro_batches(mesh)
+        # the rank's end on a clock where its last round of backwards starts at 0 (the window counts from 0)
+        end = microbatch_group(pp, m) * sum(c.bwd_s for c in chunks)
+        ends, last = interleaved_cool_down(chunks, r, end, pp, vp, m)
+        launches = chunk_sync_launches(chunks, r, red, ends, last, end, self.training.align_grad_reduce)
+        return chunk_sync_window(red, end, launches)
 
     def _dp_parts(self, mesh: Mesh, zero: int, vp: int = 1) -> list[tuple[int, tuple[float, float, float]]]:
         """Per representative pipeline rank: (gradient reduction, its last-bucket tail, optimizer + exposed
@@ -671,7 +718,8 @@ class _Searcher:
             self.stats.pruned_dominated += n - len(zeros) * len(scheds)
             vmax = max(v for _, v in scheds)
             pipe = self.pipe_bound(mesh, vmax, 1)
-            lb = min(pipe + self.tail(mesh, z, 1) for z in zeros)
+            sync = "floor" if any(sc == "interleaved" for sc, _ in scheds) else "last"
+            lb = min(pipe + self.tail(mesh, z, 1, sync) for z in zeros)
             heap.append((lb, 0, counter, mesh, (zeros, scheds)))
             counter += 1
             if self.progress and i % 512 == 0:
@@ -690,8 +738,9 @@ class _Searcher:
                 _, _, _, mesh, (zeros, scheds) = item
                 pipe = {v: self.pipe_bound(mesh, v, v) for _, v in scheds}
                 for z in zeros:
-                    tz = self.tail(mesh, z, 1)
+                    last, floor = self.tail(mesh, z, 1, "last"), self.tail(mesh, z, 1, "floor")
                     for sched, v in scheds:
+                        tz = floor if sched == "interleaved" else last
                         heapq.heappush(heap, (pipe[v] + tz, 1, counter, mesh, Knobs(z, sched, v)))
                         counter += 1
             elif kind == 1:  # a candidate: rank it with the greedy layout
@@ -716,7 +765,8 @@ class _Searcher:
                     self.proxies[(mesh, kn)] = math.inf
                     self.note_miss(mesh, kn, prob)
                     continue
-                proxy = score + self.p2p_proxy(mesh, kn) + self.tail(mesh, kn.zero, kn.vp)
+                sync = "chunks" if kn.schedule == "interleaved" else "last"
+                proxy = score + self.p2p_proxy(mesh, kn) + self.tail(mesh, kn.zero, kn.vp, sync)
                 self.proxies[(mesh, kn)] = proxy
                 heapq.heappush(heap, (proxy, 2, counter, mesh, kn, prob))
                 counter += 1
