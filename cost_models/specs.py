@@ -10,7 +10,7 @@ per rule.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,6 +20,10 @@ from .pipeline import interleaved_rounds_fit
 Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
+# What a stack runs when it says nothing narrower (TrainingSpec.zero_stages, .schedules): every ZeRO stage and
+# every pipeline schedule, as autoplan's runtime (FSDP2, torch.distributed.pipelining) does.
+ALL_ZERO_STAGES = "0123"
+ALL_SCHEDULES = "+".join(get_args(Schedule))
 
 # Bytes per element of each training dtype (fp8 keeps weights in bf16 in practice; the matmul inputs are 1 byte).
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -445,13 +449,13 @@ class TrainingSpec(_Frozen):
         "Interleaved1F1B; Megatron-Core >= 0.10's --microbatch-group-size-per-virtual-pipeline-stage); false = "
         "m must be a multiple of pp (Megatron-LM before Megatron-Core 0.10).")
     zero_stages: str = Field(
-        default="0123", pattern=r"^01?2?3?$",
+        default=ALL_ZERO_STAGES, pattern=r"^01?2?3?$",
         description="The ZeRO stages the stack runs, as digits in order, 0 (no sharding) always among them (`zero` "
         "must be one of them; the search tries only these): autoplan's runtime and FSDP2 stacks run all four; Megatron-Core has no ZeRO-2 (its "
         "distributed optimizer keeps the whole gradient buffer; ZeRO-3 is Megatron-FSDP); DeepSpeed's pipeline "
         "engine refuses ZeRO-2 and -3; Megatron-LM 2021 had no distributed optimizer.")
     schedules: str = Field(
-        default="gpipe+1f1b+interleaved",
+        default=ALL_SCHEDULES,
         pattern=r"^(none|(gpipe|1f1b|interleaved)(\+(gpipe|1f1b|interleaved))*)$",
         description="The pipeline schedules the stack runs, joined by '+', or none (no pipeline parallelism): under "
         "pp > 1 `schedule` must be one of them; the search tries only these. torch.distributed.pipelining has all "
@@ -881,7 +885,7 @@ def check_config(
                                                    if cfg.vp > 1 else ""),
             f"use schedule={'1f1b' if '1f1b' in runs else runs[0]}{' and vp=1' if cfg.vp > 1 else ''}, another "
             "--stack (`autoplan stacks`), or --stack-set schedules="
-            + "+".join(x for x in ("gpipe", "1f1b", "interleaved") if x in runs or x == cfg.schedule)
+            + "+".join(x for x in get_args(Schedule) if x in runs or x == cfg.schedule)
             + " for a stack that does run it",
         )
     n_micro = train.global_batch_size // (dp * cfg.mbs)

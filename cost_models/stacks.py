@@ -16,7 +16,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ConfigError, SpecError
-from .specs import TrainingSpec
+from .specs import ALL_SCHEDULES, ALL_ZERO_STAGES, TrainingSpec
 
 DEFAULT_STACK = "autoplan"
 
@@ -40,8 +40,8 @@ KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce
 # shard (reshard_after_forward=False), is left out with the rest: torchtitan's typical run is ZeRO-3.
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
            "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "optimizer_dtype": "fp32",
-           "loss_fusion": False, "align_grad_reduce": False, "flexible_rounds": True, "zero_stages": "0123",
-           "schedules": "gpipe+1f1b+interleaved",
+           "loss_fusion": False, "align_grad_reduce": False, "flexible_rounds": True,
+           "zero_stages": ALL_ZERO_STAGES, "schedules": ALL_SCHEDULES,
            "grad_sync_all_reduce": False,
            "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False,
            "selective_policy": "attention_core", "checkpoint_early_stop": None, "cp_attention": None}

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.pipeline import interleaved_rounds_fit
-from autoplan.cost_models.specs import _ALIASES, ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec
+from autoplan.cost_models.specs import (
+    _ALIASES,
+    ALL_SCHEDULES,
+    ALL_ZERO_STAGES,
+    ClusterSpec,
+    ModelSpec,
+    ParallelConfig,
+    TrainingSpec,
+)
 
 FIXABLE = ("tp", "pp", "dp", "cp", "ep", "vp", "mbs", "sp", "zero", "recompute", "recompute_layers", "schedule")
 
@@ -125,8 +133,8 @@ def meshes(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, fix: 
 
 
 def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_batch: int,
-                 flexible_rounds: bool = True, zero_stages: str = "0123",
-                 schedules: str = "gpipe+1f1b+interleaved") -> tuple[list[int], list[tuple[str, int]]]:
+                 flexible_rounds: bool = True, zero_stages: str = ALL_ZERO_STAGES,
+                 schedules: str = ALL_SCHEDULES) -> tuple[list[int], list[tuple[str, int]]]:
     """(ZeRO stages, (schedule, vp) pairs) legal for this mesh; the candidates are their product.
     `flexible_rounds`, `zero_stages`, `schedules`: TrainingSpec's (interleaved rounds longer than pp, or m a
     multiple of pp; the ZeRO stages and the pipeline schedules the stack runs)."""
@@ -156,8 +164,8 @@ def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_bat
 
 
 def knobs(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_batch: int,
-          flexible_rounds: bool = True, zero_stages: str = "0123",
-          schedules: str = "gpipe+1f1b+interleaved") -> list[Knobs]:
+          flexible_rounds: bool = True, zero_stages: str = ALL_ZERO_STAGES,
+          schedules: str = ALL_SCHEDULES) -> list[Knobs]:
     """ZeRO stages x schedules x virtual stages legal for this mesh."""
     zeros, scheds = knob_options(mesh, fix, num_blocks, global_batch, flexible_rounds, zero_stages, schedules)
     return [Knobs(z, s, v) for z in zeros for s, v in scheds]
