@@ -29,7 +29,7 @@ _LATER_FIELDS: dict[str, tuple[str, ...]] = {
                  "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "runtime_memory",
                  "sp_grads_coalesced", "selective_policy", "checkpoint_early_stop", "cp_attention",
                  "optimizer_dtype", "loss_fusion", "align_grad_reduce", "flexible_rounds", "zero_stages",
-                 "schedules"),
+                 "schedules", "seq_splits"),
     "cluster.gpu.calibration": ("dtensor_param_us", "fused_call_us", "pipeline_action_us"),
 }
 # LayerProfile fields added after plans recorded profiles (false / 0 when unset)

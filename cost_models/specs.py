@@ -24,6 +24,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 # every pipeline schedule, as autoplan's runtime (FSDP2, torch.distributed.pipelining) does.
 ALL_ZERO_STAGES = "0123"
 ALL_SCHEDULES = "+".join(get_args(Schedule))
+ALL_SEQ_SPLITS = "sp+cp"
 
 # Bytes per element of each training dtype (fp8 keeps weights in bf16 in practice; the matmul inputs are 1 byte).
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -461,6 +462,11 @@ class TrainingSpec(_Frozen):
         "pp > 1 `schedule` must be one of them; the search tries only these. torch.distributed.pipelining has all "
         "three; Megatron has 1F1B and the interleaved schedule (no GPipe); DeepSpeed's pipeline engine 1F1B only "
         "(its TrainSchedule).")
+    seq_splits: str = Field(
+        default=ALL_SEQ_SPLITS, pattern=r"^(none|sp|cp|sp\+cp)$",
+        description="How the stack can split the sequence, 'sp+cp', 'sp', 'cp' or none (`sp` and `cp` > 1 must be "
+        "among them; the search tries only these): sequence parallelism inside tensor parallelism (Megatron-LM "
+        "from 2022-03) and context parallelism (Megatron-Core from 2023-08; torch's context_parallel).")
     align_grad_reduce: bool = Field(
         default=False, description="Under the interleaved schedule, each model chunk's gradient reduction is "
         "launched pipeline-rank backward actions after the chunk's last backward, at the same time across the "
@@ -873,6 +879,16 @@ def check_config(
             f"--stack-set zero_stages={''.join(sorted(set(train.zero_stages + str(cfg.zero))))} for a stack that "
             "does run it",
         )
+    splits = train.seq_splits.split("+")
+    for name, used in (("sp", cfg.sp), ("cp", cfg.cp > 1)):
+        if used and name not in splits:
+            what = "sequence parallelism (sp=1)" if name == "sp" else f"context parallelism (cp={cfg.cp})"
+            raise ConfigError(
+                f"this software stack has no {what}",
+                f"the stack splits the sequence with: {' and '.join(splits)}",
+                f"use {'sp=0' if name == 'sp' else 'cp=1'}, another --stack (`autoplan stacks`), or --stack-set "
+                f"seq_splits={'+'.join(x for x in ('sp', 'cp') if x in splits or x == name)} for a stack that has it",
+            )
     runs = train.schedules.split("+")
     if pp > 1 and runs == ["none"]:
         raise ConfigError("this software stack runs no pipeline parallelism", f"pp={pp}",

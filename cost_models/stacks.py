@@ -16,7 +16,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ConfigError, SpecError
-from .specs import ALL_SCHEDULES, ALL_ZERO_STAGES, TrainingSpec
+from .specs import ALL_SCHEDULES, ALL_SEQ_SPLITS, ALL_ZERO_STAGES, TrainingSpec
 
 DEFAULT_STACK = "autoplan"
 
@@ -25,7 +25,7 @@ DEFAULT_STACK = "autoplan"
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion",
-               "align_grad_reduce", "flexible_rounds", "zero_stages", "schedules", "grad_sync_all_reduce",
+               "align_grad_reduce", "flexible_rounds", "zero_stages", "schedules", "seq_splits", "grad_sync_all_reduce",
                "sp_grads_coalesced", "runtime_memory", "autocast_fp32_params", "selective_policy", "kernels",
                "checkpoint_early_stop", "cp_attention")
 # The short names `autoplan stacks` prints for some knobs; --stack-set takes them as well as the field names.
@@ -41,7 +41,7 @@ KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
            "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "optimizer_dtype": "fp32",
            "loss_fusion": False, "align_grad_reduce": False, "flexible_rounds": True,
-           "zero_stages": ALL_ZERO_STAGES, "schedules": ALL_SCHEDULES,
+           "zero_stages": ALL_ZERO_STAGES, "schedules": ALL_SCHEDULES, "seq_splits": ALL_SEQ_SPLITS,
            "grad_sync_all_reduce": False,
            "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False,
            "selective_policy": "attention_core", "checkpoint_early_stop": None, "cp_attention": None}
@@ -106,7 +106,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                "optimizer_separate_passes": True, "flexible_rounds": False,
                # no distributed optimizer yet: it arrived in 2022 ("working on Float16DistributedOptimizer",
                # 329fe582, 2022-02-10; megatron/optimizer/distrib_optimizer.py from 28b63ec7, 2022-03-09)
-               "zero_stages": "0", "schedules": _MEGATRON_SCHEDULES},
+               "zero_stages": "0", "schedules": _MEGATRON_SCHEDULES,
+               # sequence parallelism came to Megatron-LM in 2022-03 ("column parallel linear with sequence
+               # parallelism", 02bb1f5c, 2022-03-02), context parallelism in 2023-08 (80590f98, 2023-08-09)
+               "seq_splits": "none"},
         # grad_accum_fused false: Megatron-LM v2 (2021) adds each micro-batch's weight gradients into the DDP
         # buffer in a backward hook, "param.main_grad.add_(param.grad.data)" (megatron/model/distributed.py at
         # 50a4b5fa "Release fixes", 2021-04-08), or lets autograd add into param.grad; the wgrad GEMM writing
@@ -129,7 +132,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                "kernels": "megatron", "grad_reduce_dtype": "fp32", "p2p_overlap": False,
                "optimizer_separate_passes": True, "flexible_rounds": False,
                # --use-distributed-optimizer (ZeRO-1: 2022-03, above); no ZeRO-2 or -3
-               "zero_stages": "01", "schedules": _MEGATRON_SCHEDULES},
+               "zero_stages": "01", "schedules": _MEGATRON_SCHEDULES,
+               "seq_splits": "sp"},  # no context parallelism before 2023-08 (above)
         # optimizer_separate_passes (megatron-2021 too): Megatron-LM's Float16OptimizerWithFloat16Params zeroes
         # the grad buffer, casts main grads, (fp16) unscales them, runs apex FusedAdam on the fp32 master and then
         # copies the master into the 16-bit weights, each its own pass (estimate.optimizer_time quotes them).
@@ -179,7 +183,9 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                "zero_stages": "01",
                # its PipelineEngine runs one schedule, TrainSchedule (deepspeed/runtime/pipe/schedule.py): 1F1B
                # without virtual stages
-               "schedules": "1f1b"},
+               "schedules": "1f1b",
+               # the 2021-22 Megatron layers it ran (MT-NLG, BLOOM) predate sequence and context parallelism
+               "seq_splits": "none"},
         # grad_accum_cast_copy: BF16_Optimizer accumulates each micro-batch's bf16 gradients with
         # `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype).view(hp_grad.shape))` (update_hp_grads, called by the
         # PipelineEngine's `_exec_backward_pass` after every micro-batch): an fp32 temporary is written and read
@@ -210,7 +216,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         knobs={"dtype": "bf16", "flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                "tp_comm_overlap": False, "grad_accum_fused": False, "kernels": "torch", "grad_reduce_dtype": "fp32",
                # no pipeline: DeepSpeed pipelines only a PipelineModule, and its engine refuses ZeRO-2/3 (above)
-               "schedules": "none"},
+               "schedules": "none",
+               # no tensor parallelism to split the sequence inside; DeepSpeed-Ulysses splits attention heads with
+               # all-to-alls, not the ring context parallelism the model prices
+               "seq_splits": "none"},
         assumes="bf16 with eager PyTorch ops (no fused norms/activations); SDPA flash attention; overlap_comm "
                 "(parameter prefetch and gradient reduce-scatter behind compute); gradients accumulated in fp32 "
                 "by a separate pass per micro-batch and reduced in fp32",

@@ -105,7 +105,7 @@ def meshes(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, fix: 
         if "tp" in fix and fix["tp"] != tp:
             continue
         for cp in divisors(world // tp):
-            if cp > 1 and seq % (2 * cp):
+            if cp > 1 and (seq % (2 * cp) or "cp" not in training.seq_splits):
                 continue
             if "cp" in fix and fix["cp"] != cp:
                 continue
@@ -125,7 +125,7 @@ def meshes(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, fix: 
                         if "mbs" in fix and fix["mbs"] != mbs:
                             continue
                         for sp in (False, True):
-                            if sp and (tp == 1 or (seq // cp) % tp):
+                            if sp and (tp == 1 or (seq // cp) % tp or "sp" not in training.seq_splits):
                                 continue
                             if "sp" in fix and fix["sp"] != sp:
                                 continue

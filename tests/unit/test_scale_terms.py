@@ -336,7 +336,8 @@ def _tied_case(stack: str, *, tied: bool, pp: int, tp: int = 2, dp: int | None =
     model = ModelSpec(name="t", num_layers=8, hidden_size=1024, num_attention_heads=16, vocab_size=32768,
                       max_seq_length=1024, tie_embeddings=tied)
     cluster = load_cluster("dgx-a100-80g", gpus=gpus)
-    training = apply_stack(TrainingSpec(global_batch_size=64, seq_length=1024), stack, {})
+    # sp=1 under tp on every stack, the 2021-22 Megatron-DeepSpeed too (seq_splits widened): the terms, not the stack
+    training = apply_stack(TrainingSpec(global_batch_size=64, seq_length=1024), stack, {"seq_splits": "sp"})
     cfg = check_config(ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, sp=tp > 1), model, cluster, training)
     profiles = profile_from_spec(model)
     return model, cluster, training, cfg, profiles, estimate(profiles, cluster, training, cfg)

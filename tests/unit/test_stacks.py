@@ -367,3 +367,39 @@ def test_each_stack_plans_only_the_schedules_it_runs(capsys):
     for bad in ("1f1b,interleaved", "zb", "1f1b+", "", "none+1f1b"):
         with pytest.raises(ConfigError, match="stack knob schedules"):
             apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan", {"schedules": bad})
+
+
+def test_each_stack_splits_the_sequence_only_as_it_can():
+    """Sequence parallelism came to Megatron-LM in 2022-03 and context parallelism in 2023-08: megatron-2021 and the
+    2021-22 Megatron-DeepSpeed have neither, megatron-2022 sp only; DeepSpeed ZeRO-3 on a plain model neither (its
+    Ulysses split is not the ring context parallelism priced here). estimate refuses the others with the fix, the
+    search never proposes them, --stack-set seq_splits=... widens a stack."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.errors import ConfigError
+    from autoplan.search.space import all_configs
+    from autoplan.specs import load_cluster, load_model
+
+    model, cluster = load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16)
+    runs = {"autoplan": {"sp", "cp"}, "torchtitan": {"sp", "cp"}, "megatron-core": {"sp", "cp"},
+            "megatron-2022": {"sp"}, "megatron-2021": set(), "megatron-deepspeed": set(), "deepspeed-zero3": set()}
+    assert set(runs) == set(STACKS)
+    for stack, splits in runs.items():
+        tr = apply_stack(TrainingSpec(global_batch_size=64, seq_length=4096), stack, {})
+        cfgs = list(all_configs(model, cluster, tr, {"tp": 2, "pp": 1, "mbs": 1, "zero": 0}))
+        assert any(c.sp for c in cfgs) == ("sp" in splits), stack
+        assert any(c.cp > 1 for c in cfgs) == ("cp" in splits), stack
+        for name, cfg in (("sp", "tp=2,pp=1,mbs=1,sp=1"), ("cp", "tp=2,cp=2,pp=1,mbs=1")):
+            if name in splits:
+                assert make_plan(model, cluster, tr, cfg).prediction.step_time_s > 0
+            else:
+                with pytest.raises(ConfigError, match="this software stack has no"):
+                    make_plan(model, cluster, tr, cfg)
+    wide = apply_stack(TrainingSpec(global_batch_size=64, seq_length=4096), "megatron-2022", {"seq_splits": "sp+cp"})
+    assert make_plan(model, cluster, wide, "tp=2,cp=2,pp=1,mbs=1").prediction.step_time_s > 0
+    assert parse_stack_set("seq_splits=none") == {"seq_splits": "none"}
+    with pytest.raises(ConfigError, match="seq_splits=sp\\+cp"):
+        make_plan(model, cluster, apply_stack(TrainingSpec(global_batch_size=64, seq_length=4096), "megatron-2022",
+                                              {}), "tp=2,cp=2,pp=1,mbs=1")
+    for bad in ("cp+sp", "sp,cp", "ulysses", ""):
+        with pytest.raises(ConfigError, match="stack knob seq_splits"):
+            apply_stack(TrainingSpec(global_batch_size=64, seq_length=4096), "autoplan", {"seq_splits": bad})
