@@ -25,6 +25,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 ALL_ZERO_STAGES = "0123"
 ALL_SCHEDULES = "+".join(get_args(Schedule))
 ALL_SEQ_SPLITS = "sp+cp"
+_SCHEDULE_ALT = "|".join(get_args(Schedule))
 
 # Bytes per element of each training dtype (fp8 keeps weights in bf16 in practice; the matmul inputs are 1 byte).
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -452,12 +453,13 @@ class TrainingSpec(_Frozen):
     zero_stages: str = Field(
         default=ALL_ZERO_STAGES, pattern=r"^01?2?3?$",
         description="The ZeRO stages the stack runs, as digits in order, 0 (no sharding) always among them (`zero` "
-        "must be one of them; the search tries only these): autoplan's runtime and FSDP2 stacks run all four; Megatron-Core has no ZeRO-2 (its "
-        "distributed optimizer keeps the whole gradient buffer; ZeRO-3 is Megatron-FSDP); DeepSpeed's pipeline "
-        "engine refuses ZeRO-2 and -3; Megatron-LM 2021 had no distributed optimizer.")
+        "must be one of them; the search tries only these): autoplan's runtime and FSDP2 stacks run all four; "
+        "Megatron-Core has no ZeRO-2 (its distributed optimizer keeps the whole gradient buffer; ZeRO-3 is "
+        "Megatron-FSDP); DeepSpeed's pipeline engine refuses ZeRO-2 and -3; Megatron-LM 2021 had no distributed "
+        "optimizer.")
     schedules: str = Field(
         default=ALL_SCHEDULES,
-        pattern=r"^(none|(gpipe|1f1b|interleaved)(\+(gpipe|1f1b|interleaved))*)$",
+        pattern=rf"^(none|({_SCHEDULE_ALT})(\+({_SCHEDULE_ALT}))*)$",
         description="The pipeline schedules the stack runs, joined by '+', or none (no pipeline parallelism): under "
         "pp > 1 `schedule` must be one of them; the search tries only these. torch.distributed.pipelining has all "
         "three; Megatron has 1F1B and the interleaved schedule (no GPipe); DeepSpeed's pipeline engine 1F1B only "
@@ -792,6 +794,48 @@ def _nearest_zero(zero: int, stages: str) -> int:
     return min((int(c) for c in stages), key=lambda z: (abs(z - zero), z))
 
 
+def _another_stack(knob: str, value: str, verb: str = "does run it") -> str:
+    """The common end of a stack-capability fix: another stack, or the knob widened."""
+    return f"another --stack (`autoplan stacks`), or --stack-set {knob}={value} for a stack that {verb}"
+
+
+def check_stack_runs(cfg: ParallelConfig, train: TrainingSpec) -> None:
+    """The configuration uses only what the software stack runs: its ZeRO stages, sequence splits and pipeline
+    schedules (TrainingSpec.zero_stages, .seq_splits, .schedules); each refusal names what to use instead."""
+    if str(cfg.zero) not in train.zero_stages:
+        raise ConfigError(
+            f"zero={cfg.zero} is not a ZeRO stage this software stack runs",
+            f"the stack runs zero={', '.join(train.zero_stages)}",
+            f"use zero={_nearest_zero(cfg.zero, train.zero_stages)}, "
+            + _another_stack("zero_stages", "".join(sorted(set(train.zero_stages + str(cfg.zero))))),
+        )
+    splits = train.seq_splits.split("+")
+    for name, used in (("sp", cfg.sp), ("cp", cfg.cp > 1)):
+        if used and name not in splits:
+            what = "sequence parallelism (sp=1)" if name == "sp" else f"context parallelism (cp={cfg.cp})"
+            raise ConfigError(
+                f"this software stack has no {what}",
+                f"the stack splits the sequence with: {' and '.join(splits)}",
+                f"use {'sp=0' if name == 'sp' else 'cp=1'}, "
+                + _another_stack("seq_splits", "+".join(x for x in ("sp", "cp") if x in splits or x == name),
+                                 "has it"),
+            )
+    if cfg.pp == 1:
+        return
+    runs = train.schedules.split("+")
+    if runs == ["none"]:
+        raise ConfigError("this software stack runs no pipeline parallelism", f"pp={cfg.pp}",
+                          "use pp=1, " + _another_stack("schedules", "1f1b", "does run a pipeline"))
+    if cfg.schedule not in runs:
+        raise ConfigError(
+            f"schedule={cfg.schedule} is not a pipeline schedule this software stack runs",
+            f"the stack runs {', '.join(runs)}" + (f" (vp={cfg.vp} means the interleaved schedule)"
+                                                   if cfg.vp > 1 else ""),
+            f"use schedule={'1f1b' if '1f1b' in runs else runs[0]}{' and vp=1' if cfg.vp > 1 else ''}, "
+            + _another_stack("schedules", "+".join(x for x in get_args(Schedule) if x in runs or x == cfg.schedule)),
+        )
+
+
 def check_config(
     cfg: ParallelConfig, model: ModelSpec, cluster: ClusterSpec, train: TrainingSpec, *, stage_layers: bool = True
 ) -> ParallelConfig:
@@ -871,39 +915,7 @@ def check_config(
             f"batch={train.global_batch_size}, dp={dp}, mbs={cfg.mbs}",
             f"use a batch that is a multiple of {dp * cfg.mbs}, or lower mbs/dp",
         )
-    if str(cfg.zero) not in train.zero_stages:
-        raise ConfigError(
-            f"zero={cfg.zero} is not a ZeRO stage this software stack runs",
-            f"the stack runs zero={', '.join(train.zero_stages)}",
-            f"use zero={_nearest_zero(cfg.zero, train.zero_stages)}, or another --stack (`autoplan stacks`), or "
-            f"--stack-set zero_stages={''.join(sorted(set(train.zero_stages + str(cfg.zero))))} for a stack that "
-            "does run it",
-        )
-    splits = train.seq_splits.split("+")
-    for name, used in (("sp", cfg.sp), ("cp", cfg.cp > 1)):
-        if used and name not in splits:
-            what = "sequence parallelism (sp=1)" if name == "sp" else f"context parallelism (cp={cfg.cp})"
-            raise ConfigError(
-                f"this software stack has no {what}",
-                f"the stack splits the sequence with: {' and '.join(splits)}",
-                f"use {'sp=0' if name == 'sp' else 'cp=1'}, another --stack (`autoplan stacks`), or --stack-set "
-                f"seq_splits={'+'.join(x for x in ('sp', 'cp') if x in splits or x == name)} for a stack that has it",
-            )
-    runs = train.schedules.split("+")
-    if pp > 1 and runs == ["none"]:
-        raise ConfigError("this software stack runs no pipeline parallelism", f"pp={pp}",
-                          "use pp=1, another --stack (`autoplan stacks`), or --stack-set schedules=1f1b for a stack "
-                          "that does run a pipeline")
-    if pp > 1 and cfg.schedule not in runs:
-        raise ConfigError(
-            f"schedule={cfg.schedule} is not a pipeline schedule this software stack runs",
-            f"the stack runs {', '.join(runs)}" + (f" (vp={cfg.vp} means the interleaved schedule)"
-                                                   if cfg.vp > 1 else ""),
-            f"use schedule={'1f1b' if '1f1b' in runs else runs[0]}{' and vp=1' if cfg.vp > 1 else ''}, another "
-            "--stack (`autoplan stacks`), or --stack-set schedules="
-            + "+".join(x for x in get_args(Schedule) if x in runs or x == cfg.schedule)
-            + " for a stack that does run it",
-        )
+    check_stack_runs(cfg, train)
     n_micro = train.global_batch_size // (dp * cfg.mbs)
     if pp > 1 and cfg.schedule == "1f1b" and n_micro < pp:
         raise ConfigError(

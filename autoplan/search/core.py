@@ -453,8 +453,8 @@ class _Searcher:
         tied_s = tied_grad_sync(self.costs.tied_copy(mesh), pp=mesh.pp, tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, zero=zero,
                                 cluster=cl, training=self.training)
         after = [rest + self.sp_grad_tail(mesh, r) for r, (_, _, rest) in parts]
-        # "last" and "floor" share everything but the window: both are kept (the search asks for both)
-        for mode in ((sync,) if sync == "chunks" else ("last", "floor")):
+        # "last" and "floor" (asked for at vp=1 only) share everything but the window: both are kept
+        for mode in ("last", "floor") if sync != "chunks" and vp == 1 else (sync,):
             ready = []
             for r, (red, tl, _) in parts:
                 if mode == "floor":
@@ -700,10 +700,8 @@ class _Searcher:
         counter = 0
         mesh_list = list(meshes(self.model, self.cluster, self.training, self.fix, self.L))
         self.stats.meshes = len(mesh_list)
-        gb = self.training.global_batch_size
         for i, mesh in enumerate(mesh_list):
-            zeros, scheds = knob_options(mesh, self.fix, self.L, gb, self.training.flexible_rounds,
-                                         self.training.zero_stages, self.training.schedules)
+            zeros, scheds = knob_options(mesh, self.fix, self.L, self.training)
             n = len(zeros) * len(scheds)
             if not n:
                 continue

@@ -18,8 +18,6 @@ from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.pipeline import interleaved_rounds_fit
 from autoplan.cost_models.specs import (
     _ALIASES,
-    ALL_SCHEDULES,
-    ALL_ZERO_STAGES,
     ClusterSpec,
     ModelSpec,
     ParallelConfig,
@@ -132,13 +130,12 @@ def meshes(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, fix: 
                             yield Mesh(tp, cp, ep, pp, dp, mbs, sp)
 
 
-def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_batch: int,
-                 flexible_rounds: bool = True, zero_stages: str = ALL_ZERO_STAGES,
-                 schedules: str = ALL_SCHEDULES) -> tuple[list[int], list[tuple[str, int]]]:
-    """(ZeRO stages, (schedule, vp) pairs) legal for this mesh; the candidates are their product.
-    `flexible_rounds`, `zero_stages`, `schedules`: TrainingSpec's (interleaved rounds longer than pp, or m a
-    multiple of pp; the ZeRO stages and the pipeline schedules the stack runs)."""
-    zeros = [z for z in (0, 1, 2, 3) if str(z) in zero_stages] if mesh.dp * mesh.cp > 1 else [0]
+def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int,
+                 training: TrainingSpec) -> tuple[list[int], list[tuple[str, int]]]:
+    """(ZeRO stages, (schedule, vp) pairs) legal for this mesh; the candidates are their product. From `training`:
+    the global batch, whether interleaved rounds may be longer than pp (`flexible_rounds`), and the ZeRO stages and
+    pipeline schedules the stack runs (`zero_stages`, `schedules`)."""
+    zeros = [z for z in (0, 1, 2, 3) if str(z) in training.zero_stages] if mesh.dp * mesh.cp > 1 else [0]
     if "zero" in fix:
         zeros = [z for z in zeros if z == fix["zero"]]
     scheds: list[tuple[str, int]] = []
@@ -146,15 +143,15 @@ def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_bat
         if fix.get("schedule") != "interleaved":
             scheds.append((str(fix.get("schedule", "1f1b")), 1))
     else:
-        m = global_batch // (mesh.dp * mesh.mbs)
+        m = training.global_batch_size // (mesh.dp * mesh.mbs)
         if m >= mesh.pp:  # 1F1B's warm-up needs at least pp micro-batches (torch's Schedule1F1B, Megatron)
             scheds.append(("1f1b", 1))
         scheds.append(("gpipe", 1))
         # equal rounds of at least pp micro-batches (microbatch_group), of exactly pp on older Megatron-LM
-        if interleaved_rounds_fit(mesh.pp, m, flexible_rounds):
+        if interleaved_rounds_fit(mesh.pp, m, training.flexible_rounds):
             scheds += [("interleaved", v) for v in range(2, num_blocks // mesh.pp + 1)]
     if mesh.pp > 1:
-        runs = schedules.split("+")
+        runs = training.schedules.split("+")
         scheds = [s for s in scheds if s[0] in runs]
     if "schedule" in fix:
         scheds = [s for s in scheds if s[0] == fix["schedule"]]
@@ -163,11 +160,9 @@ def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_bat
     return zeros, scheds
 
 
-def knobs(mesh: Mesh, fix: dict[str, object], num_blocks: int, global_batch: int,
-          flexible_rounds: bool = True, zero_stages: str = ALL_ZERO_STAGES,
-          schedules: str = ALL_SCHEDULES) -> list[Knobs]:
+def knobs(mesh: Mesh, fix: dict[str, object], num_blocks: int, training: TrainingSpec) -> list[Knobs]:
     """ZeRO stages x schedules x virtual stages legal for this mesh."""
-    zeros, scheds = knob_options(mesh, fix, num_blocks, global_batch, flexible_rounds, zero_stages, schedules)
+    zeros, scheds = knob_options(mesh, fix, num_blocks, training)
     return [Knobs(z, s, v) for z in zeros for s, v in scheds]
 
 
@@ -182,6 +177,5 @@ def all_configs(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     """Every enumerated candidate as a ParallelConfig (for tests and small brute-force searches)."""
     fix = fix or {}
     for mesh in meshes(model, cluster, training, fix):
-        for kn in knobs(mesh, fix, model.num_layers, training.global_batch_size, training.flexible_rounds,
-                        training.zero_stages, training.schedules):
+        for kn in knobs(mesh, fix, model.num_layers, training):
             yield to_config(mesh, kn)

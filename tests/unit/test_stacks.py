@@ -15,6 +15,12 @@ EST = ["estimate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--gpus"
        "1536", "--seq-len", "2048", "--parallel", "tp=8,pp=8,vp=3,mbs=1,recompute=full", "--json"]
 
 
+def _llama2_on_16_h100(stack: str) -> list[str]:
+    """The workload options of the stack-capability tests' CLI calls."""
+    return ["--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "16", "--global-batch", "64", "--seq-len",
+            "2048", "--stack", stack]
+
+
 def _est(capsys, *extra: str) -> dict:
     assert main(EST + list(extra)) == 0
     return json.loads(capsys.readouterr().out)
@@ -306,8 +312,7 @@ def test_each_stack_plans_only_the_zero_stages_it_runs(capsys):
                     make_plan(model, cluster, tr, cfg)
     wide = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-core", {"zero_stages": "0123"})
     assert make_plan(model, cluster, wide, "tp=2,pp=1,mbs=1,zero=2").prediction.step_time_s > 0
-    base = ["--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "16", "--global-batch", "64", "--seq-len",
-            "2048", "--stack", "megatron-core"]
+    base = _llama2_on_16_h100("megatron-core")
     assert main(["estimate", *base, "--parallel", "tp=2,zero=2"]) != 0
     err = capsys.readouterr().err
     assert "use zero=1" in err and "zero_stages=0123" in err and "\n" not in err.strip()
@@ -350,8 +355,7 @@ def test_each_stack_plans_only_the_schedules_it_runs(capsys):
                     make_plan(model, cluster, tr, cfg)
         # without a pipeline there is no schedule to refuse
         assert make_plan(model, cluster, tr, "tp=2,pp=1,mbs=1").prediction.step_time_s > 0
-    base = ["--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "16", "--global-batch", "64", "--seq-len",
-            "2048", "--stack", "megatron-deepspeed"]
+    base = _llama2_on_16_h100("megatron-deepspeed")
     assert main(["estimate", *base, "--parallel", "tp=2,pp=4,vp=2"]) != 0
     err = capsys.readouterr().err
     assert "schedule=1f1b and vp=1" in err and "schedules=1f1b+interleaved" in err and "\n" not in err.strip()
