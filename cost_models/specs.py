@@ -25,6 +25,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 ALL_ZERO_STAGES = "0123"
 ALL_SCHEDULES = "+".join(get_args(Schedule))
 ALL_SEQ_SPLITS = "sp+cp"
+ALL_RECOMPUTE_MODES = "selective+full"
 _SCHEDULE_ALT = "|".join(get_args(Schedule))
 
 # Bytes per element of each training dtype (fp8 keeps weights in bf16 in practice; the matmul inputs are 1 byte).
@@ -469,6 +470,14 @@ class TrainingSpec(_Frozen):
         description="How the stack can split the sequence, 'sp+cp', 'sp', 'cp' or none (`sp` and `cp` > 1 must be "
         "among them; the search tries only these): sequence parallelism inside tensor parallelism (Megatron-LM "
         "from 2022-03) and context parallelism (Megatron-Core from 2023-08; torch's context_parallel).")
+    recompute_modes: str = Field(
+        default=ALL_RECOMPUTE_MODES, pattern=r"^(none|selective|full|selective\+full)$",
+        description="The activation recomputation the stack has besides none, 'selective+full', 'selective', "
+        "'full' or none (`recompute` must be among them; the search tries only these). Without selective, a "
+        "stage that recomputes fully recomputes every layer it holds: autoplan's partial full recomputation "
+        "(recompute_layers) recomputes a stage's other layers selectively. Megatron-LM checkpointed every layer "
+        "(--checkpoint-activations) until the block method (2021-08) and selective recomputation (2022-05); "
+        "DeepSpeed and Hugging Face models checkpoint whole layers.")
     align_grad_reduce: bool = Field(
         default=False, description="Under the interleaved schedule, each model chunk's gradient reduction is "
         "launched pipeline-rank backward actions after the chunk's last backward, at the same time across the "
@@ -799,9 +808,10 @@ def _another_stack(knob: str, value: str, verb: str = "does run it") -> str:
     return f"another --stack (`autoplan stacks`), or --stack-set {knob}={value} for a stack that {verb}"
 
 
-def check_stack_runs(cfg: ParallelConfig, train: TrainingSpec) -> None:
-    """The configuration uses only what the software stack runs: its ZeRO stages, sequence splits and pipeline
-    schedules (TrainingSpec.zero_stages, .seq_splits, .schedules); each refusal names what to use instead."""
+def check_stack_runs(cfg: ParallelConfig, train: TrainingSpec, stage_blocks: int | None = None) -> None:
+    """The configuration uses only what the software stack runs: its ZeRO stages, sequence splits, recomputation
+    and pipeline schedules (TrainingSpec.zero_stages, .seq_splits, .recompute_modes, .schedules); each refusal
+    names what to use instead. `stage_blocks`: the most layers a stage holds (None: unknown)."""
     if str(cfg.zero) not in train.zero_stages:
         raise ConfigError(
             f"zero={cfg.zero} is not a ZeRO stage this software stack runs",
@@ -820,6 +830,9 @@ def check_stack_runs(cfg: ParallelConfig, train: TrainingSpec) -> None:
                 + _another_stack("seq_splits", "+".join(x for x in ("sp", "cp") if x in splits or x == name),
                                  "has it"),
             )
+    # recompute_layers counts a pipeline rank's layers, ceil(k / vp) on each of its stages (estimate.even_layout)
+    per_stage = None if cfg.recompute_layers is None else -(-cfg.recompute_layers // cfg.vp)
+    check_recompute_runs(cfg.recompute, per_stage, stage_blocks, train)
     if cfg.pp == 1:
         return
     runs = train.schedules.split("+")
@@ -834,6 +847,32 @@ def check_stack_runs(cfg: ParallelConfig, train: TrainingSpec) -> None:
             f"use schedule={'1f1b' if '1f1b' in runs else runs[0]}{' and vp=1' if cfg.vp > 1 else ''}, "
             + _another_stack("schedules", "+".join(x for x in get_args(Schedule) if x in runs or x == cfg.schedule)),
         )
+
+
+def check_recompute_runs(mode: str, layers: int | None, blocks: int | None, train: TrainingSpec,
+                         where: str = "a stage") -> None:
+    """A stage (or every stage) recomputing `mode`, `layers` of its `blocks` in full, is what the stack runs
+    (TrainingSpec.recompute_modes); `where` names the stage in the refusal."""
+    modes = train.recompute_modes.split("+")
+    partial = mode == "full" and layers is not None and blocks is not None and layers < blocks
+    if mode == "none" or (mode in modes and not (partial and "selective" not in modes)):
+        return
+    others = [m for m in ("none", "full", "selective") if m in modes or m == "none"]
+    if partial:
+        raise ConfigError(
+            f"{where} recomputing {layers} of its {blocks} layers in full recomputes the others selectively, "
+            "which this software stack does not run",
+            f"the stack recomputes with: {train.recompute_modes}",
+            "recompute every layer in full (drop recompute_layers) or none, "
+            + _another_stack("recompute_modes", "selective+full", "has selective recomputation"),
+        )
+    raise ConfigError(
+        f"recompute={mode} is not a recomputation this software stack runs"
+        + ("" if where == "a stage" else f" ({where})"),
+        f"the stack recomputes with: {train.recompute_modes}",
+        f"use recompute={' or '.join(x for x in others if x != mode)}, "
+        + _another_stack("recompute_modes", "selective+full"),
+    )
 
 
 def check_config(
@@ -868,10 +907,12 @@ def check_config(
         raise ConfigError(
             "ffn_hidden_size must divide by tp", f"ffn={model.ffn}, tp={tp}", "choose tp dividing the FFN size"
         )
+    # blocks per stage where known (None: the search or a plan places them later), for the recomputation checks
+    sizes = [model.num_layers // (pp * vp)] * (pp * vp) if model.num_layers % (pp * vp) == 0 else None
     if cfg.layout is not None:
         from .layout import check_layout
 
-        check_layout(cfg.layout, num_layers=model.num_layers, pp=pp, vp=vp)
+        sizes = [s.blocks for s in check_layout(cfg.layout, num_layers=model.num_layers, pp=pp, vp=vp)]
     elif stage_layers and model.num_layers % (pp * vp):
         raise ConfigError(
             "layers must divide evenly into pp*vp stages",
@@ -915,7 +956,7 @@ def check_config(
             f"batch={train.global_batch_size}, dp={dp}, mbs={cfg.mbs}",
             f"use a batch that is a multiple of {dp * cfg.mbs}, or lower mbs/dp",
         )
-    check_stack_runs(cfg, train)
+    check_stack_runs(cfg, train, max(sizes) if sizes else None)
     n_micro = train.global_batch_size // (dp * cfg.mbs)
     if pp > 1 and cfg.schedule == "1f1b" and n_micro < pp:
         raise ConfigError(
@@ -959,10 +1000,12 @@ def check_config(
             f"recompute={cfg.recompute}",
             "set recompute=full or drop recompute_layers",
         )
-    if cfg.recompute_layers is not None and cfg.recompute_layers > model.num_layers // (pp * vp) * vp:
+    # recompute_layers counts a pipeline rank's layers (estimate.even_layout)
+    rank_blocks = max(sum(sizes[r::pp]) for r in range(pp)) if sizes else model.num_layers // (pp * vp) * vp
+    if cfg.recompute_layers is not None and cfg.recompute_layers > rank_blocks:
         raise ConfigError(
-            "recompute_layers exceeds the layers of a stage",
-            f"recompute_layers={cfg.recompute_layers}, layers per rank={model.num_layers // pp}",
+            "recompute_layers exceeds the layers of a pipeline rank",
+            f"recompute_layers={cfg.recompute_layers}, the most layers a rank holds={rank_blocks}",
             "lower recompute_layers",
         )
     if cfg.zero > 0 and dp * cp == 1:

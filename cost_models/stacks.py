@@ -16,7 +16,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ConfigError, SpecError
-from .specs import ALL_SCHEDULES, ALL_SEQ_SPLITS, ALL_ZERO_STAGES, TrainingSpec
+from .specs import ALL_RECOMPUTE_MODES, ALL_SCHEDULES, ALL_SEQ_SPLITS, ALL_ZERO_STAGES, TrainingSpec
 
 DEFAULT_STACK = "autoplan"
 
@@ -25,7 +25,8 @@ DEFAULT_STACK = "autoplan"
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion",
-               "align_grad_reduce", "flexible_rounds", "zero_stages", "schedules", "seq_splits", "grad_sync_all_reduce",
+               "align_grad_reduce", "flexible_rounds", "zero_stages", "schedules", "seq_splits", "recompute_modes",
+               "grad_sync_all_reduce",
                "sp_grads_coalesced", "runtime_memory", "autocast_fp32_params", "selective_policy", "kernels",
                "checkpoint_early_stop", "cp_attention")
 # The short names `autoplan stacks` prints for some knobs; --stack-set takes them as well as the field names.
@@ -42,6 +43,7 @@ _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overla
            "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "optimizer_dtype": "fp32",
            "loss_fusion": False, "align_grad_reduce": False, "flexible_rounds": True,
            "zero_stages": ALL_ZERO_STAGES, "schedules": ALL_SCHEDULES, "seq_splits": ALL_SEQ_SPLITS,
+           "recompute_modes": ALL_RECOMPUTE_MODES,
            "grad_sync_all_reduce": False,
            "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False,
            "selective_policy": "attention_core", "checkpoint_early_stop": None, "cp_attention": None}
@@ -109,7 +111,12 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                "zero_stages": "0", "schedules": _MEGATRON_SCHEDULES,
                # sequence parallelism came to Megatron-LM in 2022-03 ("column parallel linear with sequence
                # parallelism", 02bb1f5c, 2022-03-02), context parallelism in 2023-08 (80590f98, 2023-08-09)
-               "seq_splits": "none"},
+               "seq_splits": "none",
+               # --checkpoint-activations checkpointed every layer (megatron/arguments.py, v2.x); a set number of
+               # layers per stage came in 2021-08 ("Checkpoint a set number of individual Transformer layers",
+               # c1e0689d, --activations-checkpoint-method block), selective recomputation in 2022-05
+               # (--recompute-granularity selective, bbab79f8, 2022-05-16)
+               "recompute_modes": "full"},
         # grad_accum_fused false: Megatron-LM v2 (2021) adds each micro-batch's weight gradients into the DDP
         # buffer in a backward hook, "param.main_grad.add_(param.grad.data)" (megatron/model/distributed.py at
         # 50a4b5fa "Release fixes", 2021-04-08), or lets autograd add into param.grad; the wgrad GEMM writing
@@ -185,7 +192,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                # without virtual stages
                "schedules": "1f1b",
                # the 2021-22 Megatron layers it ran (MT-NLG, BLOOM) predate sequence and context parallelism
-               "seq_splits": "none"},
+               "seq_splits": "none",
+               # ... and selective recomputation: --checkpoint-activations recomputes every layer (BLOOM's
+               # tr11-176B-ml script, MT-NLG sec. 3 "activation checkpointing")
+               "recompute_modes": "full"},
         # grad_accum_cast_copy: BF16_Optimizer accumulates each micro-batch's bf16 gradients with
         # `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype).view(hp_grad.shape))` (update_hp_grads, called by the
         # PipelineEngine's `_exec_backward_pass` after every micro-batch): an fp32 temporary is written and read
@@ -219,7 +229,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                "schedules": "none",
                # no tensor parallelism to split the sequence inside; DeepSpeed-Ulysses splits attention heads with
                # all-to-alls, not the ring context parallelism the model prices
-               "seq_splits": "none"},
+               "seq_splits": "none",
+               # whole layers: deepspeed.checkpointing.checkpoint and Hugging Face's gradient_checkpointing_enable()
+               # wrap every decoder layer; neither recomputes only the attention core
+               "recompute_modes": "full"},
         assumes="bf16 with eager PyTorch ops (no fused norms/activations); SDPA flash attention; overlap_comm "
                 "(parameter prefetch and gradient reduce-scatter behind compute); gradients accumulated in fp32 "
                 "by a separate pass per micro-batch and reduced in fp32",

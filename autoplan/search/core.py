@@ -92,7 +92,14 @@ from autoplan.cost_models.estimate import (
 )
 from autoplan.cost_models.pipeline import in_flight, microbatch_group
 from autoplan.cost_models.profile import LayerProfile, profile_from_spec
-from autoplan.cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec, check_config
+from autoplan.cost_models.specs import (
+    ClusterSpec,
+    ModelSpec,
+    ParallelConfig,
+    TrainingSpec,
+    check_config,
+    check_recompute_runs,
+)
 
 from .ilp import is_cached, solve_stage_problem
 from .problem import (
@@ -667,10 +674,12 @@ class _Searcher:
             blocks = (next(iter(by_uid.values())),) * self.L
         else:
             blocks = tuple(by_uid[u] for u in self.costs.block_uids)
+        modes = self.training.recompute_modes.split("+")  # what the software stack recomputes
         return StageProblem(blocks=blocks, first=emb, last=head,
                             pp=mesh.pp, vp=kn.vp, m=m, inflight=infl, capacity=tuple(caps), pin=pin,
                             uniform=len(self.costs.block_counts) == 1, stage_extra=self.occupancy(mesh, kn.vp),
-                            step_memory=step, block_grads=grads)
+                            step_memory=step, block_grads=grads, no_full="full" not in modes,
+                            no_selective="selective" not in modes)
 
     def memory_floor(self, mesh: Mesh) -> tuple[float, dict]:
         """A lower bound on the busiest rank's bytes over every knob and layout of `mesh`: the largest ZeRO
@@ -924,6 +933,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *,
         training = training.model_copy(update={"kernels": kernels})
     kernels = "torch" if training.kernels == "torch" else "fused"
     fixd = parse_fix(fix)
+    _check_recompute_pins(fixd, training)
     top = max(1, int(top))
     profiles = profiles or profile_from_spec(model)
     s = _Searcher(model, cluster, training, profiles, fixd, top, progress)
@@ -1008,6 +1018,19 @@ def _why_slower(est: Estimate, best: Estimate) -> str:
     if worst >= 0.5 * diff:
         return head + f"most of it {name.replace('_', ' ')} (+{worst:.3f} s)"
     return head + f"largest part {name.replace('_', ' ')} (+{worst:.3f} s)"
+
+
+def _check_recompute_pins(fixd: dict, training: TrainingSpec) -> None:
+    """`--fix recompute=...` pins only what the software stack recomputes (TrainingSpec.recompute_modes)."""
+    if fixd.get("recompute") is None:
+        return
+    check_recompute_runs(str(fixd["recompute"]), None, None, training)
+    if fixd.get("recompute_layers") is not None and "selective" not in training.recompute_modes.split("+"):
+        raise ConfigError(
+            "--fix recompute_layers recomputes some of a stage's layers in full and the others selectively, which "
+            "this software stack does not run", f"the stack recomputes with: {training.recompute_modes}",
+            "pin recompute=full alone (every layer), or --stack-set recompute_modes=selective+full for a stack "
+            "that has selective recomputation")
 
 
 def _explain_no_candidate(model, cluster, training, fixd) -> None:

@@ -26,6 +26,8 @@ subject to (family names as in the `add_<family>_constraint` methods; every cons
                   start one block earlier or later in the positional one)
   pin             `--fix recompute=...` fixes every stage's mode
   no_full         no stage recomputes a block fully (`StageProblem.no_full`: the search's second layout)
+  no_selective    no block is recomputed selectively, so a stage that recomputes fully does so for every block
+                  (`StageProblem.no_selective`: a software stack without selective recomputation)
 
 "if sigma_s" terms are linearised with big-M: W_s >= base + rs_rest - M_w (1 - sigma_s) and W_s >= base;
 A_s >= base + as_rest and A_s >= base + an_rest - M_a sigma_s, with M_a >= any stage's savings (an >= as).
@@ -368,6 +370,19 @@ class StageILP:
         for s in range(self.S):
             self._add(self._full_end(s) - self._start(s) == 0, f"no_full_s{s}")
 
+    def add_no_selective_constraint(self) -> None:
+        """`StageProblem.no_selective`: no block is recomputed selectively. Rank level U_r = 0 (with vp = 1 the
+        full_selective rows then force K_r = 0 or N_r; with vp >= 2 the rank's fully recomputed blocks fill stages
+        of their own, `_rank_chunks`); per stage, sigma_s = 1 only where the full prefix is the whole stage."""
+        if not self.p.no_selective:
+            return
+        if self.compact:
+            for r in range(self.p.pp):
+                self._add(self.U[r] == 0, f"no_selective_r{r}")
+            return
+        for s in range(self.S):
+            self._add(self._start(s + 1) - self._full_end(s) + self.L * self.sigma[s] <= self.L, f"no_selective_s{s}")
+
     def add_objective(self) -> None:
         v = self.p.vp
         work = self.R if self.compact else self.W
@@ -387,6 +402,7 @@ class StageILP:
         self.add_bottleneck_constraint()
         self.add_pin_constraint()
         self.add_no_full_constraint()
+        self.add_no_selective_constraint()
         return self
 
     def solve(self) -> StageSolution:
@@ -400,10 +416,11 @@ class StageILP:
         return self._extract()
 
     def binding_families(self) -> list[str]:
-        """Constraint families that cannot all hold. Every family but memory (and the pins and no_full) is always
-        satisfiable on its own (any contiguous layout satisfies cover/order/work/activation/transient/bottleneck), so an
-        infeasible problem is one whose memory rows cannot be met."""
-        return ["memory_r*"] + (["pin_*"] if self.p.pin else []) + (["no_full_*"] if self.p.no_full else [])
+        """Constraint families that cannot all hold. Every family but memory (and the pins, no_full and
+        no_selective) is always satisfiable on its own (any contiguous layout satisfies cover/order/work/activation/
+        transient/bottleneck), so an infeasible problem is one whose memory rows cannot be met."""
+        return ["memory_r*"] + (["pin_*"] if self.p.pin else []) + (["no_full_*"] if self.p.no_full else []) \
+            + (["no_selective_*"] if self.p.no_selective else [])
 
     def _extract(self) -> StageSolution:
         p, S = self.p, self.S

@@ -9,7 +9,8 @@ best of them exactly. The model mirrors `autoplan.cost_models.estimate.stage_cos
 - stage s holds blocks [a_s, a_{s+1}); stage 0 also the embedding, stage S-1 the LM head; stage s runs on
   pipeline rank s % pp; S = pp * vp;
 - a stage recomputes nothing, or selectively (every block: attention core), or fully its first k blocks and
-  selectively the rest (`StageLayout(recompute="full", recompute_layers=k)`);
+  selectively the rest (`StageLayout(recompute="full", recompute_layers=k)`); a software stack may lack a mode
+  (`no_full`, `no_selective`: then a fully recomputing stage recomputes every block);
 - stage work W_s (forward + backward + recomputation of one micro-batch, plus `stage_extra[s]`: the compute
   time its pipeline messages take from it, `estimate.p2p_occupancy`, which depends on the stage's position
   only), rank work R_r = sum of its stages;
@@ -67,8 +68,13 @@ class StageProblem:
     # per stage, work that does not depend on its blocks (seconds per micro-batch): the compute time its
     # pipeline messages take (cost_models.estimate.p2p_occupancy); empty = none
     stage_extra: tuple[float, ...] = ()
-    # no block recomputed fully (`pin` None): the search's second layout per candidate (`_Searcher.finalise`)
+    # no block recomputed fully (`pin` None): the search's second layout per candidate (`_Searcher.finalise`), or
+    # a software stack without full recomputation (TrainingSpec.recompute_modes)
     no_full: bool = False
+    # no block recomputed selectively: a software stack without selective recomputation (TrainingSpec.recompute_modes),
+    # where a stage that recomputes fully recomputes every block it holds (a partial one would recompute the rest
+    # selectively)
+    no_selective: bool = False
     # Gradients made in the backward (cost_models.estimate.grads_made_in_backward: no pipeline, one stage holding
     # every layer), else empty: the blocks' static bytes hold no gradient and the rank's memory is the fullest of
     # the last block's backward (the usual sum), the first block's (the later blocks' activations released, their
@@ -116,7 +122,14 @@ class StageProblem:
     def allowed_modes(self) -> tuple[str, ...]:
         if self.pin:
             return (self.pin,)
-        return (NONE, SELECTIVE) if self.no_full else (NONE, SELECTIVE, FULL)
+        return tuple(m for m in (NONE, SELECTIVE, FULL)
+                     if not (m == FULL and self.no_full or m == SELECTIVE and self.no_selective))
+
+    @property
+    def full_whole(self) -> bool:
+        """A stage that recomputes fully recomputes all its blocks (pinned full, or no selective mode for the
+        rest of a stage)."""
+        return self.pin == FULL or self.no_selective
 
 
 @dataclass(frozen=True)
@@ -206,7 +219,7 @@ def _stage_modes(p: StageProblem, n: int) -> list[tuple[str, int]]:
     out = []
     for mode in p.allowed_modes():
         if mode == FULL:
-            ks = [n] if p.pin == FULL else range(1, n + 1)
+            ks = [n] if p.full_whole else range(1, n + 1)
             out += [(FULL, k) for k in ks]
         else:
             out.append((mode, 0))
@@ -323,7 +336,7 @@ def rank_work_fn(p: StageProblem, b: BlockCost):
         infl = p.inflight[r]
         consts.append((bw, p.capacity[r] - bs - infl * ba, infl))
     none_ok, sel_ok, full_ok = NONE in modes, SELECTIVE in modes, FULL in modes
-    pin_full = p.pin == FULL
+    pin_full = p.full_whole
     w, rs, rf = b.work, b.rec_sel, b.rec_full
     an, asel, af, e, st = b.act_none, b.act_sel, b.act_full, b.transient, b.static
 

@@ -87,6 +87,26 @@ def test_ilp_without_full_recompute_equals_brute_force(p):
     assert abs(evaluate(p, sol.stages)[0] - bf.objective) <= 1e-6 * bf.objective
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems().filter(lambda p: p.pin in (None, "none", "full")), st.booleans())
+def test_ilp_without_selective_recompute_equals_brute_force(p, no_full):
+    """A software stack without selective recomputation (`StageProblem.no_selective`, TrainingSpec.recompute_modes
+    "full" or "none"): no stage recomputes selectively, and one that recomputes fully does so for every block."""
+    p = replace(p, no_selective=True, no_full=no_full and p.pin is None)
+    bf = brute_force(p)
+    sol = solve_stage_problem(p)
+    if bf is None:
+        assert sol is None
+        return
+    assert sol is not None
+    assert all(c.recompute == "none" or (c.recompute == "full" and c.recompute_layers == c.stop - c.start
+                                         and not p.no_full) for c in sol.stages)
+    assert abs(evaluate(p, sol.stages)[0] - bf.objective) <= 1e-6 * bf.objective
+    g = greedy_bound(p)
+    if p.identical_blocks and g != float("inf"):
+        assert g >= bf.objective * (1 - 1e-9)
+
+
 @settings(max_examples=40, deadline=None)
 @given(problems())
 def test_greedy_is_feasible_upper_bound_for_identical_blocks(p):

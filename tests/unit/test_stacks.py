@@ -407,3 +407,80 @@ def test_each_stack_splits_the_sequence_only_as_it_can():
     for bad in ("cp+sp", "sp,cp", "ulysses", ""):
         with pytest.raises(ConfigError, match="stack knob seq_splits"):
             apply_stack(TrainingSpec(global_batch_size=64, seq_length=4096), "autoplan", {"seq_splits": bad})
+
+
+def test_each_stack_recomputes_only_as_it_can(tmp_path, capsys):
+    """Megatron-LM 2021 checkpointed every layer (selective recomputation came in 2022-05), as do the 2021-22
+    Megatron-DeepSpeed and DeepSpeed / Hugging Face models: on those stacks estimate refuses selective
+    recomputation and a partial full one (whose other layers autoplan recomputes selectively), the search proposes
+    neither (GPT-3 175B on 384 A100 under megatron-2021 chose one fully recomputed layer and selective
+    recomputation elsewhere before the gate), a plan file that says otherwise is refused on load, and
+    --stack-set recompute_modes=selective+full widens a stack."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.errors import ConfigError
+    from autoplan.plan import load_plan
+    from autoplan.search.core import search
+    from autoplan.specs import load_cluster, load_model
+
+    model, cluster = load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16)
+    selective = {"autoplan": True, "torchtitan": True, "megatron-core": True, "megatron-2022": True,
+                 "megatron-2021": False, "megatron-deepspeed": False, "deepspeed-zero3": False}
+    assert set(selective) == set(STACKS)
+    for stack, has in selective.items():
+        tr = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), stack, {})
+        assert make_plan(model, cluster, tr, "tp=2,pp=1,mbs=1,recompute=full").prediction.step_time_s > 0
+        for cfg, refusal in (("tp=2,pp=1,mbs=1,recompute=selective", "recompute=selective is not a recomputation"),
+                             ("tp=2,pp=1,mbs=1,recompute=full,recompute_layers=8", "recomputing 8 of its 32 layers")):
+            if has:
+                assert make_plan(model, cluster, tr, cfg).prediction.step_time_s > 0
+            else:
+                with pytest.raises(ConfigError, match=refusal):
+                    make_plan(model, cluster, tr, cfg)
+    # an explicit layout: the stage with the most layers decides; recompute_layers counts up to a rank's layers
+    tr21 = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-2021", {})
+    with pytest.raises(ConfigError, match="recomputing 27 of its 28 layers"):
+        make_plan(model, cluster, tr21, "tp=2,pp=2,mbs=1,recompute=full,recompute_layers=27,layout=Et*4|t*28L")
+    whole = make_plan(model, cluster, tr21, "tp=2,pp=2,mbs=1,recompute=full,recompute_layers=28,layout=Et*4|t*28L")
+    assert [(s.recompute_layers, s.layers[1] - s.layers[0]) for s in whole.stages] == [(4, 4), (28, 28)]
+    with pytest.raises(ConfigError, match="recompute_layers exceeds the layers of a pipeline rank"):
+        make_plan(model, cluster, tr21, "tp=2,pp=2,mbs=1,recompute=full,recompute_layers=29,layout=Et*4|t*28L")
+
+    gpt, a100 = load_model("gpt3-175b"), load_cluster("dgx-a100-80g", gpus=384)
+    old = apply_stack(TrainingSpec(global_batch_size=1536, seq_length=2048), "megatron-2021", {})
+    plan = search(gpt, a100, old, top=3).plan
+    assert all(s.recompute == "none" or (s.recompute == "full" and s.recompute_layers == s.layers[1] - s.layers[0])
+               for s in plan.stages), plan.parallel.to_string()
+    wide = search(gpt, a100, old.model_copy(update={"recompute_modes": "selective+full"}), top=3).plan
+    assert any(s.recompute == "selective" or (s.recompute == "full" and s.recompute_layers < s.layers[1] - s.layers[0])
+               for s in wide.stages), wide.parallel.to_string()
+    assert wide.prediction.step_time_s < plan.prediction.step_time_s  # the gate costs speed, it is not free
+
+    base = _llama2_on_16_h100("megatron-2021")
+    for fix, needle in (("recompute=selective", "recompute=selective is not a recomputation"),
+                        ("recompute_layers=4", "--fix recompute_layers recomputes some of a stage's layers")):
+        assert main(["search", *base, "--fix", fix]) != 0
+        err = capsys.readouterr().err
+        assert needle in err and "recompute_modes=selective+full" in err and "\n" not in err.strip()
+    assert main(["estimate", *base, "--parallel", "tp=2,recompute=selective", "--stack-set",
+                 "recompute_modes=selective+full", "--json"]) == 0
+    capsys.readouterr()
+
+    # plans edited to claim a stack without selective recomputation and re-hashed: refused on load, by the
+    # configuration or by the stage that recomputes part of its layers
+    from autoplan.cost_models.errors import PlanError
+    from autoplan.plan import Plan
+
+    autoplan_tr = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan", {})
+    for cfg, edit, needle in (("tp=2,pp=2,mbs=1,recompute=selective", {}, "recompute=selective is not"),
+                              ("tp=2,pp=2,mbs=1,recompute=full", {"recompute_layers": 3},
+                               "stage 0 recomputing 3 of its 16 layers")):
+        d = json.loads(make_plan(model, cluster, autoplan_tr, cfg).to_json())
+        d["training"]["recompute_modes"] = "full"
+        d["stages"][0].update(edit)
+        d["content_hash"] = Plan.model_validate(d).compute_hash()
+        (tmp_path / "forged.json").write_text(json.dumps(d))
+        with pytest.raises(PlanError, match=needle):
+            load_plan(tmp_path / "forged.json")
+    for bad in ("full+selective", "partial", "", "selective,full"):
+        with pytest.raises(ConfigError, match="stack knob recompute_modes"):
+            apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan", {"recompute_modes": bad})
