@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from autoplan.cost_models.estimate import Estimate, StageLayout, estimate
 from autoplan.cost_models.profile import LayerProfile, profile_from_spec
-from autoplan.cost_models.specs import ClusterSpec, ModelSpec, ParallelConfig, TrainingSpec, check_config
+from autoplan.cost_models.specs import (
+    ClusterSpec,
+    ModelSpec,
+    ParallelConfig,
+    TrainingSpec,
+    check_config,
+    check_stages_recompute,
+)
 
 
 def estimate_config(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, cfg: ParallelConfig | str,
@@ -14,5 +21,8 @@ def estimate_config(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if isinstance(cfg, str):
         cfg = ParallelConfig.parse(cfg)
     cfg = check_config(cfg, model, cluster, training, stage_layers=layout is None)
+    if layout is not None:
+        check_stages_recompute([(s.layers[1] - s.layers[0], s.recompute, s.recompute_layers) for s in layout],
+                               training)
     profiles = profiles or profile_from_spec(model)
     return estimate(profiles, cluster, training, cfg, layout, keep_timeline=keep_timeline)

@@ -840,6 +840,14 @@ def _op_sac_kept(p: LayerProfile, ctx: Context, attention_saved: float) -> float
     return kept
 
 
+def selective_is_free(training: TrainingSpec) -> bool:
+    """Selective recomputation (Megatron's attention-core policy) re-runs and saves nothing on a GPU: the flash
+    kernel recomputes its scores anyway and the stack keeps the kernel's outputs (autoplan's runtime checkpoints the
+    core, so it re-runs the flash forward: `runtime_memory`). Then a partial full recomputation, whose other layers
+    recompute selectively, is Megatron's block method (the others recompute nothing)."""
+    return training.flash_attention and not training.runtime_memory and training.selective_policy == "attention_core"
+
+
 def layer_cost(p: LayerProfile, ctx: Context) -> LayerCost:
     """Time, memory and FLOPs of layer `p` for one micro-batch on one GPU."""
     cal = ctx.cluster.gpu.calibration

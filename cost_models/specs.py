@@ -478,6 +478,12 @@ class TrainingSpec(_Frozen):
         "(recompute_layers) recomputes a stage's other layers selectively. Megatron-LM checkpointed every layer "
         "(--checkpoint-activations) until the block method (2021-08) and selective recomputation (2022-05); "
         "DeepSpeed and Hugging Face models checkpoint whole layers.")
+    recompute_per_stage: bool = Field(
+        default=True, description="Stages may recompute differently (autoplan's runtime applies each stage's own, "
+        "runtime.parallelize.apply_recompute); false = one setting for every stage: nothing, selective, every "
+        "layer in full, or the same first k layers of each stage in full, as Megatron's --recompute-granularity / "
+        "--recompute-method / --recompute-num-layers (megatron/core/recompute.py: each model chunk recomputes its "
+        "first N layers) and torchtitan's activation_checkpoint section apply it.")
     align_grad_reduce: bool = Field(
         default=False, description="Under the interleaved schedule, each model chunk's gradient reduction is "
         "launched pipeline-rank backward actions after the chunk's last backward, at the same time across the "
@@ -873,6 +879,31 @@ def check_recompute_runs(mode: str, layers: int | None, blocks: int | None, trai
         f"use recompute={' or '.join(x for x in others if x != mode)}, "
         + _another_stack("recompute_modes", "selective+full"),
     )
+
+
+def check_stages_recompute(stages: list[tuple[int, str, int]], train: TrainingSpec) -> None:
+    """Each stage's recomputation, (blocks, mode, fully recomputed blocks), is what the stack runs
+    (`check_recompute_runs`); where the stack applies one setting to every stage (recompute_per_stage false) the
+    stages that hold blocks agree: one mode and, under full, the same first k blocks of each (min(k, blocks))."""
+    for i, (n, mode, k) in enumerate(stages):
+        check_recompute_runs(mode, k if mode == "full" else None, n, train, f"stage {i}")
+    if train.recompute_per_stage:
+        return
+    held = [(i, n, mode, k if mode == "full" else 0) for i, (n, mode, k) in enumerate(stages) if n > 0]
+    if not held:
+        return
+    top = max(k for _, _, _, k in held)
+    first = held[0]
+    for i, n, mode, k in held[1:]:
+        if mode != first[2] or (mode == "full" and (k != min(n, top) or first[3] != min(first[1], top))):
+            what = [f"stage {j} {m}" + (f" ({kk} of {nn} layers)" if m == "full" else "")
+                    for j, nn, m, kk in (first, (i, n, mode, k))]
+            raise ConfigError(
+                "this software stack applies one recomputation setting to every stage",
+                f"{what[0]}, {what[1]}",
+                "recompute alike in every stage (--parallel recompute=..., recompute_layers=k: the first k of each "
+                "stage), or --stack-set recompute_per_stage=true (autoplan's runtime)",
+            )
 
 
 def check_config(

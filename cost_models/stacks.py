@@ -26,7 +26,7 @@ STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_re
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion",
                "align_grad_reduce", "flexible_rounds", "zero_stages", "schedules", "seq_splits", "recompute_modes",
-               "grad_sync_all_reduce",
+               "recompute_per_stage", "grad_sync_all_reduce",
                "sp_grads_coalesced", "runtime_memory", "autocast_fp32_params", "selective_policy", "kernels",
                "checkpoint_early_stop", "cp_attention")
 # The short names `autoplan stacks` prints for some knobs; --stack-set takes them as well as the field names.
@@ -44,6 +44,8 @@ _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overla
            "loss_fusion": False, "align_grad_reduce": False, "flexible_rounds": True,
            "zero_stages": ALL_ZERO_STAGES, "schedules": ALL_SCHEDULES, "seq_splits": ALL_SEQ_SPLITS,
            "recompute_modes": ALL_RECOMPUTE_MODES,
+           # one recomputation setting for every stage, except on autoplan's runtime (TrainingSpec.recompute_per_stage)
+           "recompute_per_stage": False,
            "grad_sync_all_reduce": False,
            "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False,
            "selective_policy": "attention_core", "checkpoint_early_stop": None, "cp_attention": None}
@@ -85,6 +87,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         name="autoplan", title="autoplan's own runtime",
         knobs={"flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                "tp_comm_overlap": False, "kernels": "fused", "grad_reduce_dtype": None, "runtime_memory": True,
+               "recompute_per_stage": True,
                "sp_grads_coalesced": False, "autocast_fp32_params": True,
                # torch.distributed.pipelining sends a stage's output tensor as each tp rank holds it, rank to
                # rank: the whole hidden states without SP, nothing gathered (counts.boundary_bytes, measured)

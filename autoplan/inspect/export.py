@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 
+from ..cost_models.compute import selective_is_free
 from ..cost_models.estimate import num_microbatches
 from ..cost_models.pipeline import microbatch_group
 from ..plan import Plan
@@ -109,11 +110,14 @@ def _megatron_recompute(plan: Plan, warnings: list[str]) -> list[tuple[str, obje
         warnings.append(f"stages recompute different numbers of layers ({sorted(ks)}); Megatron's block method "
                         "takes one number per stage: exported the largest")
     # autoplan's partial full recompute re-runs the attention core of a stage's other layers (selective:
-    # estimate.stage_cost, runtime.parallelize.apply_recompute); Megatron's block method leaves them whole
+    # estimate.stage_cost, runtime.parallelize.apply_recompute); Megatron's block method leaves them whole, which
+    # is the same where selective recomputation does nothing (a flash kernel whose outputs are kept)
     rest = max(s.num_layers - s.recompute_layers for s in full)
-    warnings.append(f"the plan recomputes the attention core (selective) of up to {rest} layer(s) per stage beyond "
-                    f"the {max(ks)} it recomputes in full; Megatron's block method recomputes nothing there: they keep "
-                    "their whole activations, more memory than planned (not checked) and a little less time")
+    if not selective_is_free(plan.training):
+        warnings.append(f"the plan recomputes the attention core (selective) of up to {rest} layer(s) per stage "
+                        f"beyond the {max(ks)} it recomputes in full; Megatron's block method recomputes nothing "
+                        "there: they keep their whole activations, more memory than planned (not checked) and a "
+                        "little less time")
     return [("--recompute-granularity", "full"), ("--recompute-method", "block"),
             ("--recompute-num-layers", max(ks))]
 

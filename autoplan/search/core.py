@@ -764,8 +764,13 @@ class _Searcher:
                 prob = self.problem(mesh, kn)
                 self.stats.ranked += 1
                 if "recompute_layers" in self.fix:
-                    sol = self.pinned_layers_solution(prob)
+                    sol = self.pinned_layers_solution(prob, int(self.fix["recompute_layers"]))
                     score = sol.objective if sol else math.inf
+                elif prob.pin is None and not self.training.recompute_per_stage:
+                    modes, block = uniform_modes(prob)
+                    # the block method's layouts are ranked by the free layout's proxy (cheap, and no worse)
+                    score = min([greedy_bound(replace(prob, pin=m)) for m in modes]
+                                + ([greedy_bound(prob)] if block else []))
                 else:
                     score = greedy_bound(prob)
                 if score == math.inf:
@@ -816,14 +821,32 @@ class _Searcher:
         interleaved schedule's bubble (llama3-405b on 16384 H100: the ILP's one-full-block layout is 0.02 s
         ahead in closed form and 0.13 s behind simulated). Both go on the heap; the simulation decides."""
         if "recompute_layers" in self.fix:
-            sols = [self.pinned_layers_solution(prob)]
+            sols = [self.pinned_layers_solution(prob, int(self.fix["recompute_layers"]))]
+        elif prob.pin is None and not self.training.recompute_per_stage:
+            sols = self.uniform_solutions(prob)
         else:
             sols = [self.solve(prob)]
             if sols[0] is not None and prob.pin is None and any(c.recompute == FULL for c in sols[0].stages):
                 sols.append(self.solve(replace(prob, no_full=True)))
-        if sols[0] is None:
+        if all(sol is None for sol in sols):
             self.note_miss(mesh, kn, prob)
         return [f for f in (self._finalist(mesh, kn, sol, proxy) for sol in sols if sol is not None) if f]
+
+    def uniform_solutions(self, prob: StageProblem) -> list[StageSolution | None]:
+        """One recomputation setting for every stage (TrainingSpec.recompute_per_stage false: Megatron,
+        torchtitan): the ILP's optimum with each mode the stack has pinned and, where a stage's other blocks would
+        recompute nothing anyway (selective recomputation free and saving nothing: flash attention), the even
+        layout that recomputes the fewest first blocks of every stage in full and fits (Megatron's block method).
+        Without flash attention autoplan's partial full recomputation recomputes the other blocks selectively and
+        Megatron's block method does not: not proposed there (a shortcut: `--fix recompute_layers` still prices
+        autoplan's). All go on the heap; the simulation decides."""
+        modes, block = uniform_modes(prob)
+        sols = [self.solve(replace(prob, pin=m)) for m in modes]
+        if block:
+            most = -(-self.L // prob.num_stages)
+            sols.append(next((sol for k in range(1, most) if (sol := self.pinned_layers_solution(prob, k * prob.vp))),
+                             None))
+        return sols
 
     def solve(self, prob: StageProblem) -> StageSolution | None:
         if is_cached(prob):
@@ -871,9 +894,9 @@ class _Searcher:
             self.closest = (deficit, mesh, {"static": static, "activations": max(mem[r] - static, 0.0),
                                             "other": self.capacity - prob.capacity[r], "knobs": kn})
 
-    def pinned_layers_solution(self, prob: StageProblem) -> StageSolution | None:
-        """`--fix recompute_layers=R`: Megatron's even layout, R layers per rank recomputed (R/vp per stage)."""
-        R = int(self.fix["recompute_layers"])
+    def pinned_layers_solution(self, prob: StageProblem, R: int) -> StageSolution | None:
+        """Megatron's even layout, R layers per rank recomputed in full (R/vp per stage; `--fix recompute_layers`,
+        or the block method of `uniform_solutions`)."""
         S = prob.num_stages
         base, extra = divmod(self.L, S)
         stages, start = [], 0
@@ -883,6 +906,16 @@ class _Searcher:
             start += n
         obj, mem = evaluate(prob, tuple(stages))
         return StageSolution(tuple(stages), obj, mem, "even") if feasible(prob, mem) else None
+
+
+def uniform_modes(prob: StageProblem) -> tuple[list[str], bool]:
+    """The recomputation settings a stack with one setting for every stage may choose for `prob`: the modes it
+    has, pinned (selective left out where it is free and saves nothing: flash attention), and whether the block
+    method (the first k blocks of every stage in full, the rest nothing) is among them: only where the rest
+    would recompute nothing under autoplan's partial full recomputation too (`_Searcher.uniform_solutions`)."""
+    free = all(b.rec_sel == 0 and b.act_sel >= b.act_none for b in prob.blocks)
+    modes = [m for m in prob.allowed_modes() if not (m == SELECTIVE and free)]
+    return modes, FULL in modes and free and not prob.no_selective
 
 
 def _dominating_twin(mesh: Mesh, kn: Knobs, *, sp_dominates: bool = True) -> tuple[Mesh, Knobs] | None:

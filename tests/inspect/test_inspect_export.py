@@ -70,6 +70,13 @@ def test_megatron_partial_full_recompute_uses_block(gpt175):
     assert len(warned) == 1 and "up to 6 layer(s)" in warned[0], export_megatron(plan)["warnings"]
     every = make_plan(m, c, tr, "tp=8,pp=8,mbs=1,sp=1,recompute=full")
     assert not [w for w in export_megatron(every)["warnings"] if "block method" in w]
+    # where selective recomputation does nothing (a flash kernel whose outputs the stack keeps: megatron-core) the
+    # plan is the block method exactly, and nothing is warned
+    from autoplan.cost_models.stacks import apply_stack
+
+    core = make_plan(m, c, apply_stack(tr, "megatron-core", {}), "tp=8,pp=8,mbs=1,sp=1,recompute=full,recompute_layers=6")
+    assert parse(core).recompute_method == "block"
+    assert not [w for w in export_megatron(core)["warnings"] if "block method" in w]
 
 
 def test_megatron_model_shape_flags_llama_and_moe():

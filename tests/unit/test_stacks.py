@@ -484,3 +484,65 @@ def test_each_stack_recomputes_only_as_it_can(tmp_path, capsys):
     for bad in ("full+selective", "partial", "", "selective,full"):
         with pytest.raises(ConfigError, match="stack knob recompute_modes"):
             apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan", {"recompute_modes": bad})
+
+
+def test_stacks_with_one_recomputation_setting_plan_one_for_every_stage(tmp_path, capsys):
+    """Megatron (--recompute-granularity/-method/-num-layers: each model chunk recomputes its first N layers) and
+    torchtitan (one activation_checkpoint section) apply one setting to every stage; autoplan's runtime recomputes
+    each stage its own way. On the other stacks the search proposes one setting (the block method included: the
+    first k layers of every stage in full), the export then needs no "stages recompute differently" warning, and
+    a plan or layout that mixes is refused with the fix; --stack-set recompute_per_stage=true widens a stack."""
+    from autoplan.cost_models.errors import ConfigError, PlanError
+    from autoplan.cost_models.specs import check_stages_recompute
+    from autoplan.inspect.export import megatron_flags
+    from autoplan.plan import Plan, load_plan
+    from autoplan.search.core import search
+    from autoplan.specs import load_cluster, load_model
+
+    per_stage = {name: st.knobs["recompute_per_stage"] for name, st in STACKS.items()}
+    assert per_stage == {name: name == "autoplan" for name in STACKS}
+
+    def stages(plan):
+        return [(s.recompute, s.recompute_layers, s.layers[1] - s.layers[0]) for s in plan.stages]
+
+    # Llama 2 7B on 8 H100, tp=1, pp=2, mbs=4: the first rank (two micro-batches in flight) must recompute 4 of its
+    # 16 layers; Megatron's block method recomputes the same 4 on the second rank too
+    model, cluster = load_model("llama2-7b"), load_cluster("dgx-h100", gpus=8)
+    fix = {"tp": "1", "cp": "1", "pp": "2", "mbs": "4", "zero": "1", "vp": "1"}
+    core = apply_stack(TrainingSpec(global_batch_size=256, seq_length=4096), "megatron-core", {})
+    one = search(model, cluster, core, top=2, fix=fix).plan
+    assert stages(one) == [("full", 4, 16), ("full", 4, 16)]
+    flags, warnings = megatron_flags(one)
+    assert ("--recompute-method", "block") in flags and ("--recompute-num-layers", 4) in flags
+    assert not [w for w in warnings if "recompute" in w]
+    free = search(model, cluster, core.model_copy(update={"recompute_per_stage": True}), top=2, fix=fix).plan
+    assert stages(free) == [("full", 4, 16), ("none", 0, 16)]
+    assert free.prediction.step_time_s < one.prediction.step_time_s  # what per-stage recomputation is worth
+    assert any("recompute differently" in w for w in megatron_flags(free)[1])
+
+    # GPT-3 175B on 128 H100 unpinned: before, megatron-core's best recomputed one layer in one virtual stage only
+    gpt = search(load_model("gpt3-175b"), load_cluster("dgx-h100", gpus=128),
+                 apply_stack(TrainingSpec(global_batch_size=256, seq_length=2048), "megatron-core", {}), top=2).plan
+    held = {(m, k if m == "full" else 0) for m, k, n in stages(gpt) if n}
+    assert len(held) == 1 or {m for m, _ in held} == {"full"}, held
+    check_stages_recompute([(n, m, k) for m, k, n in stages(gpt)], gpt.training)
+
+    mixed = [(16, "full", 4), (16, "none", 0)]
+    with pytest.raises(ConfigError, match="applies one recomputation setting to every stage"):
+        check_stages_recompute(mixed, core)
+    with pytest.raises(ConfigError, match="stage 1 full \\(8 of 16 layers\\)"):
+        check_stages_recompute([(16, "full", 4), (16, "full", 8)], core)
+    check_stages_recompute([(3, "full", 3), (16, "full", 4), (0, "none", 0)], core)  # min(k, layers), empty stages
+    check_stages_recompute(mixed, core.model_copy(update={"recompute_per_stage": True}))
+
+    # the per-stage plan restacked onto megatron-core is refused, and so is a forged plan file
+    path = free.save(tmp_path / "free.json")
+    assert main(["show", str(path), "--stack", "megatron-core"]) != 0
+    err = capsys.readouterr().err
+    assert "one recomputation setting" in err and "recompute_per_stage=true" in err and "\n" not in err.strip()
+    d = json.loads(free.to_json())
+    d["training"]["recompute_per_stage"] = False
+    d["content_hash"] = Plan.model_validate(d).compute_hash()
+    (tmp_path / "forged.json").write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="applies one recomputation setting"):
+        load_plan(tmp_path / "forged.json")
