@@ -257,6 +257,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         d["stack"] = stack_label_of(args)
         if faster is not None:
             d["faster_kernels"] = {"kernels": "torch", "step_time_s": faster.step_time_s}
+        d.update(getattr(args, "extra_json", None) or {})  # e.g. what `from-megatron` read
         print_json(d)
     else:
         con = console()
@@ -507,13 +508,14 @@ def main(argv: list[str] | None = None) -> int:
     for p in [ap, *next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices.values()]:
         p._json_wanted = want_json
     extra: list[str] = []
-    if "--" in argv:  # everything after `--` belongs to the launched program (`autoplan run`)
+    if "--" in argv:  # everything after `--` belongs to the launched program (`autoplan run`, `from-megatron`)
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     args = ap.parse_args(argv)
     args.extra_args = extra
-    if extra and args.command != "run":
-        ap.error(f"arguments after -- are only accepted by `autoplan run`: {' '.join(extra)}")
+    if extra and args.command not in ("run", "from-megatron"):
+        ap.error(f"arguments after -- are only accepted by `autoplan run` and `autoplan from-megatron`: "
+                 f"{' '.join(extra)}")
     try:
         return args.func(args)
     except AutoplanError as e:

@@ -1,4 +1,4 @@
-"""CLI commands: show, compare, explain, trace, export, scaling (registered by autoplan/cli.py)."""
+"""CLI commands: show, compare, explain, trace, export, from-megatron, scaling (registered by autoplan/cli.py)."""
 
 from __future__ import annotations
 
@@ -196,6 +196,73 @@ def cmd_scaling(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_from_megatron(args: argparse.Namespace) -> int:
+    """Estimate a Megatron-LM command line as it stands: its flags read into a model, a parallel configuration and
+    stack knobs (`megatron_import.read_megatron`), then `autoplan estimate` with them."""
+    import shlex
+    import tempfile
+
+    from ..cli import build_parser, cmd_estimate
+    from ..cost_models.errors import ConfigError, SpecError
+    from .megatron_import import command_tokens, read_megatron
+
+    tokens = command_tokens(Path(args.script).read_text()) if args.script else []
+    tokens += list(getattr(args, "extra_args", None) or [])
+    if not tokens:
+        raise ConfigError("no Megatron flags given", "nothing after -- and no --script",
+                          "pass the flags after --, or the launch script with --script FILE")
+    from ..workload import resolve_model
+
+    run = read_megatron(tokens, resolve_model(args.model)[0] if args.model else None)
+    gpus = args.gpus or run.gpus
+    if gpus is None:
+        raise ConfigError("the number of GPUs is not in the command", "no torchrun --nnodes/--nproc-per-node",
+                          "pass --gpus N (Megatron's world size)")
+    cfg = run.parallel
+    notes = list(run.notes)
+    batch = run.global_batch
+    if batch is None:  # Megatron's default: one micro-batch per data-parallel rank
+        dp = gpus // (cfg.tp * cfg.pp * cfg.cp)
+        batch = cfg.mbs * max(dp, 1)
+        notes.append(f"no --global-batch-size: Megatron's default, micro-batch x data-parallel size = {batch}")
+    if run.model is not None and args.model:
+        raise SpecError("the flags describe the model and --model names one", f"--num-layers "
+                        f"{run.model.num_layers} in the flags, --model {args.model}", "drop --model, or the shape flags")
+    if run.model is None and not args.model:
+        raise SpecError("the flags give no model shape", "no --num-layers", "pass --model PRESET or FILE, or the "
+                        "shape flags (--num-layers, --hidden-size, --num-attention-heads, --vocab-size, ...)")
+    model_path = args.model
+    if run.model is not None:
+        model_path = args.model_out or str(Path(tempfile.mkdtemp(prefix="autoplan-megatron-")) / "model.json")
+        Path(model_path).write_text(run.model.model_dump_json(indent=2, exclude_none=True))
+    knobs = {**run.stack_set}
+    knobs_text = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in knobs.items())
+    if args.stack_set:
+        knobs_text += "," + args.stack_set  # the user's own overrides come last and win
+    argv = ["estimate", "--model", model_path, "--cluster", args.cluster, "--gpus", str(gpus), "--global-batch",
+            str(batch), "--seq-len", str(run.seq_len), "--dtype", run.dtype, "--stack", args.stack, "--stack-set",
+            knobs_text, "--parallel", cfg.model_copy(update={"layout": None}).to_string()]
+    if cfg.layout is not None:
+        argv += ["--layout", cfg.layout]
+    shown = ["autoplan", *argv]
+    if run.model is not None and not args.model_out:
+        shown[shown.index(model_path)] = "MODEL.json"
+    for note in notes:
+        print(f"autoplan: note: {note}", file=sys.stderr)
+    if run.unpriced:
+        print(f"autoplan: not priced (they change nothing the cost model sees): {' '.join(run.unpriced)}",
+              file=sys.stderr)
+    print(f"autoplan: the same as: {shlex.join(shown)}"
+          + ("" if run.model is None or args.model_out else "  (--model-out FILE writes MODEL.json)"),
+          file=sys.stderr)
+    ns = build_parser().parse_args(argv + (["-o", args.output] if args.output else [])
+                                   + (["--json"] if args.json else []))
+    ns.extra_json = {"from_megatron": {"parallel": cfg.to_string(), "stack": args.stack, "stack_set": knobs,
+                                       "model": run.model.model_dump(exclude_none=True) if run.model else args.model,
+                                       "notes": notes, "unpriced": run.unpriced}}
+    return cmd_estimate(ns)
+
+
 def register(sub) -> None:
     p = sub.add_parser("show", help="show a plan: mesh, stages, memory, step time, runners-up")
     p.add_argument("plan", help="plan file (from `autoplan search -o` or `estimate -o`)")
@@ -237,6 +304,24 @@ def register(sub) -> None:
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     add_json(p)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("from-megatron", help="estimate a Megatron-LM command line as it stands (the inverse of "
+                       "export): autoplan from-megatron --cluster C -- FLAGS...")
+    p.add_argument("--cluster", required=True, help="cluster preset or YAML file (the flags do not say)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="world size (default: torchrun's --nnodes x --nproc-per-node in the command)")
+    p.add_argument("--model", default=None,
+                   help="model preset or spec file, when the flags give no shape (--num-layers, ...)")
+    p.add_argument("--script", metavar="FILE", help="read the command from a launch script (torchrun ... pretrain_gpt.py "
+                   "--flags; comments and line continuations allowed)")
+    p.add_argument("--stack", default="megatron-core", metavar="NAME",
+                   help="software stack the flags run on (default megatron-core; `autoplan stacks`)")
+    p.add_argument("--stack-set", default=None, metavar="KEY=VAL,...",
+                   help="override stack knobs beyond what the flags say")
+    p.add_argument("--model-out", metavar="FILE", help="write the model spec the flags describe to FILE")
+    p.add_argument("-o", "--output", help="also write the configuration as a plan file")
+    add_json(p)
+    p.set_defaults(func=cmd_from_megatron)
 
     p = sub.add_parser("scaling", help="the best plan at each GPU count", conflict_handler="resolve")
     add_workload_args(p)

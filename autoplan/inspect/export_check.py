@@ -126,6 +126,16 @@ def check_megatron(args: list[str], world_size: int, env: dict[str, str] | None 
     return None
 
 
+def megatron_config(args: list[str], world_size: int, env: dict[str, str] | None = None, arch_major: int = 9):
+    """Megatron-LM's validated arguments and the TransformerConfig it builds from them, for `args` (what
+    `autoplan from-megatron` reads is checked against it). Raises what Megatron raises."""
+    arguments, to_config = _megatron_training()
+    with _megatron_launch(args, world_size, env, arch_major):
+        ns = arguments.parse_args()
+        arguments.validate_args(ns)
+        return ns, to_config(ns)
+
+
 def megatron_stage_layers(args: list[str], world_size: int, env: dict[str, str] | None = None,
                           arch_major: int = 9) -> list[int]:
     """The transformer layers Megatron-LM builds on each (virtual) stage for `args`, in model order (stage k on

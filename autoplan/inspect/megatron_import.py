@@ -1,0 +1,322 @@
+"""Read a Megatron-LM command line into autoplan's terms: the model, the parallel configuration, the stack.
+
+The inverse of `autoplan export --format megatron` (`export.megatron_flags`). A user with a Megatron launch (their
+own script, or flags copied from a paper or a blog post) asks what autoplan predicts for exactly that, before asking
+what autoplan would choose instead. Flags are read as Megatron-LM reads them (megatron/training/arguments.py: the
+default FFN and head sizes, the vocabulary padded to a multiple of 128 x tp, bf16 gradients reduced in fp32 unless
+--grad-reduce-in-bf16); flags that change nothing the cost model sees (learning rate, data, checkpoints, logging)
+are listed, never dropped silently; a setting the cost model cannot express is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass, field
+
+from autoplan.cost_models.errors import ConfigError
+from autoplan.cost_models.specs import ModelSpec, MoESpec, ParallelConfig
+
+# Megatron's own defaults (megatron/training/arguments.py) where a flag is absent
+_MAKE_VOCAB_DIVISIBLE_BY = 128  # --make-vocab-size-divisible-by
+_DROPOUT = 0.1  # --hidden-dropout, --attention-dropout
+_ROTARY_BASE = 10000.0  # --rotary-base
+# The vocabulary of Megatron's built-in tokenizers that need no file to know it
+_TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
+# Flags read here; every other one is listed as not priced.
+_READ = {
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+    "--expert-model-parallel-size", "--sequence-parallel", "--micro-batch-size", "--global-batch-size",
+    "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout",
+    "--microbatch-group-size-per-virtual-pipeline-stage", "--recompute-activations", "--checkpoint-activations",
+    "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--recompute-modules",
+    "--use-distributed-optimizer", "--use-megatron-fsdp", "--use-torch-fsdp2", "--data-parallel-sharding-strategy",
+    "--bf16", "--fp16", "--fp8-format", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32",
+    "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap", "--no-align-grad-reduce",
+    "--cross-entropy-loss-fusion", "--attention-backend", "--use-flash-attn", "--use-precision-aware-optimizer",
+    "--exp-avg-dtype", "--exp-avg-sq-dtype",
+    "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
+    "--max-position-embeddings", "--vocab-size", "--make-vocab-size-divisible-by", "--tokenizer-type",
+    "--group-query-attention", "--num-query-groups", "--kv-channels", "--swiglu", "--squared-relu",
+    "--normalization", "--position-embedding-type", "--rotary-base", "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear", "--hidden-dropout", "--attention-dropout", "--num-experts", "--moe-router-topk",
+    "--moe-ffn-hidden-size", "--moe-layer-freq", "--moe-token-dispatcher-type",
+}
+# Flags read whose other values autoplan does not price (a note says so).
+_UNPRICED_SETTINGS = {
+    "--moe-token-dispatcher-type": ("alltoall", "expert routing is priced as all-to-all (cost_models/comm.py)"),
+}
+
+
+@dataclass
+class MegatronRun:
+    """What a Megatron command line says, in autoplan's terms."""
+
+    parallel: ParallelConfig
+    seq_len: int
+    dtype: str
+    stack_set: dict[str, object]  # the stack knobs the flags decide (over the chosen --stack's)
+    global_batch: int | None  # None: Megatron's default, micro-batch x data-parallel size
+    model: ModelSpec | None  # None: the flags give no shape (--num-layers absent)
+    gpus: int | None = None  # torchrun's --nnodes x --nproc-per-node, where the command has them
+    notes: list[str] = field(default_factory=list)
+    unpriced: list[str] = field(default_factory=list)  # flags that change nothing the cost model sees
+
+
+def command_tokens(text: str) -> list[str]:
+    """The words of a launch command or script: comments and line continuations removed, shell quoting undone."""
+    return shlex.split(text.replace("\\\n", " "), comments=True)
+
+
+def _split_launcher(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """(launcher words, Megatron words): everything up to the training script (a word ending in .py) is the
+    launcher's (torchrun, environment assignments); without a script every word is Megatron's."""
+    for i, t in enumerate(tokens):
+        if t.endswith(".py"):
+            return tokens[:i], tokens[i + 1:]
+    return [], tokens
+
+
+def _flags(words: list[str]) -> dict[str, list[str]]:
+    """`--flag value ...` and `--flag=value` into {flag: values}; the last occurrence wins, as with argparse."""
+    out: dict[str, list[str]] = {}
+    key = None
+    for w in words:
+        if w.startswith("--"):
+            name, eq, value = w.partition("=")
+            key = name.replace("_", "-")
+            out[key] = [value] if eq else []
+        elif key is not None:
+            out[key].append(w)
+        else:
+            raise ConfigError("a Megatron command line is --flags and their values",
+                              f"{w!r} comes before any flag", "pass the flags after the training script")
+    return out
+
+
+def _launcher_gpus(words: list[str]) -> int | None:
+    """torchrun's world size, where its --nnodes (default 1) and --nproc-per-node are plain integers."""
+    f: dict[str, str] = {}
+    for i, w in enumerate(words):
+        if w.startswith("--"):
+            name, eq, value = w.partition("=")
+            if eq or i + 1 < len(words):
+                f[name.replace("_", "-")] = value if eq else words[i + 1]
+    nodes, procs = f.get("--nnodes", "1"), f.get("--nproc-per-node", "")
+    return int(nodes) * int(procs) if nodes.isdigit() and procs.isdigit() else None
+
+
+class _Reader:
+    """Typed access to the flags, with errors that name the flag."""
+
+    def __init__(self, flags: dict[str, list[str]]) -> None:
+        self.f = flags
+
+    def has(self, name: str) -> bool:
+        return name in self.f
+
+    def value(self, name: str) -> str | None:
+        vals = self.f.get(name)
+        if vals is None:
+            return None
+        if len(vals) != 1:
+            raise ConfigError(f"{name} takes one value", f"got {' '.join(vals) or 'none'}",
+                              f"write {name} VALUE")
+        v = vals[0]
+        if v.startswith("$"):
+            raise ConfigError(f"{name} is a shell variable ({v})", "autoplan reads the command as written",
+                              "expand the variables first (e.g. paste the command Megatron logs, or `bash -x`)")
+        return v
+
+    def int(self, name: str, default: int | None = None) -> int | None:
+        v = self.value(name)
+        if v is None:
+            return default
+        try:
+            return int(v)
+        except ValueError:
+            raise ConfigError(f"{name} takes an integer", f"got {v!r}", f"write {name} N") from None
+
+    def float(self, name: str, default: float) -> float:
+        v = self.value(name)
+        if v is None:
+            return default
+        try:
+            return float(v)
+        except ValueError:
+            raise ConfigError(f"{name} takes a number", f"got {v!r}", f"write {name} X") from None
+
+
+def _model(r: _Reader, tp: int, seq: int, notes: list[str]) -> ModelSpec | None:
+    """The transformer the flags describe, with Megatron's defaults for what they leave out."""
+    layers = r.int("--num-layers")
+    if layers is None:
+        return None
+    h, heads = r.int("--hidden-size"), r.int("--num-attention-heads")
+    if h is None or heads is None:
+        raise ConfigError("a Megatron model needs --hidden-size and --num-attention-heads beside --num-layers",
+                          f"hidden {h}, heads {heads}", "add both flags")
+    swiglu = r.has("--swiglu")
+    # arguments.py: the FFN defaults to 4h, or for SwiGLU to 2/3 of it rounded down to a multiple of 64
+    ffn = r.int("--ffn-hidden-size", int((4 * h * 2 / 3) / 64) * 64 if swiglu else 4 * h)
+    vocab = r.int("--vocab-size")
+    tokenizer = r.value("--tokenizer-type")
+    if vocab is None and tokenizer in _TOKENIZER_VOCAB:
+        vocab = _TOKENIZER_VOCAB[tokenizer]
+    if vocab is None:
+        raise ConfigError("the vocabulary size is not in the flags", "Megatron reads it from the tokenizer's files",
+                          "add --vocab-size N (the tokenizer's size, e.g. 128256 for Llama 3, 32000 for Llama 2)")
+    multiple = r.int("--make-vocab-size-divisible-by", _MAKE_VOCAB_DIVISIBLE_BY) * tp
+    padded = int(math.ceil(vocab / multiple) * multiple)  # vocab_size_with_padding
+    if padded != vocab:
+        notes.append(f"vocabulary {vocab} padded to {padded} (a multiple of "
+                     f"{multiple // tp} x tp, as Megatron pads it)")
+    kv = r.int("--num-query-groups") if r.has("--group-query-attention") else None
+    position = {"rope": "rope", "learned_absolute": "learned", None: "learned"}.get(r.value("--position-embedding-type"))
+    if position is None:
+        raise ConfigError("unsupported --position-embedding-type", f"got {r.value('--position-embedding-type')}",
+                          "autoplan prices rope and learned_absolute positions")
+    norm = r.value("--normalization") or "LayerNorm"
+    if norm not in ("LayerNorm", "RMSNorm"):
+        raise ConfigError("unsupported --normalization", f"got {norm}", "autoplan prices LayerNorm and RMSNorm")
+    hidden_do, attn_do = r.float("--hidden-dropout", _DROPOUT), r.float("--attention-dropout", _DROPOUT)
+    if hidden_do != attn_do:
+        notes.append(f"dropout: hidden {hidden_do:g}, attention {attn_do:g}; autoplan has one rate, priced at "
+                     f"{max(hidden_do, attn_do):g}")
+    moe = None
+    experts = r.int("--num-experts")
+    if experts is not None and experts > 1:
+        freq = r.value("--moe-layer-freq")
+        if freq is not None and not freq.isdigit():
+            raise ConfigError("--moe-layer-freq as a pattern is not expressible", f"got {freq}",
+                              "write every n-th layer as an integer n (autoplan's every_n_layers)")
+        moe = MoESpec(num_experts=experts, top_k=r.int("--moe-router-topk", 2),
+                      expert_ffn_hidden_size=r.int("--moe-ffn-hidden-size"),
+                      every_n_layers=int(freq) if freq else 1)
+    return ModelSpec(
+        name="megatron-args", num_layers=layers, hidden_size=h, num_attention_heads=heads, num_kv_heads=kv,
+        head_dim=r.int("--kv-channels"), ffn_hidden_size=ffn, vocab_size=padded,
+        max_seq_length=r.int("--max-position-embeddings", seq),
+        activation="swiglu" if swiglu else "relu2" if r.has("--squared-relu") else "gelu",
+        norm="rmsnorm" if norm == "RMSNorm" else "layernorm", position=position,
+        tie_embeddings=not r.has("--untie-embeddings-and-output-weights"),
+        rope_theta=r.float("--rotary-base", _ROTARY_BASE) if position == "rope" else _ROTARY_BASE,
+        bias=not r.has("--disable-bias-linear"), dropout=max(hidden_do, attn_do), moe=moe,
+    )
+
+
+def _recompute(r: _Reader, vp: int, notes: list[str]) -> dict[str, object]:
+    """--recompute-granularity / -method / -num-layers (and the older --recompute-activations,
+    --checkpoint-activations) as autoplan's recompute and recompute_layers (a pipeline rank's layers)."""
+    if r.has("--checkpoint-activations"):  # Megatron-LM before 2023-04: every layer, uniform
+        return {"recompute": "full"}
+    granularity = r.value("--recompute-granularity") or ("selective" if r.has("--recompute-activations") else None)
+    if granularity is None:
+        return {}
+    if granularity == "selective":
+        modules = r.f.get("--recompute-modules")
+        if modules and set(modules) != {"core_attn"}:
+            notes.append(f"--recompute-modules {' '.join(modules)}: priced as the attention core's recomputation "
+                         "only (Megatron's default selective set)")
+        return {"recompute": "selective"}
+    if granularity != "full":
+        raise ConfigError("unknown --recompute-granularity", f"got {granularity}", "use full or selective")
+    method = r.value("--recompute-method") or "uniform"
+    n = r.int("--recompute-num-layers", 1)
+    if method == "uniform":
+        if n > 1:
+            notes.append(f"--recompute-method uniform --recompute-num-layers {n}: every layer recomputes, priced "
+                         f"with a checkpoint per layer (Megatron keeps one per {n} layers: less memory)")
+        return {"recompute": "full"}
+    if method == "block":  # each model chunk recomputes its first n layers: n per virtual stage, n * vp per rank
+        return {"recompute": "full", "recompute_layers": n * vp}
+    raise ConfigError("unknown --recompute-method", f"got {method}", "use uniform or block")
+
+
+def _zero(r: _Reader) -> int:
+    if r.has("--use-megatron-fsdp") or r.has("--use-torch-fsdp2"):
+        strategy = r.value("--data-parallel-sharding-strategy") or "optim_grads_params"
+        return {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}[strategy]
+    return 1 if r.has("--use-distributed-optimizer") else 0
+
+
+def _stack_knobs(r: _Reader, dtype: str) -> dict[str, object]:
+    """The stack knobs Megatron's flags decide; the rest stay the chosen stack's."""
+    knobs: dict[str, object] = {
+        "overlap_grad_reduce": r.has("--overlap-grad-reduce"),
+        "overlap_param_gather": r.has("--overlap-param-gather"),
+        "tp_comm_overlap": r.has("--tp-comm-overlap"),
+        "align_grad_reduce": not r.has("--no-align-grad-reduce"),
+        "loss_fusion": r.has("--cross-entropy-loss-fusion"),
+    }
+    backend = r.value("--attention-backend") or ("flash" if r.has("--use-flash-attn") else None)
+    if backend is not None:  # absent: the stack's (Megatron-LM before 2023 had no flash attention)
+        if backend not in ("flash", "fused", "unfused", "local", "auto"):
+            raise ConfigError("unknown --attention-backend", f"got {backend}", "use flash, fused, unfused or auto")
+        # flash, TE's fused attention and auto (which picks one of them on Hopper and later) keep no s x s scores
+        knobs["flash_attention"] = backend in ("flash", "fused", "auto")
+    if dtype in ("bf16", "fp8"):
+        # "bfloat16 requires gradient accumulation and all-reduce to be done in fp32" unless --grad-reduce-in-bf16
+        knobs["grad_reduce_dtype"] = "bf16" if r.has("--grad-reduce-in-bf16") else "fp32"
+    if r.has("--use-precision-aware-optimizer") and r.value("--exp-avg-dtype") == "bf16":
+        knobs["optimizer_dtype"] = "bf16"
+    return knobs
+
+
+def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> MegatronRun:
+    """A Megatron-LM command line (the launcher's words included or not) in autoplan's terms; `model` is the
+    model when the flags give no shape (its layer count places virtual and uneven stages)."""
+    launcher, words = _split_launcher(tokens)
+    flags = _flags(words)
+    r = _Reader(flags)
+    notes: list[str] = []
+    tp = r.int("--tensor-model-parallel-size", 1)
+    pp = r.int("--pipeline-model-parallel-size", 1)
+    seq = r.int("--seq-length")
+    if seq is None:
+        raise ConfigError("the flags give no --seq-length", "Megatron requires it", "add --seq-length N")
+    shaped = _model(r, tp, seq, notes)
+    layers = (shaped or model).num_layers if (shaped or model) else None
+    vp, layout = 1, r.value("--pipeline-model-parallel-layout")
+    if r.has("--num-virtual-stages-per-pipeline-rank"):
+        vp = r.int("--num-virtual-stages-per-pipeline-rank")
+    elif r.has("--num-layers-per-virtual-pipeline-stage"):
+        per = r.int("--num-layers-per-virtual-pipeline-stage")
+        if layers is None or per <= 0 or (layers // pp) % per:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage must divide each pipeline rank's layers",
+                              f"{layers} layers, pp={pp}, {per} per virtual stage", "fix the flag (or add --num-layers)")
+        vp = layers // pp // per
+    if layout is not None:
+        from autoplan.cost_models.layout import normalize, parse_layout
+
+        layout = normalize(layout)
+        vp = max(1, len(parse_layout(layout)) // pp)
+    first, last = r.int("--decoder-first-pipeline-num-layers"), r.int("--decoder-last-pipeline-num-layers")
+    if (first is not None or last is not None) and layout is None:
+        if layers is None:
+            raise ConfigError("uneven first/last pipeline ranks need the layer count", "no --num-layers",
+                              "add --num-layers")
+        from autoplan.cost_models.layout import uneven
+
+        layout = uneven(layers, pp, vp, first, last)
+    dtype = "fp8" if r.has("--fp8-format") else "bf16" if r.has("--bf16") else "fp16" if r.has("--fp16") else "fp32"
+    parallel = ParallelConfig(
+        tp=tp, pp=pp, cp=r.int("--context-parallel-size", 1), ep=r.int("--expert-model-parallel-size", 1), vp=vp,
+        mbs=r.int("--micro-batch-size", 1), sp=r.has("--sequence-parallel"), zero=_zero(r),
+        schedule="interleaved" if vp > 1 else "1f1b", layout=layout, **_recompute(r, vp, notes),
+    )
+    if not r.has("--micro-batch-size"):
+        notes.append("no --micro-batch-size (Megatron requires one): 1 assumed")
+    group = r.int("--microbatch-group-size-per-virtual-pipeline-stage")
+    if group is not None and group != pp:
+        notes.append(f"--microbatch-group-size-per-virtual-pipeline-stage {group}: autoplan's interleaved schedule "
+                     "picks its own round length (torch's Interleaved1F1B); the one priced may differ")
+    for flag, (want, why) in _UNPRICED_SETTINGS.items():
+        v = r.value(flag)
+        if v is not None and v != want:
+            notes.append(f"{flag} {v}: {why}")
+    unpriced = sorted(k for k in flags if k not in _READ)
+    return MegatronRun(parallel=parallel, seq_len=seq, dtype=dtype, stack_set=_stack_knobs(r, dtype),
+                       global_batch=r.int("--global-batch-size"), model=shaped, gpus=_launcher_gpus(launcher),
+                       notes=notes, unpriced=unpriced)

@@ -1,0 +1,190 @@
+"""`autoplan from-megatron`: a Megatron-LM command line read back into autoplan's terms. Every export of autoplan's
+(`autoplan export --format megatron`) reads back to the plan it came from, and Megatron's defaults apply where a
+command leaves a flag out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autoplan.api import plan_from_estimate
+from autoplan.cli import main
+from autoplan.cost_models.errors import ConfigError
+from autoplan.cost_models.layout import counts
+from autoplan.cost_models.specs import TrainingSpec
+from autoplan.cost_models.stacks import apply_stack
+from autoplan.estimate_api import estimate_config
+from autoplan.inspect import export_megatron
+from autoplan.inspect.megatron_import import command_tokens, read_megatron
+from autoplan.specs import load_cluster, load_model
+
+# (model, GPUs, global batch, seq, dtype, configuration, --stack-set): each a different part of the flag table
+CASES = [
+    ("llama2-70b", 64, 512, 4096, "bf16", "tp=4,pp=4,vp=5,mbs=1,sp=1,zero=1,recompute=selective", {}),
+    ("gpt3-175b", 1024, 1536, 2048, "fp16", "tp=8,pp=16,mbs=1,recompute=full", {}),
+    ("llama2-70b", 64, 128, 4096, "bf16", "tp=4,pp=4,vp=2,mbs=1,sp=1,zero=1,layout=Et*9|t*10|t*10|t*11|t*11|t*10|"
+     "t*10|t*9L", {}),
+    ("llama2-7b", 8, 256, 4096, "bf16", "tp=1,pp=2,mbs=4,zero=1,recompute=full,recompute_layers=4", {}),
+    ("llama3-8b", 16, 64, 8192, "fp8", "tp=2,cp=2,pp=1,mbs=1,sp=1,zero=3", {"loss_fusion": True}),
+    ("mixtral-8x7b", 64, 256, 4096, "bf16", "tp=2,pp=4,ep=8,mbs=1,sp=1,zero=1,recompute=full", {}),
+    ("gpt3-13b", 32, 256, 2048, "bf16", "tp=2,pp=2,mbs=2,sp=1,zero=1",
+     {"grad_reduce_dtype": "fp32", "overlap_grad_reduce": False, "optimizer_dtype": "bf16"}),
+]
+
+
+def _plan(name, gpus, batch, seq, dtype, cfg, knobs):
+    tr = apply_stack(TrainingSpec(global_batch_size=batch, seq_length=seq, dtype=dtype), "megatron-core", knobs)
+    model, cluster = load_model(name), load_cluster("dgx-h100", gpus=gpus)
+    # as `autoplan estimate --stack megatron-core` makes it: Megatron's kernels priced, the plan's runtime fused
+    return plan_from_estimate(model, cluster, tr, estimate_config(model, cluster, tr, cfg))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[5].split(',layout')[0]}" for c in CASES])
+def test_every_export_reads_back_to_its_plan(case, capsys):
+    plan = _plan(*case)
+    d = export_megatron(plan)
+    run = read_megatron(command_tokens(d["command"]))
+    want, got = plan.parallel, run.parallel
+    for f in ("tp", "pp", "cp", "ep", "vp", "mbs", "sp", "zero", "recompute", "schedule"):
+        assert getattr(got, f) == getattr(want, f), (f, d["command"])
+    if want.recompute_layers is not None:
+        assert got.recompute_layers == want.recompute_layers
+    sizes = [s.layers[1] - s.layers[0] for s in plan.stages]
+    assert (counts(got.layout) if got.layout else [plan.model.num_layers // len(sizes)] * len(sizes)) == sizes
+    m, w = run.model, plan.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, m.ffn, m.activation, m.norm, m.position,
+            m.tie_embeddings, m.has_bias) == (w.num_layers, w.hidden_size, w.num_attention_heads, w.kv_heads, w.ffn,
+                                              w.activation, w.norm, w.position, w.tie_embeddings, w.has_bias)
+    assert (m.moe is None) == (w.moe is None) and (m.moe is None or m.moe.num_experts == w.moe.num_experts)
+    assert m.vocab_size % (128 * want.tp) == 0 and 0 <= m.vocab_size - w.vocab_size < 128 * want.tp
+    assert (run.seq_len, run.dtype, run.global_batch, run.gpus) == (plan.training.seq_length, plan.training.dtype,
+                                                                     plan.training.global_batch_size,
+                                                                     plan.cluster.num_gpus)
+    tr = plan.training
+    for knob, value in run.stack_set.items():
+        if knob == "grad_reduce_dtype":
+            assert value == tr.grad_dtype, d["command"]
+        elif knob in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "align_grad_reduce"):
+            # the export writes an overlap only where it does something (dp > 1, ZeRO-1/2, tp > 1, vp > 1)
+            assert value == getattr(tr, knob) or value is (knob == "align_grad_reduce"), (knob, d["command"])
+        else:
+            assert value == getattr(tr, knob), (knob, d["command"])
+    assert set(run.unpriced) <= {"--ckpt-format"}  # Megatron-FSDP's checkpoint format: nothing a step does
+    # and the CLI predicts what the plan predicted, but for the padded vocabulary
+    assert main(["from-megatron", "--cluster", "dgx-h100", "--json", "--",
+                 *command_tokens(d["command"])]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step_time_s"] == pytest.approx(plan.prediction.step_time_s, rel=0.01)
+    assert out["from_megatron"]["parallel"].startswith(f"tp={want.tp},pp={want.pp}")
+
+
+def test_megatron_defaults_apply_where_the_command_is_silent():
+    words = command_tokens("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --swiglu "
+             "--tokenizer-type GPT2BPETokenizer --micro-batch-size 2 --tensor-model-parallel-size 2 "
+             "--recompute-activations --bf16 --lr 3e-4 --train-iters 1000 --data-path /data/x_text_document")
+    run = read_megatron(words)
+    m = run.model
+    assert m.ffn == int(4 * 2048 * 2 / 3 / 64) * 64 == 5440  # arguments.py's SwiGLU default
+    assert m.vocab_size == 50432 and any("50257 padded to 50432" in n for n in run.notes)  # 128 x tp = 256
+    assert (m.position, m.norm, m.tie_embeddings, m.has_bias, m.dropout) == ("learned", "layernorm", True, True, 0.1)
+    assert run.parallel.recompute == "selective" and run.parallel.schedule == "1f1b"
+    assert run.stack_set["grad_reduce_dtype"] == "fp32"  # bf16 gradients are reduced in fp32 unless told otherwise
+    assert run.stack_set["overlap_grad_reduce"] is False and "flash_attention" not in run.stack_set
+    assert run.global_batch is None and run.gpus is None
+    assert run.unpriced == ["--data-path", "--lr", "--train-iters"]
+    old = read_megatron(command_tokens("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 "
+                        "--vocab-size 51200 --checkpoint-activations --fp16"))
+    assert (old.parallel.recompute, old.parallel.recompute_layers, old.dtype) == ("full", None, "fp16")
+    uniform = read_megatron(command_tokens("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 "
+                            "--vocab-size 51200 --recompute-granularity full --recompute-method uniform "
+                            "--recompute-num-layers 2"))
+    assert uniform.parallel.recompute == "full" and any("one per 2 layers" in n for n in uniform.notes)
+    # a launch script: environment, torchrun's world size, comments and continuations
+    script = ("# 2 nodes\nCUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nnodes 2 --nproc-per-node 8 pretrain_gpt.py \\\n"
+              "  --num-layers 24 --hidden-size 2048 \\\n  --num-attention-heads 16 --seq-length 2048 \\\n"
+              "  --vocab-size=51200 --micro-batch-size 1  # per GPU\n")
+    run = read_megatron(command_tokens(script))
+    assert run.gpus == 16 and run.model.vocab_size == 51200 and run.parallel.mbs == 1
+
+
+@pytest.mark.parametrize("words, needle", [
+    ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --vocab-size 1000", "no --seq-length"),
+    ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048", "vocabulary size"),
+    ("--num-layers $LAYERS --seq-length 2048", "shell variable"),
+    ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --vocab-size 1000 "
+     "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 4", "must divide each pipeline rank"),
+    ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --vocab-size 1000 "
+     "--recompute-granularity full --recompute-method zigzag", "unknown --recompute-method"),
+    ("--num-layers twelve --seq-length 2048", "--num-layers takes an integer"),
+])
+def test_commands_autoplan_cannot_read_are_refused_with_the_fix(words, needle):
+    with pytest.raises(ConfigError, match=needle):
+        read_megatron(words.split())
+
+
+def test_the_cli_says_what_it_read_and_what_it_did_not(tmp_path, capsys):
+    flags = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8",
+             "--num-layers-per-virtual-pipeline-stage", "4", "--sequence-parallel", "--micro-batch-size", "1",
+             "--global-batch-size", "1536", "--recompute-granularity", "selective", "--bf16", "--lr", "6e-5"]
+    base = ["from-megatron", "--cluster", "dgx-a100-80g", "--gpus", "1024", "--model", "gpt3-175b"]
+    assert main([*base, "-o", str(tmp_path / "p.json"), "--", *flags, "--seq-length", "2048"]) == 0
+    captured = capsys.readouterr()
+    assert "not priced (they change nothing the cost model sees): --lr" in captured.err
+    assert "the same as: autoplan estimate --model gpt3-175b" in captured.err
+    assert "--parallel tp=8,pp=8,cp=1,ep=1,vp=3,mbs=1,sp=1,zero=0,recompute=selective,schedule=interleaved" \
+        in captured.err
+    from autoplan.plan import load_plan
+
+    plan = load_plan(tmp_path / "p.json")
+    assert plan.stack.startswith("megatron-core") and plan.parallel.vp == 3 and plan.model.name == "gpt3-175b"
+    # the same, estimated the way the command says: identical prediction
+    assert main(["estimate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--gpus", "1024",
+                 "--global-batch", "1536", "--seq-len", "2048", "--dtype", "bf16", "--stack", "megatron-core",
+                 "--stack-set", "overlap_grad_reduce=false,overlap_param_gather=false,tp_comm_overlap=false,"
+                 "align_grad_reduce=true,loss_fusion=false,grad_reduce_dtype=fp32", "--parallel",
+                 "tp=8,pp=8,vp=3,mbs=1,sp=1,recompute=selective", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(plan.prediction.step_time_s)
+    # errors are one line with the fix
+    for extra, needle in (([], "no Megatron flags given"),
+                          (["--", *flags], "no --seq-length")):
+        assert main([*base, *extra]) != 0
+        err = capsys.readouterr().err
+        assert needle in err and "\n" not in err.strip()
+    assert main(["from-megatron", "--cluster", "dgx-h100", "--model", "tiny-gpt", "--", "--seq-length", "64"]) != 0
+    assert "the number of GPUs is not in the command" in capsys.readouterr().err
+    assert main(["from-megatron", "--cluster", "dgx-h100", "--gpus", "8", "--", "--seq-length", "64"]) != 0
+    assert "the flags give no model shape" in capsys.readouterr().err
+
+
+def _megatron():
+    from autoplan.inspect import export_check as ec
+
+    return ec if ec.megatron_available() else None
+
+
+@pytest.mark.skipif(_megatron() is None, reason="Megatron-LM (megatron.training) is not importable; set MEGATRON_LM "
+                    "to a checkout")
+def test_what_is_read_is_what_megatron_builds():
+    """A terse command (Megatron's defaults for the FFN, the head size, dropout, biases, recomputation): autoplan's
+    reading equals the arguments Megatron-LM validates and the TransformerConfig it builds from them."""
+    from autoplan.inspect import export_check as ec
+
+    words = command_tokens(
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 24 --hidden-size 2048 "
+        "--num-attention-heads 16 --group-query-attention --num-query-groups 4 --swiglu --normalization RMSNorm "
+        "--position-embedding-type rope --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 "
+        "--global-batch-size 64 --bf16 --recompute-granularity full --recompute-method block "
+        "--recompute-num-layers 3 --num-layers-per-virtual-pipeline-stage 3 --use-distributed-optimizer "
+        "--disable-bias-linear --untie-embeddings-and-output-weights --vocab-size 32000")
+    run = read_megatron(words)
+    ns, config = ec.megatron_config(words, world_size=8, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    m = run.model
+    assert (m.ffn, m.dhead, m.kv_heads) == (config.ffn_hidden_size, config.kv_channels, config.num_query_groups)
+    assert m.dropout == config.hidden_dropout == config.attention_dropout
+    assert m.has_bias == config.add_bias_linear and m.tie_embeddings != ns.untie_embeddings_and_output_weights
+    assert run.parallel.vp == config.virtual_pipeline_model_parallel_size
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 3)
+    assert run.parallel.recompute_layers // run.parallel.vp == config.recompute_num_layers  # per model chunk
+    assert run.stack_set["grad_reduce_dtype"] == ("fp32" if ns.accumulate_allreduce_grads_in_fp32 else "bf16")
+    assert run.parallel.zero == (1 if ns.use_distributed_optimizer else 0)
