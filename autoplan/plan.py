@@ -29,7 +29,8 @@ _LATER_FIELDS: dict[str, tuple[str, ...]] = {
                  "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "runtime_memory",
                  "sp_grads_coalesced", "selective_policy", "checkpoint_early_stop", "cp_attention",
                  "optimizer_dtype", "loss_fusion", "align_grad_reduce", "flexible_rounds", "zero_stages",
-                 "schedules", "seq_splits", "recompute_modes", "recompute_per_stage"),
+                 "schedules", "seq_splits", "recompute_modes", "recompute_per_stage",
+                 "uneven_stages"),
     "cluster.gpu.calibration": ("dtensor_param_us", "fused_call_us", "pipeline_action_us"),
 }
 # LayerProfile fields added after plans recorded profiles (false / 0 when unset)
@@ -260,7 +261,7 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
     not run: a layout whose degrees do not multiply to the world size, a micro-batch that leaves sequences of
     the global batch untrained, stages that skip or repeat layers, names that would print control characters.
     """
-    from autoplan.cost_models.specs import check_config, check_stages_recompute
+    from autoplan.cost_models.specs import check_config, check_stage_sizes, check_stages_recompute
 
     def bad(rule: str, detail: str) -> PlanError:
         return PlanError(f"{where} is inconsistent: {rule}", detail, _REMAKE)
@@ -300,9 +301,10 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
             raise bad("predicted stage times are finite", f"stage {i}: {st.forward_s}, {st.backward_s}")
     if start != plan.model.num_layers:
         raise bad("stages cover every layer", f"they end at layer {start} of {plan.model.num_layers}")
-    try:  # what the plan's software stack recomputes (TrainingSpec.recompute_modes, .recompute_per_stage)
+    try:  # what the plan's software stack runs (TrainingSpec.recompute_modes, .recompute_per_stage, .uneven_stages)
         check_stages_recompute([(st.layers[1] - st.layers[0], st.recompute, st.recompute_layers)
                                 for st in plan.stages], plan.training)
+        check_stage_sizes([st.layers[1] - st.layers[0] for st in plan.stages], plan.training)
     except ConfigError as e:
         raise bad(e.rule, e.detail) from None
     if c.layout is not None:  # the layout string and the stages are two copies of one fact: they must agree

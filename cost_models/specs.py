@@ -478,6 +478,10 @@ class TrainingSpec(_Frozen):
         "(recompute_layers) recomputes a stage's other layers selectively. Megatron-LM checkpointed every layer "
         "(--checkpoint-activations) until the block method (2021-08) and selective recomputation (2022-05); "
         "DeepSpeed and Hugging Face models checkpoint whole layers.")
+    uneven_stages: bool = Field(
+        default=True, description="Pipeline stages may hold different numbers of layers (an explicit layout, "
+        "--uneven, the search's placement); false = layers split evenly over pp*vp stages, as Megatron-LM asserted "
+        "until its uneven pipeline parallelism (2024-09, --decoder-first/last-pipeline-num-layers).")
     recompute_per_stage: bool = Field(
         default=True, description="Stages may recompute differently (autoplan's runtime applies each stage's own, "
         "runtime.parallelize.apply_recompute); false = one setting for every stage: nothing, selective, every "
@@ -814,10 +818,17 @@ def _another_stack(knob: str, value: str, verb: str = "does run it") -> str:
     return f"another --stack (`autoplan stacks`), or --stack-set {knob}={value} for a stack that {verb}"
 
 
-def check_stack_runs(cfg: ParallelConfig, train: TrainingSpec, stage_blocks: int | None = None) -> None:
-    """The configuration uses only what the software stack runs: its ZeRO stages, sequence splits, recomputation
-    and pipeline schedules (TrainingSpec.zero_stages, .seq_splits, .recompute_modes, .schedules); each refusal
-    names what to use instead. `stage_blocks`: the most layers a stage holds (None: unknown)."""
+_EVEN_RULE = "this software stack splits the layers evenly over the pp*vp stages"
+_EVEN_FIX = ("choose pp*vp dividing the layer count and drop --layout/--uneven, or --stack-set uneven_stages=true "
+             "for a stack with uneven pipeline stages (Megatron-Core from 2024-09)")
+
+
+def check_stack_runs(cfg: ParallelConfig, train: TrainingSpec, sizes: list[int] | None = None,
+                     num_layers: int | None = None) -> None:
+    """The configuration uses only what the software stack runs: its ZeRO stages, sequence splits, recomputation,
+    stage layouts and pipeline schedules (TrainingSpec.zero_stages, .seq_splits, .recompute_modes,
+    .uneven_stages, .schedules); each refusal names what to use instead. `sizes`: the blocks of each stage where
+    known (None: placed later, by the search or a plan); `num_layers`: the model's blocks."""
     if str(cfg.zero) not in train.zero_stages:
         raise ConfigError(
             f"zero={cfg.zero} is not a ZeRO stage this software stack runs",
@@ -838,7 +849,12 @@ def check_stack_runs(cfg: ParallelConfig, train: TrainingSpec, stage_blocks: int
             )
     # recompute_layers counts a pipeline rank's layers, ceil(k / vp) on each of its stages (estimate.even_layout)
     per_stage = None if cfg.recompute_layers is None else -(-cfg.recompute_layers // cfg.vp)
-    check_recompute_runs(cfg.recompute, per_stage, stage_blocks, train)
+    check_recompute_runs(cfg.recompute, per_stage, max(sizes) if sizes else None, train)
+    if num_layers is not None and num_layers % (cfg.pp * cfg.vp) and not train.uneven_stages:
+        raise ConfigError(_EVEN_RULE, f"{num_layers} layers do not divide into pp*vp={cfg.pp * cfg.vp} stages",
+                          _EVEN_FIX)
+    if sizes is not None:
+        check_stage_sizes(sizes, train)
     if cfg.pp == 1:
         return
     runs = train.schedules.split("+")
@@ -853,6 +869,15 @@ def check_stack_runs(cfg: ParallelConfig, train: TrainingSpec, stage_blocks: int
             f"use schedule={'1f1b' if '1f1b' in runs else runs[0]}{' and vp=1' if cfg.vp > 1 else ''}, "
             + _another_stack("schedules", "+".join(x for x in get_args(Schedule) if x in runs or x == cfg.schedule)),
         )
+
+
+def check_stage_sizes(sizes: list[int], train: TrainingSpec) -> None:
+    """Stages of `sizes` blocks are a layout the stack runs: any, or (uneven_stages false) the same number of
+    blocks on every stage."""
+    if train.uneven_stages or len(set(sizes)) <= 1:
+        return
+    raise ConfigError(_EVEN_RULE, f"stages of {min(sizes)} to {max(sizes)} layers", _EVEN_FIX)
+
 
 
 def check_recompute_runs(mode: str, layers: int | None, blocks: int | None, train: TrainingSpec,
@@ -944,6 +969,8 @@ def check_config(
         from .layout import check_layout
 
         sizes = [s.blocks for s in check_layout(cfg.layout, num_layers=model.num_layers, pp=pp, vp=vp)]
+    elif stage_layers and model.num_layers % (pp * vp) and not train.uneven_stages:
+        raise ConfigError(_EVEN_RULE, f"{model.num_layers} layers do not divide into pp*vp={pp * vp} stages", _EVEN_FIX)
     elif stage_layers and model.num_layers % (pp * vp):
         raise ConfigError(
             "layers must divide evenly into pp*vp stages",
@@ -987,7 +1014,7 @@ def check_config(
             f"batch={train.global_batch_size}, dp={dp}, mbs={cfg.mbs}",
             f"use a batch that is a multiple of {dp * cfg.mbs}, or lower mbs/dp",
         )
-    check_stack_runs(cfg, train, max(sizes) if sizes else None)
+    check_stack_runs(cfg, train, sizes, model.num_layers)
     n_micro = train.global_batch_size // (dp * cfg.mbs)
     if pp > 1 and cfg.schedule == "1f1b" and n_micro < pp:
         raise ConfigError(

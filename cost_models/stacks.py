@@ -26,7 +26,7 @@ STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_re
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion",
                "align_grad_reduce", "flexible_rounds", "zero_stages", "schedules", "seq_splits", "recompute_modes",
-               "recompute_per_stage", "grad_sync_all_reduce",
+               "recompute_per_stage", "uneven_stages", "grad_sync_all_reduce",
                "sp_grads_coalesced", "runtime_memory", "autocast_fp32_params", "selective_policy", "kernels",
                "checkpoint_early_stop", "cp_attention")
 # The short names `autoplan stacks` prints for some knobs; --stack-set takes them as well as the field names.
@@ -46,6 +46,7 @@ _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overla
            "recompute_modes": ALL_RECOMPUTE_MODES,
            # one recomputation setting for every stage, except on autoplan's runtime (TrainingSpec.recompute_per_stage)
            "recompute_per_stage": False,
+           "uneven_stages": True,
            "grad_sync_all_reduce": False,
            "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False,
            "selective_policy": "attention_core", "checkpoint_early_stop": None, "cp_attention": None}
@@ -119,7 +120,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                # layers per stage came in 2021-08 ("Checkpoint a set number of individual Transformer layers",
                # c1e0689d, --activations-checkpoint-method block), selective recomputation in 2022-05
                # (--recompute-granularity selective, bbab79f8, 2022-05-16)
-               "recompute_modes": "full"},
+               "recompute_modes": "full",
+               # "num_layers must be divisible by pipeline_model_parallel_size" (megatron/model/transformer.py at
+               # 50a4b5fa, 2021-04-08; the same for the virtual stages) until "Uneven Pipeline Parallelism"
+               # (fa8bb592, 2024-09-05)
+               "uneven_stages": False},
         # grad_accum_fused false: Megatron-LM v2 (2021) adds each micro-batch's weight gradients into the DDP
         # buffer in a backward hook, "param.main_grad.add_(param.grad.data)" (megatron/model/distributed.py at
         # 50a4b5fa "Release fixes", 2021-04-08), or lets autograd add into param.grad; the wgrad GEMM writing
@@ -143,7 +148,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                "optimizer_separate_passes": True, "flexible_rounds": False,
                # --use-distributed-optimizer (ZeRO-1: 2022-03, above); no ZeRO-2 or -3
                "zero_stages": "01", "schedules": _MEGATRON_SCHEDULES,
-               "seq_splits": "sp"},  # no context parallelism before 2023-08 (above)
+               "seq_splits": "sp",  # no context parallelism before 2023-08 (above)
+               "uneven_stages": False},  # even stages only until 2024-09 (above)
         # optimizer_separate_passes (megatron-2021 too): Megatron-LM's Float16OptimizerWithFloat16Params zeroes
         # the grad buffer, casts main grads, (fp16) unscales them, runs apex FusedAdam on the fp32 master and then
         # copies the master into the 16-bit weights, each its own pass (estimate.optimizer_time quotes them).

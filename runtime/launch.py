@@ -112,10 +112,11 @@ def check_machine(plan, nproc_per_node: int) -> list[str]:
 # Stack knobs (`autoplan stacks`, `--stack-set`) autoplan's runtime honours: it runs its fused Triton kernels or
 # torch's (runtime.parallelize.apply_fused_kernels). Every other knob of the autoplan stack describes what the
 # runtime always does (SDPA attention, FSDP2's overlaps, blocking-free pipeline sends, ...). zero_stages,
-# schedules, seq_splits, recompute_modes and recompute_per_stage price nothing: they narrow the ZeRO stages,
-# pipeline schedules, sequence splits and recomputation a plan may take, and the runtime runs each of them.
+# schedules, seq_splits, recompute_modes, recompute_per_stage and uneven_stages price nothing: they narrow the ZeRO
+# stages, pipeline schedules, sequence splits, recomputation and stage layouts a plan may take, and the runtime
+# runs each of them.
 RUNTIME_KNOBS = frozenset({"kernels", "zero_stages", "schedules", "seq_splits", "recompute_modes",
-                           "recompute_per_stage"})
+                           "recompute_per_stage", "uneven_stages"})
 
 
 def _knob_prices(plan, knob: str) -> bool:

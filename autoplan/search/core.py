@@ -377,6 +377,7 @@ class _Searcher:
         self.finalists: list[Finalist] = []
         self.misses: list[tuple[Mesh, Knobs, StageProblem]] = []
         self.proxies: dict[tuple[Mesh, Knobs], float] = {}
+        self._even: dict[StageProblem, list[StageSolution | None]] = {}  # even_solutions, ranked then finalised
 
     # ---- per-candidate numbers
 
@@ -679,7 +680,7 @@ class _Searcher:
                             pp=mesh.pp, vp=kn.vp, m=m, inflight=infl, capacity=tuple(caps), pin=pin,
                             uniform=len(self.costs.block_counts) == 1, stage_extra=self.occupancy(mesh, kn.vp),
                             step_memory=step, block_grads=grads, no_full="full" not in modes,
-                            no_selective="selective" not in modes)
+                            no_selective="selective" not in modes, even=not self.training.uneven_stages)
 
     def memory_floor(self, mesh: Mesh) -> tuple[float, dict]:
         """A lower bound on the busiest rank's bytes over every knob and layout of `mesh`: the largest ZeRO
@@ -766,6 +767,8 @@ class _Searcher:
                 if "recompute_layers" in self.fix:
                     sol = self.pinned_layers_solution(prob, int(self.fix["recompute_layers"]))
                     score = sol.objective if sol else math.inf
+                elif prob.even:
+                    score = min((sol.objective for sol in self.even_solutions(prob) if sol), default=math.inf)
                 elif prob.pin is None and not self.training.recompute_per_stage:
                     modes, block = uniform_modes(prob)
                     # the block method's layouts are ranked by the free layout's proxy (cheap, and no worse)
@@ -822,6 +825,8 @@ class _Searcher:
         ahead in closed form and 0.13 s behind simulated). Both go on the heap; the simulation decides."""
         if "recompute_layers" in self.fix:
             sols = [self.pinned_layers_solution(prob, int(self.fix["recompute_layers"]))]
+        elif prob.even:
+            sols = self.even_solutions(prob)
         elif prob.pin is None and not self.training.recompute_per_stage:
             sols = self.uniform_solutions(prob)
         else:
@@ -893,6 +898,26 @@ class _Searcher:
             static = sum(b.static for b in prob.blocks) / mesh.pp
             self.closest = (deficit, mesh, {"static": static, "activations": max(mem[r] - static, 0.0),
                                             "other": self.capacity - prob.capacity[r], "knobs": kn})
+
+    def even_solutions(self, prob: StageProblem) -> list[StageSolution | None]:
+        """A stack without uneven stages (TrainingSpec.uneven_stages false: Megatron-LM before 2024-09): the even
+        layout with one recomputation setting for every stage, each the stack has (or the pinned one), and the
+        block method where `uniform_modes` allows it. The stacks without uneven stages also recompute alike in
+        every stage; per-stage recomputation on an even layout is not searched (a shortcut)."""
+        if prob in self._even:
+            return self._even[prob]
+        modes, block = ([prob.pin], False) if prob.pin else uniform_modes(prob)
+        n = self.L // prob.num_stages
+        sols: list[StageSolution | None] = []
+        for m in modes:
+            stages = tuple(StageChoice(s * n, (s + 1) * n, m, n if m == FULL else 0) for s in range(prob.num_stages))
+            obj, mem = evaluate(prob, stages)
+            sols.append(StageSolution(stages, obj, mem, "even") if feasible(prob, mem) else None)
+        if block:
+            sols.append(next((sol for k in range(1, n) if (sol := self.pinned_layers_solution(prob, k * prob.vp))),
+                             None))
+        self._even[prob] = sols
+        return sols
 
     def pinned_layers_solution(self, prob: StageProblem, R: int) -> StageSolution | None:
         """Megatron's even layout, R layers per rank recomputed in full (R/vp per stage; `--fix recompute_layers`,

@@ -75,6 +75,9 @@ class StageProblem:
     # where a stage that recomputes fully recomputes every block it holds (a partial one would recompute the rest
     # selectively)
     no_selective: bool = False
+    # the layers split evenly over the stages (a software stack without uneven stages, TrainingSpec.uneven_stages):
+    # only the recomputation is chosen (`_Searcher.even_solutions`), no ILP
+    even: bool = False
     # Gradients made in the backward (cost_models.estimate.grads_made_in_backward: no pipeline, one stage holding
     # every layer), else empty: the blocks' static bytes hold no gradient and the rank's memory is the fullest of
     # the last block's backward (the usual sum), the first block's (the later blocks' activations released, their

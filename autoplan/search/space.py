@@ -108,7 +108,7 @@ def meshes(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, fix: 
             if "cp" in fix and fix["cp"] != cp:
                 continue
             for pp in divisors(world // (tp * cp)):
-                if pp > L or ("pp" in fix and fix["pp"] != pp):
+                if pp > L or ("pp" in fix and fix["pp"] != pp) or (L % pp and not training.uneven_stages):
                     continue
                 dp = world // (tp * cp * pp)
                 if B % dp or ("dp" in fix and fix["dp"] != dp):
@@ -133,8 +133,9 @@ def meshes(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, fix: 
 def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int,
                  training: TrainingSpec) -> tuple[list[int], list[tuple[str, int]]]:
     """(ZeRO stages, (schedule, vp) pairs) legal for this mesh; the candidates are their product. From `training`:
-    the global batch, whether interleaved rounds may be longer than pp (`flexible_rounds`), and the ZeRO stages and
-    pipeline schedules the stack runs (`zero_stages`, `schedules`)."""
+    the global batch, whether interleaved rounds may be longer than pp (`flexible_rounds`), the ZeRO stages and
+    pipeline schedules the stack runs (`zero_stages`, `schedules`) and whether its stages may be uneven
+    (`uneven_stages`: else pp * vp divides the blocks)."""
     zeros = [z for z in (0, 1, 2, 3) if str(z) in training.zero_stages] if mesh.dp * mesh.cp > 1 else [0]
     if "zero" in fix:
         zeros = [z for z in zeros if z == fix["zero"]]
@@ -149,7 +150,8 @@ def knob_options(mesh: Mesh, fix: dict[str, object], num_blocks: int,
         scheds.append(("gpipe", 1))
         # equal rounds of at least pp micro-batches (microbatch_group), of exactly pp on older Megatron-LM
         if interleaved_rounds_fit(mesh.pp, m, training.flexible_rounds):
-            scheds += [("interleaved", v) for v in range(2, num_blocks // mesh.pp + 1)]
+            scheds += [("interleaved", v) for v in range(2, num_blocks // mesh.pp + 1)
+                       if training.uneven_stages or num_blocks % (mesh.pp * v) == 0]
     if mesh.pp > 1:
         runs = training.schedules.split("+")
         scheds = [s for s in scheds if s[0] in runs]

@@ -35,9 +35,10 @@ TIED = MODEL.model_copy(update={"name": "t-tied", "tie_embeddings": True, "num_l
 
 def _setup(stack: str, model: ModelSpec = MODEL, global_batch: int = 32, knobs: dict | None = None):
     cluster = load_cluster("dgx-a100-80g", gpus=16)
-    # sp priced on every stack, had it the feature or not (megatron-2021, -deepspeed): the search against the estimate
+    # sp and uneven stages priced on every stack, had it the feature or not (megatron-2021, -deepspeed): the search
+    # against the estimate
     training = apply_stack(TrainingSpec(global_batch_size=global_batch, seq_length=1024), stack,
-                           {"seq_splits": "sp+cp", **(knobs or {})})
+                           {"seq_splits": "sp+cp", "uneven_stages": True, **(knobs or {})})
     profiles = profile_from_spec(model)
     return cluster, training, profiles, _Searcher(model, cluster, training, profiles, {}, 3, None)
 

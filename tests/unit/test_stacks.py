@@ -437,7 +437,7 @@ def test_each_stack_recomputes_only_as_it_can(tmp_path, capsys):
                 with pytest.raises(ConfigError, match=refusal):
                     make_plan(model, cluster, tr, cfg)
     # an explicit layout: the stage with the most layers decides; recompute_layers counts up to a rank's layers
-    tr21 = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-2021", {})
+    tr21 = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-deepspeed", {})
     with pytest.raises(ConfigError, match="recomputing 27 of its 28 layers"):
         make_plan(model, cluster, tr21, "tp=2,pp=2,mbs=1,recompute=full,recompute_layers=27,layout=Et*4|t*28L")
     whole = make_plan(model, cluster, tr21, "tp=2,pp=2,mbs=1,recompute=full,recompute_layers=28,layout=Et*4|t*28L")
@@ -545,4 +545,64 @@ def test_stacks_with_one_recomputation_setting_plan_one_for_every_stage(tmp_path
     d["content_hash"] = Plan.model_validate(d).compute_hash()
     (tmp_path / "forged.json").write_text(json.dumps(d))
     with pytest.raises(PlanError, match="applies one recomputation setting"):
+        load_plan(tmp_path / "forged.json")
+
+
+def test_older_megatron_stacks_split_layers_evenly(tmp_path, capsys):
+    """Megatron-LM asserted "num_layers must be divisible by pipeline_model_parallel_size" (and by the virtual
+    stages) until its uneven pipeline parallelism (2024-09): on megatron-2021 and megatron-2022 estimate refuses a
+    layout or a layer count that is not an even split, the search proposes none (Llama 3 70B on 64 H100 under
+    megatron-2022 placed 19, 20, 21 and 20 layers on four stages before the gate), a plan that says otherwise is
+    refused on load, and --stack-set uneven_stages=true widens a stack."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.errors import ConfigError, PlanError
+    from autoplan.plan import Plan, load_plan
+    from autoplan.search.core import search
+    from autoplan.search.space import all_configs
+    from autoplan.specs import load_cluster, load_model
+
+    even = {name: not st.knobs["uneven_stages"] for name, st in STACKS.items()}
+    assert even == {name: name in ("megatron-2021", "megatron-2022") for name in STACKS}
+    model, cluster = load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16)  # 32 layers
+    for stack, only_even in even.items():
+        tr = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), stack, {})
+        # 24 GPUs at tp=2: pp=3 and pp=6 do not divide 32 layers
+        cfgs = list(all_configs(model, load_cluster("dgx-h100", gpus=24), tr, {"tp": 2, "mbs": 1, "zero": 0}))
+        odd = [c for c in cfgs if model.num_layers % (c.pp * c.vp)]
+        if tr.schedules == "none":  # no pipeline: one stage holds every layer
+            assert not odd and all(c.pp == 1 for c in cfgs), stack
+            continue
+        assert bool(odd) != only_even, stack
+        for cfg in ("tp=2,pp=2,mbs=1,layout=Et*15|t*17L", "tp=2,pp=2,vp=3,mbs=1,layout=E|(t*6|)*4,t*8L"):
+            if only_even:
+                with pytest.raises(ConfigError, match="splits the layers evenly"):
+                    make_plan(model, cluster, tr, cfg)
+            elif "vp=3" not in cfg or "interleaved" in tr.schedules:
+                assert make_plan(model, cluster, tr, cfg).prediction.step_time_s > 0
+    tr22 = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-2022", {})
+    assert make_plan(model, cluster, tr22, "tp=2,pp=2,mbs=1,layout=Et*16|t*16L").prediction.step_time_s > 0
+
+    big, h100 = load_model("llama3-70b"), load_cluster("dgx-h100", gpus=64)
+    tr = apply_stack(TrainingSpec(global_batch_size=512, seq_length=2048), "megatron-2022", {})
+    plan = search(big, h100, tr, top=2).plan
+    assert len({s.layers[1] - s.layers[0] for s in plan.stages}) == 1, plan.parallel.to_string()
+    wide = search(big, h100, tr.model_copy(update={"uneven_stages": True}), top=2).plan
+    assert len({s.layers[1] - s.layers[0] for s in wide.stages}) > 1, wide.parallel.to_string()
+    assert wide.prediction.step_time_s < plan.prediction.step_time_s
+
+    base = _llama2_on_16_h100("megatron-2021")
+    assert main(["estimate", *base, "--parallel", "tp=2,pp=2", "--uneven", "first=15,last=17"]) != 0
+    err = capsys.readouterr().err
+    assert "splits the layers evenly" in err and "uneven_stages=true" in err and "\n" not in err.strip()
+    assert main(["estimate", *base, "--gpus", "24", "--parallel", "tp=2,pp=3"]) != 0
+    assert "32 layers do not divide into pp*vp=3 stages" in capsys.readouterr().err
+
+    # an uneven plan file edited to claim an even-only stack, re-hashed: refused on load
+    uneven = make_plan(model, cluster, apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan",
+                                                   {}), "tp=2,pp=2,mbs=1,layout=Et*15|t*17L")
+    d = json.loads(uneven.to_json())
+    d["training"]["uneven_stages"] = False
+    d["content_hash"] = Plan.model_validate(d).compute_hash()
+    (tmp_path / "forged.json").write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="splits the layers evenly"):
         load_plan(tmp_path / "forged.json")
