@@ -257,10 +257,37 @@ def cmd_from_megatron(args: argparse.Namespace) -> int:
           file=sys.stderr)
     ns = build_parser().parse_args(argv + (["-o", args.output] if args.output else [])
                                    + (["--json"] if args.json else []))
-    ns.extra_json = {"from_megatron": {"parallel": cfg.to_string(), "stack": args.stack, "stack_set": knobs,
-                                       "model": run.model.model_dump(exclude_none=True) if run.model else args.model,
-                                       "notes": notes, "unpriced": run.unpriced}}
-    return cmd_estimate(ns)
+    info = {"parallel": cfg.to_string(), "stack": args.stack, "stack_set": knobs,
+            "model": run.model.model_dump(exclude_none=True) if run.model else args.model,
+            "notes": notes, "unpriced": run.unpriced}
+    if args.search:
+        info["search"] = _search_instead(ns)
+    ns.extra_json = {"from_megatron": info}
+    rc = cmd_estimate(ns)
+    if rc == 0 and args.search and not args.json:
+        print(info["search"]["summary"])
+    return rc
+
+
+def _search_instead(ns: argparse.Namespace) -> dict:
+    """What autoplan's search chooses for the same model, cluster, batch and stack (the flags' knobs included),
+    against the command's own configuration."""
+    from ..estimate_api import estimate_config
+    from ..search.core import search
+
+    model, cluster, training, profiles = load_workload(ns)
+    from ..cli import parallel_of
+
+    mine = estimate_config(model, cluster, training, parallel_of(ns, model), profiles=profiles)
+    best = search(model, cluster, training, profiles=profiles, top=1).plan
+    t, b = mine.step_time_s, best.prediction.step_time_s
+    speed = t / b
+    summary = (f"autoplan search on the same stack: {best.parallel.to_string()} at {b:.4f} s a step, "
+               f"peak {best.prediction.memory_gib['peak']:.1f} GiB: "
+               + (f"{speed:.2f}x the command's speed" if b < t * (1 - 1e-9) else
+                  "the command's configuration is as fast as anything the search finds"))
+    return {"parallel": best.parallel.to_string(), "step_time_s": b, "peak_memory_gib":
+            best.prediction.memory_gib["peak"], "speedup": speed, "summary": summary}
 
 
 def register(sub) -> None:
@@ -319,6 +346,8 @@ def register(sub) -> None:
     p.add_argument("--stack-set", default=None, metavar="KEY=VAL,...",
                    help="override stack knobs beyond what the flags say")
     p.add_argument("--model-out", metavar="FILE", help="write the model spec the flags describe to FILE")
+    p.add_argument("--search", action="store_true",
+                   help="also search the same workload and stack: what autoplan would choose instead, and how fast")
     p.add_argument("-o", "--output", help="also write the configuration as a plan file")
     add_json(p)
     p.set_defaults(func=cmd_from_megatron)
