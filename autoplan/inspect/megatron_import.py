@@ -129,23 +129,20 @@ class _Reader:
                               "expand the variables first (e.g. paste the command Megatron logs, or `bash -x`)")
         return v
 
-    def int(self, name: str, default: int | None = None) -> int | None:
+    def _number(self, name: str, default, cast, what: str, placeholder: str):
         v = self.value(name)
         if v is None:
             return default
         try:
-            return int(v)
+            return cast(v)
         except ValueError:
-            raise ConfigError(f"{name} takes an integer", f"got {v!r}", f"write {name} N") from None
+            raise ConfigError(f"{name} takes {what}", f"got {v!r}", f"write {name} {placeholder}") from None
+
+    def int(self, name: str, default: int | None = None) -> int | None:
+        return self._number(name, default, int, "an integer", "N")
 
     def float(self, name: str, default: float) -> float:
-        v = self.value(name)
-        if v is None:
-            return default
-        try:
-            return float(v)
-        except ValueError:
-            raise ConfigError(f"{name} takes a number", f"got {v!r}", f"write {name} X") from None
+        return self._number(name, default, float, "a number", "X")
 
 
 def _model(r: _Reader, tp: int, seq: int, notes: list[str]) -> ModelSpec | None:

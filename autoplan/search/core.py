@@ -39,7 +39,10 @@ without full recomputation are simulated; the data-parallel tail used in keys, t
 (per block) and the ZeRO-3 gathered-weights buffer (as if a stage held one block plus the embedding or head)
 are approximations for an even layout; heterogeneous blocks are ranked by their mean block (the ILP is
 exact); a `--fix recompute_layers` pin uses Megatron's even layout instead of the ILP; at most
-`max_finalists` pipelines are simulated.
+`max_finalists` pipelines are simulated. Stacks that recompute alike in every stage (TrainingSpec.recompute_per_stage
+false) are ranked by the best of their pinned greedy layouts (and the free one where Megatron's block method is
+possible) and solved once per mode; stacks with even stages only (uneven_stages false) get the even layout under
+each setting, no per-stage recomputation.
 """
 
 from __future__ import annotations
@@ -822,7 +825,9 @@ class _Searcher:
         some block fully, the optimum with full recomputation forbidden. The ILP's objective sees ranks' totals;
         the simulated pipeline also sees one stage's backward grown by a whole block's re-run, which widens the
         interleaved schedule's bubble (llama3-405b on 16384 H100: the ILP's one-full-block layout is 0.02 s
-        ahead in closed form and 0.13 s behind simulated). Both go on the heap; the simulation decides."""
+        ahead in closed form and 0.13 s behind simulated). Both go on the heap; the simulation decides. A stack
+        with even stages only (`even_solutions`) or one recomputation setting for every stage
+        (`uniform_solutions`) has its own layouts."""
         if "recompute_layers" in self.fix:
             sols = [self.pinned_layers_solution(prob, int(self.fix["recompute_layers"]))]
         elif prob.even:
@@ -848,10 +853,14 @@ class _Searcher:
         modes, block = uniform_modes(prob)
         sols = [self.solve(replace(prob, pin=m)) for m in modes]
         if block:
-            most = -(-self.L // prob.num_stages)
-            sols.append(next((sol for k in range(1, most) if (sol := self.pinned_layers_solution(prob, k * prob.vp))),
-                             None))
+            sols.append(self.block_solution(prob))
         return sols
+
+    def block_solution(self, prob: StageProblem) -> StageSolution | None:
+        """Megatron's block method: the even layout recomputing the fewest first blocks of every stage in full that
+        fits (more recomputation is only slower)."""
+        most = -(-self.L // prob.num_stages)
+        return next((sol for k in range(1, most) if (sol := self.pinned_layers_solution(prob, k * prob.vp))), None)
 
     def solve(self, prob: StageProblem) -> StageSolution | None:
         if is_cached(prob):
@@ -914,8 +923,7 @@ class _Searcher:
             obj, mem = evaluate(prob, stages)
             sols.append(StageSolution(stages, obj, mem, "even") if feasible(prob, mem) else None)
         if block:
-            sols.append(next((sol for k in range(1, n) if (sol := self.pinned_layers_solution(prob, k * prob.vp))),
-                             None))
+            sols.append(self.block_solution(prob))
         self._even[prob] = sols
         return sols
 

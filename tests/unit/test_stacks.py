@@ -21,6 +21,20 @@ def _llama2_on_16_h100(stack: str) -> list[str]:
             "2048", "--stack", stack]
 
 
+def _forged(plan, tmp_path, stage0: dict | None = None, **training) -> str:
+    """`plan` with training fields (and stage 0's) edited and the hash recomputed (a shared file made to claim
+    another stack)."""
+    from autoplan.plan import Plan
+
+    d = json.loads(plan.to_json())
+    d["training"].update(training)
+    d["stages"][0].update(stage0 or {})
+    d["content_hash"] = Plan.model_validate(d).compute_hash()
+    path = tmp_path / "forged.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
 def _est(capsys, *extra: str) -> dict:
     assert main(EST + list(extra)) == 0
     return json.loads(capsys.readouterr().out)
@@ -468,19 +482,13 @@ def test_each_stack_recomputes_only_as_it_can(tmp_path, capsys):
     # plans edited to claim a stack without selective recomputation and re-hashed: refused on load, by the
     # configuration or by the stage that recomputes part of its layers
     from autoplan.cost_models.errors import PlanError
-    from autoplan.plan import Plan
 
     autoplan_tr = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan", {})
     for cfg, edit, needle in (("tp=2,pp=2,mbs=1,recompute=selective", {}, "recompute=selective is not"),
                               ("tp=2,pp=2,mbs=1,recompute=full", {"recompute_layers": 3},
                                "stage 0 recomputing 3 of its 16 layers")):
-        d = json.loads(make_plan(model, cluster, autoplan_tr, cfg).to_json())
-        d["training"]["recompute_modes"] = "full"
-        d["stages"][0].update(edit)
-        d["content_hash"] = Plan.model_validate(d).compute_hash()
-        (tmp_path / "forged.json").write_text(json.dumps(d))
         with pytest.raises(PlanError, match=needle):
-            load_plan(tmp_path / "forged.json")
+            load_plan(_forged(make_plan(model, cluster, autoplan_tr, cfg), tmp_path, edit, recompute_modes="full"))
     for bad in ("full+selective", "partial", "", "selective,full"):
         with pytest.raises(ConfigError, match="stack knob recompute_modes"):
             apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan", {"recompute_modes": bad})
@@ -495,7 +503,7 @@ def test_stacks_with_one_recomputation_setting_plan_one_for_every_stage(tmp_path
     from autoplan.cost_models.errors import ConfigError, PlanError
     from autoplan.cost_models.specs import check_stages_recompute
     from autoplan.inspect.export import megatron_flags
-    from autoplan.plan import Plan, load_plan
+    from autoplan.plan import load_plan
     from autoplan.search.core import search
     from autoplan.specs import load_cluster, load_model
 
@@ -540,12 +548,8 @@ def test_stacks_with_one_recomputation_setting_plan_one_for_every_stage(tmp_path
     assert main(["show", str(path), "--stack", "megatron-core"]) != 0
     err = capsys.readouterr().err
     assert "one recomputation setting" in err and "recompute_per_stage=true" in err and "\n" not in err.strip()
-    d = json.loads(free.to_json())
-    d["training"]["recompute_per_stage"] = False
-    d["content_hash"] = Plan.model_validate(d).compute_hash()
-    (tmp_path / "forged.json").write_text(json.dumps(d))
     with pytest.raises(PlanError, match="applies one recomputation setting"):
-        load_plan(tmp_path / "forged.json")
+        load_plan(_forged(free, tmp_path, recompute_per_stage=False))
 
 
 def test_older_megatron_stacks_split_layers_evenly(tmp_path, capsys):
@@ -556,7 +560,7 @@ def test_older_megatron_stacks_split_layers_evenly(tmp_path, capsys):
     refused on load, and --stack-set uneven_stages=true widens a stack."""
     from autoplan.api import make_plan
     from autoplan.cost_models.errors import ConfigError, PlanError
-    from autoplan.plan import Plan, load_plan
+    from autoplan.plan import load_plan
     from autoplan.search.core import search
     from autoplan.search.space import all_configs
     from autoplan.specs import load_cluster, load_model
@@ -600,9 +604,5 @@ def test_older_megatron_stacks_split_layers_evenly(tmp_path, capsys):
     # an uneven plan file edited to claim an even-only stack, re-hashed: refused on load
     uneven = make_plan(model, cluster, apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "autoplan",
                                                    {}), "tp=2,pp=2,mbs=1,layout=Et*15|t*17L")
-    d = json.loads(uneven.to_json())
-    d["training"]["uneven_stages"] = False
-    d["content_hash"] = Plan.model_validate(d).compute_hash()
-    (tmp_path / "forged.json").write_text(json.dumps(d))
     with pytest.raises(PlanError, match="splits the layers evenly"):
-        load_plan(tmp_path / "forged.json")
+        load_plan(_forged(uneven, tmp_path, uneven_stages=False))
