@@ -10,8 +10,7 @@ from autoplan.cost_models.specs import (
     ParallelConfig,
     TrainingSpec,
     check_config,
-    check_stage_sizes,
-    check_stages_recompute,
+    check_stages_run,
 )
 
 
@@ -23,8 +22,6 @@ def estimate_config(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         cfg = ParallelConfig.parse(cfg)
     cfg = check_config(cfg, model, cluster, training, stage_layers=layout is None)
     if layout is not None:
-        check_stages_recompute([(s.layers[1] - s.layers[0], s.recompute, s.recompute_layers) for s in layout],
-                               training)
-        check_stage_sizes([s.layers[1] - s.layers[0] for s in layout], training)
+        check_stages_run([(s.layers[1] - s.layers[0], s.recompute, s.recompute_layers) for s in layout], training)
     profiles = profiles or profile_from_spec(model)
     return estimate(profiles, cluster, training, cfg, layout, keep_timeline=keep_timeline)

@@ -261,7 +261,7 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
     not run: a layout whose degrees do not multiply to the world size, a micro-batch that leaves sequences of
     the global batch untrained, stages that skip or repeat layers, names that would print control characters.
     """
-    from autoplan.cost_models.specs import check_config, check_stage_sizes, check_stages_recompute
+    from autoplan.cost_models.specs import check_config, check_stages_run
 
     def bad(rule: str, detail: str) -> PlanError:
         return PlanError(f"{where} is inconsistent: {rule}", detail, _REMAKE)
@@ -302,9 +302,8 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
     if start != plan.model.num_layers:
         raise bad("stages cover every layer", f"they end at layer {start} of {plan.model.num_layers}")
     try:  # what the plan's software stack runs (TrainingSpec.recompute_modes, .recompute_per_stage, .uneven_stages)
-        check_stages_recompute([(st.layers[1] - st.layers[0], st.recompute, st.recompute_layers)
-                                for st in plan.stages], plan.training)
-        check_stage_sizes([st.layers[1] - st.layers[0] for st in plan.stages], plan.training)
+        check_stages_run([(st.layers[1] - st.layers[0], st.recompute, st.recompute_layers) for st in plan.stages],
+                         plan.training)
     except ConfigError as e:
         raise bad(e.rule, e.detail) from None
     if c.layout is not None:  # the layout string and the stages are two copies of one fact: they must agree

@@ -823,12 +823,11 @@ _EVEN_FIX = ("choose pp*vp dividing the layer count and drop --layout/--uneven, 
              "for a stack with uneven pipeline stages (Megatron-Core from 2024-09)")
 
 
-def check_stack_runs(cfg: ParallelConfig, train: TrainingSpec, sizes: list[int] | None = None,
-                     num_layers: int | None = None) -> None:
+def check_stack_runs(cfg: ParallelConfig, train: TrainingSpec, sizes: list[int] | None = None) -> None:
     """The configuration uses only what the software stack runs: its ZeRO stages, sequence splits, recomputation,
     stage layouts and pipeline schedules (TrainingSpec.zero_stages, .seq_splits, .recompute_modes,
     .uneven_stages, .schedules); each refusal names what to use instead. `sizes`: the blocks of each stage where
-    known (None: placed later, by the search or a plan); `num_layers`: the model's blocks."""
+    known (None: placed later, by the search or a plan; check_config refuses an uneven split before)."""
     if str(cfg.zero) not in train.zero_stages:
         raise ConfigError(
             f"zero={cfg.zero} is not a ZeRO stage this software stack runs",
@@ -850,9 +849,6 @@ def check_stack_runs(cfg: ParallelConfig, train: TrainingSpec, sizes: list[int] 
     # recompute_layers counts a pipeline rank's layers, ceil(k / vp) on each of its stages (estimate.even_layout)
     per_stage = None if cfg.recompute_layers is None else -(-cfg.recompute_layers // cfg.vp)
     check_recompute_runs(cfg.recompute, per_stage, max(sizes) if sizes else None, train)
-    if num_layers is not None and num_layers % (cfg.pp * cfg.vp) and not train.uneven_stages:
-        raise ConfigError(_EVEN_RULE, f"{num_layers} layers do not divide into pp*vp={cfg.pp * cfg.vp} stages",
-                          _EVEN_FIX)
     if sizes is not None:
         check_stage_sizes(sizes, train)
     if cfg.pp == 1:
@@ -877,7 +873,6 @@ def check_stage_sizes(sizes: list[int], train: TrainingSpec) -> None:
     if train.uneven_stages or len(set(sizes)) <= 1:
         return
     raise ConfigError(_EVEN_RULE, f"stages of {min(sizes)} to {max(sizes)} layers", _EVEN_FIX)
-
 
 
 def check_recompute_runs(mode: str, layers: int | None, blocks: int | None, train: TrainingSpec,
@@ -906,29 +901,32 @@ def check_recompute_runs(mode: str, layers: int | None, blocks: int | None, trai
     )
 
 
-def check_stages_recompute(stages: list[tuple[int, str, int]], train: TrainingSpec) -> None:
-    """Each stage's recomputation, (blocks, mode, fully recomputed blocks), is what the stack runs
-    (`check_recompute_runs`); where the stack applies one setting to every stage (recompute_per_stage false) the
-    stages that hold blocks agree: one mode and, under full, the same first k blocks of each (min(k, blocks))."""
+def check_stages_run(stages: list[tuple[int, str, int]], train: TrainingSpec) -> None:
+    """Stages given one by one, (blocks, recompute mode, fully recomputed blocks), are what the stack runs: each
+    stage's recomputation (`check_recompute_runs`), their sizes (`check_stage_sizes`) and, where the stack applies
+    one setting to every stage (recompute_per_stage false), one mode over the stages that hold blocks and, under
+    full, the same first k blocks of each (min(k, blocks))."""
     for i, (n, mode, k) in enumerate(stages):
         check_recompute_runs(mode, k if mode == "full" else None, n, train, f"stage {i}")
-    if train.recompute_per_stage:
-        return
+    check_stage_sizes([n for n, _, _ in stages], train)
     held = [(i, n, mode, k if mode == "full" else 0) for i, (n, mode, k) in enumerate(stages) if n > 0]
-    if not held:
+    if train.recompute_per_stage or not held:
         return
-    top = max(k for _, _, _, k in held)
-    first = held[0]
-    for i, n, mode, k in held[1:]:
-        if mode != first[2] or (mode == "full" and (k != min(n, top) or first[3] != min(first[1], top))):
-            what = [f"stage {j} {m}" + (f" ({kk} of {nn} layers)" if m == "full" else "")
-                    for j, nn, m, kk in (first, (i, n, mode, k))]
-            raise ConfigError(
-                "this software stack applies one recomputation setting to every stage",
-                f"{what[0]}, {what[1]}",
-                "recompute alike in every stage (--parallel recompute=..., recompute_layers=k: the first k of each "
-                "stage), or --stack-set recompute_per_stage=true (autoplan's runtime)",
-            )
+    top = max(k for *_, k in held)
+    mode0 = held[0][2]
+    odd = next((s for s in held if s[2] != mode0 or s[3] != (min(s[1], top) if s[2] == "full" else 0)), None)
+    if odd is None:
+        return
+    # the stage it disagrees with: the first one, or (the first being odd) one that recomputes the most
+    ref = held[0] if odd is not held[0] else next(s for s in held if s[3] == top)
+    what = [f"stage {j} {m}" + (f" ({kk} of {nn} layers)" if m == "full" else "")
+            for j, nn, m, kk in sorted((ref, odd))]
+    raise ConfigError(
+        "this software stack applies one recomputation setting to every stage",
+        f"{what[0]}, {what[1]}",
+        "recompute alike in every stage (--parallel recompute=..., recompute_layers=k: the first k of each "
+        "stage), or --stack-set recompute_per_stage=true (autoplan's runtime)",
+    )
 
 
 def check_config(
@@ -969,7 +967,7 @@ def check_config(
         from .layout import check_layout
 
         sizes = [s.blocks for s in check_layout(cfg.layout, num_layers=model.num_layers, pp=pp, vp=vp)]
-    elif stage_layers and model.num_layers % (pp * vp) and not train.uneven_stages:
+    elif model.num_layers % (pp * vp) and not train.uneven_stages:  # whoever places the stages (TrainingSpec)
         raise ConfigError(_EVEN_RULE, f"{model.num_layers} layers do not divide into pp*vp={pp * vp} stages", _EVEN_FIX)
     elif stage_layers and model.num_layers % (pp * vp):
         raise ConfigError(
@@ -1014,7 +1012,7 @@ def check_config(
             f"batch={train.global_batch_size}, dp={dp}, mbs={cfg.mbs}",
             f"use a batch that is a multiple of {dp * cfg.mbs}, or lower mbs/dp",
         )
-    check_stack_runs(cfg, train, sizes, model.num_layers)
+    check_stack_runs(cfg, train, sizes)
     n_micro = train.global_batch_size // (dp * cfg.mbs)
     if pp > 1 and cfg.schedule == "1f1b" and n_micro < pp:
         raise ConfigError(

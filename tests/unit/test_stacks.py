@@ -501,7 +501,7 @@ def test_stacks_with_one_recomputation_setting_plan_one_for_every_stage(tmp_path
     first k layers of every stage in full), the export then needs no "stages recompute differently" warning, and
     a plan or layout that mixes is refused with the fix; --stack-set recompute_per_stage=true widens a stack."""
     from autoplan.cost_models.errors import ConfigError, PlanError
-    from autoplan.cost_models.specs import check_stages_recompute
+    from autoplan.cost_models.specs import check_stages_run
     from autoplan.inspect.export import megatron_flags
     from autoplan.plan import load_plan
     from autoplan.search.core import search
@@ -533,15 +533,15 @@ def test_stacks_with_one_recomputation_setting_plan_one_for_every_stage(tmp_path
                  apply_stack(TrainingSpec(global_batch_size=256, seq_length=2048), "megatron-core", {}), top=2).plan
     held = {(m, k if m == "full" else 0) for m, k, n in stages(gpt) if n}
     assert len(held) == 1 or {m for m, _ in held} == {"full"}, held
-    check_stages_recompute([(n, m, k) for m, k, n in stages(gpt)], gpt.training)
+    check_stages_run([(n, m, k) for m, k, n in stages(gpt)], gpt.training)
 
     mixed = [(16, "full", 4), (16, "none", 0)]
     with pytest.raises(ConfigError, match="applies one recomputation setting to every stage"):
-        check_stages_recompute(mixed, core)
+        check_stages_run(mixed, core)
     with pytest.raises(ConfigError, match="stage 1 full \\(8 of 16 layers\\)"):
-        check_stages_recompute([(16, "full", 4), (16, "full", 8)], core)
-    check_stages_recompute([(3, "full", 3), (16, "full", 4), (0, "none", 0)], core)  # min(k, layers), empty stages
-    check_stages_recompute(mixed, core.model_copy(update={"recompute_per_stage": True}))
+        check_stages_run([(16, "full", 4), (16, "full", 8)], core)
+    check_stages_run([(3, "full", 3), (16, "full", 4), (0, "none", 0)], core)  # min(k, layers), empty stages
+    check_stages_run(mixed, core.model_copy(update={"recompute_per_stage": True}))
 
     # the per-stage plan restacked onto megatron-core is refused, and so is a forged plan file
     path = free.save(tmp_path / "free.json")
