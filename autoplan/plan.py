@@ -30,7 +30,7 @@ _LATER_FIELDS: dict[str, tuple[str, ...]] = {
                  "sp_grads_coalesced", "selective_policy", "checkpoint_early_stop", "cp_attention",
                  "optimizer_dtype", "loss_fusion", "align_grad_reduce", "flexible_rounds", "zero_stages",
                  "schedules", "seq_splits", "recompute_modes", "recompute_per_stage",
-                 "uneven_stages"),
+                 "uneven_stages", "partial_recompute"),
     "cluster.gpu.calibration": ("dtensor_param_us", "fused_call_us", "pipeline_action_us"),
 }
 # LayerProfile fields added after plans recorded profiles (false / 0 when unset)
@@ -73,14 +73,17 @@ class StagePlan(_Frozen):
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
 
-    def recompute_split(self) -> tuple[int, int]:
+    def recompute_split(self, rest: str | None = "selective") -> tuple[int, int]:
         """(blocks checkpointed whole, blocks after them whose attention core is checkpointed), counted from the
         stage's first block: full recomputes its first `recompute_layers` blocks whole and the stage's other blocks
-        selectively (as the stage ILP's `full_selective` family and the estimate price a partly full stage);
-        selective recomputes every block's attention core; none, nothing."""
+        as `rest` says (TrainingSpec.partial_rest: 'selective' on autoplan's stack, 'none' under Megatron's block
+        method; as the stage ILP and the estimate price a partly full stage); selective recomputes every block's
+        attention core; none, nothing."""
         if self.recompute not in ("full", "selective"):
             return 0, 0
         n_full = self.recompute_layers if self.recompute == "full" else 0
+        if n_full and rest != "selective":
+            return n_full, 0
         return n_full, max(0, self.num_layers - n_full)
 
 

@@ -51,16 +51,23 @@ MATRIX = [
     # one micro-batch: gradients made in the backward (cost_models.estimate.grads_made_in_backward), or DDP's kept
     "tiny-gpt:tp=4,mbs=8", "tiny-gpt:dp=4,zero=1,mbs=2", "tiny-gpt:dp=2,tp=2,mbs=4", "tiny-gpt:dp=4,mbs=2",
     "tiny-gpt:dp=4,zero=3,recompute=full,mbs=2", "tiny-gpt:dp=4,zero=1,recompute=full,mbs=2",
+    # a partly full stage: the other blocks recompute their attention core (autoplan's stack) or nothing
+    # (Megatron's block method, TrainingSpec.partial_recompute)
+    "tiny-gpt:dp=4,recompute=full,recompute_layers=2", "tiny-gpt:dp=4,recompute=full,recompute_layers=2"
+    "@partial_recompute=rest-none",
 ]
 
 
 
 
-def case_parts(case: str, default_gbs: int = GBS) -> tuple[str, str, int]:
-    """"model:config" or "model:config@gbs=N" (a global batch other than the matrix's) -> (model, config, gbs)."""
+def case_parts(case: str, default_gbs: int = GBS) -> tuple[str, str, int, dict[str, str]]:
+    """"model:config", optionally followed by "@gbs=N" (a global batch other than the matrix's) and "@knob=value"
+    (a stack knob of the TrainingSpec, e.g. "@partial_recompute=rest-none") -> (model, config, gbs, knobs)."""
     name, config = case.split(":", 1)
-    config, _, batch = config.partition("@gbs=")
-    return name, config, int(batch) if batch else default_gbs
+    config, *extra = config.split("@")
+    knobs = dict(item.split("=", 1) for item in extra)
+    batch = knobs.pop("gbs", None)
+    return name, config, int(batch) if batch else default_gbs, knobs
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -77,9 +84,9 @@ def run_case(case: str, world: int, steps_before: int, sites: bool = False, dtyp
     from autoplan.runtime.parallel_dims import ParallelDims
     from autoplan.specs import TrainingSpec, load_cluster, load_model
 
-    name, config, gbs = case_parts(case)
+    name, config, gbs, knobs = case_parts(case)
     spec = load_model(name).model_copy(update={"dropout": 0.0})
-    training = TrainingSpec(global_batch_size=gbs, seq_length=SEQ, dtype=dtype)
+    training = TrainingSpec(global_batch_size=gbs, seq_length=SEQ, dtype=dtype, **knobs)
     plan = make_plan(spec, load_cluster("local-cpu").with_gpus(world), training, config, kernels="torch")
     dims = ParallelDims.from_plan(plan, world).build_mesh()
     trainer = Trainer(plan, dims, device=torch.device("cpu"), seed=0)

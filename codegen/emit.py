@@ -199,7 +199,7 @@ def stage_source(p: StageProgram) -> str:
         b.append(f'    apply_cp(model, dims["cp"], {literal(plan.training.seq_length)}, device)')
     if p.recompute:
         b.append("    " + comment(f"6. recompute ({st.recompute}): {', '.join(p.recompute)}"))
-        b.append("    apply_recompute(model, STAGE)")
+        b.append("    apply_recompute(model, STAGE" + _rest_arg(plan) + ")")
     b.append("    " + comment(f"7. precision: {plan.training.dtype}"))
     b.append(f"    apply_mixed_precision(model, {literal(plan.training.dtype)}, device.type)")
     if (c.dp or 1) * c.cp > 1:
@@ -209,6 +209,13 @@ def stage_source(p: StageProgram) -> str:
     b.append("    return model")
     out.append("\n".join(b))
     return "\n".join(out) + "\n"
+
+
+def _rest_arg(plan: Plan) -> str:
+    """A partly full stage's other blocks run plainly under partial_recompute=rest-none (Megatron's block method);
+    the runtime's default recomputes them selectively."""
+    rest = plan.training.partial_rest
+    return "" if rest in (None, "selective") else f", rest={literal(rest)}"
 
 
 def _factory_body(plan: Plan, st, tp_styles: dict) -> list[str]:
@@ -232,7 +239,7 @@ def _factory_body(plan: Plan, st, tp_styles: dict) -> list[str]:
         b.append("        model.module.get_submodule(TIED[0]).weight = model.module.get_submodule(TIED[1]).weight")
     if st.recompute != "none":
         b.append("    " + comment(f"6. recompute ({st.recompute})"))
-        b.append("    apply_factory_recompute(model, STAGE)")
+        b.append("    apply_factory_recompute(model, STAGE" + _rest_arg(plan) + ")")
     b += ["    " + comment(f"7. precision: {plan.training.dtype}"),
           f"    apply_mixed_precision(model, {literal(plan.training.dtype)}, device.type)"]
     if (c.dp or 1) * c.cp > 1:

@@ -108,18 +108,19 @@ def factory_tp_layout(st, stage: StagePlan) -> dict[str, Style]:
     return out
 
 
-def recompute_regions(stage: StagePlan) -> list[str]:
-    """Module paths checkpointed (recomputed in the backward pass)."""
+def recompute_regions(stage: StagePlan, rest: str | None = "selective") -> list[str]:
+    """Module paths checkpointed (recomputed in the backward pass); `rest`: what a partly full stage's other blocks
+    do (TrainingSpec.partial_rest)."""
     start = stage.layers[0]
-    n_full, n_sel = stage.recompute_split()  # a partly full stage recomputes its other blocks selectively
+    n_full, n_sel = stage.recompute_split(rest)
     return ([f"layers.{i}" for i in range(start, start + n_full)]
             + [f"layers.{i}.attention.core" for i in range(start + n_full, start + n_full + n_sel)])
 
 
-def _factory_regions(stage: StagePlan) -> list[str]:
+def _factory_regions(stage: StagePlan, rest: str | None = "selective") -> list[str]:
     """What a user module's stage recomputes, by block index (the module paths come from its capture)."""
     lo = stage.layers[0]
-    n_full, n_sel = stage.recompute_split()
+    n_full, n_sel = stage.recompute_split(rest)
     out = [f"blocks {lo}..{lo + n_full - 1} (whole)"] if n_full else []
     if n_sel:
         out.append(f"the attention kernel of blocks {lo + n_full}..{lo + n_full + n_sel - 1}")
@@ -198,7 +199,7 @@ def stage_programs(plan: Plan) -> list[StageProgram]:
         out.append(StageProgram(
             plan=plan, stage=st,
             tp=tp,
-            recompute=_factory_regions(st) if factory else recompute_regions(st),
+            recompute=(_factory_regions if factory else recompute_regions)(st, plan.training.partial_rest),
             kernels={} if own_modules else kernel_substitutions(spec, st, plan.kernels, c.sp and c.tp > 1),
             ranks=stage_ranks(plan, st),
         ))

@@ -47,6 +47,7 @@ from .estimate import (
     StageCost,
     StageLayout,
     _stages_by_rank,
+    block_recompute,
     cached_layer_cost,
     context,
     estimate,
@@ -100,15 +101,15 @@ class _Comm:
                 for (c, m), (n, b) in sorted(self.d.items())]
 
 
-def _stage_layers(stage: StageCost, profiles: list[LayerProfile]) -> list[tuple[LayerProfile, bool]]:
-    """(profile, recompute kind) of each layer of a stage in order: 'full', 'selective' or ''."""
+def _stage_layers(stage: StageCost, profiles: list[LayerProfile],
+                  rest: str | None = None) -> list[tuple[LayerProfile, str]]:
+    """(profile, recompute kind) of each layer of a stage in order: 'full', 'selective' or '' (estimate.
+    block_recompute; `rest`: TrainingSpec.partial_rest, where the kinds are used)."""
     out: list[tuple[LayerProfile, str]] = []
     lay = stage.layout
     if stage.has_embedding:
         out.append((profiles[0], ""))
-    n_full = lay.recompute_layers if lay.recompute == "full" else 0
-    for k, i in enumerate(range(*lay.layers)):
-        kind = "full" if k < n_full else ("selective" if lay.recompute in ("selective", "full") else "")
+    for i, kind in zip(range(*lay.layers), block_recompute(lay, rest), strict=True):
         out.append((profiles[1 + i], kind))
     if stage.has_head:
         out.append((profiles[-1], ""))
@@ -201,7 +202,7 @@ def rank_counts(stages: list[StageCost], profiles: list[LayerProfile], ctx: Cont
     flops = dict.fromkeys(PHASES, 0.0)
     comm = _Comm()
     for s in stages:
-        for p, rec in _stage_layers(s, profiles):
+        for p, rec in _stage_layers(s, profiles, training.partial_rest):
             for k, v in layer_flops(p, ctx, rec).items():
                 flops[k] += m * v
             layer_comm(p, ctx, rec, comm, m)
@@ -593,8 +594,9 @@ def _moments(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context
         block_tmp += head.gemms[0].n * head.gemms[0].k / ctx.tp * training.grad_bytes
     head_act, head_tmp = _head_parts(stages, profiles, ctx)
     # full recomputation: the recomputed layer's activations (without its input, the checkpoint) are alive only
-    # while that layer's backward runs (estimate's act_peak_extra)
-    recomputed = max((s.act_peak_extra for s in stages), default=0.0)
+    # while that layer's backward runs, when the stage's later blocks have released what they kept (a partly full
+    # stage: estimate's act_peak_extra_net; the estimate prices act_peak_extra, all kept beside it)
+    recomputed = max((s.act_peak_extra_net for s in stages), default=0.0)
     held = _held_grad_send(stages, profiles, ctx, cfg, training)
     out = {
         "block": {"activations": recomputed - released, "temporaries": block_tmp + held},

@@ -99,6 +99,10 @@ class StageCost:
     weight_copies: float = 0.0  # autocast's 16-bit weight copies, once per rank for the step (compute.autocast_terms)
     tensors: int = 0  # parameter tensors of its layers (LayerProfile.tensors), what the optimizer steps one by one
     tp_plain_tensors: int = 0  # of those, the ones tensor parallelism alone leaves plain (LayerProfile.tp_plain_tensors)
+    # act_peak_extra less what the stage's later blocks kept and have released by then (their backward runs first):
+    # what the runtime holds beyond the kept activations at a partly full stage's recompute (cost_models.counts);
+    # the estimate and the search price act_peak_extra, at most one layer's transient more (docs/cost_model.md)
+    act_peak_extra_net: float = 0.0
 
 
 @dataclass
@@ -191,6 +195,17 @@ def even_layout(num_layers: int, cfg: ParallelConfig) -> list[StageLayout]:
     return out
 
 
+def block_recompute(layout: StageLayout, rest: str | None) -> list[str]:
+    """Recomputation of each block of a stage, in order: 'full' (the first `recompute_layers` under full),
+    'selective' (under selective, and a partly full stage's other blocks where `rest` is 'selective':
+    TrainingSpec.partial_rest) or ''."""
+    n = layout.layers[1] - layout.layers[0]
+    n_full = min(n, layout.recompute_layers) if layout.recompute == "full" else 0
+    rest_kind = "selective" if layout.recompute == "selective" or (layout.recompute == "full" and rest == "selective") \
+        else ""
+    return ["full"] * n_full + [rest_kind] * (n - n_full)
+
+
 def _stage_layer_costs(stage: StageCost, profiles: list[LayerProfile], ctx: Context,
                        n_stages: int) -> list[LayerCost]:
     start, stop = stage.layout.layers
@@ -219,12 +234,13 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
     bwd = sum(c.bwd_s for c, _ in parts)
     comm_s = sum(c.comm_fwd_s + c.comm_bwd_s for c, _ in parts)
     rec, rec_flops, act, extra, ckpt = 0.0, 0.0, 0.0, 0.0, 0.0
-    n_full = layout.recompute_layers if layout.recompute == "full" else 0
-    k = 0
+    kinds = iter(block_recompute(layout, ctx.training.partial_rest))
     block_acts: list[float] = []  # kept bytes of each block, in order
+    transients: list[float] = []  # each block's recompute transient (0 where not fully recomputed)
     for c, is_block in parts:
         before = act
-        if is_block and k < n_full:
+        kind = next(kinds) if is_block else ""
+        if kind == "full":
             rec += c.recompute_full_s
             ckpt += c.checkpoint_full_s
             rec_flops += c.recompute_flops_full
@@ -232,8 +248,8 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
             # while its backward runs, the layer's recomputed activations are alive beside the kept ones; its
             # input is the checkpoint itself (torch.utils.checkpoint), already counted in act_full
             extra = max(extra, c.act_none - c.act_full)
-            k += 1
-        elif is_block and layout.recompute in ("selective", "full"):
+            transients.append(c.act_none - c.act_full)
+        elif kind == "selective":
             rec += c.recompute_selective_s
             ckpt += c.checkpoint_selective_s
             rec_flops += c.recompute_flops_selective
@@ -242,6 +258,8 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
             act += c.act_none
         if is_block:
             block_acts.append(act - before)
+            transients += [0.0] * (len(block_acts) - len(transients))
+    net = max((t - sum(block_acts[j + 1:]) for j, t in enumerate(transients) if t > 0), default=0.0)
     later = [c for c, is_block in parts if is_block][1:]
     mine = [profiles[i] for i in ([0] if has_emb else []) + list(range(1 + start, 1 + stop))
             + ([len(profiles) - 1] if has_head else [])]
@@ -249,6 +267,7 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
         tensors=sum(p.tensors() for p in mine), tp_plain_tensors=sum(p.tp_plain_tensors() for p in mine),
         index=index, layout=layout, has_embedding=has_emb, has_head=has_head, fwd_s=fwd, bwd_s=bwd + rec,
         recompute_s=rec - ckpt, comm_s=comm_s, act_per_mb=act, act_peak_extra=extra,
+        act_peak_extra_net=max(0.0, net),
         params=sum(c.params_local for c, _ in parts), expert_params=sum(c.expert_params_local for c, _ in parts),
         model_flops=sum(c.model_flops for c, _ in parts), recompute_flops=rec_flops,
         tied_head=tied_head_params(profiles, ctx.tp) if has_head else 0.0,

@@ -478,6 +478,15 @@ class TrainingSpec(_Frozen):
         "(recompute_layers) recomputes a stage's other layers selectively. Megatron-LM checkpointed every layer "
         "(--checkpoint-activations) until the block method (2021-08) and selective recomputation (2022-05); "
         "DeepSpeed and Hugging Face models checkpoint whole layers.")
+    partial_recompute: Literal["rest-selective", "rest-none", "off"] = Field(
+        default="rest-selective", description="A stage that recomputes only its first k layers in full "
+        "(recompute_layers): 'rest-selective' = its other layers recompute selectively (autoplan's runtime, "
+        "runtime.parallelize.apply_recompute); 'rest-none' = they keep everything (Megatron's block method, "
+        "--recompute-method block, from 2021-08: megatron/core/recompute.py checkpoints the first "
+        "--recompute-num-layers of each chunk and runs the rest plainly; torchtitan's layer-selective AC, "
+        "every n-th block whole); 'off' = a stage recomputes every layer in full or none (Megatron-LM before "
+        "2021-08, DeepSpeed, Hugging Face). 'rest-selective' needs selective among recompute_modes (without it "
+        "partial full recomputation is off); 'off' needs recompute_modes without selective.")
     uneven_stages: bool = Field(
         default=True, description="Pipeline stages may hold different numbers of layers (an explicit layout, "
         "--uneven, the search's placement); false = layers split evenly over pp*vp stages, as Megatron-LM asserted "
@@ -553,6 +562,27 @@ class TrainingSpec(_Frozen):
         "query chunk over the keys up to its end computes every score of those ((2cp+1)/(4cp) of the rank's "
         "queries against the whole sequence), and the gradients go back by an all-to-all and a sum (autoplan's runtime: runtime.parallelize.ContextParallelAttentionCore). None: as "
         "`runtime_memory` says ('all_gather_masked' exactly for autoplan's runtime, else 'ring').")
+
+    @model_validator(mode="after")
+    def _partial_vs_modes(self) -> TrainingSpec:
+        if self.partial_recompute == "off" and "selective" in self.recompute_modes.split("+"):
+            # the stage ILP has no family for "full on whole stages only" beside selective stages (no stack has it)
+            raise SpecError("partial_recompute=off (every layer in full or none) beside selective recomputation is "
+                            "not a stack autoplan can plan", f"recompute_modes={self.recompute_modes}",
+                            "set partial_recompute=rest-none as well (Megatron's block method, which came before "
+                            "selective recomputation) or keep recompute_modes=full")
+        return self
+
+    @property
+    def partial_rest(self) -> str | None:
+        """What the layers after a stage's first k fully recomputed ones do: 'selective', 'none', or None where a
+        stage recomputes all its layers in full or none (`partial_recompute`, resolved against recompute_modes)."""
+        modes = self.recompute_modes.split("+")
+        if "full" not in modes or self.partial_recompute == "off":
+            return None
+        if self.partial_recompute == "rest-none":
+            return "none"
+        return "selective" if "selective" in modes else None
 
     @property
     def cp_style(self) -> str:
@@ -881,23 +911,26 @@ def check_recompute_runs(mode: str, layers: int | None, blocks: int | None, trai
     (TrainingSpec.recompute_modes); `where` names the stage in the refusal."""
     modes = train.recompute_modes.split("+")
     partial = mode == "full" and layers is not None and blocks is not None and layers < blocks
-    if mode == "none" or (mode in modes and not (partial and "selective" not in modes)):
+    if mode == "none" or (mode in modes and not (partial and train.partial_rest is None)):
         return
     others = [m for m in ("none", "full", "selective") if m in modes or m == "none"]
     if partial:
         raise ConfigError(
-            f"{where} recomputing {layers} of its {blocks} layers in full recomputes the others selectively, "
-            "which this software stack does not run",
-            f"the stack recomputes with: {train.recompute_modes}",
+            f"{where} recomputing {layers} of its {blocks} layers in full (the others "
+            + ("selectively" if train.partial_recompute == "rest-selective" else "not at all")
+            + ") is not a recomputation this software stack runs",
+            f"the stack recomputes with: {train.recompute_modes}, partial_recompute={train.partial_recompute}",
             "recompute every layer in full (drop recompute_layers) or none, "
-            + _another_stack("recompute_modes", "selective+full", "has selective recomputation"),
+            + _another_stack("partial_recompute", "rest-none", "has Megatron's block method"),
         )
+    # (a stack whose partial full recomputation is off has none beside selective: TrainingSpec._partial_vs_modes)
+    widen = "selective+full" + (",partial_recompute=rest-none" if train.partial_recompute == "off" else "")
     raise ConfigError(
         f"recompute={mode} is not a recomputation this software stack runs"
         + ("" if where == "a stage" else f" ({where})"),
         f"the stack recomputes with: {train.recompute_modes}",
         f"use recompute={' or '.join(x for x in others if x != mode)}, "
-        + _another_stack("recompute_modes", "selective+full"),
+        + _another_stack("recompute_modes", widen),
     )
 
 

@@ -26,7 +26,7 @@ STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_re
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion",
                "align_grad_reduce", "flexible_rounds", "zero_stages", "schedules", "seq_splits", "recompute_modes",
-               "recompute_per_stage", "uneven_stages", "grad_sync_all_reduce",
+               "recompute_per_stage", "partial_recompute", "uneven_stages", "grad_sync_all_reduce",
                "sp_grads_coalesced", "runtime_memory", "autocast_fp32_params", "selective_policy", "kernels",
                "checkpoint_early_stop", "cp_attention")
 # The short names `autoplan stacks` prints for some knobs; --stack-set takes them as well as the field names.
@@ -46,6 +46,11 @@ _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overla
            "recompute_modes": ALL_RECOMPUTE_MODES,
            # one recomputation setting for every stage, except on autoplan's runtime (TrainingSpec.recompute_per_stage)
            "recompute_per_stage": False,
+           # a partial full recomputation leaves the other layers plain: Megatron's block method
+           # (--recompute-method block: each model chunk checkpoints its first --recompute-num-layers layers "and
+           # skip[s] the rest", megatron/core/recompute.py) and torchtitan's layer SAC
+           # (`ac_freq`: every n-th block checkpointed whole, the others untouched)
+           "partial_recompute": "rest-none",
            "uneven_stages": True,
            "grad_sync_all_reduce": False,
            "sp_grads_coalesced": True, "runtime_memory": False, "autocast_fp32_params": False,
@@ -89,6 +94,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         knobs={"flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                "tp_comm_overlap": False, "kernels": "fused", "grad_reduce_dtype": None, "runtime_memory": True,
                "recompute_per_stage": True,
+               # a stage's other layers recompute their attention core (runtime.parallelize.apply_recompute)
+               "partial_recompute": "rest-selective",
                "sp_grads_coalesced": False, "autocast_fp32_params": True,
                # torch.distributed.pipelining sends a stage's output tensor as each tp rank holds it, rank to
                # rank: the whole hidden states without SP, nothing gathered (counts.boundary_bytes, measured)
@@ -120,7 +127,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                # layers per stage came in 2021-08 ("Checkpoint a set number of individual Transformer layers",
                # c1e0689d, --activations-checkpoint-method block), selective recomputation in 2022-05
                # (--recompute-granularity selective, bbab79f8, 2022-05-16)
-               "recompute_modes": "full",
+               "recompute_modes": "full", "partial_recompute": "off",
                # "num_layers must be divisible by pipeline_model_parallel_size" (megatron/model/transformer.py at
                # 50a4b5fa, 2021-04-08; the same for the virtual stages) until "Uneven Pipeline Parallelism"
                # (fa8bb592, 2024-09-05)
@@ -203,8 +210,9 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                # the 2021-22 Megatron layers it ran (MT-NLG, BLOOM) predate sequence and context parallelism
                "seq_splits": "none",
                # ... and selective recomputation: --checkpoint-activations recomputes every layer (BLOOM's
-               # tr11-176B-ml script, MT-NLG sec. 3 "activation checkpointing")
-               "recompute_modes": "full"},
+               # tr11-176B-ml script, MT-NLG sec. 3 "activation checkpointing"; its --checkpoint-num-layers groups
+               # layers per checkpoint, every layer still recomputed)
+               "recompute_modes": "full", "partial_recompute": "off"},
         # grad_accum_cast_copy: BF16_Optimizer accumulates each micro-batch's bf16 gradients with
         # `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype).view(hp_grad.shape))` (update_hp_grads, called by the
         # PipelineEngine's `_exec_backward_pass` after every micro-batch): an fp32 temporary is written and read
@@ -241,7 +249,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                "seq_splits": "none",
                # whole layers: deepspeed.checkpointing.checkpoint and Hugging Face's gradient_checkpointing_enable()
                # wrap every decoder layer; neither recomputes only the attention core
-               "recompute_modes": "full"},
+               "recompute_modes": "full", "partial_recompute": "off"},
         assumes="bf16 with eager PyTorch ops (no fused norms/activations); SDPA flash attention; overlap_comm "
                 "(parameter prefetch and gradient reduce-scatter behind compute); gradients accumulated in fp32 "
                 "by a separate pass per micro-batch and reduced in fp32",

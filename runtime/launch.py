@@ -114,9 +114,10 @@ def check_machine(plan, nproc_per_node: int) -> list[str]:
 # runtime always does (SDPA attention, FSDP2's overlaps, blocking-free pipeline sends, ...). zero_stages,
 # schedules, seq_splits, recompute_modes, recompute_per_stage and uneven_stages price nothing: they narrow the ZeRO
 # stages, pipeline schedules, sequence splits, recomputation and stage layouts a plan may take, and the runtime
-# runs each of them.
+# runs each of them. partial_recompute prices a partly full stage's other blocks, and the runtime runs each
+# setting (apply_recompute's `rest`).
 RUNTIME_KNOBS = frozenset({"kernels", "zero_stages", "schedules", "seq_splits", "recompute_modes",
-                           "recompute_per_stage", "uneven_stages"})
+                           "recompute_per_stage", "uneven_stages", "partial_recompute"})
 
 
 def _knob_prices(plan, knob: str) -> bool:

@@ -375,16 +375,17 @@ def apply_cp(model: TransformerLM, cp_mesh, seq_len: int, device: torch.device) 
 # -------------------------------------------------------------------------------------- 5. recompute
 
 
-def apply_recompute(model: TransformerLM, stage: StagePlan) -> list[str]:
+def apply_recompute(model: TransformerLM, stage: StagePlan, rest: str | None = "selective") -> list[str]:
     """full: the first `stage.recompute_layers` blocks of the stage are checkpointed whole, and the stage's other
-    blocks recompute selectively (the stage ILP's `full_selective` family and the estimate price a partly full
-    stage so: autoplan.search.ilp, cost_models.estimate.stage_cost); selective: the attention core (GQA + SDPA,
-    i.e. ATTENTION_CORE_OPS; with CP also the K/V gather) of every block."""
+    blocks recompute selectively, or (`rest` 'none': TrainingSpec.partial_recompute=rest-none, Megatron's block
+    method) run plainly, as the stage ILP and the estimate price a partly full stage (autoplan.search.ilp,
+    cost_models.estimate.stage_cost); selective: the attention core (GQA + SDPA, i.e. ATTENTION_CORE_OPS; with CP
+    also the K/V gather) of every block."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     notes = []
     keys = list(model.layers.keys())
-    n_full, n_sel = stage.recompute_split()
+    n_full, n_sel = stage.recompute_split(rest)
     if n_full:
         for k in keys[:n_full]:
             model.layers[k] = checkpoint_wrapper(model.layers[k], preserve_rng_state=True)

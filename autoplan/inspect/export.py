@@ -110,10 +110,11 @@ def _megatron_recompute(plan: Plan, warnings: list[str]) -> list[tuple[str, obje
         warnings.append(f"stages recompute different numbers of layers ({sorted(ks)}); Megatron's block method "
                         "takes one number per stage: exported the largest")
     # autoplan's partial full recompute re-runs the attention core of a stage's other layers (selective:
-    # estimate.stage_cost, runtime.parallelize.apply_recompute); Megatron's block method leaves them whole, which
-    # is the same where selective recomputation does nothing (a flash kernel whose outputs are kept)
+    # estimate.stage_cost, runtime.parallelize.apply_recompute); Megatron's block method leaves them whole
+    # (partial_recompute=rest-none, as the Megatron stacks price it), which is the same where selective
+    # recomputation does nothing (a flash kernel whose outputs are kept)
     rest = max(s.num_layers - s.recompute_layers for s in full)
-    if not selective_is_free(plan.training):
+    if plan.training.partial_rest == "selective" and not selective_is_free(plan.training):
         warnings.append(f"the plan recomputes the attention core (selective) of up to {rest} layer(s) per stage "
                         f"beyond the {max(ks)} it recomputes in full; Megatron's block method recomputes nothing "
                         "there: they keep their whole activations, more memory than planned (not checked) and a "

@@ -650,9 +650,11 @@ def _recompute_attention(block: nn.Module) -> None:
     block._autoplan_recompute = "selective"
 
 
-def apply_factory_recompute(model: FactoryModel, stage, st: FactoryStructure | None = None) -> list[str]:
+def apply_factory_recompute(model: FactoryModel, stage, st: FactoryStructure | None = None,
+                            rest: str | None = "selective") -> list[str]:
     """full: the first `stage.recompute_layers` blocks of the stage checkpointed whole (checkpoint_wrapper), the
-    stage's other blocks selectively (as the stage ILP and the estimate price a partly full stage); selective: in
+    stage's other blocks selectively, or plainly where `rest` is 'none' (TrainingSpec.partial_rest; as the stage ILP
+    and the estimate price a partly full stage); selective: in
     every block of the stage, each scaled_dot_product_attention call is checkpointed (the attention core, as the
     zoo's selective recompute; a function call in the user's code, so it is caught by a TorchFunctionMode around
     the block's forward rather than wrapped as a module)."""
@@ -660,7 +662,7 @@ def apply_factory_recompute(model: FactoryModel, stage, st: FactoryStructure | N
 
     st = st or factory_structure(model.ref)
     lo = stage.layers[0]
-    n_full, n_sel = stage.recompute_split()
+    n_full, n_sel = stage.recompute_split(rest)
     notes = []
     if n_full:
         keys = st.blocks[lo:lo + n_full]

@@ -683,7 +683,8 @@ class _Searcher:
                             pp=mesh.pp, vp=kn.vp, m=m, inflight=infl, capacity=tuple(caps), pin=pin,
                             uniform=len(self.costs.block_counts) == 1, stage_extra=self.occupancy(mesh, kn.vp),
                             step_memory=step, block_grads=grads, no_full="full" not in modes,
-                            no_selective="selective" not in modes, even=not self.training.uneven_stages)
+                            no_selective="selective" not in modes, even=not self.training.uneven_stages,
+                            rest_none=self.training.partial_rest == "none")
 
     def memory_floor(self, mesh: Mesh) -> tuple[float, dict]:
         """A lower bound on the busiest rank's bytes over every knob and layout of `mesh`: the largest ZeRO
@@ -844,12 +845,10 @@ class _Searcher:
 
     def uniform_solutions(self, prob: StageProblem) -> list[StageSolution | None]:
         """One recomputation setting for every stage (TrainingSpec.recompute_per_stage false: Megatron,
-        torchtitan): the ILP's optimum with each mode the stack has pinned and, where a stage's other blocks would
-        recompute nothing anyway (selective recomputation free and saving nothing: flash attention), the even
-        layout that recomputes the fewest first blocks of every stage in full and fits (Megatron's block method).
-        Without flash attention autoplan's partial full recomputation recomputes the other blocks selectively and
-        Megatron's block method does not: not proposed there (a shortcut: `--fix recompute_layers` still prices
-        autoplan's). All go on the heap; the simulation decides."""
+        torchtitan): the ILP's optimum with each mode the stack has pinned and, where a stage's other blocks
+        recompute nothing (the stack's partial_recompute=rest-none, or selective recomputation free and saving
+        nothing: flash attention), the even layout that recomputes the fewest first blocks of every stage in full
+        and fits (Megatron's block method). All go on the heap; the simulation decides."""
         modes, block = uniform_modes(prob)
         sols = [self.solve(replace(prob, pin=m)) for m in modes]
         if block:
@@ -944,11 +943,12 @@ class _Searcher:
 def uniform_modes(prob: StageProblem) -> tuple[list[str], bool]:
     """The recomputation settings a stack with one setting for every stage may choose for `prob`: the modes it
     has, pinned (selective left out where it is free and saves nothing: flash attention), and whether the block
-    method (the first k blocks of every stage in full, the rest nothing) is among them: only where the rest
-    would recompute nothing under autoplan's partial full recomputation too (`_Searcher.uniform_solutions`)."""
+    method (the first k blocks of every stage in full, the rest nothing) is among them: where the stack runs it
+    (`rest_none`), or where the rest would recompute nothing under autoplan's partial full recomputation too
+    (`_Searcher.uniform_solutions`)."""
     free = all(b.rec_sel == 0 and b.act_sel >= b.act_none for b in prob.blocks)
     modes = [m for m in prob.allowed_modes() if not (m == SELECTIVE and free)]
-    return modes, FULL in modes and free and not prob.no_selective
+    return modes, FULL in modes and not prob.full_whole and (prob.rest_none or free)
 
 
 def _dominating_twin(mesh: Mesh, kn: Knobs, *, sp_dominates: bool = True) -> tuple[Mesh, Knobs] | None:
@@ -1091,12 +1091,13 @@ def _check_recompute_pins(fixd: dict, training: TrainingSpec) -> None:
     if fixd.get("recompute") is None:
         return
     check_recompute_runs(str(fixd["recompute"]), None, None, training)
-    if fixd.get("recompute_layers") is not None and "selective" not in training.recompute_modes.split("+"):
+    if fixd.get("recompute_layers") is not None and training.partial_rest is None:
         raise ConfigError(
-            "--fix recompute_layers recomputes some of a stage's layers in full and the others selectively, which "
-            "this software stack does not run", f"the stack recomputes with: {training.recompute_modes}",
-            "pin recompute=full alone (every layer), or --stack-set recompute_modes=selective+full for a stack "
-            "that has selective recomputation")
+            "--fix recompute_layers recomputes some of a stage's layers in full, which this software stack does not "
+            "run", f"the stack recomputes with: {training.recompute_modes}, partial_recompute="
+            f"{training.partial_recompute}",
+            "pin recompute=full alone (every layer), or --stack-set partial_recompute=rest-none for a stack "
+            "that has Megatron's block method")
 
 
 def _explain_no_candidate(model, cluster, training, fixd) -> None:

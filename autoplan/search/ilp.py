@@ -20,6 +20,8 @@ subject to (family names as in the `add_<family>_constraint` methods; every cons
   work            W_s >= c^w_s + work of its blocks + rf of its full blocks + rs of the rest if sigma_s
   activation      A_s >= c^a_s + af of its full blocks + (as if sigma_s else an) of the rest
   full_selective  a stage that recomputes fully recomputes the rest selectively (sigma_s = 1)
+  full_plain      ... or, under Megatron's block method (`StageProblem.rest_none`), the rest not at all:
+                  a stage either recomputes selectively or has a full prefix (sigma_s + phi_s <= 1)
   cover / order   the stages partition the blocks contiguously, each stage >= 1 block; under interleaving the
                   first stage may hold only the embedding and the last only the head
                   (`StageProblem.empty_end_stages`: N_r >= vp - 1 on their ranks in the compact form, every
@@ -27,7 +29,8 @@ subject to (family names as in the `add_<family>_constraint` methods; every cons
   pin             `--fix recompute=...` fixes every stage's mode
   no_full         no stage recomputes a block fully (`StageProblem.no_full`: the search's second layout)
   no_selective    no block is recomputed selectively, so a stage that recomputes fully does so for every block
-                  (`StageProblem.no_selective`: a software stack without selective recomputation)
+                  (`StageProblem.no_selective`: a software stack without selective recomputation), unless
+                  its other blocks recompute nothing anyway (rest_none: then sigma_s = 0)
 
 "if sigma_s" terms are linearised with big-M: W_s >= base + rs_rest - M_w (1 - sigma_s) and W_s >= base;
 A_s >= base + as_rest and A_s >= base + an_rest - M_a sigma_s, with M_a >= any stage's savings (an >= as).
@@ -247,25 +250,55 @@ class StageILP:
             self._add(self._full_end(s) - self._start(s) >= 0, f"order_full_lo_s{s}")
             self._add(self._start(s + 1) - self._full_end(s) >= 0, f"order_full_hi_s{s}")
 
-    def add_full_selective_constraint(self) -> None:
-        """A stage with fully recomputed blocks recomputes its other blocks selectively (StageLayout semantics).
+    def _add_rank_counts(self, family: str) -> None:
+        """Rank level: K_r + U_r <= N_r; phi_r = [K_r >= 1]."""
+        for r in range(self.p.pp if self.compact else 0):
+            N, K, U, phi = self.N[r], self.K[r], self.U[r], self.phi[r]
+            self._add(K + U - N <= 0, f"{family}_count_r{r}")
+            self._add(K - self.L * phi <= 0, f"{family}_phi_r{r}")
+            self._add(phi - K <= 0, f"{family}_phi_lo_r{r}")
 
-        Rank level: K_r + U_r <= N_r; phi_r = [K_r >= 1]. With one stage per rank (vp = 1) the stage is either
-        selective or not: U_r = sigma_r (N_r - K_r), and K_r >= 1 forces sigma_r = 1. With vp >= 2 stages per
-        rank any split of the rank's blocks into none / selective / full is realisable by stages (put the
-        non-recomputed blocks in stages of their own), so U_r is free."""
+    def add_full_selective_constraint(self) -> None:
+        """A stage with fully recomputed blocks recomputes its other blocks selectively (StageLayout semantics on
+        autoplan's runtime; `add_full_plain_constraint` under `rest_none`).
+
+        Rank level (`_add_rank_counts`). With one stage per rank (vp = 1) the stage is either selective or not:
+        U_r = sigma_r (N_r - K_r), and K_r >= 1 forces sigma_r = 1. With vp >= 2 stages per rank any split of the
+        rank's blocks into none / selective / full is realisable by stages (put the non-recomputed blocks in
+        stages of their own), so U_r is free."""
+        if self.p.rest_none:
+            return
         L = self.L
+        self._add_rank_counts("full_selective")
         for r in range(self.p.pp if self.compact else 0):
             N, K, U, phi, sig = self.N[r], self.K[r], self.U[r], self.phi[r], self.sigma[r]
-            self._add(K + U - N <= 0, f"full_selective_count_r{r}")
-            self._add(K - L * phi <= 0, f"full_selective_phi_r{r}")
-            self._add(phi - K <= 0, f"full_selective_phi_lo_r{r}")
             if self.p.vp == 1:
                 self._add(phi - sig <= 0, f"full_selective_sigma_r{r}")
                 self._add(U - (N - K) + L * (1 - sig) >= 0, f"full_selective_u_r{r}")
                 self._add(U - L * sig <= 0, f"full_selective_u_hi_r{r}")
         for s in range(0 if self.compact else self.S):
             self._add(self._full_end(s) - self._start(s) - self.L * self.sigma[s] <= 0, f"full_selective_s{s}")
+
+    def add_full_plain_constraint(self) -> None:
+        """`StageProblem.rest_none` (Megatron's block method): a stage with fully recomputed blocks recomputes its
+        other blocks not at all, so a stage recomputes selectively or has a full prefix, not both.
+
+        Rank level (`_add_rank_counts`). With vp = 1: U_r = sigma_r N_r and phi_r + sigma_r <= 1. With vp >= 2
+        any split into none / selective / full is realisable (the selective blocks in stages of their own, the
+        full ones first in the others, `_rank_chunks`), so U_r is free. Per stage: the prefix is empty where
+        sigma_s = 1."""
+        if not self.p.rest_none:
+            return
+        L = self.L
+        self._add_rank_counts("full_plain")
+        for r in range(self.p.pp if self.compact else 0):
+            N, U, phi, sig = self.N[r], self.U[r], self.phi[r], self.sigma[r]
+            if self.p.vp == 1:
+                self._add(phi + sig <= 1, f"full_plain_sigma_r{r}")
+                self._add(U - N + L * (1 - sig) >= 0, f"full_plain_u_r{r}")
+                self._add(U - L * sig <= 0, f"full_plain_u_hi_r{r}")
+        for s in range(0 if self.compact else self.S):
+            self._add(self._full_end(s) - self._start(s) + self.L * self.sigma[s] <= self.L, f"full_plain_s{s}")
 
     def add_work_constraint(self) -> None:
         """Work (forward + backward + recomputation of one micro-batch): per rank R_r, or per stage W_s."""
@@ -352,8 +385,9 @@ class StageILP:
                     self._add(self.K[r] == 0, f"pin_nofull_r{r}")
                     self._add(self.U[r] - (self.N[r] if pin == SELECTIVE else 0) == 0, f"pin_selective_r{r}")
             return
-        for s in range(self.S):
-            self._add(self.sigma[s] == (0 if pin == NONE else 1), f"pin_sigma_s{s}")
+        for s in range(self.S):  # (a stage recomputed whole in full has no rest; full_plain wants sigma_s = 0)
+            sig = 0 if pin == NONE or (pin == FULL and self.p.rest_none) else 1
+            self._add(self.sigma[s] == sig, f"pin_sigma_s{s}")
             if pin == FULL:
                 self._add(self._full_end(s) - self._start(s + 1) == 0, f"pin_full_s{s}")
             else:
@@ -373,7 +407,8 @@ class StageILP:
     def add_no_selective_constraint(self) -> None:
         """`StageProblem.no_selective`: no block is recomputed selectively. Rank level U_r = 0 (with vp = 1 the
         full_selective rows then force K_r = 0 or N_r; with vp >= 2 the rank's fully recomputed blocks fill stages
-        of their own, `_rank_chunks`); per stage, sigma_s = 1 only where the full prefix is the whole stage."""
+        of their own, `_rank_chunks`); per stage, sigma_s = 1 only where the full prefix is the whole stage, or
+        (rest_none, where the rest of a partly full stage recomputes nothing) sigma_s = 0."""
         if not self.p.no_selective:
             return
         if self.compact:
@@ -381,7 +416,11 @@ class StageILP:
                 self._add(self.U[r] == 0, f"no_selective_r{r}")
             return
         for s in range(self.S):
-            self._add(self._start(s + 1) - self._full_end(s) + self.L * self.sigma[s] <= self.L, f"no_selective_s{s}")
+            if self.p.rest_none:
+                self._add(self.sigma[s] == 0, f"no_selective_s{s}")
+            else:
+                self._add(self._start(s + 1) - self._full_end(s) + self.L * self.sigma[s] <= self.L,
+                          f"no_selective_s{s}")
 
     def add_objective(self) -> None:
         v = self.p.vp
@@ -395,6 +434,7 @@ class StageILP:
         self.add_cover_constraint()
         self.add_order_constraint()
         self.add_full_selective_constraint()
+        self.add_full_plain_constraint()
         self.add_work_constraint()
         self.add_activation_constraint()
         self.add_transient_constraint()
@@ -469,19 +509,36 @@ def _rank_chunks(n: int, k: int, u: int, v: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def _rank_chunks_plain(n: int, k: int, u: int, v: int) -> list[tuple[int, int, int]]:
+    """`_rank_chunks` under `StageProblem.rest_none`: the selectively recomputed blocks go to stages of their own
+    (as few as possible), the others are spread evenly over the remaining stages, each taking full-recompute blocks
+    first and running the rest plainly."""
+    other = n - u
+    j = 0 if u == 0 else v if other == 0 else max(1, v - other)
+    assert j < v or other == 0, "a rank with one stage recomputes selectively everywhere or not at all"
+    out = [(size, 0, 1) for size in _split(u, j)]
+    left = k
+    for size in _split(other, v - j):
+        kk = min(size, left)
+        left -= kk
+        out.append((size, kk, 0))
+    return out
+
+
 def _stages_from_ranks(p: StageProblem, N: list[int], K: list[int], U: list[int]) -> list[StageChoice]:
     """Turn rank totals (blocks, fully and selectively recomputed blocks) into the rank's vp stages
     (`_rank_chunks`); a rank of the first or last stage holding one block fewer than it has stages leaves that
     stage empty (only the embedding or the head: `StageProblem.empty_end_stages`)."""
     v, pp = p.vp, p.pp
+    chunker = _rank_chunks_plain if p.rest_none else _rank_chunks
     per_stage: dict[int, tuple[int, int, int]] = {}  # stage -> (blocks, full, selective-mode flag)
     for r in range(pp):
         if N[r] < v:  # N[r] = v - 1 (the ILP's bound): the end stage holds no block
-            chunks = _rank_chunks(N[r], K[r], U[r], v - 1)
+            chunks = chunker(N[r], K[r], U[r], v - 1)
             chunks = [(0, 0, 0), *chunks] if r == 0 else [*chunks, (0, 0, 0)]
             assert r in (0, pp - 1) and p.empty_end_stages
         else:
-            chunks = _rank_chunks(N[r], K[r], U[r], v)
+            chunks = chunker(N[r], K[r], U[r], v)
         for i, s in enumerate(range(r, pp * v, pp)):
             per_stage[s] = chunks[i]
     out, start = [], 0

@@ -9,8 +9,9 @@ best of them exactly. The model mirrors `autoplan.cost_models.estimate.stage_cos
 - stage s holds blocks [a_s, a_{s+1}); stage 0 also the embedding, stage S-1 the LM head; stage s runs on
   pipeline rank s % pp; S = pp * vp;
 - a stage recomputes nothing, or selectively (every block: attention core), or fully its first k blocks and
-  selectively the rest (`StageLayout(recompute="full", recompute_layers=k)`); a software stack may lack a mode
-  (`no_full`, `no_selective`: then a fully recomputing stage recomputes every block);
+  selectively the rest (`StageLayout(recompute="full", recompute_layers=k)`), or nothing for the rest where the
+  stack runs Megatron's block method (`rest_none`); a software stack may lack a mode (`no_full`, `no_selective`:
+  then, unless `rest_none`, a fully recomputing stage recomputes every block);
 - stage work W_s (forward + backward + recomputation of one micro-batch, plus `stage_extra[s]`: the compute
   time its pipeline messages take from it, `estimate.p2p_occupancy`, which depends on the stage's position
   only), rank work R_r = sum of its stages;
@@ -75,6 +76,9 @@ class StageProblem:
     # where a stage that recomputes fully recomputes every block it holds (a partial one would recompute the rest
     # selectively)
     no_selective: bool = False
+    # a partly full stage's other blocks recompute nothing (TrainingSpec.partial_rest 'none': Megatron's block
+    # method, torchtitan's layer SAC); false = selectively (autoplan's runtime)
+    rest_none: bool = False
     # the layers split evenly over the stages (a software stack without uneven stages, TrainingSpec.uneven_stages):
     # only the recomputation is chosen (`_Searcher.even_solutions`), no ILP
     even: bool = False
@@ -131,8 +135,8 @@ class StageProblem:
     @property
     def full_whole(self) -> bool:
         """A stage that recomputes fully recomputes all its blocks (pinned full, or no selective mode for the
-        rest of a stage)."""
-        return self.pin == FULL or self.no_selective
+        rest of a stage that would recompute it selectively)."""
+        return self.pin == FULL or (self.no_selective and not self.rest_none)
 
 
 @dataclass(frozen=True)
@@ -154,12 +158,18 @@ class StageSolution:
 # ------------------------------------------------------------------------------------------ evaluation
 
 
-def block_act(b: BlockCost, j: int, ch: StageChoice) -> float:
+def rest_selective(p: StageProblem, ch: StageChoice) -> bool:
+    """Whether the blocks of a stage beyond its fully recomputed prefix recompute selectively (SELECTIVE, or
+    FULL unless `rest_none`)."""
+    return ch.recompute == SELECTIVE or (ch.recompute == FULL and not p.rest_none)
+
+
+def block_act(b: BlockCost, j: int, ch: StageChoice, rest_sel: bool) -> float:
     """Kept activation bytes of a stage's `j`-th block under choice ch: its first k blocks fully recomputed, the
-    rest selectively (FULL or SELECTIVE), else none."""
+    rest selectively where `rest_sel` (`rest_selective`), else none."""
     if ch.recompute == FULL and j < ch.recompute_layers:
         return b.act_full
-    return b.act_sel if ch.recompute in (SELECTIVE, FULL) else b.act_none
+    return b.act_sel if rest_sel else b.act_none
 
 
 def stage_work_act(p: StageProblem, s: int, ch: StageChoice) -> tuple[float, float, float, float]:
@@ -174,11 +184,12 @@ def stage_work_act(p: StageProblem, s: int, ch: StageChoice) -> tuple[float, flo
         act += p.last.act_none
         static += p.last.static
     k_full = ch.recompute_layers if ch.recompute == FULL else 0
+    rest_sel = rest_selective(p, ch)
     for j, i in enumerate(range(ch.start, ch.stop)):
         b = p.blocks[i]
-        work += b.work + (b.rec_full if j < k_full else b.rec_sel if ch.recompute in (SELECTIVE, FULL) else 0.0)
+        work += b.work + (b.rec_full if j < k_full else b.rec_sel if rest_sel else 0.0)
         static += b.static
-        act += block_act(b, j, ch)
+        act += block_act(b, j, ch, rest_sel)
         if j < k_full:
             extra = max(extra, b.transient)
     return work, act, static, extra
@@ -206,7 +217,8 @@ def evaluate(p: StageProblem, stages: tuple[StageChoice, ...]) -> tuple[float, t
         (ch,) = stages
         later = range(ch.start + 1, ch.stop)
         first = mem[0] + sum(p.block_grads[i] for i in later) \
-            - p.inflight[0] * sum(block_act(p.blocks[i], j, ch) for j, i in enumerate(later, start=1))
+            - p.inflight[0] * sum(block_act(p.blocks[i], j, ch, rest_selective(p, ch))
+                                  for j, i in enumerate(later, start=1))
         mem = (max(mem[0], first, p.step_memory[0]),)
     return obj, mem
 
@@ -327,7 +339,8 @@ def greedy_bound(p: StageProblem) -> float:
 
 def rank_work_fn(p: StageProblem, b: BlockCost):
     """f(r, n): the least work of rank r holding n blocks like `b` within its memory (inf if none fits);
-    least recomputation first (none, selective, then the fewest fully recomputed blocks)."""
+    least recomputation first (none, selective, then the fewest fully recomputed blocks, the others selective or,
+    under `rest_none`, plain: then the cheaper of selective and the fewest full blocks)."""
     S, pp = p.num_stages, p.pp
     last = (S - 1) % pp
     modes = p.allowed_modes()
@@ -342,6 +355,20 @@ def rank_work_fn(p: StageProblem, b: BlockCost):
     pin_full = p.full_whole
     w, rs, rf = b.work, b.rec_sel, b.rec_full
     an, asel, af, e, st = b.act_none, b.act_sel, b.act_full, b.transient, b.static
+
+    def f_plain(r: int, n: int) -> float:  # rest_none: selective everywhere, or the first k full and the rest plain
+        bw, room0, infl = consts[r]
+        room = room0 - n * st
+        if none_ok and infl * n * an <= room:
+            return bw + n * w
+        best = bw + n * (w + rs) if sel_ok and infl * n * asel <= room else math.inf
+        if full_ok:
+            gain = infl * (an - af)
+            need = infl * n * an + e - room
+            k = n if pin_full else (1 if need <= 0 else (math.ceil(need / gain - 1e-9) if gain > 0 else n + 1))
+            if k <= n and infl * (k * af + (n - k) * an) + e <= room * (1 + 1e-9):
+                best = min(best, bw + n * w + k * rf)
+        return best
 
     def f(r: int, n: int) -> float:
         bw, room0, infl = consts[r]
@@ -361,4 +388,4 @@ def rank_work_fn(p: StageProblem, b: BlockCost):
                 return bw + n * w + k * rf + (n - k) * rs
         return math.inf
 
-    return f
+    return f_plain if p.rest_none else f

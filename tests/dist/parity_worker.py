@@ -43,8 +43,8 @@ def spec_of(name: str):
     return load_model(name).model_copy(update={"dropout": 0.0})
 
 
-def training(gbs: int = GBS) -> TrainingSpec:
-    return TrainingSpec(global_batch_size=gbs, seq_length=SEQ, dtype="fp32")
+def training(gbs: int = GBS, **knobs: str) -> TrainingSpec:
+    return TrainingSpec(global_batch_size=gbs, seq_length=SEQ, dtype="fp32", **knobs)
 
 
 def reference(name: str, gbs: int = GBS) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -67,11 +67,11 @@ def full_grads(pm, tied: bool) -> dict[str, torch.Tensor]:
 
 def run_case(case: str, world: int, refs: dict) -> dict:
     layout_case, _, kernels = case.partition("|")  # "model:config|fused" runs with the fused-kernel substitution
-    name, config, gbs = case_parts(layout_case, GBS)  # "model:config@gbs=N": a global batch other than GBS
+    name, config, gbs, knobs = case_parts(layout_case, GBS)  # "model:config@gbs=N@knob=v" (benchmarks/counts.py)
     rank = dist.get_rank()
     t0 = time.perf_counter()
     spec = spec_of(name)
-    plan = make_plan(spec, load_cluster("local-cpu").with_gpus(world), training(gbs), config,
+    plan = make_plan(spec, load_cluster("local-cpu").with_gpus(world), training(gbs, **knobs), config,
                      kernels=kernels or "torch")
     dims = ParallelDims.from_plan(plan, world).build_mesh()
     trainer = Trainer(plan, dims, device=torch.device("cpu"), seed=SEED, lr=LR, weight_decay=WD, betas=BETAS,

@@ -23,7 +23,9 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 CASES = ["tiny-gpt:tp=2,sp=1", "tiny-gpt:tp=2,sp=1,recompute=full", "tiny-gpt:pp=2,recompute=full", "tiny-gpt:dp=2,zero=2", "tiny-gpt:dp=2,zero=3",
          "tiny-moe:dp=2,zero=1",
          # one micro-batch: gradients made in the backward (cost_models.estimate.grads_made_in_backward)
-         "tiny-gpt:tp=2,mbs=8", "tiny-gpt:dp=2,zero=1,mbs=4"]
+         "tiny-gpt:tp=2,mbs=8", "tiny-gpt:dp=2,zero=1,mbs=4",
+         # half the blocks in full, the others plain (Megatron's block method: TrainingSpec.partial_recompute)
+         "tiny-gpt:tp=2,recompute=full,recompute_layers=2@partial_recompute=rest-none"]
 
 
 def _launch_counts(out: Path, layouts, *extra: str) -> list[dict]:

@@ -176,6 +176,30 @@ def test_a_partly_full_stage_recomputes_its_other_blocks_selectively():
         torch.testing.assert_close(g[n], grad, rtol=1e-5, atol=1e-7)
 
 
+def test_the_block_method_leaves_a_partly_full_stages_other_blocks_plain():
+    """partial_recompute=rest-none (Megatron's block method): the first blocks re-run whole, the others not at all;
+    the emitted program passes the setting to apply_recompute."""
+    from autoplan.codegen.emit import stage_source
+    from autoplan.codegen.program import recompute_regions, stage_programs
+    from autoplan.runtime.parallelize import ATTENTION_CORE_OPS, apply_recompute
+    from autoplan.zoo import build_model, cross_entropy_loss
+
+    spec = load_model("tiny-llama")
+    tokens = torch.randint(0, 128, (1, 16))
+    train = TRAIN.model_copy(update={"partial_recompute": "rest-none"})
+    plan = plan_for("tiny-llama", gpus=1, config="recompute=full,recompute_layers=2", training=train)
+    stage = plan.stages[0]
+    model = build_model(spec)
+    notes = apply_recompute(model, stage, rest=plan.training.partial_rest)
+    bwd = _count_ops(cross_entropy_loss(model(tokens), tokens).backward)
+    assert notes == ["full: layers ['0', '1']"]
+    assert recompute_regions(stage, "none") == ["layers.0", "layers.1"]
+    assert sum(bwd.get(op, 0) for op in ATTENTION_CORE_OPS) == 2  # the two whole blocks' attention only
+    (program,) = stage_programs(plan)
+    assert program.recompute == ["layers.0", "layers.1"]
+    assert 'apply_recompute(model, STAGE, rest="none")' in stage_source(program)
+
+
 # ----------------------------------------------------------------------------- codegen
 
 

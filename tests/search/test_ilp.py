@@ -107,6 +107,39 @@ def test_ilp_without_selective_recompute_equals_brute_force(p, no_full):
         assert g >= bf.objective * (1 - 1e-9)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.booleans())
+def test_ilp_with_plain_rest_equals_brute_force(p, no_selective):
+    """Megatron's block method (`StageProblem.rest_none`, TrainingSpec.partial_recompute=rest-none): a stage's
+    blocks after its fully recomputed prefix recompute nothing, so a stage is selective or has a full prefix."""
+    p = replace(p, rest_none=True, no_selective=no_selective and p.pin != "selective")
+    bf = brute_force(p)
+    sol = solve_stage_problem(p)
+    if bf is None:
+        assert sol is None
+        return
+    assert sol is not None
+    obj, mem = evaluate(p, sol.stages)
+    assert feasible(p, mem)
+    assert abs(obj - bf.objective) <= 1e-6 * bf.objective
+    assert not p.no_selective or all(c.recompute != "selective" for c in sol.stages)
+    g = greedy_bound(p)
+    if p.identical_blocks and g != float("inf"):
+        assert g >= bf.objective * (1 - 1e-9)
+
+
+def test_a_partly_full_stage_prices_its_rest_as_the_stack_runs_it():
+    """Two of four blocks in full: the other two recompute their attention core (autoplan's runtime), or nothing
+    (rest_none): less work, their whole activations kept."""
+    b = BlockCost(work=1.0, rec_sel=0.1, rec_full=0.3, act_none=4 * GIB, act_sel=3 * GIB, act_full=0.5 * GIB,
+                  static=GIB)
+    p = StageProblem((b,) * 4, BlockCost(work=0.0), BlockCost(work=0.0), 1, 1, 2, (1.0,), (100 * GIB,))
+    stage = (StageChoice(0, 4, "full", 2),)
+    (sel_obj, (sel_mem,)), (plain_obj, (plain_mem,)) = evaluate(p, stage), evaluate(replace(p, rest_none=True), stage)
+    assert abs(sel_obj - plain_obj - 2 * (2 * 0.1)) < 1e-9  # objective (m - 1/v) W + W / v = 2 W; two blocks' rec_sel
+    assert plain_mem - sel_mem == 2 * (4 - 3) * GIB
+
+
 @settings(max_examples=40, deadline=None)
 @given(problems())
 def test_greedy_is_feasible_upper_bound_for_identical_blocks(p):

@@ -429,7 +429,7 @@ def test_each_stack_recomputes_only_as_it_can(tmp_path, capsys):
     recomputation and a partial full one (whose other layers autoplan recomputes selectively), the search proposes
     neither (GPT-3 175B on 384 A100 under megatron-2021 chose one fully recomputed layer and selective
     recomputation elsewhere before the gate), a plan file that says otherwise is refused on load, and
-    --stack-set recompute_modes=selective+full widens a stack."""
+    --stack-set recompute_modes=selective+full,partial_recompute=rest-none widens a stack."""
     from autoplan.api import make_plan
     from autoplan.cost_models.errors import ConfigError
     from autoplan.plan import load_plan
@@ -464,20 +464,30 @@ def test_each_stack_recomputes_only_as_it_can(tmp_path, capsys):
     plan = search(gpt, a100, old, top=3).plan
     assert all(s.recompute == "none" or (s.recompute == "full" and s.recompute_layers == s.layers[1] - s.layers[0])
                for s in plan.stages), plan.parallel.to_string()
-    wide = search(gpt, a100, old.model_copy(update={"recompute_modes": "selective+full"}), top=3).plan
+    wide = search(gpt, a100, old.model_copy(update={"recompute_modes": "selective+full",
+                                                    "partial_recompute": "rest-none"}), top=3).plan
     assert any(s.recompute == "selective" or (s.recompute == "full" and s.recompute_layers < s.layers[1] - s.layers[0])
                for s in wide.stages), wide.parallel.to_string()
     assert wide.prediction.step_time_s < plan.prediction.step_time_s  # the gate costs speed, it is not free
 
     base = _llama2_on_16_h100("megatron-2021")
-    for fix, needle in (("recompute=selective", "recompute=selective is not a recomputation"),
-                        ("recompute_layers=4", "--fix recompute_layers recomputes some of a stage's layers")):
+    for fix, needle, widen in (
+            ("recompute=selective", "recompute=selective is not a recomputation",
+             "recompute_modes=selective+full,partial_recompute=rest-none"),
+            ("recompute_layers=4", "--fix recompute_layers recomputes some of a stage's layers",
+             "partial_recompute=rest-none")):
         assert main(["search", *base, "--fix", fix]) != 0
         err = capsys.readouterr().err
-        assert needle in err and "recompute_modes=selective+full" in err and "\n" not in err.strip()
+        assert needle in err and f"--stack-set {widen} " in err and "\n" not in err.strip()
     assert main(["estimate", *base, "--parallel", "tp=2,recompute=selective", "--stack-set",
-                 "recompute_modes=selective+full", "--json"]) == 0
+                 "recompute_modes=selective+full,partial_recompute=rest-none", "--json"]) == 0
     capsys.readouterr()
+    # selective beside a stack that recomputes whole stages only: refused with the knob to add (one line)
+    assert main(["estimate", *base, "--parallel", "tp=2,recompute=selective", "--stack-set",
+                 "recompute_modes=selective+full"]) != 0
+    err = capsys.readouterr().err
+    assert "partial_recompute=off (every layer in full or none) beside selective" in err
+    assert "set partial_recompute=rest-none as well" in err and "\n" not in err.strip()
 
     # plans edited to claim a stack without selective recomputation and re-hashed: refused on load, by the
     # configuration or by the stage that recomputes part of its layers
@@ -550,6 +560,43 @@ def test_stacks_with_one_recomputation_setting_plan_one_for_every_stage(tmp_path
     assert "one recomputation setting" in err and "recompute_per_stage=true" in err and "\n" not in err.strip()
     with pytest.raises(PlanError, match="applies one recomputation setting"):
         load_plan(_forged(free, tmp_path, recompute_per_stage=False))
+
+
+def test_the_block_method_leaves_a_stages_other_layers_plain():
+    """Megatron's block method (--recompute-method block) and torchtitan's layer SAC run a partly full stage's other
+    layers plainly; autoplan's runtime recomputes their attention core. Before partial_recompute, every stack was
+    priced autoplan's way: without flash attention (megatron-2022) a block-method plan was priced slower and
+    smaller than Megatron runs it, and the search never proposed the block method there."""
+    from autoplan.api import make_plan
+    from autoplan.search.core import search
+    from autoplan.specs import load_cluster, load_model
+
+    partial = {name: st.knobs["partial_recompute"] for name, st in STACKS.items()}
+    assert partial == {"autoplan": "rest-selective", "megatron-2021": "off", "megatron-deepspeed": "off",
+                       "deepspeed-zero3": "off", "megatron-2022": "rest-none", "megatron-core": "rest-none",
+                       "torchtitan": "rest-none"}
+
+    gpt, a100 = load_model("gpt3-175b"), load_cluster("dgx-a100-80g", gpus=64)
+    old = apply_stack(TrainingSpec(global_batch_size=512, seq_length=2048), "megatron-2022", {})
+    cfg = "tp=8,pp=8,mbs=1,sp=1,recompute=full,recompute_layers=4"
+    plain = make_plan(gpt, a100, old, cfg)
+    sel = make_plan(gpt, a100, old.model_copy(update={"partial_recompute": "rest-selective"}), cfg)
+    assert [(s.recompute, s.recompute_layers) for s in plain.stages] == [("full", 4)] * 8
+    # the other 8 layers of each stage keep their softmax and dropout outputs and re-run nothing
+    assert plain.prediction.step_time_s < sel.prediction.step_time_s
+    assert plain.prediction.memory_gib["peak"] > sel.prediction.memory_gib["peak"]
+    whole = "tp=8,pp=8,mbs=1,sp=1,recompute=full"  # nothing else to recompute: the same either way
+    assert make_plan(gpt, a100, old, whole).prediction == \
+        make_plan(gpt, a100, old.model_copy(update={"partial_recompute": "rest-selective"}), whole).prediction
+
+    # a stack without selective recomputation and flash attention that has the block method: the search proposes
+    # it (half of each stage's layers in full), faster than recomputing every layer
+    ds = apply_stack(TrainingSpec(global_batch_size=512, seq_length=2048), "megatron-deepspeed", {})
+    whole_only = search(gpt, a100, ds, top=2).plan
+    block = search(gpt, a100, ds.model_copy(update={"partial_recompute": "rest-none"}), top=2).plan
+    assert {(s.recompute, s.recompute_layers) for s in block.stages} == {("full", 6)}, block.parallel.to_string()
+    assert all(s.recompute_layers in (0, s.layers[1] - s.layers[0]) for s in whole_only.stages)
+    assert block.prediction.step_time_s < whole_only.prediction.step_time_s
 
 
 def test_older_megatron_stacks_split_layers_evenly(tmp_path, capsys):
