@@ -361,8 +361,9 @@ def _titan_recompute(plan: Plan, warnings: list[str]) -> str:
                             "policy to all blocks: exported full recomputation everywhere")
         elif not all(s.recompute_layers >= s.num_layers for s in full):
             frac = sum(s.recompute_layers for s in full) / sum(s.num_layers for s in full)
-            warnings.append(f"the plan recomputes {frac:.0%} of the layers in full; torchtitan cannot recompute "
-                            "only some blocks: exported full recomputation of every block (slower than planned)")
+            warnings.append(f"the plan recomputes {frac:.0%} of the layers in full; torchtitan recomputes some "
+                            "blocks only as every n-th block (layer-selective AC), which this export does not write: "
+                            "exported full recomputation of every block (slower than planned)")
         return "full"
     return "selective"
 
