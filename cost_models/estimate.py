@@ -1112,7 +1112,7 @@ def pipeline_p2p_time(cluster: ClusterSpec, training: TrainingSpec, *, hidden: i
 
 
 def p2p_occupancy(index: int, n_stages: int, p2p_s: float, cluster: ClusterSpec,
-                  training: TrainingSpec, busy_s: float | None = None) -> tuple[float, float]:
+                  training: TrainingSpec, busy_s: float | None = None, vp: int = 1) -> tuple[float, float]:
     """Compute time a (virtual) stage loses per micro-batch to its pipeline messages, (forward, backward).
 
     The simulated schedule charges a message on the edge it travels (the receiver cannot start before it
@@ -1127,11 +1127,11 @@ def p2p_occupancy(index: int, n_stages: int, p2p_s: float, cluster: ClusterSpec,
     async p2p) the NCCL send and receive kernels run beside the compute and cost `overlap_interference` of the
     time they move bytes (`busy_s`, default all of it) on both ends: SMs and HBM taken, as for every hidden
     collective; waiting out the latency takes nothing. Interleaving multiplies the stages a rank holds, so its
-    messages per micro-batch grow with vp."""
+    messages per micro-batch grow with vp (`vp` also decides Megatron-Core's overlap: TrainingSpec.p2p_overlapped)."""
     if p2p_s <= 0 or n_stages <= 1:
         return 0.0, 0.0
     has_prev, has_next = index > 0, index < n_stages - 1
-    if not training.p2p_overlap:
+    if not training.p2p_overlapped(vp):
         return p2p_s * has_prev, p2p_s * has_next  # forward receives from before, backward from after
     k = cluster.gpu.calibration.overlap_interference
     per_phase = k * (p2p_s if busy_s is None else busy_s) * (has_prev + has_next)  # one in, one out per phase
@@ -1206,7 +1206,7 @@ def estimate(profiles: list[LayerProfile], cluster: ClusterSpec, training: Train
                                          cp=cfg.cp, dp=cfg.dp, mbs=cfg.mbs, sp=cfg.sp)
     if cfg.pp > 1:  # what the messages cost the ranks at either end (blocking sends, or interference)
         for s in stages:
-            pf, pb = p2p_occupancy(s.index, n_stages, p2p_s, cluster, training, p2p_busy)
+            pf, pb = p2p_occupancy(s.index, n_stages, p2p_s, cluster, training, p2p_busy, cfg.vp)
             s.fwd_s += pf
             s.bwd_s += pb
             s.p2p_s = pf + pb

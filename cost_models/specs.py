@@ -428,10 +428,12 @@ class TrainingSpec(_Frozen):
         "tp ranks and are all-gathered on arrival (SC21 sec. 4.1; Megatron-LM and DeepSpeed's PipelineEngine); "
         "false = every tp rank sends its whole hidden state to its peer (torch.distributed.pipelining: autoplan's "
         "runtime, torchtitan). Under sequence parallelism every runtime sends the rank's sequence shard.")
-    p2p_overlap: bool = Field(
+    p2p_overlap: bool | None = Field(
         default=True, description="Pipeline sends are asynchronous, overlapped with compute (their NCCL kernels "
         "still take SMs: overlap_interference); false = blocking p2p (Megatron-LM's and DeepSpeed's): a transfer "
-        "starts only when the receiver posts it, so every received message is on the receiving stage's path.")
+        "starts only when the receiver posts it, so every received message is on the receiving stage's path; "
+        "None = overlapped under the interleaved schedule only (Megatron-Core since 'Make overlap_p2p_comm the "
+        "default', 4eeff55d, 2023-10; megatron/training/arguments.py turns it off without virtual stages).")
     grad_accum_fused: bool = Field(
         default=True, description="Weight-gradient GEMMs accumulate straight into the gradient buffer; false = "
         "each micro-batch's gradients are added into an fp32 buffer by a separate memory-bound pass (DeepSpeed).")
@@ -478,13 +480,15 @@ class TrainingSpec(_Frozen):
         "(recompute_layers) recomputes a stage's other layers selectively. Megatron-LM checkpointed every layer "
         "(--checkpoint-activations) until the block method (2021-08) and selective recomputation (2022-05); "
         "DeepSpeed and Hugging Face models checkpoint whole layers.")
-    partial_recompute: Literal["rest-selective", "rest-none", "off"] = Field(
+    partial_recompute: Literal["rest-selective", "rest-none", "every-nth", "off"] = Field(
         default="rest-selective", description="A stage that recomputes only its first k layers in full "
         "(recompute_layers): 'rest-selective' = its other layers recompute selectively (autoplan's runtime, "
         "runtime.parallelize.apply_recompute); 'rest-none' = they keep everything (Megatron's block method, "
         "--recompute-method block, from 2021-08: megatron/core/recompute.py checkpoints the first "
-        "--recompute-num-layers of each chunk and runs the rest plainly; torchtitan's layer-selective AC, "
-        "every n-th block whole); 'off' = a stage recomputes every layer in full or none (Megatron-LM before "
+        "--recompute-num-layers of each chunk and runs the rest plainly); 'every-nth' = priced as rest-none, "
+        "for a stack whose partial recomputation is every n-th block whole and the others plain (torchtitan's "
+        "layer-selective AC, ac_freq): the same count per stage, which the search does not propose (it places the "
+        "first k of each stage, the block method); 'off' = a stage recomputes every layer in full or none (Megatron-LM before "
         "2021-08, DeepSpeed, Hugging Face). 'rest-selective' needs selective among recompute_modes (without it "
         "partial full recomputation is off); 'off' needs recompute_modes without selective.")
     uneven_stages: bool = Field(
@@ -580,9 +584,13 @@ class TrainingSpec(_Frozen):
         modes = self.recompute_modes.split("+")
         if "full" not in modes or self.partial_recompute == "off":
             return None
-        if self.partial_recompute == "rest-none":
+        if self.partial_recompute in ("rest-none", "every-nth"):
             return "none"
         return "selective" if "selective" in modes else None
+
+    def p2p_overlapped(self, vp: int) -> bool:
+        """`p2p_overlap`, resolved for `vp` virtual stages per pipeline rank."""
+        return vp > 1 if self.p2p_overlap is None else self.p2p_overlap
 
     @property
     def cp_style(self) -> str:

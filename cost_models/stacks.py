@@ -48,8 +48,7 @@ _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overla
            "recompute_per_stage": False,
            # a partial full recomputation leaves the other layers plain: Megatron's block method
            # (--recompute-method block: each model chunk checkpoints its first --recompute-num-layers layers "and
-           # skip[s] the rest", megatron/core/recompute.py) and torchtitan's layer SAC
-           # (`ac_freq`: every n-th block checkpointed whole, the others untouched)
+           # skip[s] the rest", megatron/core/recompute.py); torchtitan's layer SAC is every-nth (below)
            "partial_recompute": "rest-none",
            "uneven_stages": True,
            "grad_sync_all_reduce": False,
@@ -170,7 +169,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack(
         name="megatron-core", title="Megatron-Core with Transformer Engine and overlaps (2024+)",
         knobs={"dtype": "bf16", "flash_attention": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
-               "tp_comm_overlap": True, "kernels": "megatron", "grad_reduce_dtype": None, "p2p_overlap": False,
+               "tp_comm_overlap": True, "kernels": "megatron", "grad_reduce_dtype": None,
+               # --overlap-p2p-communication is on by default under the interleaved schedule ("Make overlap_p2p_comm
+               # the default", 4eeff55d, 2023-10) and turned off without it (megatron/training/arguments.py)
+               "p2p_overlap": None,
                # Without userbuffers (tp_comm_overlap=false) TE's linears still overlap their backward collectives
                # as Megatron-LM 2022 did: Transformer Engine 1.9 `_Linear.backward` / `_LayerNormLinear.backward`
                # issue "dgrad, handle = reduce_scatter_along_first_dim(dgrad, ctx.tp_group, async_op=True)" (or
@@ -191,7 +193,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         assumes="bf16; TE fused (flash) attention and fused kernels; --overlap-grad-reduce, --overlap-param-gather "
                 "(distributed optimizer), --tp-comm-overlap (userbuffers; without it, TE's backward still reduces "
                 "each linear pair's input gradient beside its wgrad GEMM); fp32 cross-entropy over materialised "
-                "logits; gradients reduced in bf16 (grad_reduce_in_fp32=False)",
+                "logits; gradients reduced in bf16 (grad_reduce_in_fp32=False); pipeline p2p overlapped under the "
+                "interleaved schedule, blocking under 1F1B",
         typical="sp=1, zero=1 (--use-distributed-optimizer), recompute=selective",
         source="Megatron-LM README performance table (Megatron-Core r0.8.0); megatron/core arguments",
     ),
@@ -266,6 +269,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                # torchtitan/distributed/activation_checkpoint.py saves matmul and attention outputs, "except every
                # second mm/linear" (parallelize_llama.py `_save_list`, `mm_count % 2` in the 2024 code)
                "selective_policy": "every_other_matmul",
+               # layer SAC (`ac_freq`): every n-th block whole, the others plain
+               "partial_recompute": "every-nth",
                # its pipeline is torch.distributed.pipelining, as ours: no scatter/gather of stage messages
                "p2p_scatter_gather": False,
                # full AC is torch's checkpoint_wrapper around each block (torchtitan/distributed/

@@ -274,6 +274,11 @@ def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
         f.append(("--tp-comm-overlap", None))
     if tr.loss_fusion:  # megatron/core/fusions/fused_cross_entropy.py (TrainingSpec.loss_fusion)
         f.append(("--cross-entropy-loss-fusion", None))
+    if cfg.pp > 1 and cfg.vp > 1 and not tr.p2p_overlapped(cfg.vp):
+        # Megatron overlaps p2p under the interleaved schedule by default (TrainingSpec.p2p_overlap); the plan
+        # priced blocking sends. (Without virtual stages Megatron blocks whatever the plan's stack did: a stack
+        # property, as its kernels are, which `autoplan show --stack megatron-core` prices.)
+        f.append(("--no-overlap-p2p-communication", None))
     f += _megatron_model(plan, warnings)
     return f, warnings
 

@@ -35,7 +35,7 @@ _READ = {
     "--bf16", "--fp16", "--fp8-format", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32",
     "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap", "--no-align-grad-reduce",
     "--cross-entropy-loss-fusion", "--attention-backend", "--use-flash-attn", "--use-precision-aware-optimizer",
-    "--exp-avg-dtype", "--exp-avg-sq-dtype",
+    "--exp-avg-dtype", "--exp-avg-sq-dtype", "--overlap-p2p-communication", "--no-overlap-p2p-communication",
     "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
     "--max-position-embeddings", "--vocab-size", "--make-vocab-size-divisible-by", "--tokenizer-type",
     "--group-query-attention", "--num-query-groups", "--kv-channels", "--swiglu", "--squared-relu",
@@ -247,6 +247,12 @@ def _stack_knobs(r: _Reader, dtype: str) -> dict[str, object]:
         "align_grad_reduce": not r.has("--no-align-grad-reduce"),
         "loss_fusion": r.has("--cross-entropy-loss-fusion"),
     }
+    # Megatron-LM overlaps pipeline p2p under the interleaved schedule only: by default since 2023-10 (4eeff55d,
+    # --no-overlap-p2p-communication turns it off), before that with --overlap-p2p-communication; absent, the stack's
+    if r.has("--no-overlap-p2p-communication"):
+        knobs["p2p_overlap"] = False
+    elif r.has("--overlap-p2p-communication"):
+        knobs["p2p_overlap"] = None
     backend = r.value("--attention-backend") or ("flash" if r.has("--use-flash-attn") else None)
     if backend is not None:  # absent: the stack's (Megatron-LM before 2023 had no flash attention)
         if backend not in ("flash", "fused", "unfused", "local", "auto"):

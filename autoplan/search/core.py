@@ -428,14 +428,14 @@ class _Searcher:
         Empty without a pipeline."""
         if mesh.pp <= 1:
             return ()
-        key = (mesh.tp, mesh.cp, mesh.pp, mesh.dp, mesh.mbs, mesh.sp)
+        key = (mesh.tp, mesh.cp, mesh.pp, mesh.dp, mesh.mbs, mesh.sp, vp > 1)
         ends = self._occ.get(key)
         if ends is None:  # a first, a middle and a last stage: every stage is one of the three
             cl = self.costs.cluster_for(mesh)
             t, busy = pipeline_p2p_parts(cl, self.training, hidden=self.profiles[0].hidden, pp=mesh.pp,
                                          tp=mesh.tp, cp=mesh.cp, dp=mesh.dp, mbs=mesh.mbs, sp=mesh.sp)
             action = 2 * pipeline_action_time(cl, self.training, mesh.pp)  # a forward and a backward each
-            ends = tuple(sum(p2p_occupancy(s, 3, t, cl, self.training, busy)) + action for s in range(3))
+            ends = tuple(sum(p2p_occupancy(s, 3, t, cl, self.training, busy, vp)) + action for s in range(3))
             self._occ[key] = ends
         return (ends[0],) + (ends[1],) * (mesh.pp * vp - 2) + (ends[2],)
 
@@ -684,7 +684,8 @@ class _Searcher:
                             uniform=len(self.costs.block_counts) == 1, stage_extra=self.occupancy(mesh, kn.vp),
                             step_memory=step, block_grads=grads, no_full="full" not in modes,
                             no_selective="selective" not in modes, even=not self.training.uneven_stages,
-                            rest_none=self.training.partial_rest == "none")
+                            rest_none=self.training.partial_rest == "none",
+                            block_method=self.training.partial_recompute == "rest-none")
 
     def memory_floor(self, mesh: Mesh) -> tuple[float, dict]:
         """A lower bound on the busiest rank's bytes over every knob and layout of `mesh`: the largest ZeRO
@@ -944,11 +945,11 @@ def uniform_modes(prob: StageProblem) -> tuple[list[str], bool]:
     """The recomputation settings a stack with one setting for every stage may choose for `prob`: the modes it
     has, pinned (selective left out where it is free and saves nothing: flash attention), and whether the block
     method (the first k blocks of every stage in full, the rest nothing) is among them: where the stack runs it
-    (`rest_none`), or where the rest would recompute nothing under autoplan's partial full recomputation too
+    (`block_method`), or where the rest would recompute nothing under autoplan's partial full recomputation too
     (`_Searcher.uniform_solutions`)."""
     free = all(b.rec_sel == 0 and b.act_sel >= b.act_none for b in prob.blocks)
     modes = [m for m in prob.allowed_modes() if not (m == SELECTIVE and free)]
-    return modes, FULL in modes and not prob.full_whole and (prob.rest_none or free)
+    return modes, FULL in modes and not prob.full_whole and (prob.block_method or free)
 
 
 def _dominating_twin(mesh: Mesh, kn: Knobs, *, sp_dominates: bool = True) -> tuple[Mesh, Knobs] | None:

@@ -79,6 +79,9 @@ class StageProblem:
     # a partly full stage's other blocks recompute nothing (TrainingSpec.partial_rest 'none': Megatron's block
     # method, torchtitan's layer SAC); false = selectively (autoplan's runtime)
     rest_none: bool = False
+    # the stack recomputes the first k blocks of every stage (Megatron's block method, partial_recompute=rest-none):
+    # a layout the search of a stack with one recomputation setting proposes (`_Searcher.block_solution`)
+    block_method: bool = False
     # the layers split evenly over the stages (a software stack without uneven stages, TrainingSpec.uneven_stages):
     # only the recomputation is chosen (`_Searcher.even_solutions`), no ILP
     even: bool = False

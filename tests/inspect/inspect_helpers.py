@@ -45,7 +45,7 @@ def megatron_parser() -> argparse.ArgumentParser:
                  "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap", "--swiglu",
                  "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--group-query-attention",
                  "--accumulate-allreduce-grads-in-fp32", "--use-torch-fsdp2", "--squared-relu",
-                 "--grad-reduce-in-bf16", "--use-megatron-fsdp", "--no-align-grad-reduce",
+                 "--grad-reduce-in-bf16", "--use-megatron-fsdp", "--no-align-grad-reduce", "--no-overlap-p2p-communication",
                  "--cross-entropy-loss-fusion"):
         ap.add_argument(flag, action="store_true")
     return ap

@@ -574,7 +574,7 @@ def test_the_block_method_leaves_a_stages_other_layers_plain():
     partial = {name: st.knobs["partial_recompute"] for name, st in STACKS.items()}
     assert partial == {"autoplan": "rest-selective", "megatron-2021": "off", "megatron-deepspeed": "off",
                        "deepspeed-zero3": "off", "megatron-2022": "rest-none", "megatron-core": "rest-none",
-                       "torchtitan": "rest-none"}
+                       "torchtitan": "every-nth"}
 
     gpt, a100 = load_model("gpt3-175b"), load_cluster("dgx-a100-80g", gpus=64)
     old = apply_stack(TrainingSpec(global_batch_size=512, seq_length=2048), "megatron-2022", {})
@@ -597,6 +597,35 @@ def test_the_block_method_leaves_a_stages_other_layers_plain():
     assert {(s.recompute, s.recompute_layers) for s in block.stages} == {("full", 6)}, block.parallel.to_string()
     assert all(s.recompute_layers in (0, s.layers[1] - s.layers[0]) for s in whole_only.stages)
     assert block.prediction.step_time_s < whole_only.prediction.step_time_s
+
+
+def test_megatron_core_overlaps_pipeline_sends_under_interleaving_only():
+    """Megatron-LM made --overlap-p2p-communication the default in 2023-10 (4eeff55d) and turns it off without
+    virtual stages (megatron/training/arguments.py); the megatron-core stack priced blocking sends everywhere, so
+    every interleaved plan on it paid each received message on its critical path."""
+    from autoplan.api import make_plan
+    from autoplan.specs import load_cluster, load_model
+
+    core = apply_stack(TrainingSpec(global_batch_size=256, seq_length=2048), "megatron-core", {})
+    assert core.p2p_overlap is None and core.p2p_overlapped(2) and not core.p2p_overlapped(1)
+    gpt, h100 = load_model("gpt3-175b"), load_cluster("dgx-h100", gpus=128)
+    for cfg, overlapped in (("tp=4,pp=8,vp=6,mbs=1,sp=1,zero=1", True), ("tp=4,pp=8,mbs=1,sp=1,zero=1", False)):
+        plan = make_plan(gpt, h100, core, cfg)
+        same = make_plan(gpt, h100, core.model_copy(update={"p2p_overlap": overlapped}), cfg)
+        other = make_plan(gpt, h100, core.model_copy(update={"p2p_overlap": not overlapped}), cfg)
+        assert plan.prediction.step_time_s == same.prediction.step_time_s
+        assert plan.prediction.step_time_s != other.prediction.step_time_s
+    run = read_megatron_flags(["--no-overlap-p2p-communication"])
+    assert run.stack_set["p2p_overlap"] is False
+    assert "p2p_overlap" not in read_megatron_flags([]).stack_set  # absent: the chosen stack's
+
+
+def read_megatron_flags(extra):
+    from autoplan.inspect.megatron_import import read_megatron
+
+    return read_megatron(["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length",
+                          "512", "--vocab-size", "1000", "--pipeline-model-parallel-size", "2",
+                          "--num-virtual-stages-per-pipeline-rank", "2", *extra])
 
 
 def test_older_megatron_stacks_split_layers_evenly(tmp_path, capsys):
