@@ -1,7 +1,9 @@
-import sys, time
+import time
+
 from autoplan.cost_models.stacks import apply_stack
 from autoplan.search.core import search
 from autoplan.specs import TrainingSpec, load_cluster, load_model
+
 cases = [("gpt3-175b", "dgx-a100-80g", 384, 1536, 2048, "megatron-2021"),
          ("gpt3-175b", "dgx-a100-80g", 384, 1536, 2048, "megatron-deepspeed"),
          ("gpt3-175b", "dgx-a100-80g", 384, 1536, 2048, "deepspeed-zero3"),
