@@ -1,4 +1,5 @@
-"""CLI commands: show, compare, explain, trace, export, from-megatron, scaling (registered by autoplan/cli.py)."""
+"""CLI commands: show, compare, explain, trace, export, from-megatron, from-nemo, scaling (registered by
+autoplan/cli.py)."""
 
 from __future__ import annotations
 
@@ -199,11 +200,7 @@ def cmd_scaling(args: argparse.Namespace) -> int:
 def cmd_from_megatron(args: argparse.Namespace) -> int:
     """Estimate a Megatron-LM command line as it stands: its flags read into a model, a parallel configuration and
     stack knobs (`megatron_import.read_megatron`), then `autoplan estimate` with them."""
-    import shlex
-    import tempfile
-
-    from ..cli import build_parser, cmd_estimate
-    from ..cost_models.errors import ConfigError, SpecError
+    from ..cost_models.errors import ConfigError
     from .megatron_import import command_tokens, read_megatron
 
     tokens = command_tokens(Path(args.script).read_text()) if args.script else []
@@ -214,10 +211,40 @@ def cmd_from_megatron(args: argparse.Namespace) -> int:
     from ..workload import resolve_model
 
     run = read_megatron(tokens, resolve_model(args.model)[0] if args.model else None)
+    return _estimate_read(args, run, "from_megatron", "the flags")
+
+
+def cmd_from_nemo(args: argparse.Namespace) -> int:
+    """Estimate a NeMo training config as it stands: its `model` keys written as the Megatron flags that set the
+    same fields (`nemo_import.nemo_words`), then read as `from-megatron` reads a command line."""
+    import shlex
+
+    from .megatron_import import read_megatron
+    from .nemo_import import load_nemo, nemo_words
+
+    nemo = nemo_words(load_nemo(args.config, args.set), args.vocab_size)
+    run = read_megatron(nemo.words)
+    run.gpus, run.notes, run.unpriced = nemo.gpus, [*nemo.notes, *run.notes], nemo.unpriced
+    print(f"autoplan: read as the Megatron flags: {shlex.join(nemo.words)}", file=sys.stderr)
+    return _estimate_read(args, run, "from_nemo", "the config")
+
+
+def _estimate_read(args: argparse.Namespace, run, key: str, source: str) -> int:
+    """`autoplan estimate` of what a Megatron command line or a NeMo config says (`run`, a MegatronRun), printing
+    the equivalent estimate command, the notes and what is not priced; the JSON gains `key`."""
+    import shlex
+    import tempfile
+
+    from ..cli import build_parser, cmd_estimate
+    from ..cost_models.errors import ConfigError, SpecError
+
+    args.model = getattr(args, "model", None)
+    args.model_out = getattr(args, "model_out", None)
     gpus = args.gpus or run.gpus
     if gpus is None:
-        raise ConfigError("the number of GPUs is not in the command", "no torchrun --nnodes/--nproc-per-node",
-                          "pass --gpus N (Megatron's world size)")
+        raise ConfigError(f"the number of GPUs is not in {source}",
+                          "no torchrun --nnodes/--nproc-per-node" if key == "from_megatron"
+                          else "no trainer.num_nodes and trainer.devices", "pass --gpus N (the world size)")
     cfg = run.parallel
     notes = list(run.notes)
     batch = run.global_batch
@@ -262,7 +289,7 @@ def cmd_from_megatron(args: argparse.Namespace) -> int:
             "notes": notes, "unpriced": run.unpriced}
     if args.search:
         info["search"] = _search_instead(ns)
-    ns.extra_json = {"from_megatron": info}
+    ns.extra_json = {key: info}
     rc = cmd_estimate(ns)
     if rc == 0 and args.search and not args.json:
         print(info["search"]["summary"])
@@ -351,6 +378,28 @@ def register(sub) -> None:
     p.add_argument("-o", "--output", help="also write the configuration as a plan file")
     add_json(p)
     p.set_defaults(func=cmd_from_megatron)
+
+    p = sub.add_parser("from-nemo", help="estimate a NeMo training config as it stands (a NeMo-Framework-Launcher "
+                       "conf/training/<family>/<model>.yaml): autoplan from-nemo CONFIG --cluster C")
+    p.add_argument("config", help="the NeMo YAML (a mapping with `model:`; `trainer:` gives the GPUs)")
+    p.add_argument("--cluster", required=True, help="cluster preset or YAML file (the config does not say)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="world size (default: trainer.num_nodes x trainer.devices)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="the tokenizer's vocabulary, where the config names a tokenizer file (Llama, Nemotron)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key first, as a Hydra override: --set model.fp8=true, "
+                        "--set model.optim.grad_sync_dtype=bf16 (repeatable)")
+    p.add_argument("--stack", default="megatron-core", metavar="NAME",
+                   help="software stack the config runs on (default megatron-core; `autoplan stacks`)")
+    p.add_argument("--stack-set", default=None, metavar="KEY=VAL,...",
+                   help="override stack knobs beyond what the config says")
+    p.add_argument("--model-out", metavar="FILE", help="write the model spec the config describes to FILE")
+    p.add_argument("--search", action="store_true",
+                   help="also search the same workload and stack: what autoplan would choose instead, and how fast")
+    p.add_argument("-o", "--output", help="also write the configuration as a plan file")
+    add_json(p)
+    p.set_defaults(func=cmd_from_nemo)
 
     p = sub.add_parser("scaling", help="the best plan at each GPU count", conflict_handler="resolve")
     add_workload_args(p)
