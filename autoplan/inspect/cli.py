@@ -211,7 +211,7 @@ def cmd_from_megatron(args: argparse.Namespace) -> int:
     from ..workload import resolve_model
 
     run = read_megatron(tokens, resolve_model(args.model)[0] if args.model else None)
-    return _estimate_read(args, run, "from_megatron", "the flags")
+    return _estimate_read(args, run, "from_megatron", "the command")
 
 
 def cmd_from_nemo(args: argparse.Namespace) -> int:
@@ -244,7 +244,8 @@ def _estimate_read(args: argparse.Namespace, run, key: str, source: str) -> int:
     if gpus is None:
         raise ConfigError(f"the number of GPUs is not in {source}",
                           "no torchrun --nnodes/--nproc-per-node" if key == "from_megatron"
-                          else "no trainer.num_nodes and trainer.devices", "pass --gpus N (the world size)")
+                          else "no trainer.num_nodes and trainer.devices",
+                          "pass --gpus N (Megatron's world size)" if key == "from_megatron" else "pass --gpus N")
     cfg = run.parallel
     notes = list(run.notes)
     batch = run.global_batch

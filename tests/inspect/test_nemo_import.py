@@ -102,3 +102,10 @@ def test_files_that_are_not_nemo_configs(tmp_path, capsys):
         load_nemo(GPT, ["model.fp8"])
     assert main(["from-nemo", str(tmp_path / "missing.yaml"), "--cluster", "dgx-h100"]) != 0
     assert "cannot read the NeMo config" in capsys.readouterr().err
+    no_trainer = tmp_path / "no_trainer.yaml"
+    no_trainer.write_text(GPT.read_text().replace("trainer:", "not_the_trainer:"))
+    assert main(["from-nemo", str(no_trainer), "--cluster", "dgx-h100"]) != 0
+    err = capsys.readouterr().err
+    assert "the number of GPUs is not in the config" in err and "pass --gpus N" in err
+    assert main(["from-nemo", str(no_trainer), "--cluster", "dgx-h100", "--gpus", "128", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["from_nemo"]["parallel"].startswith("tp=4,pp=8")
