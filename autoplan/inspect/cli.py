@@ -318,6 +318,19 @@ def _search_instead(ns: argparse.Namespace) -> dict:
             best.prediction.memory_gib["peak"], "speedup": speed, "summary": summary}
 
 
+def _add_read_args(p: argparse.ArgumentParser, what: str) -> None:
+    """The options `from-megatron` and `from-nemo` share; `what` names their input in the help."""
+    p.add_argument("--stack", default="megatron-core", metavar="NAME",
+                   help=f"software stack to price {what} on (default megatron-core; `autoplan stacks`)")
+    p.add_argument("--stack-set", default=None, metavar="KEY=VAL,...",
+                   help=f"override stack knobs beyond those read from {what}")
+    p.add_argument("--model-out", metavar="FILE", help=f"write the model spec read from {what} to FILE")
+    p.add_argument("--search", action="store_true",
+                   help="also search the same workload and stack: what autoplan would choose instead, and how fast")
+    p.add_argument("-o", "--output", help="also write the configuration as a plan file")
+    add_json(p)
+
+
 def register(sub) -> None:
     p = sub.add_parser("show", help="show a plan: mesh, stages, memory, step time, runners-up")
     p.add_argument("plan", help="plan file (from `autoplan search -o` or `estimate -o`)")
@@ -369,15 +382,7 @@ def register(sub) -> None:
                    help="model preset or spec file, when the flags give no shape (--num-layers, ...)")
     p.add_argument("--script", metavar="FILE", help="read the command from a launch script (torchrun ... pretrain_gpt.py "
                    "--flags; comments and line continuations allowed)")
-    p.add_argument("--stack", default="megatron-core", metavar="NAME",
-                   help="software stack the flags run on (default megatron-core; `autoplan stacks`)")
-    p.add_argument("--stack-set", default=None, metavar="KEY=VAL,...",
-                   help="override stack knobs beyond what the flags say")
-    p.add_argument("--model-out", metavar="FILE", help="write the model spec the flags describe to FILE")
-    p.add_argument("--search", action="store_true",
-                   help="also search the same workload and stack: what autoplan would choose instead, and how fast")
-    p.add_argument("-o", "--output", help="also write the configuration as a plan file")
-    add_json(p)
+    _add_read_args(p, "the flags")
     p.set_defaults(func=cmd_from_megatron)
 
     p = sub.add_parser("from-nemo", help="estimate a NeMo training config as it stands (a NeMo-Framework-Launcher "
@@ -391,15 +396,7 @@ def register(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key first, as a Hydra override: --set model.fp8=true, "
                         "--set model.optim.grad_sync_dtype=bf16 (repeatable)")
-    p.add_argument("--stack", default="megatron-core", metavar="NAME",
-                   help="software stack the config runs on (default megatron-core; `autoplan stacks`)")
-    p.add_argument("--stack-set", default=None, metavar="KEY=VAL,...",
-                   help="override stack knobs beyond what the config says")
-    p.add_argument("--model-out", metavar="FILE", help="write the model spec the config describes to FILE")
-    p.add_argument("--search", action="store_true",
-                   help="also search the same workload and stack: what autoplan would choose instead, and how fast")
-    p.add_argument("-o", "--output", help="also write the configuration as a plan file")
-    add_json(p)
+    _add_read_args(p, "the config")
     p.set_defaults(func=cmd_from_nemo)
 
     p = sub.add_parser("scaling", help="the best plan at each GPU count", conflict_handler="resolve")
