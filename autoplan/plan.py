@@ -79,12 +79,13 @@ class StagePlan(_Frozen):
         as `rest` says (TrainingSpec.partial_rest: 'selective' on autoplan's stack, 'none' under Megatron's block
         method; as the stage ILP and the estimate price a partly full stage); selective recomputes every block's
         attention core; none, nothing."""
-        if self.recompute not in ("full", "selective"):
-            return 0, 0
-        n_full = self.recompute_layers if self.recompute == "full" else 0
-        if n_full and rest != "selective":
-            return n_full, 0
-        return n_full, max(0, self.num_layers - n_full)
+        from autoplan.cost_models.estimate import (  # (the estimate's rule, one place)
+            StageLayout,
+            block_recompute,
+        )
+
+        kinds = block_recompute(StageLayout(self.layers, self.recompute, self.recompute_layers), rest)
+        return kinds.count("full"), kinds.count("selective")
 
 
 class Prediction(_Frozen):

@@ -236,7 +236,7 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
     rec, rec_flops, act, extra, ckpt = 0.0, 0.0, 0.0, 0.0, 0.0
     kinds = iter(block_recompute(layout, ctx.training.partial_rest))
     block_acts: list[float] = []  # kept bytes of each block, in order
-    transients: list[float] = []  # each block's recompute transient (0 where not fully recomputed)
+    transients: list[float] = []  # each block's recompute transient, in order (0 where not fully recomputed)
     for c, is_block in parts:
         before = act
         kind = next(kinds) if is_block else ""
@@ -248,7 +248,6 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
             # while its backward runs, the layer's recomputed activations are alive beside the kept ones; its
             # input is the checkpoint itself (torch.utils.checkpoint), already counted in act_full
             extra = max(extra, c.act_none - c.act_full)
-            transients.append(c.act_none - c.act_full)
         elif kind == "selective":
             rec += c.recompute_selective_s
             ckpt += c.checkpoint_selective_s
@@ -258,7 +257,7 @@ def stage_cost(index: int, layout: StageLayout, profiles: list[LayerProfile], ct
             act += c.act_none
         if is_block:
             block_acts.append(act - before)
-            transients += [0.0] * (len(block_acts) - len(transients))
+            transients.append(c.act_none - c.act_full if kind == "full" else 0.0)
     net = max((t - sum(block_acts[j + 1:]) for j, t in enumerate(transients) if t > 0), default=0.0)
     later = [c for c, is_block in parts if is_block][1:]
     mine = [profiles[i] for i in ([0] if has_emb else []) + list(range(1 + start, 1 + stop))

@@ -211,7 +211,8 @@ def cmd_from_megatron(args: argparse.Namespace) -> int:
     from ..workload import resolve_model
 
     run = read_megatron(tokens, resolve_model(args.model)[0] if args.model else None)
-    return _estimate_read(args, run, "from_megatron", "the command")
+    return _estimate_read(args, run, "from_megatron", "the command", "no torchrun --nnodes/--nproc-per-node",
+                          "pass --gpus N (Megatron's world size)")
 
 
 def cmd_from_nemo(args: argparse.Namespace) -> int:
@@ -226,26 +227,23 @@ def cmd_from_nemo(args: argparse.Namespace) -> int:
     run = read_megatron(nemo.words)
     run.gpus, run.notes, run.unpriced = nemo.gpus, [*nemo.notes, *run.notes], nemo.unpriced
     print(f"autoplan: read as the Megatron flags: {shlex.join(nemo.words)}", file=sys.stderr)
-    return _estimate_read(args, run, "from_nemo", "the config")
+    return _estimate_read(args, run, "from_nemo", "the config", "no trainer.num_nodes and trainer.devices",
+                          "pass --gpus N")
 
 
-def _estimate_read(args: argparse.Namespace, run, key: str, source: str) -> int:
-    """`autoplan estimate` of what a Megatron command line or a NeMo config says (`run`, a MegatronRun), printing
-    the equivalent estimate command, the notes and what is not priced; the JSON gains `key`."""
+def _estimate_read(args: argparse.Namespace, run, key: str, source: str, no_gpus: str, gpus_fix: str) -> int:
+    """`autoplan estimate` of what a Megatron command line or a NeMo config (`source`) says (`run`, a MegatronRun),
+    printing the equivalent estimate command, the notes and what is not priced; the JSON gains `key`. `no_gpus`
+    and `gpus_fix`: the refusal's detail and fix where `source` gives no world size."""
     import shlex
     import tempfile
 
     from ..cli import build_parser, cmd_estimate
     from ..cost_models.errors import ConfigError, SpecError
 
-    args.model = getattr(args, "model", None)
-    args.model_out = getattr(args, "model_out", None)
     gpus = args.gpus or run.gpus
     if gpus is None:
-        raise ConfigError(f"the number of GPUs is not in {source}",
-                          "no torchrun --nnodes/--nproc-per-node" if key == "from_megatron"
-                          else "no trainer.num_nodes and trainer.devices",
-                          "pass --gpus N (Megatron's world size)" if key == "from_megatron" else "pass --gpus N")
+        raise ConfigError(f"the number of GPUs is not in {source}", no_gpus, gpus_fix)
     cfg = run.parallel
     notes = list(run.notes)
     batch = run.global_batch
@@ -397,7 +395,7 @@ def register(sub) -> None:
                    help="override a config key first, as a Hydra override: --set model.fp8=true, "
                         "--set model.optim.grad_sync_dtype=bf16 (repeatable)")
     _add_read_args(p, "the config")
-    p.set_defaults(func=cmd_from_nemo)
+    p.set_defaults(func=cmd_from_nemo, model=None)  # (the config gives the shape: no --model)
 
     p = sub.add_parser("scaling", help="the best plan at each GPU count", conflict_handler="resolve")
     add_workload_args(p)

@@ -359,36 +359,26 @@ def rank_work_fn(p: StageProblem, b: BlockCost):
     w, rs, rf = b.work, b.rec_sel, b.rec_full
     an, asel, af, e, st = b.act_none, b.act_sel, b.act_full, b.transient, b.static
 
-    def f_plain(r: int, n: int) -> float:  # rest_none: selective everywhere, or the first k full and the rest plain
-        bw, room0, infl = consts[r]
-        room = room0 - n * st
-        if none_ok and infl * n * an <= room:
-            return bw + n * w
-        best = bw + n * (w + rs) if sel_ok and infl * n * asel <= room else math.inf
-        if full_ok:
-            gain = infl * (an - af)
-            need = infl * n * an + e - room
-            k = n if pin_full else (1 if need <= 0 else (math.ceil(need / gain - 1e-9) if gain > 0 else n + 1))
-            if k <= n and infl * (k * af + (n - k) * an) + e <= room * (1 + 1e-9):
-                best = min(best, bw + n * w + k * rf)
-        return best
+    # a partly full rank's other blocks: selective (autoplan's runtime), or plain under `rest_none`
+    a_rest, w_rest = (an, 0.0) if p.rest_none else (asel, rs)
 
     def f(r: int, n: int) -> float:
         bw, room0, infl = consts[r]
         room = room0 - n * st
         if none_ok and infl * n * an <= room:
             return bw + n * w
-        if sel_ok and infl * n * asel <= room:
-            return bw + n * (w + rs)
+        sel = bw + n * (w + rs) if sel_ok and infl * n * asel <= room else math.inf
+        if sel < math.inf and not p.rest_none:  # the first k full and the rest selective is never cheaper
+            return sel
         if full_ok:
             if pin_full:
                 k = n
             else:
-                gain = infl * (asel - af)
-                need = infl * n * asel + e - room
+                gain = infl * (a_rest - af)
+                need = infl * n * a_rest + e - room
                 k = 1 if need <= 0 else (math.ceil(need / gain - 1e-9) if gain > 0 else n + 1)
-            if k <= n and infl * (k * af + (n - k) * asel) + e <= room * (1 + 1e-9):
-                return bw + n * w + k * rf + (n - k) * rs
-        return math.inf
+            if k <= n and infl * (k * af + (n - k) * a_rest) + e <= room * (1 + 1e-9):
+                return min(sel, bw + n * w + k * rf + (n - k) * w_rest)
+        return sel
 
-    return f_plain if p.rest_none else f
+    return f
