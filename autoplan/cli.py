@@ -348,10 +348,15 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     from autoplan.cost_models.stacks import KNOB_ALIASES
 
     short = {field: alias for alias, field in KNOB_ALIASES.items()}  # --stack-set takes either name
+    # what an unset (None) knob resolves to, in words (TrainingSpec's descriptions and resolving properties)
+    unset = {"grad_reduce_dtype": "compute", "p2p_overlap": "default (under interleaving only)",
+             "master_weights": "default (optimizer_dtype's)", "checkpoint_early_stop": "default (true on autoplan's "
+             "runtime, else false)", "cp_attention": "default (all_gather_masked on autoplan's runtime, else ring)"}
+
     def value(knobs: dict, k: str, v) -> str:
         if v is None and k == "grad_reduce_dtype" and knobs.get("autocast_fp32_params"):
             return "fp32 (the fp32 parameters' own)"  # TrainingSpec.grad_dtype: autocast over fp32 parameters
-        return "compute" if v is None else str(v).lower()
+        return unset.get(k, "default") if v is None else str(v).lower()
 
     for r in rows:
         knobs = "\n".join(f"{short.get(k, k)}={value(r['knobs'], k, v)}" for k, v in r["knobs"].items())

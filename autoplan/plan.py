@@ -28,7 +28,7 @@ _LATER_FIELDS: dict[str, tuple[str, ...]] = {
     "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                  "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "runtime_memory",
                  "sp_grads_coalesced", "selective_policy", "checkpoint_early_stop", "cp_attention",
-                 "optimizer_dtype", "loss_fusion", "align_grad_reduce", "flexible_rounds", "zero_stages",
+                 "optimizer_dtype", "master_weights", "loss_fusion", "align_grad_reduce", "flexible_rounds", "zero_stages",
                  "schedules", "seq_splits", "recompute_modes", "recompute_per_stage",
                  "uneven_stages", "partial_recompute"),
     "cluster.gpu.calibration": ("dtensor_param_us", "fused_call_us", "pipeline_action_us"),
@@ -49,8 +49,8 @@ class MemoryBreakdown(_Frozen):
 
     weights: float = Field(description="Parameters held (after TP/PP/EP and ZeRO-3 sharding).")
     gradients: float = Field(description="Gradient buffers (after ZeRO-2/3 sharding).")
-    optimizer: float = Field(description="Master weights and Adam moments, fp32 (bf16 under optimizer_dtype=bf16), "
-                             "after ZeRO-1+ sharding.")
+    optimizer: float = Field(description="Master weights (as master_weights holds them) and Adam moments (fp32, bf16 "
+                             "under optimizer_dtype=bf16), after ZeRO-1+ sharding.")
     activations: float = Field(description="Activations of the micro-batches in flight, logits included.")
     other: float = Field(description="Framework overhead, communication buffers and workspaces.")
     total: float = Field(description="Sum of the above.")

@@ -34,8 +34,14 @@ GIB = 1024**3
 # Adam step bytes per parameter: read fp32 master, m, v and the fp32 grad, write master, m, v and the
 # 16-bit copy (4*4 + 3*4 + 2 = 30), plus reading the grad again for the clipping norm (4).
 _ADAM_BYTES_PER_PARAM = 34.0
-# With the state in bf16 (`TrainingSpec.optimizer_dtype`) the master, m and v are read and written at 2 bytes, not 4.
-_ADAM_BF16_STATE_SAVING = 3 * 2 + 3 * 2
+# With the moments in bf16 (`TrainingSpec.optimizer_dtype`) m and v are read and written at 2 bytes, not 4.
+_ADAM_BF16_MOMENTS_SAVING = 2 * 2 + 2 * 2
+# Bytes the master copy's update moves beside the moments (`TrainingSpec.master_kind`), the 34 above holding
+# fp32's: read and write the fp32 master, write the 16-bit weights (4 + 4 + 2); a 16-bit master 2 + 2 + 2;
+# remainders: read and write the bf16 weights and their 16-bit remainders, no separate copy (apex's
+# distributed_fused_adam and TE's FusedAdam rebuild the fp32 value from the two halves) 2 + 2 + 2 + 2; in place:
+# read and write the 16-bit weights. fp32 parameters (None) are stepped as the fp32 master is.
+_ADAM_MASTER_BYTES = {None: 10, "fp32": 10, "bf16": 6, "remainders": 8, "in-place": 4}
 # Megatron-LM's DDP bucket: max(40M, 1M * dp) parameters (distributed.py, bucket_size default).
 _BUCKET_PARAMS = 40e6
 
@@ -980,8 +986,10 @@ def optimizer_time(params: float, shards: int, cluster: ClusterSpec, training: T
     casts the weights to 16 bits under autocast (`casts_once_per_step`: 1, or the micro-batches)."""
     gpu = cluster.gpu
     per, whole = _ADAM_BYTES_PER_PARAM, 0.0
-    if training is not None and training.optimizer_dtype == "bf16":
-        per -= _ADAM_BF16_STATE_SAVING
+    if training is not None:
+        per += _ADAM_MASTER_BYTES[training.master_kind] - _ADAM_MASTER_BYTES["fp32"]
+        if training.optimizer_dtype == "bf16":
+            per -= _ADAM_BF16_MOMENTS_SAVING
     if training is not None and training.optimizer_separate_passes:
         # Megatron-LM MixedPrecisionOptimizer.step() (megatron/optimizer/optimizer.py at de593298, 2022-05-24;
         # the same passes in FP16OptimizerWithFP16Params.step at 50a4b5fa, 2021-04-08), in order:

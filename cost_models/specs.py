@@ -397,6 +397,11 @@ class ClusterSpec(_Frozen):
 # ------------------------------------------------------------------------------------------ training
 
 
+# Bytes a parameter of each way of holding the master copy (TrainingSpec.master_weights); None: fp32 parameters
+# are their own master.
+MASTER_BYTES = {None: 0, "fp32": 4, "bf16": 2, "remainders": 2, "in-place": 0}
+
+
 class TrainingSpec(_Frozen):
     """What is trained, and how the runtime behaves (which overlaps and kernels it has)."""
 
@@ -520,7 +525,19 @@ class TrainingSpec(_Frozen):
         "DistributedFusedAdam keeps them with dtype=bfloat16 (apex/contrib/optimizers/distributed_fused_adam.py: "
         "params_shard, exp_avg_shard and exp_avg_sq_shard are allocated in the optimizer's `dtype`; store_params "
         "defaults to true), which NeMo's `optim: {name: distributed_fused_adam, dtype: bf16}` runs (e.g. "
-        "NeMo-Framework-Launcher 24.07 nemotron_340b.yaml). autoplan's runtime keeps fp32 state (torch's AdamW).")
+        "NeMo-Framework-Launcher 24.07 nemotron_340b.yaml). autoplan's runtime keeps fp32 state (torch's AdamW). "
+        "How the master copy is held is `master_weights`.")
+    master_weights: Literal["fp32", "bf16", "remainders", "in-place"] | None = Field(
+        default=None, description="How the optimizer holds the master copy of 16-bit weights (none is held where "
+        "the parameters are fp32). 'fp32': 4 bytes a parameter (Megatron's Float16OptimizerWithFloat16Params and "
+        "distributed optimizer, DeepSpeed). 'bf16': a 16-bit master, 2 bytes (apex DistributedFusedAdam with "
+        "store_params and a 16-bit dtype; Megatron's --main-params-dtype fp16). 'remainders': the fp32 master's "
+        "low 16 bits beside the bf16 weights, 2 bytes (apex's store_param_remainders, which NeMo sets for "
+        "optim.dtype fp32 over bf16 weights: nemo/collections/nlp/models/language_modeling/megatron_base_model.py "
+        "`optim_dtype == torch.float32 and model_dtype == torch.bfloat16`; Megatron-Core's precision-aware "
+        "optimizer under bf16, OptimizerConfig.store_param_remainders=True since f2ece182d8, 2025-02, TE >= 2.1). "
+        "'in-place': no master, the 16-bit weights are stepped in place, 0 bytes (NeMo with optim.dtype equal to "
+        "the weights' dtype: store_params=False). None: follows optimizer_dtype (fp32 -> 'fp32', bf16 -> 'bf16').")
     grad_sync_all_reduce: bool = Field(
         default=False, description="With ZeRO-1/2 the data-parallel gradients are still all-reduced whole (every "
         "rank receives the full reduced gradient, then steps only its shard and the parameters are all-gathered), "
@@ -577,6 +594,14 @@ class TrainingSpec(_Frozen):
                             "selective recomputation) or keep recompute_modes=full")
         return self
 
+    @model_validator(mode="after")
+    def _remainders_need_bf16(self) -> TrainingSpec:
+        if self.master_weights == "remainders" and self.dtype == "fp16":
+            # an fp32 value splits into its bf16 head and 16 low bits; an fp16 weight is not the head of one
+            raise SpecError("master_weights=remainders keeps the low 16 bits of an fp32 master beside bf16 weights",
+                            "the weights are fp16 (dtype=fp16)", "use master_weights=fp32 or bf16, or dtype=bf16")
+        return self
+
     @property
     def partial_rest(self) -> str | None:
         """What the layers after a stage's first k fully recomputed ones do: 'selective', 'none', or None where a
@@ -626,17 +651,22 @@ class TrainingSpec(_Frozen):
         return 4 if self.fp32_params else 2
 
     @property
+    def master_kind(self) -> str | None:
+        """How the master copy is held (`master_weights`, resolved); None where the parameters are fp32 already."""
+        if self.fp32_params:
+            return None
+        return self.master_weights or ("bf16" if self.optimizer_dtype == "bf16" else "fp32")
+
+    @property
     def master_bytes(self) -> int:
-        """The optimizer's fp32 master copy per parameter: none where the parameters are fp32 already."""
-        return 0 if self.fp32_params else 4
+        """The optimizer's master copy per parameter (`master_kind`): none where the parameters are fp32 already."""
+        return MASTER_BYTES[self.master_kind]
 
     @property
     def optimizer_state_bytes(self) -> int:
-        """Optimizer state per parameter: the master copy (`master_bytes`, in the state's dtype) and Adam's two
-        moments, 4 bytes each in fp32 (`optimizer_dtype`), 2 in bf16."""
-        if self.optimizer_dtype == "bf16":
-            return (2 if self.master_bytes else 0) + 4
-        return self.master_bytes + 8
+        """Optimizer state per parameter: the master copy (`master_bytes`) and Adam's two moments, 4 bytes each in
+        fp32 (`optimizer_dtype`), 2 in bf16."""
+        return self.master_bytes + (4 if self.optimizer_dtype == "bf16" else 8)
 
     @property
     def grad_dtype(self) -> str:

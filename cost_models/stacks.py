@@ -24,7 +24,7 @@ DEFAULT_STACK = "autoplan"
 # are never part of a stack).
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
-               "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "loss_fusion",
+               "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "master_weights", "loss_fusion",
                "align_grad_reduce", "flexible_rounds", "zero_stages", "schedules", "seq_splits", "recompute_modes",
                "recompute_per_stage", "partial_recompute", "uneven_stages", "grad_sync_all_reduce",
                "sp_grads_coalesced", "runtime_memory", "autocast_fp32_params", "selective_policy", "kernels",
@@ -41,6 +41,7 @@ KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce
 # shard (reshard_after_forward=False), is left out with the rest: torchtitan's typical run is ZeRO-3.
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
            "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "optimizer_dtype": "fp32",
+           "master_weights": None,
            "loss_fusion": False, "align_grad_reduce": False, "flexible_rounds": True,
            "zero_stages": ALL_ZERO_STAGES, "schedules": ALL_SCHEDULES, "seq_splits": ALL_SEQ_SPLITS,
            "recompute_modes": ALL_RECOMPUTE_MODES,

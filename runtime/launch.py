@@ -129,6 +129,8 @@ def _knob_prices(plan, knob: str) -> bool:
         return par.pp > 1 and par.tp > 1 and not par.sp
     if knob == "checkpoint_early_stop":  # None resolves to true on autoplan's stack: only false prices otherwise
         return not plan.training.recompute_stops_early
+    if knob == "master_weights":  # prices only 16-bit parameters' master; the runtime's are fp32
+        return not plan.training.fp32_params
     if knob == "cp_attention":  # None resolves to the runtime's own; another prices only under cp > 1
         return plan.parallel.cp > 1 and plan.training.cp_style != "all_gather_masked"
     return True

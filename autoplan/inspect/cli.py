@@ -226,6 +226,7 @@ def cmd_from_nemo(args: argparse.Namespace) -> int:
     nemo = nemo_words(load_nemo(args.config, args.set), args.vocab_size)
     run = read_megatron(nemo.words)
     run.gpus, run.notes, run.unpriced = nemo.gpus, [*nemo.notes, *run.notes], nemo.unpriced
+    run.stack_set.update(nemo.stack_set)
     print(f"autoplan: read as the Megatron flags: {shlex.join(nemo.words)}", file=sys.stderr)
     return _estimate_read(args, run, "from_nemo", "the config", "no trainer.num_nodes and trainer.devices",
                           "pass --gpus N")

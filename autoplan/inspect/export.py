@@ -186,19 +186,39 @@ def _megatron_sharding(plan: Plan, warnings: list[str]) -> list[tuple[str, objec
 
 
 def _megatron_optimizer_state(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]:
-    """optimizer_dtype=bf16 -> Megatron-Core's precision-aware optimizer with bf16 moments. Its master copy takes
-    fp32 or fp16 only (`--main-params-dtype`, megatron/training/arguments.py), so it stays fp32, and the
-    optimizer needs the distributed optimizer (megatron/core/optimizer/__init__.py: "--use-precision-aware-
-    optimizer only supported with distributed optimizer")."""
-    if plan.training.optimizer_dtype != "bf16":
+    """Bf16 moments or a 2-byte master -> Megatron-Core's precision-aware optimizer (TransformerEngine's FusedAdam),
+    which needs the distributed optimizer (megatron/core/optimizer/__init__.py: "--use-precision-aware-optimizer
+    only supported with distributed optimizer"). Under bf16 it keeps the master as 16-bit remainders
+    (OptimizerConfig.store_param_remainders, on by default with TE >= 2.1; no flag turns it off), under fp16 in
+    --main-params-dtype (fp32 or fp16). Where the plan holds its master otherwise, the warning says by how much."""
+    from autoplan.cost_models.specs import MASTER_BYTES
+
+    tr = plan.training
+    master = tr.master_kind
+    if tr.optimizer_dtype != "bf16" and master not in ("bf16", "remainders"):
+        if master == "in-place":
+            warnings.append("master_weights=in-place: Megatron-Core keeps a master copy (fp32, or remainders with "
+                            "--use-precision-aware-optimizer): exported with fp32, 4 bytes a parameter more optimizer "
+                            "state than planned, before ZeRO's sharding")
         return []
     if plan.parallel.zero == 0:
-        warnings.append("optimizer_dtype=bf16: Megatron-Core keeps bf16 optimizer state only with the distributed "
-                        "optimizer (zero >= 1); exported with fp32 state, 6 bytes a parameter more than planned")
+        warnings.append(f"optimizer_dtype={tr.optimizer_dtype}, master_weights={master}: Megatron-Core holds 16-bit "
+                        "optimizer state only with the distributed optimizer (zero >= 1); exported with fp32 state, "
+                        f"{12 - tr.optimizer_state_bytes} bytes a parameter more than planned")
         return []
-    warnings.append("optimizer_dtype=bf16: Megatron-Core's master copy stays fp32 (--main-params-dtype takes fp32 "
-                    "or fp16): 2 bytes a parameter more optimizer state than planned, before ZeRO's sharding")
-    return [("--use-precision-aware-optimizer", None), ("--exp-avg-dtype", "bf16"), ("--exp-avg-sq-dtype", "bf16")]
+    flags: list[tuple[str, object]] = [("--use-precision-aware-optimizer", None)]
+    if tr.optimizer_dtype == "bf16":
+        flags += [("--exp-avg-dtype", "bf16"), ("--exp-avg-sq-dtype", "bf16")]
+    held = "remainders" if tr.dtype in ("bf16", "fp8") else "bf16" if master == "bf16" else "fp32"
+    if held == "bf16":
+        flags.append(("--main-params-dtype", "fp16"))
+    extra = MASTER_BYTES[held] - MASTER_BYTES[master]
+    if extra:
+        warnings.append(f"master_weights={master}: Megatron-Core's precision-aware optimizer holds the master "
+                        f"{'as 16-bit remainders' if held == 'remainders' else 'in ' + held}: {abs(extra)} bytes a "
+                        f"parameter {'more' if extra > 0 else 'less'} optimizer state than planned, before ZeRO's "
+                        "sharding")
+    return flags
 
 
 # Megatron-LM's validate_args: with tensor or context parallelism on GPUs before Blackwell (compute capability
@@ -394,9 +414,11 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
     if m.activation != "swiglu" or m.position != "rope" or m.norm != "rmsnorm":
         warnings.append(f"{m.name} is not a Llama-style model (activation={m.activation}, position={m.position}, "
                         f"norm={m.norm}); torchtitan's llama3 model will not reproduce it")
-    if tr.optimizer_dtype != "fp32":
-        warnings.append(f"optimizer_dtype={tr.optimizer_dtype}: torchtitan's AdamW keeps fp32 state (12 bytes a "
-                        "parameter with the master copy, not the 6 planned)")
+    if tr.optimizer_dtype != "fp32" or tr.master_kind not in (None, "fp32"):
+        warnings.append(f"optimizer_dtype={tr.optimizer_dtype}, master_weights={tr.master_kind}: torchtitan's AdamW "
+                        "keeps fp32 moments over fp32 parameters, their own master: the plan priced "
+                        f"{tr.optimizer_state_bytes} bytes a parameter of optimizer state, torchtitan holds 8 beside "
+                        "4-byte weights")
     if tr.loss_fusion:
         warnings.append("loss_fusion: the plan priced Megatron-Core's fused cross-entropy (22 bytes a logit); "
                         "torchtitan runs torch's cross-entropy, fused only as far as torch.compile takes it")

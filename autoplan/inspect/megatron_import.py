@@ -35,7 +35,8 @@ _READ = {
     "--bf16", "--fp16", "--fp8-format", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32",
     "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap", "--no-align-grad-reduce",
     "--cross-entropy-loss-fusion", "--attention-backend", "--use-flash-attn", "--use-precision-aware-optimizer",
-    "--exp-avg-dtype", "--exp-avg-sq-dtype", "--overlap-p2p-communication", "--no-overlap-p2p-communication",
+    "--exp-avg-dtype", "--exp-avg-sq-dtype", "--main-params-dtype", "--overlap-p2p-communication",
+    "--no-overlap-p2p-communication",
     "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
     "--max-position-embeddings", "--vocab-size", "--make-vocab-size-divisible-by", "--tokenizer-type",
     "--group-query-attention", "--num-query-groups", "--kv-channels", "--swiglu", "--squared-relu",
@@ -262,8 +263,30 @@ def _stack_knobs(r: _Reader, dtype: str) -> dict[str, object]:
     if dtype in ("bf16", "fp8"):
         # "bfloat16 requires gradient accumulation and all-reduce to be done in fp32" unless --grad-reduce-in-bf16
         knobs["grad_reduce_dtype"] = "bf16" if r.has("--grad-reduce-in-bf16") else "fp32"
-    if r.has("--use-precision-aware-optimizer") and r.value("--exp-avg-dtype") == "bf16":
+    return knobs
+
+
+def _optimizer_state(r: _Reader, dtype: str, notes: list[str]) -> dict[str, object]:
+    """--use-precision-aware-optimizer (TransformerEngine's FusedAdam) as optimizer_dtype and master_weights.
+    Megatron-Core keeps the master as int16 remainders beside bf16 weights (OptimizerConfig.store_param_remainders,
+    default true since f2ece182d8, 2025-02, with TE >= 2.1; distrib_optimizer.py allocates the master_param shard
+    as torch.int16 "if self.config.store_param_remainders and self.config.bf16"), else in --main-params-dtype."""
+    if not r.has("--use-precision-aware-optimizer"):
+        return {}
+    knobs: dict[str, object] = {}
+    if dtype in ("bf16", "fp8"):
+        knobs["master_weights"] = "remainders"
+    elif r.value("--main-params-dtype") == "fp16":
+        knobs["master_weights"] = "bf16"  # a 16-bit master, 2 bytes
+    moments = [r.value(f) or "fp32" for f in ("--exp-avg-dtype", "--exp-avg-sq-dtype")]
+    if all(m in ("bf16", "fp16") for m in moments):
         knobs["optimizer_dtype"] = "bf16"
+    elif any(m != "fp32" for m in moments):
+        # autoplan holds Adam's two moments in one dtype; pricing the wider keeps the memory an upper bound
+        notes.append(f"--exp-avg-dtype {moments[0]} --exp-avg-sq-dtype {moments[1]}: priced with both moments in "
+                     f"{'fp32' if 'fp32' in moments else 'bf16'} (autoplan holds them in one dtype; fp8 moments "
+                     "as 2 bytes)")
+        knobs["optimizer_dtype"] = "fp32" if "fp32" in moments else "bf16"
     return knobs
 
 
@@ -320,6 +343,7 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
         if v is not None and v != want:
             notes.append(f"{flag} {v}: {why}")
     unpriced = sorted(k for k in flags if k not in _READ)
-    return MegatronRun(parallel=parallel, seq_len=seq, dtype=dtype, stack_set=_stack_knobs(r, dtype),
+    knobs = {**_stack_knobs(r, dtype), **_optimizer_state(r, dtype, notes)}
+    return MegatronRun(parallel=parallel, seq_len=seq, dtype=dtype, stack_set=knobs,
                        global_batch=r.int("--global-batch-size"), model=shaped, gpus=_launcher_gpus(launcher),
                        notes=notes, unpriced=unpriced)

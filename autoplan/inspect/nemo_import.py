@@ -38,7 +38,8 @@ _READ = {"virtual_pipeline_model_parallel_size", "num_query_groups", "activation
          "position_embedding_type", "share_embeddings_and_output_weights", "sequence_parallel",
          "activations_checkpoint_granularity", "activations_checkpoint_method", "activations_checkpoint_num_layers",
          "fp8", "fp8_hybrid", "fp8_e4m3", "ub_tp_comm_overlap", "overlap_p2p_comm", "cross_entropy_loss_fusion",
-         "tokenizer", "optim", "mcore_gpt", "transformer_engine", "use_flash_attention"}
+         "tokenizer", "optim", "mcore_gpt", "transformer_engine", "use_flash_attention", "megatron_amp_O2",
+         "fp8_params"}
 
 
 @dataclass
@@ -49,6 +50,7 @@ class NemoConfig:
     gpus: int | None  # trainer.num_nodes x trainer.devices
     notes: list[str] = field(default_factory=list)
     unpriced: list[str] = field(default_factory=list)  # `model` keys that change nothing the cost model sees
+    stack_set: dict[str, object] = field(default_factory=dict)  # knobs no Megatron flag sets (the optimizer state)
 
 
 def load_nemo(path: str | Path, sets: list[str] | None = None) -> dict:
@@ -240,7 +242,51 @@ def nemo_words(cfg: dict, vocab_size: int | None = None) -> NemoConfig:
     nodes, devices = trainer.get("num_nodes"), trainer.get("devices")
     gpus = int(nodes) * int(devices) if isinstance(nodes, int) and isinstance(devices, int) else None
     unpriced = sorted(k for k in model if k not in _VALUE_FLAGS and k not in _READ)
-    return NemoConfig(words=words, gpus=gpus, notes=notes, unpriced=unpriced)
+    state = _optimizer_state(r, model, precision, notes)
+    return NemoConfig(words=words, gpus=gpus, notes=notes, unpriced=unpriced, stack_set=state)
+
+
+def _optimizer_state(r: _Resolver, model: dict, precision: str | None, notes: list[str]) -> dict[str, object]:
+    """How apex's DistributedFusedAdam holds the state as NeMo sets it up (megatron_base_model.py
+    setup_optimization, the same at v2.0.0rc0, 2024-06, NeMo 24.07's): its `dtype` (optim.dtype, default fp32) for
+    the moments, and the master by store_params / store_param_remainders, which NeMo chooses where the config does
+    not: kept (fp8_params), none (the optimizer's dtype is the weights': stepped in place), the fp32 master's low
+    16 bits (fp32 over bf16 weights), else kept in `dtype`. The weights are 16-bit under megatron_amp_O2.
+    Megatron-Core's optimizer (mcore_distributed_optim) reads none of these keys (modelPT.py
+    setup_megatron_optimization): fp32 master and moments, the stack's default."""
+    optim = model.get("optim") or {}
+    name = str(optim.get("name", ""))
+    raw = str(r.value("optim.dtype", optim.get("dtype", "fp32"))).lower()
+    dtypes = {"fp32": "fp32", "float32": "fp32", "32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
+              "fp16": "fp16", "float16": "fp16", "16": "fp16"}
+    if raw not in dtypes:
+        raise ConfigError("NeMo optim.dtype autoplan does not price", f"got {raw}", "use fp32 or bf16")
+    opt = dtypes[raw]
+    if name != "distributed_fused_adam":
+        if opt != "fp32":
+            notes.append(f"optim.dtype {raw}: {name or 'this optimizer'} does not read it (fp32 state priced)")
+        return {}
+    moments = "fp32" if opt == "fp32" else "bf16"
+    if not r.value("megatron_amp_O2", model.get("megatron_amp_O2", False)):
+        notes.append("megatron_amp_O2 false (fp32 weights under autocast): priced with 16-bit weights and an fp32 "
+                     "master copy, as O2 holds them")
+        return {"optimizer_dtype": moments, "master_weights": "fp32"}
+    weights = {"--bf16": "bf16", "--fp16": "fp16"}.get(precision or "", "fp32")
+    store, remainders = optim.get("store_params"), bool(optim.get("store_param_remainders", False))
+    if store is None:
+        if r.value("fp8_params", model.get("fp8_params", False)):
+            store = True
+        elif opt == weights:
+            store = False
+        elif opt == "fp32" and weights == "bf16":
+            store, remainders = False, True
+        else:
+            store = True
+    if store:
+        master = "fp32" if opt == "fp32" else "bf16"
+    else:
+        master = "remainders" if remainders else "in-place"
+    return {"optimizer_dtype": moments, "master_weights": master}
 
 
 def _optim_words(r: _Resolver, optim: dict, notes: list[str]) -> list[str]:
@@ -257,7 +303,10 @@ def _optim_words(r: _Resolver, optim: dict, notes: list[str]) -> list[str]:
         words.append("--overlap-grad-reduce")
     if r.value("optim.overlap_param_sync", optim.get("overlap_param_sync", False)):
         words.append("--overlap-param-gather")
-    dtype = str(r.value("optim.grad_sync_dtype", optim.get("grad_sync_dtype", "fp32"))).lower()
+    # apex's default is the optimizer's dtype; Megatron-Core's DDP reduces in fp32 unless told (NeMo's
+    # megatron_gpt_model.py: grad_reduce_in_fp32=(optim.get('grad_sync_dtype', 'fp32') == 'fp32'))
+    default = optim.get("dtype", "fp32") if name == "distributed_fused_adam" else "fp32"
+    dtype = str(r.value("optim.grad_sync_dtype", optim.get("grad_sync_dtype", default))).lower()
     if dtype in ("bf16", "bfloat16"):
         words.append("--grad-reduce-in-bf16")
     elif dtype not in ("fp32", "float32", "32"):

@@ -29,7 +29,10 @@ CASES = [
     ("llama3-8b", 16, 64, 8192, "fp8", "tp=2,cp=2,pp=1,mbs=1,sp=1,zero=3", {"loss_fusion": True}),
     ("mixtral-8x7b", 64, 256, 4096, "bf16", "tp=2,pp=4,ep=8,mbs=1,sp=1,zero=1,recompute=full", {}),
     ("gpt3-13b", 32, 256, 2048, "bf16", "tp=2,pp=2,mbs=2,sp=1,zero=1",
-     {"grad_reduce_dtype": "fp32", "overlap_grad_reduce": False, "optimizer_dtype": "bf16"}),
+     {"grad_reduce_dtype": "fp32", "overlap_grad_reduce": False, "optimizer_dtype": "bf16",
+      "master_weights": "remainders"}),
+    # fp32 moments beside the remainders (--use-precision-aware-optimizer alone): 10 bytes a parameter
+    ("llama2-7b", 16, 64, 4096, "bf16", "tp=2,pp=1,mbs=1,sp=1,zero=1", {"master_weights": "remainders"}),
     # blocking pipeline sends under interleaving: --no-overlap-p2p-communication (Megatron overlaps by default)
     ("gpt3-175b", 128, 256, 2048, "bf16", "tp=4,pp=8,vp=6,mbs=1,sp=1,zero=1", {"p2p_overlap": False}),
 ]

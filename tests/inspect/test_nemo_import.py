@@ -38,6 +38,34 @@ def test_a_launcher_config_reads_as_megatron_flags():
     assert run.stack_set["grad_reduce_dtype"] == "fp32"  # distributed_fused_adam's grad_sync_dtype default
     assert "p2p_overlap" not in run.stack_set  # overlap_p2p_comm true: Megatron-Core's default under interleaving
     assert "init_method_std" in nemo.unpriced and "optim" not in nemo.unpriced
+    # apex's fp32 state over O2's bf16 weights: NeMo stores the master as remainders
+    assert nemo.stack_set == {"optimizer_dtype": "fp32", "master_weights": "remainders"}
+
+
+@pytest.mark.parametrize("sets, state, reduce", [
+    # Nemotron-4 340B's optim (launcher 24.07): the state in the weights' dtype, stepped in place; apex reduces
+    # gradients in the optimizer's dtype unless grad_sync_dtype says otherwise
+    (["+model.optim.dtype=bf16"], {"optimizer_dtype": "bf16", "master_weights": "in-place"}, "bf16"),
+    (["+model.optim.dtype=bf16", "+model.optim.store_params=true"],
+     {"optimizer_dtype": "bf16", "master_weights": "bf16"}, "bf16"),
+    (["+model.optim.store_params=false"], {"optimizer_dtype": "fp32", "master_weights": "in-place"}, "fp32"),
+    (["+model.fp8_params=true"], {"optimizer_dtype": "fp32", "master_weights": "fp32"}, "fp32"),
+    (["model.megatron_amp_O2=false"], {"optimizer_dtype": "fp32", "master_weights": "fp32"}, "fp32"),
+    (["model.optim.name=mcore_distributed_optim", "+model.optim.dtype=bf16"], {}, "fp32"),
+])
+def test_the_optimizer_state_is_held_as_nemo_sets_up_apex(sets, state, reduce, capsys):
+    nemo = nemo_words(load_nemo(GPT, sets))
+    assert nemo.stack_set == state
+    assert read_megatron(nemo.words).stack_set["grad_reduce_dtype"] == reduce
+    if not state:  # Megatron-Core's optimizer reads no optim.dtype: said, not dropped
+        assert any("optim.dtype bf16" in n for n in nemo.notes)
+    # and the estimate prices it: optimizer state per parameter against the 2-byte weights, sharded over dp = 4
+    out = _json(capsys, GPT, "--cluster", "dgx-h100", *[x for s in sets for x in ("--set", s)])
+    assert out["from_nemo"]["stack_set"].get("master_weights") == state.get("master_weights")
+    want = {"in-place": 0, "bf16": 2, "fp32": 4, None: 4}[state.get("master_weights")] + \
+        (4 if state.get("optimizer_dtype") == "bf16" else 8)
+    mem = out["memory_breakdown_gib"][0]
+    assert mem["optimizer"] / mem["weights"] == pytest.approx(want / 2 / 4)
 
 
 def test_overrides_and_nemo_only_settings():
@@ -65,7 +93,8 @@ def test_the_nemo_fidelity_row_comes_out_as_the_benchmark_prices_it(capsys, tmp_
     spec.write_text(row.model_dump_json())
     # the row as benchmarks/fidelity.py runs it (heldout_command: `autoplan estimate` with the row's fields)
     assert main(["estimate", "--model", str(spec), "--cluster", "dgx-h100", "--gpus", "64", "--global-batch", "128",
-                 "--seq-len", "4096", "--stack", "megatron-core", "--stack-set", "tp_comm_overlap=true,p2p_overlap=true",
+                 "--seq-len", "4096", "--stack", "megatron-core", "--stack-set",
+                 "tp_comm_overlap=true,p2p_overlap=true,master_weights=remainders",
                  "--dtype", "fp8", "--parallel", "tp=4,pp=4,vp=20,mbs=1,sp=1,zero=1,recompute=none,schedule=interleaved",
                  "--json"]) == 0
     want = json.loads(capsys.readouterr().out)["step_time_s"]

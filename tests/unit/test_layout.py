@@ -152,8 +152,8 @@ def test_plans_without_the_new_fields_still_load(tmp_path, capsys):
     # (p2p_scatter_gather is not among them: its default changed, and a plan without it was priced with true --
     # tests/unit/test_counts.py::test_plans_of_the_old_p2p_default_keep_their_hash_and_meaning)
     for k in ("tp_bwd_comm_overlap", "p2p_overlap", "grad_accum_fused", "grad_sync_all_reduce", "runtime_memory",
-              "optimizer_dtype", "loss_fusion", "align_grad_reduce", "flexible_rounds", "zero_stages", "schedules",
-              "seq_splits"):
+              "optimizer_dtype", "master_weights", "loss_fusion", "align_grad_reduce", "flexible_rounds", "zero_stages",
+              "schedules", "seq_splits"):
         data["training"].pop(k)
     old = tmp_path / "old.json"
     old.write_text(json.dumps(data))

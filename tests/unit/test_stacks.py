@@ -8,6 +8,7 @@ import json
 import pytest
 
 from autoplan.cli import main
+from autoplan.cost_models.errors import SpecError
 from autoplan.cost_models.specs import TrainingSpec
 from autoplan.cost_models.stacks import STACKS, apply_stack, parse_stack_set
 
@@ -53,6 +54,9 @@ def test_stacks_lists_the_issue_profiles(capsys, monkeypatch):
     assert "megatron-core" in out and "(default) (default)" not in out
     # the autoplan stack's gradients are its fp32 parameters' own (TrainingSpec.grad_dtype), not the compute dtype
     assert "grad_dtype=fp32 (the fp32 parameters' own)" in out
+    # an unset knob says what it resolves to (not the gradient dtype's "compute" for every knob, as until session 35)
+    assert "p2p_overlap=default (under interleaving only)" in out and "p2p_overlap=compute" not in out
+    assert "master_weights=default (optimizer_dtype's)" in out
 
 
 def test_every_stack_is_valid_training_values():
@@ -183,8 +187,9 @@ def test_a_non_reentrant_checkpoint_stops_before_the_last_gemm():
 
 def test_bf16_optimizer_state_halves_the_optimizer_memory_and_exports_as_megatron_can(capsys):
     """`--stack-set optimizer_dtype=bf16` (apex's DistributedFusedAdam with dtype=bf16, as NeMo runs Nemotron-4
-    340B): master copy and both Adam moments in bf16, 6 bytes a parameter instead of 12, sharded as the state is;
-    Megatron's export asks for bf16 moments and says its master copy stays fp32; torchtitan's says it has none."""
+    340B with store_params): master copy and both Adam moments in bf16, 6 bytes a parameter instead of 12, sharded
+    as the state is; Megatron's export asks for bf16 moments, whose master (16-bit remainders) is as large;
+    torchtitan's says it has none."""
     from autoplan.api import make_plan
     from autoplan.inspect import export_megatron, export_torchtitan
     from autoplan.specs import load_cluster, load_model
@@ -210,7 +215,7 @@ def test_bf16_optimizer_state_halves_the_optimizer_memory_and_exports_as_megatro
     meg = export_megatron(plans["bf16"])
     assert meg["flags"]["--use-precision-aware-optimizer"] is True and meg["flags"]["--exp-avg-dtype"] == "bf16"
     assert meg["flags"]["--exp-avg-sq-dtype"] == "bf16" and "--use-distributed-optimizer" in meg["flags"]
-    assert any("master copy stays fp32" in w for w in meg["warnings"])
+    assert not any("master_weights" in w for w in meg["warnings"])  # remainders: 2 bytes, as planned
     assert "--use-precision-aware-optimizer" not in export_megatron(plans["fp32"])["flags"]
     assert any("optimizer_dtype=bf16" in w for w in export_torchtitan(plans["bf16"])["warnings"])
     # planned on autoplan's own stack, the knob is named as one `autoplan run` refuses; kernels (the runtime's) is not
@@ -225,6 +230,58 @@ def test_bf16_optimizer_state_halves_the_optimizer_memory_and_exports_as_megatro
                  "--parallel", "tp=8", "--stack", "megatron-core", "--stack-set", "optimizer_dtype=fp8"]) != 0
     err = capsys.readouterr().err
     assert "optimizer_dtype" in err and "Traceback" not in err and len(err.strip().splitlines()) <= 4
+
+
+def test_master_weights_price_what_each_optimizer_holds_and_moves():
+    """`master_weights`: fp32 (4 bytes), a 16-bit master or bf16 remainders (2), in place (0: NeMo's
+    distributed_fused_adam with optim.dtype equal to the weights'); the Adam pass moves 10 / 6 / 8 / 4 bytes for it.
+    Unset, it follows optimizer_dtype as before the knob (bf16 -> a 16-bit master)."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.estimate import optimizer_time
+    from autoplan.inspect import export_megatron
+    from autoplan.specs import load_cluster, load_model
+
+    def tr(**kw):
+        return TrainingSpec(global_batch_size=8, seq_length=256, dtype="bf16", autocast_fp32_params=False, **kw)
+
+    assert [tr(master_weights=m).optimizer_state_bytes for m in ("fp32", "bf16", "remainders", "in-place")] == \
+        [12, 10, 10, 8]
+    assert tr(optimizer_dtype="bf16", master_weights="in-place").optimizer_state_bytes == 4
+    assert tr(optimizer_dtype="bf16").master_kind == "bf16" and tr().master_kind == "fp32"
+    cluster = load_cluster("dgx-h100", gpus=8)
+    t = {m: optimizer_time(1e9, 1, cluster, tr(master_weights=m)) for m in ("fp32", "bf16", "remainders", "in-place")}
+    assert t["fp32"] / 34 == pytest.approx(t["bf16"] / 30) == pytest.approx(t["remainders"] / 32)
+    assert t["in-place"] / 28 == pytest.approx(t["fp32"] / 34)
+    assert optimizer_time(1e9, 1, cluster, tr(optimizer_dtype="bf16")) == pytest.approx(t["fp32"] * 22 / 34)
+    # fp32 parameters are their own master: the knob prices nothing there
+    assert TrainingSpec(global_batch_size=8, seq_length=256, dtype="bf16", master_weights="in-place").master_bytes == 0
+    with pytest.raises(SpecError, match="remainders"):
+        TrainingSpec(global_batch_size=8, seq_length=256, dtype="fp16", master_weights="remainders")
+    assert parse_stack_set("master_weights=in-place") == {"master_weights": "in-place"}
+    assert parse_stack_set("master_weights=default") == {"master_weights": None}
+    # exported to Megatron-Core: in place is not what it holds (4 bytes more); remainders export as such
+    plans = {}
+    for m in ("in-place", "remainders"):
+        t_ = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-core", {"master_weights": m})
+        plans[m] = make_plan(load_model("llama2-7b"), load_cluster("dgx-h100", gpus=16), t_,
+                             "tp=2,pp=1,mbs=1,sp=1,zero=1")
+    mem = {k: p.prediction.memory_breakdown[0].optimizer for k, p in plans.items()}
+    assert mem["in-place"] == pytest.approx(mem["remainders"] * 8 / 10, abs=2e-6)
+    meg = export_megatron(plans["in-place"])
+    assert "--use-precision-aware-optimizer" not in meg["flags"]
+    assert any("master_weights=in-place" in w and "4 bytes" in w for w in meg["warnings"])
+    meg = export_megatron(plans["remainders"])
+    assert meg["flags"]["--use-precision-aware-optimizer"] is True and "--exp-avg-dtype" not in meg["flags"]
+    assert not any("master_weights" in w for w in meg["warnings"])
+    # autoplan's runtime steps fp32 parameters, their own master: the knob prices nothing there and is not refused
+    from autoplan.runtime.launch import check_stack
+
+    tiny, cpu = load_model("tiny-gpt"), load_cluster("local-cpu").with_gpus(2)
+    small = apply_stack(TrainingSpec(global_batch_size=4, seq_length=64, dtype="bf16"), "autoplan",
+                        {"master_weights": "in-place"})
+    plan = make_plan(tiny, cpu, small, "dp=2")
+    assert plan.training.master_bytes == 0 and check_stack(plan.model_copy(
+        update={"stack": "autoplan+master_weights=in-place"}).sealed()) == []
 
 
 def test_fused_cross_entropy_prices_22_bytes_a_logit_and_exports_megatrons_flag(capsys):
