@@ -568,9 +568,10 @@ class TrainingSpec(_Frozen):
         "by default stops re-running a block once the last tensor its backward saved is back: a dense block's last "
         "GEMM (the MLP's output projection, whose output nothing saves) and the reduction after it are not run "
         "again (compute.early_stop_skips_last_gemm; measured FLOPs, session 21). true: autoplan's runtime "
-        "(runtime.parallelize.apply_recompute) and torchtitan (torchtitan/distributed/activation_checkpoint.py: "
-        "torch's checkpoint_wrapper, non-reentrant by default); false: a reentrant checkpoint that re-runs the whole "
-        "forward (Megatron-LM's CheckpointFunction, DeepSpeed's activation checkpointing). None: as "
+        "(runtime.parallelize.apply_recompute) and torchtitan until 2025-08 (torch's checkpoint_wrapper, "
+        "non-reentrant, torch's default early stop); false: a checkpoint that re-runs the whole forward "
+        "(Megatron-LM's reentrant CheckpointFunction, DeepSpeed's activation checkpointing, torchtitan since its "
+        "early_stop config defaulting to false, 25413d224, 2025-08-29). None: as "
         "`runtime_memory` says (true exactly for autoplan's runtime), the rule before the field existed.")
 
     cp_attention: Literal["ring", "all_gather", "all_gather_masked"] | None = Field(

@@ -275,14 +275,17 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                # its pipeline is torch.distributed.pipelining, as ours: no scatter/gather of stage messages
                "p2p_scatter_gather": False,
                # full AC is torch's checkpoint_wrapper around each block (torchtitan/distributed/
-               # activation_checkpoint.py `_apply_full_ac`), non-reentrant by default: torch.utils.checkpoint's
-               # early stop leaves the block's last GEMM out of the re-run, as in autoplan's runtime
-               "checkpoint_early_stop": True},
+               # activation_checkpoint.py), non-reentrant, and re-runs the whole block: early stop became a config
+               # defaulting to false in "Add config to AC to toggle early-stop" (25413d224, 2025-08-29; 0.2's
+               # `activation_checkpoint.early_stop`), and 0.3's FullAC passes early_stop=False. Before it torch's
+               # default (stop early) applied: the 2024 runs of the fidelity benchmark set it back to true.
+               "checkpoint_early_stop": False},
         assumes="bf16 parameters with FSDP2 reducing gradients in fp32 (mixed_precision_reduce=float32); SDPA "
                 "flash attention; torch.compile fusing the elementwise ops; async TP overlapping the TP "
                 "collectives with the GEMMs; FSDP2 prefetch overlapping gathers and reduce-scatters; "
                 "recompute=selective is its per-op policy (every second matmul and all elementwise ops re-run); "
-                "recompute=full re-runs each block but its last GEMM (non-reentrant checkpoint, early stop)",
+                "recompute=full re-runs each whole block (non-reentrant checkpoint, early_stop=False since "
+                "2025-08)",
         typical="zero=3 (FSDP2), tp=8 inside a node, pp for the largest models",
         source="Liang et al. 2024, 'TorchTitan' (arXiv 2410.06511); torchtitan job_config defaults",
     ),

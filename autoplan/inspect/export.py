@@ -369,8 +369,33 @@ def _titan_stage_layout(plan: Plan, head: str) -> dict[str, object]:
     return {"module_fqns_per_model_part": _titan_stage_layout_explicit(plan, head)}
 
 
-def _titan_recompute(plan: Plan, warnings: list[str]) -> str:
-    """'none' | 'selective' | 'full' for the whole model (torchtitan applies one policy to every block)."""
+def titan_layer_sac(plan: Plan) -> int | None:
+    """The n of torchtitan 0.2's layer-selective AC (`selective_ac_option = "n"`) that checkpoints as many blocks
+    of each stage as the plan recomputes in full, the others plain; None where no n does. torchtitan counts the
+    blocks it wraps in one per-process counter, across a rank's model chunks in stage order, and checkpoints
+    those whose count is a multiple of n (activation_checkpoint.py at v0.2.2, `_layer_sac_count % ac_freq == 0`):
+    a chunk after c blocks on its rank holding b checkpoints floor((c + b) / n) - floor(c / n). The plan must
+    leave its other blocks plain (partial_recompute rest-none or every-nth, not autoplan's rest-selective)."""
+    stages = plan.stages
+    if {s.recompute for s in stages} != {"full"} or plan.training.partial_rest != "none":
+        return None
+    if all(s.recompute_layers >= s.num_layers for s in stages):
+        return None  # every block: mode full
+    for n in range(2, max(s.num_layers for s in stages) + 2):
+        seen: dict[int, int] = {}
+        ok = True
+        for s in sorted(stages, key=lambda s: s.index):
+            c = seen.get(s.pp_rank, 0)
+            ok = ok and (c + s.num_layers) // n - c // n == min(s.recompute_layers, s.num_layers)
+            seen[s.pp_rank] = c + s.num_layers
+        if ok:
+            return n
+    return None
+
+
+def _titan_recompute(plan: Plan, warnings: list[str], version: str = "0.3") -> str:
+    """'none' | 'selective' | 'full' | 'layer:n' (0.2's layer-selective AC) for the whole model (torchtitan
+    applies one policy to every block)."""
     modes = {s.recompute for s in plan.stages}
     if modes == {"none"}:
         return "none"
@@ -385,10 +410,22 @@ def _titan_recompute(plan: Plan, warnings: list[str]) -> str:
             warnings.append(f"stages recompute differently ({', '.join(sorted(modes))}); torchtitan applies one "
                             "policy to all blocks: exported full recomputation everywhere")
         elif not all(s.recompute_layers >= s.num_layers for s in full):
+            n = titan_layer_sac(plan)
+            if n is not None and version == "0.2":
+                return f"layer:{n}"
             frac = sum(s.recompute_layers for s in full) / sum(s.num_layers for s in full)
-            warnings.append(f"the plan recomputes {frac:.0%} of the layers in full; torchtitan recomputes some "
-                            "blocks only as every n-th block (layer-selective AC), which this export does not write: "
-                            "exported full recomputation of every block (slower than planned)")
+            why = ("torchtitan 0.3 has no layer-selective AC (removed in 114151ad4, 2026-03; "
+                   "--torchtitan-version 0.2 writes it)" if n is not None else
+                   "torchtitan recomputes some blocks only as every n-th block (layer-selective AC, 0.2), and no n "
+                   "gives this plan's count on every stage" if plan.training.partial_rest == "none" else
+                   "torchtitan's layer-selective AC (0.2) leaves the other blocks plain, where the plan recomputes "
+                   "their attention core")
+            warnings.append(f"the plan recomputes {frac:.0%} of the layers in full; {why}: exported full "
+                            "recomputation of every block (slower than planned)")
+        if version == "0.3" and plan.training.recompute_stops_early:
+            warnings.append("the plan priced full recomputation stopping before each block's last GEMM (torch's "
+                            "early stop); torchtitan 0.3's FullAC re-runs the whole block (early_stop=False): "
+                            "slower than planned (estimate with --stack torchtitan for its price)")
         return "full"
     return "selective"
 
@@ -476,10 +513,24 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
         _cp_warning(plan, "torchtitan's (torch's ring attention)", "torchtitan", warnings)
     if m.moe is not None:
         par["expert_parallel_degree"] = cfg.ep
-    ac = _titan_recompute(plan, warnings)
+    ac = _titan_recompute(plan, warnings, version)
     sections = {"model": {"module": module, "config": config_fn, "flavor": flavor}, "training": training,
-                "parallelism": par, "activation_checkpoint": {"mode": ac}}
+                "parallelism": par, "activation_checkpoint": _titan_ac_section(ac, plan, version)}
     return sections, warnings
+
+
+def _titan_ac_section(ac: str, plan: Plan, version: str) -> dict:
+    """The activation_checkpoint section. 0.2's full and layer-selective AC take `early_stop` (a config since
+    25413d224, 2025-08-29, default false): written as the plan priced it. 0.2's per-op policy is
+    selective_ac_option "op"."""
+    if version == "0.3":
+        return {"mode": ac}
+    early = {"early_stop": plan.training.recompute_stops_early}
+    if ac.startswith("layer:"):
+        return {"mode": "selective", "selective_ac_option": ac.split(":")[1], **early}
+    if ac == "selective":
+        return {"mode": "selective", "selective_ac_option": "op"}
+    return {"mode": ac, **early} if ac == "full" else {"mode": ac}
 
 
 def _titan_stage_layout_explicit(plan: Plan, head: str) -> list[list[str]]:
@@ -555,9 +606,7 @@ def export_torchtitan(plan: Plan, version: str = "0.3") -> dict:
                                    f"{cl.gpu.name}"},
             "model": {"name": mdl["module"], "flavor": mdl["flavor"]},
             "training": sections["training"], "parallelism": sections["parallelism"],
-            "activation_checkpoint": {"mode": sections["activation_checkpoint"]["mode"]}
-            if sections["activation_checkpoint"]["mode"] != "selective"
-            else {"mode": "selective", "selective_ac_option": "op"}}
+            "activation_checkpoint": sections["activation_checkpoint"]}
     header = "".join(f"# {c}\n" for c in [*_titan_comments(plan, notes),
                                           f"launch: {torchrun} --job.config_file <this file>"])
     out.update(toml=header + "\n" + tomli_w.dumps(body), command=f"{torchrun} --job.config_file <this file>")

@@ -226,7 +226,45 @@ def test_torchtitan_mixed_recompute_warns(gpt175):
     plan = make_plan(m, c, tr, "tp=8,pp=8,mbs=1,sp=1,recompute=full,recompute_layers=3")
     d = export_torchtitan(plan)
     assert d["config"]["activation_checkpoint"]["mode"] == "full"
-    assert any("which this export does not write" in w for w in d["warnings"])
+    # autoplan's partial recomputation re-runs the other blocks' attention core: torchtitan has no such policy
+    assert any("where the plan recomputes their attention core" in w for w in d["warnings"])
+
+
+@pytest.mark.parametrize("cfg, n", [("tp=8,pp=8,mbs=1,sp=1,recompute=full,recompute_layers=6", 2),
+                                    ("tp=8,pp=8,mbs=1,sp=1,recompute=full,recompute_layers=4", 3),
+                                    # 3 chunks of 4 blocks a rank, 2 of each in full: the counter runs on
+                                    ("tp=8,pp=8,vp=3,mbs=1,sp=1,recompute=full,recompute_layers=6", 2),
+                                    ("tp=8,pp=8,mbs=1,sp=1,recompute=full,recompute_layers=5", None)])
+def test_torchtitan_02_writes_layer_selective_ac_where_it_recomputes_the_planned_count(gpt175, cfg, n):
+    """A plan on the torchtitan stack that recomputes k of a stage's blocks whole and leaves the rest plain is
+    0.2's layer-selective AC (selective_ac_option = n: every n-th block a rank wraps) where floor(blocks / n) is k on
+    every stage; 0.3 removed it, and where no n fits the export says so. early_stop is written as priced."""
+    from autoplan.cost_models.stacks import apply_stack
+    from autoplan.inspect.export import titan_layer_sac
+
+    m, c, tr = gpt175
+    plan = make_plan(m, c, apply_stack(tr, "torchtitan"), cfg)
+    assert plan.training.partial_rest == "none" and titan_layer_sac(plan) == n
+    ac = toml_loads(export_torchtitan(plan, "0.2")["toml"])["activation_checkpoint"]
+    if n is None:
+        assert ac == {"mode": "full", "early_stop": False}
+        assert any("no n gives this plan's count" in w for w in export_torchtitan(plan, "0.2")["warnings"])
+    else:
+        assert ac == {"mode": "selective", "selective_ac_option": str(n), "early_stop": False}
+        # the count per stage it gives, replayed as torchtitan's counter runs across a rank's chunks
+        for rank in range(plan.parallel.pp):
+            count = 0
+            for s in sorted((s for s in plan.stages if s.pp_rank == rank), key=lambda s: s.index):
+                wrapped = [count + i + 1 for i in range(s.num_layers)]
+                assert sum(w % n == 0 for w in wrapped) == s.recompute_layers
+                count += s.num_layers
+        d3 = export_torchtitan(plan, "0.3")
+        assert d3["config"]["activation_checkpoint"] == {"mode": "full"}
+        assert any("0.3 has no layer-selective AC" in w for w in d3["warnings"])
+    # priced with torch's early stop (the 2024 code), 0.2 writes it and 0.3's FullAC cannot
+    early = make_plan(m, c, apply_stack(tr, "torchtitan", {"checkpoint_early_stop": True}), cfg)
+    assert toml_loads(export_torchtitan(early, "0.2")["toml"])["activation_checkpoint"]["early_stop"] is True
+    assert any("early_stop=False" in w for w in export_torchtitan(early, "0.3")["warnings"])
 
 
 def toml_loads(text: str) -> dict:

@@ -62,8 +62,11 @@ def test_the_rerun_costs_its_gemms_and_every_elementwise_op():
     # elementwise, so the re-run is the forward less the kept GEMMs and the attention kernel, exactly
     kept_t = sum(t for (t, _), r in zip(parts, reruns, strict=True) if not r)
     assert cost.recompute_selective_s == pytest.approx(cost.fwd_s - kept_t - _attention(block, ctx)[0])
-    # full AC is a non-reentrant checkpoint (early stop): the re-run stops before the block's last GEMM
-    assert cost.recompute_full_s == pytest.approx(cost.fwd_s - parts[-1][0])
+    # full AC re-runs the whole block (torchtitan's early_stop=False since 2025-08); with the 2024 code's early
+    # stop (checkpoint_early_stop=true) the re-run ends before the block's last GEMM
+    assert cost.recompute_full_s == pytest.approx(cost.fwd_s)
+    early = layer_cost(block, _ctx("torchtitan", overrides={"checkpoint_early_stop": True}))
+    assert early.recompute_full_s == pytest.approx(cost.fwd_s - parts[-1][0])
     assert cost.checkpoint_selective_s == 0.0
 
 

@@ -148,8 +148,9 @@ def test_parse_stack_set():
 
 def test_a_non_reentrant_checkpoint_stops_before_the_last_gemm():
     """Full recomputation under torch.utils.checkpoint without reentrance (autoplan's runtime; torchtitan's full
-    AC, checkpoint_wrapper) stops once the block's last saved tensor is back: the MLP's output GEMM is not re-run.
-    Megatron's and DeepSpeed's reentrant checkpoints re-run the whole forward. `checkpoint_early_stop` says which
+    AC before 2025-08, checkpoint_wrapper) stops once the block's last saved tensor is back: the MLP's output GEMM is
+    not re-run. Megatron's and DeepSpeed's reentrant checkpoints re-run the whole forward, and so does torchtitan's
+    since its early_stop config defaults to false (25413d224). `checkpoint_early_stop` says which
     (None: as `runtime_memory`, i.e. autoplan's runtime); --stack-set takes it; a plan of autoplan's stack that
     says false prices a program the runtime does not run and `run` refuses it."""
     from autoplan.api import make_plan
@@ -161,6 +162,8 @@ def test_a_non_reentrant_checkpoint_stops_before_the_last_gemm():
 
     base = TrainingSpec(global_batch_size=64, seq_length=2048)
     titan, megatron = apply_stack(base, "torchtitan", {}), apply_stack(base, "megatron-2022", {})
+    assert not apply_stack(base, "torchtitan").recompute_stops_early  # today's torchtitan re-runs the whole block
+    titan = apply_stack(base, "torchtitan", {"checkpoint_early_stop": True})  # the 2024 code's (fidelity rows)
     assert titan.recompute_stops_early and base.recompute_stops_early and not megatron.recompute_stops_early
     assert apply_stack(base, "megatron-2022", {"checkpoint_early_stop": True}).recompute_stops_early
     model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", gpus=8)
