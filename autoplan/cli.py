@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from pydantic import ValidationError
+
 from autoplan.cost_models.errors import AutoplanError
 
 # ------------------------------------------------------------------------------------------ shared options
@@ -529,6 +531,11 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(True, e.kind, msg, e.hint or "")
         print(f"autoplan: {e.kind}: {e.one_line()}", file=sys.stderr)
         return 2
+    except ValidationError as e:  # a value no reader turned into its own error: still one line, never a dump
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"]) or e.title
+        return _fail(want_json, "invalid value", f"{e.title} {loc}: {first['msg'].lower()} (got "
+                     f"{first.get('input')!r})", "correct the value that sets it")
     except OSError as e:  # an unwritable -o/--plot/--log, a missing input file: one line, never a traceback
         if isinstance(e, BrokenPipeError):
             return 0

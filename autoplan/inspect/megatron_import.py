@@ -14,6 +14,8 @@ import math
 import shlex
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
+
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.specs import ModelSpec, MoESpec, ParallelConfig
 
@@ -63,6 +65,30 @@ class MegatronRun:
     gpus: int | None = None  # torchrun's --nnodes x --nproc-per-node, where the command has them
     notes: list[str] = field(default_factory=list)
     unpriced: list[str] = field(default_factory=list)  # flags that change nothing the cost model sees
+
+
+# The Megatron flag that sets each field built from the flags: a value the field refuses names its flag.
+_FLAG_OF = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads":
+            "--num-attention-heads", "num_kv_heads": "--num-query-groups", "head_dim": "--kv-channels",
+            "ffn_hidden_size": "--ffn-hidden-size", "vocab_size": "--vocab-size", "max_seq_length":
+            "--max-position-embeddings", "num_experts": "--num-experts", "top_k": "--moe-router-topk",
+            "expert_ffn_hidden_size": "--moe-ffn-hidden-size", "every_n_layers": "--moe-layer-freq",
+            "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size", "cp":
+            "--context-parallel-size", "ep": "--expert-model-parallel-size", "vp":
+            "--num-virtual-stages-per-pipeline-rank", "mbs": "--micro-batch-size", "recompute_layers":
+            "--recompute-num-layers"}
+
+
+def _built(cls: type, **fields: object):
+    """`cls(**fields)`, a value it refuses reported in one line naming the Megatron flag that gave it."""
+    try:
+        return cls(**fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        name = str(first["loc"][0]) if first["loc"] else ""
+        flag = _FLAG_OF.get(name, name or cls.__name__)
+        raise ConfigError(f"the Megatron flags give an invalid {flag}",
+                          f"{first['msg'].lower()}: got {first.get('input')!r}", f"correct {flag}") from None
 
 
 def command_tokens(text: str) -> list[str]:
@@ -189,11 +215,11 @@ def _model(r: _Reader, tp: int, seq: int, notes: list[str]) -> ModelSpec | None:
         if freq is not None and not freq.isdigit():
             raise ConfigError("--moe-layer-freq as a pattern is not expressible", f"got {freq}",
                               "write every n-th layer as an integer n (autoplan's every_n_layers)")
-        moe = MoESpec(num_experts=experts, top_k=r.int("--moe-router-topk", 2),
+        moe = _built(MoESpec, num_experts=experts, top_k=r.int("--moe-router-topk", 2),
                       expert_ffn_hidden_size=r.int("--moe-ffn-hidden-size"),
                       every_n_layers=int(freq) if freq else 1)
-    return ModelSpec(
-        name="megatron-args", num_layers=layers, hidden_size=h, num_attention_heads=heads, num_kv_heads=kv,
+    return _built(
+        ModelSpec, name="megatron-args", num_layers=layers, hidden_size=h, num_attention_heads=heads, num_kv_heads=kv,
         head_dim=r.int("--kv-channels"), ffn_hidden_size=ffn, vocab_size=padded,
         max_seq_length=r.int("--max-position-embeddings", seq),
         activation="swiglu" if swiglu else "relu2" if r.has("--squared-relu") else "gelu",
@@ -302,6 +328,11 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
     seq = r.int("--seq-length")
     if seq is None:
         raise ConfigError("the flags give no --seq-length", "Megatron requires it", "add --seq-length N")
+    for flag in ("--seq-length", "--global-batch-size", "--tensor-model-parallel-size",
+                 "--pipeline-model-parallel-size"):
+        v = r.int(flag)
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} must be positive", f"got {flag} {v}", f"correct {flag}")
     shaped = _model(r, tp, seq, notes)
     layers = (shaped or model).num_layers if (shaped or model) else None
     vp, layout = 1, r.value("--pipeline-model-parallel-layout")
@@ -327,8 +358,9 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
 
         layout = uneven(layers, pp, vp, first, last)
     dtype = "fp8" if r.has("--fp8-format") else "bf16" if r.has("--bf16") else "fp16" if r.has("--fp16") else "fp32"
-    parallel = ParallelConfig(
-        tp=tp, pp=pp, cp=r.int("--context-parallel-size", 1), ep=r.int("--expert-model-parallel-size", 1), vp=vp,
+    parallel = _built(
+        ParallelConfig, tp=tp, pp=pp, cp=r.int("--context-parallel-size", 1),
+        ep=r.int("--expert-model-parallel-size", 1), vp=vp,
         mbs=r.int("--micro-batch-size", 1), sp=r.has("--sequence-parallel"), zero=_zero(r),
         schedule="interleaved" if vp > 1 else "1f1b", layout=layout, **_recompute(r, vp, notes),
     )

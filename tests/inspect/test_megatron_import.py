@@ -12,7 +12,7 @@ from autoplan.api import plan_from_estimate
 from autoplan.cli import main
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.layout import counts
-from autoplan.cost_models.specs import TrainingSpec
+from autoplan.cost_models.specs import ModelSpec, TrainingSpec
 from autoplan.cost_models.stacks import apply_stack
 from autoplan.estimate_api import estimate_config
 from autoplan.inspect import export_megatron
@@ -122,10 +122,42 @@ def test_megatron_defaults_apply_where_the_command_is_silent():
     ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --vocab-size 1000 "
      "--recompute-granularity full --recompute-method zigzag", "unknown --recompute-method"),
     ("--num-layers twelve --seq-length 2048", "--num-layers takes an integer"),
+    # values the model or the configuration refuses name the flag that gave them (until session 35 a pydantic dump)
+    ("--num-layers 0 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --vocab-size 1000",
+     "invalid --num-layers: input should be greater than 0"),
+    ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --vocab-size 1000 "
+     "--micro-batch-size 0", "invalid --micro-batch-size"),
+    ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --vocab-size 1000 "
+     "--num-experts 8 --moe-router-topk 0", "invalid --moe-router-topk"),
+    ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 0 --vocab-size 1000",
+     "--seq-length must be positive"),
+    ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --vocab-size 1000 "
+     "--global-batch-size -8", "--global-batch-size must be positive"),
 ])
-def test_commands_autoplan_cannot_read_are_refused_with_the_fix(words, needle):
+def test_commands_autoplan_cannot_read_are_refused_with_the_fix(words, needle, capsys):
     with pytest.raises(ConfigError, match=needle):
         read_megatron(words.split())
+    # and on the command line: one line, no traceback
+    assert main(["from-megatron", "--cluster", "dgx-h100", "--gpus", "8", "--", *words.split()]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert needle.split(":")[0] in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_any_value_a_model_refuses_is_one_line_on_the_command_line(capsys, monkeypatch):
+    """The CLI's last net: a pydantic refusal no reader turned into its own error is still one line."""
+    from pydantic import ValidationError
+
+    import autoplan.inspect.cli as icli
+
+    def broken(args):
+        ModelSpec(name="x", num_layers=-1, hidden_size=8, num_attention_heads=1, vocab_size=8, max_seq_length=8)
+
+    monkeypatch.setattr(icli, "cmd_from_megatron", broken)
+    with pytest.raises(ValidationError):
+        broken(None)
+    assert main(["from-megatron", "--cluster", "dgx-h100", "--", "--num-layers", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("autoplan: invalid value: ModelSpec num_layers") and "\n" not in err
 
 
 def test_the_cli_says_what_it_read_and_what_it_did_not(tmp_path, capsys):
