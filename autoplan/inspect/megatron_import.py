@@ -31,6 +31,7 @@ _READ = {
     "--expert-model-parallel-size", "--sequence-parallel", "--micro-batch-size", "--global-batch-size",
     "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
     "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout",
+    "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--standalone-embedding-stage",
     "--microbatch-group-size-per-virtual-pipeline-stage", "--recompute-activations", "--checkpoint-activations",
     "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--recompute-modules",
     "--use-distributed-optimizer", "--use-megatron-fsdp", "--use-torch-fsdp2", "--data-parallel-sharding-strategy",
@@ -258,6 +259,62 @@ def _recompute(r: _Reader, vp: int, notes: list[str]) -> dict[str, object]:
     raise ConfigError("unknown --recompute-method", f"got {method}", "use uniform or block")
 
 
+def _standalone_split(r: _Reader, layers: int | None, pp: int, vp: int, layout: str | None,
+                      uneven_given: bool) -> str | None:
+    """--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split: the embedding and the loss
+    each count as one layer when the layers are split over pp x vp virtual stages, and the first (last) virtual
+    stage builds one transformer layer fewer (megatron/core/transformer/transformer_block.py
+    get_num_layers_to_build: `num_layers += 1` per flag, `num_layers_to_build -= 1` on the first / last stage)."""
+    emb, loss = r.has("--account-for-embedding-in-pipeline-split"), r.has("--account-for-loss-in-pipeline-split")
+    if r.has("--standalone-embedding-stage") and pp > 1:
+        return _standalone_embedding(layers, pp, vp, layout, uneven_given or emb or loss)
+    if not (emb or loss) or pp < 2 or layout is not None and not uneven_given:
+        return layout
+    if uneven_given:  # transformer_block.py asserts the same
+        raise ConfigError("--account-for-embedding/loss-in-pipeline-split cannot be combined with "
+                          "--decoder-first/last-pipeline-num-layers", "Megatron refuses the pair",
+                          "keep one way of making the end stages lighter")
+    if layers is None:
+        raise ConfigError("the embedding/loss pipeline split needs the layer count", "no --num-layers",
+                          "add --num-layers")
+    total, n = layers + emb + loss, pp * vp
+    if total % n:
+        raise ConfigError("with the embedding and loss counted as layers, the layers do not split evenly",
+                          f"{layers} + {int(emb)} + {int(loss)} = {total} over pp x vp = {n} virtual stages",
+                          "Megatron asserts the same: change --num-layers, pp or vp")
+    sizes = [total // n] * n
+    sizes[0] -= emb
+    sizes[-1] -= loss
+    if min(sizes) < 0:
+        raise ConfigError("a virtual stage would hold fewer than zero layers", f"sizes {sizes}",
+                          "Megatron asserts the same: fewer virtual stages")
+    from autoplan.cost_models.layout import normalize
+
+    parts = [f"t*{c}" if c else "" for c in sizes]
+    parts[0], parts[-1] = "E" + parts[0], parts[-1] + "L"
+    return normalize("|".join(parts))
+
+
+def _standalone_embedding(layers: int | None, pp: int, vp: int, layout: str | None, other: bool) -> str:
+    """Megatron-LM 2022's --standalone-embedding-stage (1fa6990c, 2022-01; gone from Megatron-Core): pipeline rank 0
+    holds the input embedding alone and the blocks split evenly over the other pp - 1 ranks (megatron/mpu/
+    initialize.py get_num_layers: "num_layers must be divisible by transformer_pipeline_model_parallel_size",
+    0 layers on rank 0)."""
+    if other or layout is not None:
+        raise ConfigError("--standalone-embedding-stage cannot be combined with another stage layout flag",
+                          "it places the layers itself", "keep one way of laying out the stages")
+    if vp > 1:  # rank 0's later model chunks would hold nothing at all (Megatron's no-op layers)
+        raise ConfigError("--standalone-embedding-stage with virtual stages leaves rank 0's later chunks empty",
+                          f"vp={vp}", "autoplan lays out empty stages only where the embedding or the loss is: "
+                          "write the layout with --pipeline-model-parallel-layout instead")
+    if layers is None or layers % (pp - 1):
+        raise ConfigError("--standalone-embedding-stage splits the layers over the other pp - 1 ranks",
+                          f"{layers} layers over {pp - 1} ranks", "Megatron asserts the same: change --num-layers or pp")
+    from autoplan.cost_models.layout import normalize
+
+    return normalize("E|" + "|".join([f"t*{layers // (pp - 1)}"] * (pp - 1)) + "L")
+
+
 def _zero(r: _Reader) -> int:
     if r.has("--use-megatron-fsdp") or r.has("--use-torch-fsdp2"):
         strategy = r.value("--data-parallel-sharding-strategy") or "optim_grads_params"
@@ -357,6 +414,7 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
         from autoplan.cost_models.layout import uneven
 
         layout = uneven(layers, pp, vp, first, last)
+    layout = _standalone_split(r, layers, pp, vp, layout, first is not None or last is not None)
     dtype = "fp8" if r.has("--fp8-format") else "bf16" if r.has("--bf16") else "fp16" if r.has("--fp16") else "fp32"
     parallel = _built(
         ParallelConfig, tp=tp, pp=pp, cp=r.int("--context-parallel-size", 1),
@@ -376,6 +434,8 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
             notes.append(f"{flag} {v}: {why}")
     unpriced = sorted(k for k in flags if k not in _READ)
     knobs = {**_stack_knobs(r, dtype), **_optimizer_state(r, dtype, notes)}
+    if layout is not None:  # the Megatron that takes these flags runs uneven stages, whichever --stack is chosen
+        knobs["uneven_stages"] = True
     return MegatronRun(parallel=parallel, seq_len=seq, dtype=dtype, stack_set=knobs,
                        global_batch=r.int("--global-batch-size"), model=shaped, gpus=_launcher_gpus(launcher),
                        notes=notes, unpriced=unpriced)

@@ -143,6 +143,45 @@ def test_commands_autoplan_cannot_read_are_refused_with_the_fix(words, needle, c
     assert needle.split(":")[0] in err[-1] and "Traceback" not in "\n".join(err)
 
 
+def test_the_embedding_and_loss_counted_as_layers_lighten_the_end_stages():
+    """--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split: the embedding and the loss
+    count as a layer each in the split, and the first / last virtual stage builds one block fewer. Llama 3 405B's
+    126 blocks on pp=16 x vp=8 come out as the fidelity row's layout (embedding and loss alone on their chunks)."""
+    base = command_tokens("--hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --vocab-size 32000 ")
+    run = read_megatron([*base, *command_tokens("--num-layers 126 --pipeline-model-parallel-size 16 "
+                         "--num-virtual-stages-per-pipeline-rank 8 --account-for-embedding-in-pipeline-split "
+                         "--account-for-loss-in-pipeline-split")])
+    assert run.parallel.layout == "E|(t|)*126L" and run.unpriced == []
+    run = read_megatron([*base, *command_tokens("--num-layers 31 --pipeline-model-parallel-size 4 "
+                         "--account-for-embedding-in-pipeline-split")])
+    assert counts(run.parallel.layout) == [7, 8, 8, 8]
+    # without a pipeline the flags change nothing; with uneven first/last counts Megatron refuses the pair
+    assert read_megatron([*base, "--num-layers", "4", "--account-for-loss-in-pipeline-split"]).parallel.layout is None
+    with pytest.raises(ConfigError, match="do not split evenly"):
+        read_megatron([*base, *command_tokens("--num-layers 32 --pipeline-model-parallel-size 4 "
+                       "--account-for-embedding-in-pipeline-split")])
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        read_megatron([*base, *command_tokens("--num-layers 30 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers "
+                       "6 --account-for-embedding-in-pipeline-split")])
+
+
+def test_megatron_2022s_standalone_embedding_stage():
+    """--standalone-embedding-stage (Megatron-LM 2022): rank 0 holds the embedding alone, the blocks split evenly
+    over the other ranks; with virtual stages rank 0's later chunks would be empty, which autoplan refuses."""
+    base = command_tokens("--hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --vocab-size 32000 --num-layers 24 ")
+    run = read_megatron([*base, "--pipeline-model-parallel-size", "5", "--standalone-embedding-stage"])
+    assert run.parallel.layout == "E|(t*6|)*3t*6L" and counts(run.parallel.layout) == [0, 6, 6, 6, 6]
+    assert run.stack_set["uneven_stages"] is True  # estimated under --stack megatron-2022, whose default is even
+    assert main(["from-megatron", "--cluster", "dgx-a100-80g", "--gpus", "40", "--stack", "megatron-2022", "--",
+                 *base, "--pipeline-model-parallel-size", "5", "--standalone-embedding-stage",
+                 "--tensor-model-parallel-size", "8", "--global-batch-size", "64", "--bf16"]) == 0
+    for extra, needle in (("--pipeline-model-parallel-size 6", "over the other pp - 1 ranks"),
+                          ("--pipeline-model-parallel-size 5 --num-virtual-stages-per-pipeline-rank 2",
+                           "later chunks empty")):
+        with pytest.raises(ConfigError, match=needle):
+            read_megatron([*base, *extra.split(), "--standalone-embedding-stage"])
+
+
 def test_any_value_a_model_refuses_is_one_line_on_the_command_line(capsys, monkeypatch):
     """The CLI's last net: a pydantic refusal no reader turned into its own error is still one line."""
     from pydantic import ValidationError
