@@ -55,11 +55,18 @@ class MoESpec(_Frozen):
     )
     every_n_layers: int = Field(default=1, ge=1, description="Every n-th layer is MoE; the others stay dense.")
     capacity_factor: float = Field(
-        default=1.0, gt=0, description="Tokens an expert accepts relative to a perfectly balanced load."
+        default=1.0, gt=0, description="Tokens an expert accepts relative to a perfectly balanced load. autoplan "
+        "prices routing under a balanced load, dropless: a capacity of at least that load (>= 1) changes nothing, "
+        "and one below it, which drops tokens, is refused. (An expert input padded to its capacity, Megatron's "
+        "--moe-pad-expert-input-to-capacity, is not priced: the reader says so.)"
     )
 
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
+        if self.capacity_factor < 1:
+            raise SpecError("moe.capacity_factor below 1 drops tokens, which autoplan does not price",
+                            f"capacity_factor={self.capacity_factor:g}",
+                            "use 1 or more (autoplan prices dropless routing under a balanced load)")
         if self.top_k > self.num_experts:
             raise SpecError(
                 "moe.top_k must not exceed moe.num_experts",

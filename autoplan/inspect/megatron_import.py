@@ -45,7 +45,8 @@ _READ = {
     "--group-query-attention", "--num-query-groups", "--kv-channels", "--swiglu", "--squared-relu",
     "--normalization", "--position-embedding-type", "--rotary-base", "--untie-embeddings-and-output-weights",
     "--disable-bias-linear", "--hidden-dropout", "--attention-dropout", "--num-experts", "--moe-router-topk",
-    "--moe-ffn-hidden-size", "--moe-layer-freq", "--moe-token-dispatcher-type",
+    "--moe-ffn-hidden-size", "--moe-layer-freq", "--moe-token-dispatcher-type", "--moe-expert-capacity-factor",
+    "--moe-pad-expert-input-to-capacity",
 }
 # Flags read whose other values autoplan does not price (a note says so).
 _UNPRICED_SETTINGS = {
@@ -315,6 +316,22 @@ def _standalone_embedding(layers: int | None, pp: int, vp: int, layout: str | No
     return normalize("E|" + "|".join([f"t*{layers // (pp - 1)}"] * (pp - 1)) + "L")
 
 
+def _capacity_note(r: _Reader, notes: list[str]) -> None:
+    """--moe-expert-capacity-factor (absent: dropless, Megatron-Core's default): autoplan prices routing under a
+    balanced load, where a capacity of at least that load drops nothing (MoESpec.capacity_factor). Below it
+    tokens are dropped; padded to it (--moe-pad-expert-input-to-capacity) every expert computes cf x the balanced
+    load: neither is priced, and the note says so."""
+    cf = r.float("--moe-expert-capacity-factor", None)
+    if cf is None:
+        return
+    if cf < 1:
+        notes.append(f"--moe-expert-capacity-factor {cf:g} drops tokens over the capacity: priced dropless (more "
+                     "expert work than runs)")
+    elif cf > 1 and r.has("--moe-pad-expert-input-to-capacity"):
+        notes.append(f"--moe-pad-expert-input-to-capacity at capacity factor {cf:g}: each expert computes {cf:g} x "
+                     "the balanced load; priced at the balanced load (less expert work than runs)")
+
+
 def _zero(r: _Reader) -> int:
     if r.has("--use-megatron-fsdp") or r.has("--use-torch-fsdp2"):
         strategy = r.value("--data-parallel-sharding-strategy") or "optim_grads_params"
@@ -428,6 +445,7 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
     if group is not None and group != pp:
         notes.append(f"--microbatch-group-size-per-virtual-pipeline-stage {group}: autoplan's interleaved schedule "
                      "picks its own round length (torch's Interleaved1F1B); the one priced may differ")
+    _capacity_note(r, notes)
     for flag, (want, why) in _UNPRICED_SETTINGS.items():
         v = r.value(flag)
         if v is not None and v != want:

@@ -29,6 +29,8 @@ _VALUE_FLAGS = {
     "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by", "hidden_dropout": "--hidden-dropout",
     "attention_dropout": "--attention-dropout", "rotary_base": "--rotary-base",
     "num_moe_experts": "--num-experts", "moe_router_topk": "--moe-router-topk",
+    "moe_expert_capacity_factor": "--moe-expert-capacity-factor", "moe_token_dispatcher_type":
+    "--moe-token-dispatcher-type",
 }
 # NeMo's activation names (nemo/collections/nlp/modules/common/megatron/utils.py) -> Megatron's flag
 _ACTIVATIONS = {"gelu": None, "fast-swiglu": "--swiglu", "swiglu": "--swiglu", "squared-relu": "--squared-relu",

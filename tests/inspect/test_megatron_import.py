@@ -165,6 +165,26 @@ def test_the_embedding_and_loss_counted_as_layers_lighten_the_end_stages():
                        "6 --account-for-embedding-in-pipeline-split")])
 
 
+def test_an_expert_capacity_is_read_for_what_it_changes():
+    """--moe-expert-capacity-factor: at or above the balanced load with no padding nothing changes (autoplan prices a
+    balanced load, dropless); below it tokens are dropped, padded to it every expert computes cf x the load: both
+    said in a note. A model spec with capacity_factor below 1 is refused."""
+    base = command_tokens("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 "
+                          "--vocab-size 32000 --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 8")
+    for extra, note in (("1.0", None), ("1.25", None), ("0.5", "drops tokens"),
+                        ("1.25 --moe-pad-expert-input-to-capacity", "1.25 x the balanced load")):
+        run = read_megatron([*base, "--moe-expert-capacity-factor", *extra.split()])
+        got = [n for n in run.notes if "capacity" in n]
+        assert (got == []) if note is None else (len(got) == 1 and note in got[0]), (extra, run.notes)
+        assert "--moe-expert-capacity-factor" not in run.unpriced
+    from autoplan.cost_models.errors import SpecError
+    from autoplan.cost_models.specs import MoESpec
+
+    with pytest.raises(SpecError, match="drops tokens"):
+        MoESpec(num_experts=8, capacity_factor=0.5)
+    assert MoESpec(num_experts=8, capacity_factor=1.25).capacity_factor == 1.25
+
+
 def test_megatron_2022s_standalone_embedding_stage():
     """--standalone-embedding-stage (Megatron-LM 2022): rank 0 holds the embedding alone, the blocks split evenly
     over the other ranks; with virtual stages rank 0's later chunks would be empty, which autoplan refuses."""
