@@ -260,16 +260,20 @@ def _recompute(r: _Reader, vp: int, notes: list[str]) -> dict[str, object]:
     raise ConfigError("unknown --recompute-method", f"got {method}", "use uniform or block")
 
 
-def _standalone_split(r: _Reader, layers: int | None, pp: int, vp: int, layout: str | None,
+def _end_stage_layout(r: _Reader, layers: int | None, pp: int, vp: int, layout: str | None,
                       uneven_given: bool) -> str | None:
-    """--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split: the embedding and the loss
-    each count as one layer when the layers are split over pp x vp virtual stages, and the first (last) virtual
-    stage builds one transformer layer fewer (megatron/core/transformer/transformer_block.py
-    get_num_layers_to_build: `num_layers += 1` per flag, `num_layers_to_build -= 1` on the first / last stage)."""
+    """The layout the flags that lighten the end stages give, else `layout` (an explicit one, or the one
+    --decoder-first/last-pipeline-num-layers gave: `uneven_given`). Megatron-LM 2022's --standalone-embedding-stage
+    (`_standalone_embedding`); Megatron-Core's --account-for-embedding-in-pipeline-split /
+    --account-for-loss-in-pipeline-split: the embedding and the loss each count as one layer when the layers are
+    split over pp x vp virtual stages, and the first (last) virtual stage builds one transformer layer fewer
+    (megatron/core/transformer/transformer_block.py get_num_layers_to_build: `num_layers += 1` per flag,
+    `num_layers_to_build -= 1` on the first / last stage)."""
     emb, loss = r.has("--account-for-embedding-in-pipeline-split"), r.has("--account-for-loss-in-pipeline-split")
     if r.has("--standalone-embedding-stage") and pp > 1:
         return _standalone_embedding(layers, pp, vp, layout, uneven_given or emb or loss)
-    if not (emb or loss) or pp < 2 or layout is not None and not uneven_given:
+    explicit = layout is not None and not uneven_given  # --pipeline-model-parallel-layout places every layer
+    if not (emb or loss) or pp < 2 or explicit:
         return layout
     if uneven_given:  # transformer_block.py asserts the same
         raise ConfigError("--account-for-embedding/loss-in-pipeline-split cannot be combined with "
@@ -431,7 +435,7 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
         from autoplan.cost_models.layout import uneven
 
         layout = uneven(layers, pp, vp, first, last)
-    layout = _standalone_split(r, layers, pp, vp, layout, first is not None or last is not None)
+    layout = _end_stage_layout(r, layers, pp, vp, layout, first is not None or last is not None)
     dtype = "fp8" if r.has("--fp8-format") else "bf16" if r.has("--bf16") else "fp16" if r.has("--fp16") else "fp32"
     parallel = _built(
         ParallelConfig, tp=tp, pp=pp, cp=r.int("--context-parallel-size", 1),

@@ -274,7 +274,8 @@ def _optimizer_state(r: _Resolver, model: dict, precision: str | None, notes: li
                      "master copy, as O2 holds them")
         return {"optimizer_dtype": moments, "master_weights": "fp32"}
     weights = {"--bf16": "bf16", "--fp16": "fp16"}.get(precision or "", "fp32")
-    store, remainders = optim.get("store_params"), bool(optim.get("store_param_remainders", False))
+    store = r.value("optim.store_params", optim.get("store_params"))
+    remainders = bool(r.value("optim.store_param_remainders", optim.get("store_param_remainders", False)))
     if store is None:
         if r.value("fp8_params", model.get("fp8_params", False)):
             store = True
