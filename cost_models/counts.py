@@ -59,6 +59,7 @@ from .estimate import (
     memory_of_rank,
     num_microbatches,
     one_pass_config,
+    peak_transient,
     rank_gradients,
     rank_params,
     runtime_dp_units,
@@ -471,8 +472,8 @@ def memory_bytes(mem, stages: list[StageCost], profiles: list[LayerProfile], ctx
             boundary_bytes(profiles, ctx, cfg, training)
     out["activations"] += token_ids_bytes(cfg, training)
     out["temporaries"] += _cp_mask_buffers(stages, profiles, ctx)
-    # the recomputed layer's transient (estimate's act_peak_extra) exists only at a block's backward (`_moments`)
-    out["activations"] -= max((s.act_peak_extra for s in stages), default=0.0)
+    # the recomputed layer's transient (estimate's peak_transient) exists only at a block's backward (`_moments`)
+    out["activations"] -= peak_transient(stages)
     # estimate counts the head's activations for every in-flight micro-batch; at most one micro-batch has them at
     # the peak (the head's stage runs each backward right after its forward): each moment adds what it holds
     out["activations"] -= in_flight * _head_parts(stages, profiles, ctx)[0]
@@ -595,8 +596,8 @@ def _moments(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context
     head_act, head_tmp = _head_parts(stages, profiles, ctx)
     # full recomputation: the recomputed layer's activations (without its input, the checkpoint) are alive only
     # while that layer's backward runs, when the stage's later blocks have released what they kept (a partly full
-    # stage: estimate's act_peak_extra_net; the estimate prices act_peak_extra, all kept beside it)
-    recomputed = max((s.act_peak_extra_net for s in stages), default=0.0)
+    # stage: estimate's peak_transient, as the estimate prices it)
+    recomputed = peak_transient(stages)
     held = _held_grad_send(stages, profiles, ctx, cfg, training)
     out = {
         "block": {"activations": recomputed - released, "temporaries": block_tmp + held},

@@ -106,8 +106,8 @@ class StageCost:
     tensors: int = 0  # parameter tensors of its layers (LayerProfile.tensors), what the optimizer steps one by one
     tp_plain_tensors: int = 0  # of those, the ones tensor parallelism alone leaves plain (LayerProfile.tp_plain_tensors)
     # act_peak_extra less what the stage's later blocks kept and have released by then (their backward runs first):
-    # what the runtime holds beyond the kept activations at a partly full stage's recompute (cost_models.counts);
-    # the estimate and the search price act_peak_extra, at most one layer's transient more (docs/cost_model.md)
+    # what the runtime holds beyond the kept activations at a partly full stage's recompute (cost_models.counts,
+    # the estimate: `peak_transient`); the search's ILP prices act_peak_extra, at most one layer's transient more
     act_peak_extra_net: float = 0.0
 
 
@@ -619,6 +619,15 @@ def rank_gradients(stages: list[StageCost], cfg: ParallelConfig, training: Train
     return dense * gd + expert * ge + vocab
 
 
+def peak_transient(stages: list[StageCost]) -> float:
+    """A rank's recompute transient at its fullest moment, beyond every in-flight micro-batch's kept activations:
+    a fully recomputed block's re-run activations less what the same micro-batch's later blocks kept and have
+    released by then (their backward runs first; `StageCost.act_peak_extra_net`). Measured so on autoplan's
+    runtime (benchmarks/counts.py, the partly full layouts); the search's stage ILP prices the whole transient
+    (`act_peak_extra`: conservative by at most one layer's transient on a partly full stage)."""
+    return max((s.act_peak_extra_net for s in stages), default=0.0)
+
+
 def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelConfig, cluster: ClusterSpec,
                    training: TrainingSpec, m: int | None = None) -> MemoryParts:
     """Memory of one pipeline rank holding `stages` (its virtual stages) with `rank_inflight` micro-batches:
@@ -639,7 +648,11 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
         ends = rank_gradients(stages, end_cfg, training)
         head = head_grad_bytes(stages, training)
         gd, ge = grad_bytes_per_param(end_cfg, training)
-        first = (out.activations - rank_inflight * sum(s.later_blocks_act for s in stages),
+        # the first block's moment: every later block released, its recompute transient whole beside the rest
+        # (`out` holds the transients net of the micro-batch's later blocks, act_peak_extra_net)
+        gross = max((s.act_peak_extra for s in stages), default=0.0)
+        first = (out.activations - peak_transient(stages) + gross
+                 - rank_inflight * sum(s.later_blocks_act for s in stages),
                  head + sum(s.later_blocks_params[0] * gd + s.later_blocks_params[1] * ge for s in stages))
         out.activations, out.gradients = max([(out.activations, head), first, (0.0, ends)], key=sum)
         return out
@@ -664,7 +677,7 @@ def memory_of_rank(stages: list[StageCost], rank_inflight: float, cfg: ParallelC
         m.optimizer += o
     per_mb = sum(s.act_per_mb for s in stages) / max(1, len(stages))  # one chunk's worth, averaged
     chunks = len(stages)
-    m.activations = rank_inflight * per_mb * chunks + max((s.act_peak_extra for s in stages), default=0.0)
+    m.activations = rank_inflight * per_mb * chunks + peak_transient(stages)
     m.activations += sum(s.weight_copies for s in stages)  # kept by autocast once for the step, every layer's
     other = cluster.gpu.calibration.framework_overhead_gib * GIB
     # the loss's transient (autoplan's runtime): booked with the fixed overheads, so the peak adds it to the largest
