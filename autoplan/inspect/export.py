@@ -188,10 +188,11 @@ def _megatron_sharding(plan: Plan, warnings: list[str]) -> list[tuple[str, objec
 def _megatron_optimizer_state(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]:
     """Bf16 moments or a 2-byte master -> Megatron-Core's precision-aware optimizer (TransformerEngine's FusedAdam),
     which needs the distributed optimizer (megatron/core/optimizer/__init__.py: "--use-precision-aware-optimizer
-    only supported with distributed optimizer"). Under bf16 it keeps the master as 16-bit remainders
-    (OptimizerConfig.store_param_remainders, on by default with TE >= 2.1; no flag turns it off), under fp16 in
-    --main-params-dtype (fp32 or fp16). Where the plan holds its master otherwise, the warning says by how much."""
+    only supported with distributed optimizer"), and holds the master as `precision_aware_master` says (no flag
+    turns the bf16 remainders off). Where the plan holds its master otherwise, the warning says by how much."""
     from autoplan.cost_models.specs import MASTER_BYTES
+
+    from .megatron_import import precision_aware_master
 
     tr = plan.training
     master = tr.master_kind
@@ -209,7 +210,7 @@ def _megatron_optimizer_state(plan: Plan, warnings: list[str]) -> list[tuple[str
     flags: list[tuple[str, object]] = [("--use-precision-aware-optimizer", None)]
     if tr.optimizer_dtype == "bf16":
         flags += [("--exp-avg-dtype", "bf16"), ("--exp-avg-sq-dtype", "bf16")]
-    held = "remainders" if tr.dtype in ("bf16", "fp8") else "bf16" if master == "bf16" else "fp32"
+    held = precision_aware_master(tr.dtype, master == "bf16")
     if held == "bf16":
         flags.append(("--main-params-dtype", "fp16"))
     extra = MASTER_BYTES[held] - MASTER_BYTES[master]

@@ -370,18 +370,25 @@ def _stack_knobs(r: _Reader, dtype: str) -> dict[str, object]:
     return knobs
 
 
+def precision_aware_master(dtype: str, main_params_16bit: bool) -> str:
+    """How Megatron-Core's precision-aware optimizer holds the master copy (TrainingSpec.master_weights): int16
+    remainders beside bf16 weights (OptimizerConfig.store_param_remainders, default true since f2ece182d8, 2025-02,
+    with TE >= 2.1: distrib_optimizer.py allocates the master_param shard as torch.int16 "if
+    self.config.store_param_remainders and self.config.bf16"), else in --main-params-dtype (fp32 or fp16)."""
+    if dtype in ("bf16", "fp8"):
+        return "remainders"
+    return "bf16" if main_params_16bit else "fp32"  # 'bf16': a 16-bit master, 2 bytes
+
+
 def _optimizer_state(r: _Reader, dtype: str, notes: list[str]) -> dict[str, object]:
-    """--use-precision-aware-optimizer (TransformerEngine's FusedAdam) as optimizer_dtype and master_weights.
-    Megatron-Core keeps the master as int16 remainders beside bf16 weights (OptimizerConfig.store_param_remainders,
-    default true since f2ece182d8, 2025-02, with TE >= 2.1; distrib_optimizer.py allocates the master_param shard
-    as torch.int16 "if self.config.store_param_remainders and self.config.bf16"), else in --main-params-dtype."""
+    """--use-precision-aware-optimizer (TransformerEngine's FusedAdam) as optimizer_dtype and master_weights
+    (`precision_aware_master`)."""
     if not r.has("--use-precision-aware-optimizer"):
         return {}
     knobs: dict[str, object] = {}
-    if dtype in ("bf16", "fp8"):
-        knobs["master_weights"] = "remainders"
-    elif r.value("--main-params-dtype") == "fp16":
-        knobs["master_weights"] = "bf16"  # a 16-bit master, 2 bytes
+    master = precision_aware_master(dtype, r.value("--main-params-dtype") == "fp16")
+    if master != "fp32":
+        knobs["master_weights"] = master
     moments = [r.value(f) or "fp32" for f in ("--exp-avg-dtype", "--exp-avg-sq-dtype")]
     if all(m in ("bf16", "fp16") for m in moments):
         knobs["optimizer_dtype"] = "bf16"
