@@ -197,20 +197,36 @@ def cmd_scaling(args: argparse.Namespace) -> int:
     return 0
 
 
+def _script_text(path: str) -> str:
+    """A launch script's text, or a one-line error that names the file."""
+    from ..cost_models.errors import SpecError
+
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError("cannot read the launch script", f"{path}: {e.strerror if isinstance(e, OSError) else e}",
+                        "pass the path of a readable shell script") from None
+
+
 def cmd_from_megatron(args: argparse.Namespace) -> int:
     """Estimate a Megatron-LM command line as it stands: its flags read into a model, a parallel configuration and
     stack knobs (`megatron_import.read_megatron`), then `autoplan estimate` with them."""
-    from ..cost_models.errors import ConfigError
-    from .megatron_import import command_tokens, read_megatron
+    import os
 
-    tokens = command_tokens(Path(args.script).read_text()) if args.script else []
-    tokens += list(getattr(args, "extra_args", None) or [])
+    from ..cost_models.errors import ConfigError
+    from .launch_script import read_script
+    from .megatron_import import read_megatron
+
+    script = read_script(_script_text(args.script), os.environ) if args.script else None
+    tokens = [*(script.words if script else []), *(getattr(args, "extra_args", None) or [])]
     if not tokens:
         raise ConfigError("no Megatron flags given", "nothing after -- and no --script",
                           "pass the flags after --, or the launch script with --script FILE")
     from ..workload import resolve_model
 
     run = read_megatron(tokens, resolve_model(args.model)[0] if args.model else None)
+    if script is not None:
+        run.notes[:0] = [f"--script {args.script}: {n}" for n in script.notes]
     return _estimate_read(args, run, "from_megatron", "the command", "no torchrun --nnodes/--nproc-per-node",
                           "pass --gpus N (Megatron's world size)")
 
@@ -277,8 +293,7 @@ def _estimate_read(args: argparse.Namespace, run, key: str, source: str, no_gpus
     for note in notes:
         print(f"autoplan: note: {note}", file=sys.stderr)
     if run.unpriced:
-        print(f"autoplan: not priced (they change nothing the cost model sees): {' '.join(run.unpriced)}",
-              file=sys.stderr)
+        print(f"autoplan: not read, priced as if absent: {' '.join(run.unpriced)}", file=sys.stderr)
     print(f"autoplan: the same as: {shlex.join(shown)}"
           + ("" if run.model is None or args.model_out else "  (--model-out FILE writes MODEL.json)"),
           file=sys.stderr)

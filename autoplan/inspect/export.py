@@ -295,6 +295,8 @@ def megatron_flags(plan: Plan) -> tuple[list[tuple[str, object]], list[str]]:
         f.append(("--tp-comm-overlap", None))
     if tr.loss_fusion:  # megatron/core/fusions/fused_cross_entropy.py (TrainingSpec.loss_fusion)
         f.append(("--cross-entropy-loss-fusion", None))
+    if not tr.grad_accum_fused:  # the plan priced 16-bit weight gradients added to the fp32 buffer apart
+        f.append(("--no-gradient-accumulation-fusion", None))
     if cfg.pp > 1 and cfg.vp > 1 and not tr.p2p_overlapped(cfg.vp):
         # Megatron overlaps p2p under the interleaved schedule by default (TrainingSpec.p2p_overlap); the plan
         # priced blocking sends. (Without virtual stages Megatron blocks whatever the plan's stack did: a stack

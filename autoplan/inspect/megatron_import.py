@@ -4,13 +4,15 @@ The inverse of `autoplan export --format megatron` (`export.megatron_flags`). A 
 own script, or flags copied from a paper or a blog post) asks what autoplan predicts for exactly that, before asking
 what autoplan would choose instead. Flags are read as Megatron-LM reads them (megatron/training/arguments.py: the
 default FFN and head sizes, the vocabulary padded to a multiple of 128 x tp, bf16 gradients reduced in fp32 unless
---grad-reduce-in-bf16); flags that change nothing the cost model sees (learning rate, data, checkpoints, logging)
-are listed, never dropped silently; a setting the cost model cannot express is refused with the reason.
+--grad-reduce-in-bf16); a flag that changes what runs in a way the cost model does not price gets a note saying which
+way the price is off (_EFFECTS); every other flag not read (learning rate, data, checkpoints, logging, ...) is listed as
+priced as if absent, never dropped silently; a model the cost model cannot express is refused with the reason.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from dataclasses import dataclass, field
 
@@ -46,8 +48,39 @@ _READ = {
     "--normalization", "--position-embedding-type", "--rotary-base", "--untie-embeddings-and-output-weights",
     "--disable-bias-linear", "--hidden-dropout", "--attention-dropout", "--num-experts", "--moe-router-topk",
     "--moe-ffn-hidden-size", "--moe-layer-freq", "--moe-token-dispatcher-type", "--moe-expert-capacity-factor",
-    "--moe-pad-expert-input-to-capacity",
+    "--moe-pad-expert-input-to-capacity", "--quick-geglu", "--no-gradient-accumulation-fusion",
+    "--window-attn-skip-freq",  # said with --window-size (_EFFECTS)
 }
+# Flags that change what Megatron runs in ways the cost model does not price: each gets a note saying which way the
+# price is off, instead of a place in the "not read" list.
+_EFFECTS = {
+    "--window-size": "sliding-window attention (with --window-attn-skip-freq: on some layers) priced as full causal "
+                     "attention: more attention work and memory than runs",
+    "--fp8-param-gather": "weights held and all-gathered in fp8 priced as 16-bit weights and gathers: more weight "
+                          "memory and gather traffic than runs",
+    "--moe-shared-expert-intermediate-size": "the shared expert beside the routed ones is not priced: less MLP "
+                                             "work, weight and activation memory than runs",
+    "--mtp-num-layers": "the multi-token-prediction layers after the last block are not priced: less work and "
+                        "memory than runs on the last stage",
+    "--no-bias-dropout-fusion": "bias + dropout + residual priced as one fused kernel: less memory traffic than runs",
+    "--no-bias-gelu-fusion": "bias + GELU priced as one fused kernel: less memory traffic than runs",
+    "--no-bias-swiglu-fusion": "the SwiGLU pointwise priced as one fused kernel: less memory traffic than runs",
+    "--no-rope-fusion": "RoPE priced as a fused kernel: less memory traffic than runs",
+    "--qk-layernorm": "the query and key norms are not priced: less pointwise work than runs",
+}
+# Flags that change the model into one autoplan cannot describe: refused, with what to do.
+_REFUSED = {  # flag: (what is not expressible, why it matters, what to do)
+    "--multi-latent-attention": ("multi-latent attention is not expressible", "its low-rank query and key-value "
+                                 "projections change the attention's weights and work", "drop the flag to price "
+                                 "multi-head attention of the same head count, knowing it is a different model"),
+    "--hybrid-override-pattern": ("Mamba / hybrid layer patterns are not expressible", "autoplan prices "
+                                  "transformer blocks", "price a transformer of the same size instead"),
+    "--experimental-attention-variant": ("experimental attention variants are not expressible", "autoplan prices "
+                                         "softmax attention", "drop the flag to price standard attention"),
+}
+# Training scripts whose own defaults fill a flag the command leaves out (pretrain_gpt.py: args_defaults).
+_SCRIPT_DEFAULTS = {"pretrain_gpt.py": {"--tokenizer-type": "GPT2BPETokenizer"},
+                    "pretrain_hybrid.py": {"--tokenizer-type": "GPT2BPETokenizer"}}
 # Flags read whose other values autoplan does not price (a note says so).
 _UNPRICED_SETTINGS = {
     "--moe-token-dispatcher-type": ("alltoall", "expert routing is priced as all-to-all (cost_models/comm.py)"),
@@ -66,7 +99,7 @@ class MegatronRun:
     model: ModelSpec | None  # None: the flags give no shape (--num-layers absent)
     gpus: int | None = None  # torchrun's --nnodes x --nproc-per-node, where the command has them
     notes: list[str] = field(default_factory=list)
-    unpriced: list[str] = field(default_factory=list)  # flags that change nothing the cost model sees
+    unpriced: list[str] = field(default_factory=list)  # flags not read: priced as if absent
 
 
 # The Megatron flag that sets each field built from the flags: a value the field refuses names its flag.
@@ -136,6 +169,15 @@ def _launcher_gpus(words: list[str]) -> int | None:
     return int(nodes) * int(procs) if nodes.isdigit() and procs.isdigit() else None
 
 
+def _unknown(value: str) -> str:
+    """What kind of shell word `value` holds that a reading (not a run) of the script leaves as written."""
+    if "$(" in value or "`" in value:
+        return "a command substitution (autoplan runs nothing)"
+    if re.search(r"\$\{?[0-9@*#]", value):
+        return "a positional parameter of the script"
+    return "a shell variable set neither in the script nor in the environment"
+
+
 class _Reader:
     """Typed access to the flags, with errors that name the flag."""
 
@@ -153,9 +195,10 @@ class _Reader:
             raise ConfigError(f"{name} takes one value", f"got {' '.join(vals) or 'none'}",
                               f"write {name} VALUE")
         v = vals[0]
-        if v.startswith("$"):
-            raise ConfigError(f"{name} is a shell variable ({v})", "autoplan reads the command as written",
-                              "expand the variables first (e.g. paste the command Megatron logs, or `bash -x`)")
+        if "$" in v or "`" in v:
+            raise ConfigError(f"{name} is {v}, which autoplan cannot know without running the shell", _unknown(v),
+                              f"set it in the environment (NAME=VALUE autoplan from-megatron ...), or pass {name} "
+                              "VALUE after --")
         return v
 
     def _number(self, name: str, default, cast, what: str, placeholder: str):
@@ -186,6 +229,10 @@ def _model(r: _Reader, tp: int, seq: int, notes: list[str]) -> ModelSpec | None:
     swiglu = r.has("--swiglu")
     # arguments.py: the FFN defaults to 4h, or for SwiGLU to 2/3 of it rounded down to a multiple of 64
     ffn = r.int("--ffn-hidden-size", int((4 * h * 2 / 3) / 64) * 64 if swiglu else 4 * h)
+    if r.has("--quick-geglu"):  # argument_utils.py: gated_linear_unit=True with quick_gelu (the FFN default stays 4h)
+        swiglu = True
+        notes.append("--quick-geglu: a gated MLP (Megatron sets gated_linear_unit) with quick-GELU, priced as SwiGLU: "
+                     "the same three matrices and a pointwise of the same kind")
     vocab = r.int("--vocab-size")
     tokenizer = r.value("--tokenizer-type")
     if vocab is None and tokenizer in _TOKENIZER_VOCAB:
@@ -352,6 +399,8 @@ def _stack_knobs(r: _Reader, dtype: str) -> dict[str, object]:
         "align_grad_reduce": not r.has("--no-align-grad-reduce"),
         "loss_fusion": r.has("--cross-entropy-loss-fusion"),
     }
+    if r.has("--no-gradient-accumulation-fusion"):  # the weight-gradient GEMMs write 16-bit grads, added apart
+        knobs["grad_accum_fused"] = False
     # Megatron-LM overlaps pipeline p2p under the interleaved schedule only: by default since 2023-10 (4eeff55d,
     # --no-overlap-p2p-communication turns it off), before that with --overlap-p2p-communication; absent, the stack's
     if r.has("--no-overlap-p2p-communication"):
@@ -408,6 +457,15 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
     flags = _flags(words)
     r = _Reader(flags)
     notes: list[str] = []
+    script = next((t.rsplit("/", 1)[-1] for t in tokens if t.endswith(".py")), None)
+    for flag, value in _SCRIPT_DEFAULTS.get(script, {}).items():
+        if flag not in flags:
+            flags[flag] = [value]
+            if flag == "--tokenizer-type" and "--vocab-size" not in flags:
+                notes.append(f"no --tokenizer-type: {script}'s default, {value}")
+    for flag, (what, why, fix) in _REFUSED.items():
+        if r.has(flag):
+            raise ConfigError(f"{flag}: {what}", why, fix)
     tp = r.int("--tensor-model-parallel-size", 1)
     pp = r.int("--pipeline-model-parallel-size", 1)
     seq = r.int("--seq-length")
@@ -447,11 +505,17 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
     parallel = _built(
         ParallelConfig, tp=tp, pp=pp, cp=r.int("--context-parallel-size", 1),
         ep=r.int("--expert-model-parallel-size", 1), vp=vp,
-        mbs=r.int("--micro-batch-size", 1), sp=r.has("--sequence-parallel"), zero=_zero(r),
+        mbs=r.int("--micro-batch-size", 1), sp=r.has("--sequence-parallel") and tp > 1, zero=_zero(r),
         schedule="interleaved" if vp > 1 else "1f1b", layout=layout, **_recompute(r, vp, notes),
     )
     if not r.has("--micro-batch-size"):
         notes.append("no --micro-batch-size (Megatron requires one): 1 assumed")
+    if r.has("--sequence-parallel") and tp == 1:
+        notes.append("--sequence-parallel with tp=1: Megatron turns it off (\"Disabling sequence parallelism because "
+                     "tensor model parallelism is disabled\"), and so does autoplan")
+    for flag, effect in _EFFECTS.items():
+        if r.has(flag):
+            notes.append(f"{flag}: {effect}")
     group = r.int("--microbatch-group-size-per-virtual-pipeline-stage")
     if group is not None and group != pp:
         notes.append(f"--microbatch-group-size-per-virtual-pipeline-stage {group}: autoplan's interleaved schedule "
@@ -461,7 +525,8 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
         v = r.value(flag)
         if v is not None and v != want:
             notes.append(f"{flag} {v}: {why}")
-    unpriced = sorted(k for k in flags if k not in _READ)
+    unpriced = sorted(k for k in flags if k not in _READ and k not in _EFFECTS
+                      and k not in _SCRIPT_DEFAULTS.get(script, {}))
     knobs = {**_stack_knobs(r, dtype), **_optimizer_state(r, dtype, notes)}
     if layout is not None:  # the Megatron that takes these flags runs uneven stages, whichever --stack is chosen
         knobs["uneven_stages"] = True

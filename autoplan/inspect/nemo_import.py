@@ -6,7 +6,7 @@ fields under NeMo's names (NeMo's `build_transformer_config` copies them), so ea
 that sets the same field, and one reader (Megatron's defaults, the vocabulary padding, the stack knobs) serves
 both. The launcher's Hydra interpolations that the keys read use are resolved (`${.key}`, `${model.key}`,
 `${training.model.key}`, `${multiply:a,b}`, `${divide_ceil:a,b}`, `${divide_floor:a,b}`); any other is refused
-with the key to set instead. Keys that change nothing the cost model sees are listed, never dropped silently.
+with the key to set instead. Keys not read are listed (priced as if absent), never dropped silently.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class NemoConfig:
     words: list[str]
     gpus: int | None  # trainer.num_nodes x trainer.devices
     notes: list[str] = field(default_factory=list)
-    unpriced: list[str] = field(default_factory=list)  # `model` keys that change nothing the cost model sees
+    unpriced: list[str] = field(default_factory=list)  # `model` keys not read: priced as if absent
     stack_set: dict[str, object] = field(default_factory=dict)  # knobs no Megatron flag sets (the optimizer state)
 
 

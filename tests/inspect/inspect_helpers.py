@@ -46,7 +46,7 @@ def megatron_parser() -> argparse.ArgumentParser:
                  "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--group-query-attention",
                  "--accumulate-allreduce-grads-in-fp32", "--use-torch-fsdp2", "--squared-relu",
                  "--grad-reduce-in-bf16", "--use-megatron-fsdp", "--no-align-grad-reduce", "--no-overlap-p2p-communication",
-                 "--cross-entropy-loss-fusion"):
+                 "--cross-entropy-loss-fusion", "--no-gradient-accumulation-fusion"):
         ap.add_argument(flag, action="store_true")
     return ap
 

@@ -35,6 +35,8 @@ CASES = [
     ("llama2-7b", 16, 64, 4096, "bf16", "tp=2,pp=1,mbs=1,sp=1,zero=1", {"master_weights": "remainders"}),
     # blocking pipeline sends under interleaving: --no-overlap-p2p-communication (Megatron overlaps by default)
     ("gpt3-175b", 128, 256, 2048, "bf16", "tp=4,pp=8,vp=6,mbs=1,sp=1,zero=1", {"p2p_overlap": False}),
+    # 16-bit weight gradients added to the fp32 buffer apart (Megatron-FSDP's scripts): --no-gradient-accumulation-fusion
+    ("llama3-8b", 16, 64, 8192, "bf16", "tp=1,pp=1,mbs=1,zero=3", {"grad_accum_fused": False}),
 ]
 
 
@@ -226,7 +228,7 @@ def test_the_cli_says_what_it_read_and_what_it_did_not(tmp_path, capsys):
     base = ["from-megatron", "--cluster", "dgx-a100-80g", "--gpus", "1024", "--model", "gpt3-175b"]
     assert main([*base, "-o", str(tmp_path / "p.json"), "--", *flags, "--seq-length", "2048"]) == 0
     captured = capsys.readouterr()
-    assert "not priced (they change nothing the cost model sees): --lr" in captured.err
+    assert "not read, priced as if absent: --lr" in captured.err
     assert "the same as: autoplan estimate --model gpt3-175b" in captured.err
     assert "--parallel tp=8,pp=8,cp=1,ep=1,vp=3,mbs=1,sp=1,zero=0,recompute=selective,schedule=interleaved" \
         in captured.err
@@ -299,3 +301,52 @@ def test_search_says_what_autoplan_would_choose_instead(capsys):
     assert main(["from-megatron", "--cluster", "dgx-h100", "--search", "--", *words]) == 0
     text = capsys.readouterr().out
     assert "autoplan search on the same stack: " + found["parallel"] in text
+
+
+_SHAPE = "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --vocab-size 32000 "
+
+
+def test_megatron_turns_sequence_parallelism_off_at_tp_1():
+    """arguments.py: "Disabling sequence parallelism because tensor model parallelism is disabled". NVIDIA's own
+    Llama 3 8B script passes --sequence-parallel with tp=1; until session 36 the reader refused it."""
+    run = read_megatron(command_tokens(_SHAPE + "--tensor-model-parallel-size 1 --sequence-parallel"))
+    assert run.parallel.sp is False and any("Megatron turns it off" in n for n in run.notes)
+    run = read_megatron(command_tokens(_SHAPE + "--tensor-model-parallel-size 2 --sequence-parallel"))
+    assert run.parallel.sp is True and not any("turns it off" in n for n in run.notes)
+
+
+def test_quick_geglu_is_a_gated_mlp_with_the_plain_ffn_default():
+    """argument_utils.py: --quick-geglu sets gated_linear_unit (three matrices); the FFN default stays 4h, which
+    only --swiglu changes."""
+    plain = read_megatron(command_tokens(_SHAPE))
+    gated = read_megatron(command_tokens(_SHAPE + "--quick-geglu"))
+    assert plain.model.activation == "gelu" and gated.model.activation == "swiglu"
+    assert gated.model.ffn == plain.model.ffn == 4 * 2048
+    assert any("--quick-geglu" in n for n in gated.notes)
+
+
+def test_pretrain_gpt_takes_the_gpt2_tokenizer_when_none_is_named():
+    """pretrain_gpt.py passes args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}: a command with a vocab file
+    and no --tokenizer-type (Megatron-LM's GPT-3 175B example) has GPT-2's 50257 tokens."""
+    shape = "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 "
+    run = read_megatron(command_tokens("torchrun --nproc-per-node 8 pretrain_gpt.py " + shape + "--vocab-file v.json"))
+    assert run.model.vocab_size == 50304 and any("GPT2BPETokenizer" in n for n in run.notes)
+    assert "--tokenizer-type" not in run.unpriced
+    with pytest.raises(ConfigError, match="vocabulary size is not in the flags"):
+        read_megatron(command_tokens("torchrun --nproc-per-node 8 pretrain_bert.py " + shape))
+
+
+def test_flags_that_change_what_runs_are_said_and_unexpressible_models_refused():
+    run = read_megatron(command_tokens(_SHAPE + "--window-size 127,0 --window-attn-skip-freq 2 --fp8-param-gather "
+                                       "--no-rope-fusion --lr 1e-4"))
+    said = " ".join(run.notes)
+    assert "priced as full causal attention" in said and "fp8" in said and "RoPE" in said
+    assert run.unpriced == ["--lr"]  # the rest are noted, not listed as priced-as-absent
+    with pytest.raises(ConfigError, match="--multi-latent-attention: multi-latent attention is not expressible"):
+        read_megatron(command_tokens(_SHAPE + "--multi-latent-attention --q-lora-rank 1536"))
+
+
+def test_no_gradient_accumulation_fusion_is_read():
+    run = read_megatron(command_tokens(_SHAPE + "--no-gradient-accumulation-fusion"))
+    assert run.stack_set["grad_accum_fused"] is False
+    assert "grad_accum_fused" not in read_megatron(command_tokens(_SHAPE)).stack_set
