@@ -513,8 +513,11 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
     if r.has("--sequence-parallel") and tp == 1:
         notes.append("--sequence-parallel with tp=1: Megatron turns it off (\"Disabling sequence parallelism because "
                      "tensor model parallelism is disabled\"), and so does autoplan")
+    gated = r.has("--swiglu") or r.has("--quick-geglu")
+    moot = {"--no-bias-gelu-fusion": gated or r.has("--squared-relu") or r.has("--disable-bias-linear"),
+            "--no-bias-swiglu-fusion": not gated}  # mlp.py fuses bias + GELU only with a bias, SwiGLU when gated
     for flag, effect in _EFFECTS.items():
-        if r.has(flag):
+        if r.has(flag) and not moot.get(flag, False):
             notes.append(f"{flag}: {effect}")
     group = r.int("--microbatch-group-size-per-virtual-pipeline-stage")
     if group is not None and group != pp:
@@ -525,7 +528,7 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
         v = r.value(flag)
         if v is not None and v != want:
             notes.append(f"{flag} {v}: {why}")
-    unpriced = sorted(k for k in flags if k not in _READ and k not in _EFFECTS
+    unpriced = sorted(k for k in flags if k not in _READ and (k not in _EFFECTS or moot.get(k, False))
                       and k not in _SCRIPT_DEFAULTS.get(script, {}))
     knobs = {**_stack_knobs(r, dtype), **_optimizer_state(r, dtype, notes)}
     if layout is not None:  # the Megatron that takes these flags runs uneven stages, whichever --stack is chosen

@@ -35,13 +35,18 @@ _VALUE_FLAGS = {
 # NeMo's activation names (nemo/collections/nlp/modules/common/megatron/utils.py) -> Megatron's flag
 _ACTIVATIONS = {"gelu": None, "fast-swiglu": "--swiglu", "swiglu": "--swiglu", "squared-relu": "--squared-relu",
                 "relu2": "--squared-relu"}
+# Gated MLPs whose pointwise is not SiLU: the same three matrices, a pointwise of the same kind; priced as SwiGLU
+_GATED = ("geglu", "fast-geglu", "reglu", "fast-reglu")
+# NeMo's FSDP sharding strategies (nemo/collections/nlp/parts/nlp_overrides.py NLPFSDPStrategy) as Megatron's
+_FSDP = {"full": "optim_grads_params", "grad": "optim_grads"}
 # Keys read here beyond _VALUE_FLAGS; every other `model` key is listed as not priced.
 _READ = {"virtual_pipeline_model_parallel_size", "num_query_groups", "activation", "normalization", "bias",
          "position_embedding_type", "share_embeddings_and_output_weights", "sequence_parallel",
          "activations_checkpoint_granularity", "activations_checkpoint_method", "activations_checkpoint_num_layers",
          "fp8", "fp8_hybrid", "fp8_e4m3", "ub_tp_comm_overlap", "overlap_p2p_comm", "cross_entropy_loss_fusion",
          "tokenizer", "optim", "mcore_gpt", "transformer_engine", "use_flash_attention", "megatron_amp_O2",
-         "fp8_params"}
+         "fp8_params", "gradient_accumulation_fusion", "fsdp", "fsdp_sharding_strategy", "bias_activation_fusion",
+         "bias_dropout_add_fusion", "apply_rope_fusion", "moe_pad_expert_input_to_capacity", "window_size"}
 
 
 @dataclass
@@ -170,6 +175,28 @@ def _precision(trainer: dict) -> str | None:
     raise ConfigError("unknown trainer.precision", f"got {p}", "use bf16, 16 or 32")
 
 
+def _kernel_words(get, act: str) -> list[str]:
+    """The Megatron flags of the `model` keys that turn a kernel fusion off, a padded MoE dispatch on, a sliding
+    window, fp8 weights, or the fused weight-gradient accumulation off: the reader prices or notes each."""
+    words: list[str] = []
+    if get("bias_activation_fusion") is False and ("glu" in act or act == "gelu"):  # relu2 has no fused kernel
+        words.append("--no-bias-swiglu-fusion" if "glu" in act else "--no-bias-gelu-fusion")
+    if get("bias_dropout_add_fusion") is False:
+        words.append("--no-bias-dropout-fusion")
+    if get("apply_rope_fusion") is False and str(get("position_embedding_type", "")).lower() == "rope":
+        words.append("--no-rope-fusion")
+    if get("gradient_accumulation_fusion") is False:
+        words.append("--no-gradient-accumulation-fusion")
+    if get("moe_pad_expert_input_to_capacity"):
+        words.append("--moe-pad-expert-input-to-capacity")
+    window = get("window_size")
+    if window is not None:
+        words += ["--window-size", ",".join(str(v) for v in window) if isinstance(window, list) else str(window)]
+    if get("fp8_params"):
+        words.append("--fp8-param-gather")
+    return words
+
+
 def nemo_words(cfg: dict, vocab_size: int | None = None) -> NemoConfig:
     """`cfg` (`load_nemo`) as Megatron-LM's flags; `vocab_size` where the tokenizer is not Megatron's GPT-2 BPE
     (NeMo takes the vocabulary from the tokenizer file, which the config only names)."""
@@ -192,10 +219,16 @@ def nemo_words(cfg: dict, vocab_size: int | None = None) -> NemoConfig:
     if groups is not None and groups != heads:
         words += ["--group-query-attention", "--num-query-groups", str(groups)]
     act = str(get("activation", "gelu")).lower()
-    if act not in _ACTIVATIONS:
+    if act in _GATED:
+        notes.append(f"activation {act}: a gated MLP, priced as SwiGLU (the same three matrices, a pointwise of the "
+                     "same kind)")
+        words.append("--swiglu")
+    elif act not in _ACTIVATIONS:
         raise ConfigError("NeMo activation autoplan does not price", f"activation: {act}",
-                          "use gelu, fast-swiglu / swiglu or squared-relu")
-    words += [_ACTIVATIONS[act]] if _ACTIVATIONS[act] else []
+                          "use gelu, swiglu, squared-relu or a gated geglu / reglu")
+    else:
+        words += [_ACTIVATIONS[act]] if _ACTIVATIONS[act] else []
+    words += _kernel_words(get, act)
     norm = str(get("normalization", "layernorm")).lower()
     if norm == "rmsnorm":
         words += ["--normalization", "RMSNorm"]
@@ -217,6 +250,14 @@ def nemo_words(cfg: dict, vocab_size: int | None = None) -> NemoConfig:
         words.append("--untie-embeddings-and-output-weights")
     if get("sequence_parallel"):
         words.append("--sequence-parallel")
+    if get("fsdp"):
+        strategy = str(get("fsdp_sharding_strategy") or "full")
+        if strategy not in _FSDP:
+            raise ConfigError("NeMo FSDP sharding autoplan does not price", f"fsdp_sharding_strategy: {strategy}",
+                              "use full (ZeRO-3) or grad (ZeRO-2); hybrid sharding is not expressible")
+        notes.append(f"fsdp (NeMo's torch FSDP, {strategy} sharding): priced as Megatron's torch FSDP2 with the "
+                     "same sharding")
+        words += ["--use-torch-fsdp2", "--data-parallel-sharding-strategy", _FSDP[strategy]]
     granularity = get("activations_checkpoint_granularity")
     if granularity is not None:
         words += ["--recompute-granularity", str(granularity)]

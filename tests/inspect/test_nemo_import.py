@@ -68,6 +68,27 @@ def test_the_optimizer_state_is_held_as_nemo_sets_up_apex(sets, state, reduce, c
     assert mem["optimizer"] / mem["weights"] == pytest.approx(want / 2 / 4)
 
 
+def test_keys_that_change_what_runs_are_priced_or_said():
+    """Until session 36 these keys were listed as changing nothing: NeMo's FSDP (ZeRO-3), the fused weight-gradient
+    accumulation turned off, unfused kernels, a gated GeGLU, a sliding window, fp8 weights."""
+    nemo = nemo_words(load_nemo(GPT, ["model.fsdp=true", "model.gradient_accumulation_fusion=false",
+                                      "model.bias_activation_fusion=false", "model.bias_dropout_add_fusion=false",
+                                      "model.activation=fast-geglu", "+model.window_size=[4096,0]",
+                                      "+model.fp8_params=true"]))
+    run = read_megatron(nemo.words)
+    assert run.parallel.zero == 3 and run.stack_set["grad_accum_fused"] is False
+    assert run.model.activation == "swiglu" and run.model.ffn == 4 * 12288
+    said = " ".join([*nemo.notes, *run.notes])
+    for needle in ("torch FSDP2", "fast-geglu", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+                   "priced as full causal attention", "--fp8-param-gather"):
+        assert needle in said, needle
+    for key in ("fsdp", "gradient_accumulation_fusion", "bias_activation_fusion", "window_size"):
+        assert key not in nemo.unpriced
+    # squared ReLU has no fused bias-activation kernel: turning the fusion off changes nothing, and says nothing
+    relu2 = nemo_words(load_nemo(GPT, ["model.activation=squared-relu", "model.bias_activation_fusion=false"]))
+    assert not any("fusion" in n for n in read_megatron(relu2.words).notes)
+
+
 def test_overrides_and_nemo_only_settings():
     cfg = load_nemo(GPT, ["model.fp8=true", "model.optim.grad_sync_dtype=bf16", "model.overlap_p2p_comm=false",
                           "+model.activations_checkpoint_granularity=selective", "trainer.num_nodes=4"])
@@ -104,7 +125,8 @@ def test_the_nemo_fidelity_row_comes_out_as_the_benchmark_prices_it(capsys, tmp_
 @pytest.mark.parametrize("sets, vocab, needle", [
     (["model.hidden_size=${oc.env:HIDDEN}"], None, "NeMo key hidden_size is an interpolation autoplan does not"),
     ([], None, "pass --vocab-size N"),
-    (["model.activation=geglu"], 32000, "NeMo activation autoplan does not price"),
+    (["model.activation=softplus"], 32000, "NeMo activation autoplan does not price"),
+    (["model.fsdp=true", "model.fsdp_sharding_strategy=hybrid"], 32000, "NeMo FSDP sharding autoplan does not price"),
     (["trainer.precision=bf17"], 32000, "unknown trainer.precision"),
     (["model.optim.grad_sync_dtype=fp8"], 32000, "optim.grad_sync_dtype"),
 ])
