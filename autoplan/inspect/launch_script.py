@@ -8,9 +8,11 @@ expands it, for the subset such scripts use: scalar and array assignments (`=`, 
 `$NAME`, `${NAME}`, `${NAME:-word}`, `${NAME-word}`, `${NAME:=word}`, `${NAME[@]}`, `${NAME[*]}`, `$((arithmetic))`,
 quotes, comments and line continuations. Names the script does not set come from the environment, as in bash.
 
-Nothing is run: a command substitution (`$(...)`, backquotes) and a positional parameter (`$1`) stay as written, and
-the Megatron reader refuses a flag it reads that holds one, naming it. Statements inside if / case / for / while
-are read in order as if each ran; a variable the command uses that is set to different values there is reported.
+Nothing is run and no other file is read (a sourced config is said, not followed): a command substitution
+(`$(...)`, backquotes) and a positional parameter (`$1`) stay as written, and the Megatron reader refuses a flag it
+reads that holds one, naming it. An if whose test compares strings or integers takes the branch bash would take in
+the given environment (an unset name is "", and the note says which were); one whose test needs running (a file
+test, a command) is read as if its branch ran, and a variable the command uses that it sets is reported.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class _State:
     empty_unset: bool = False  # an if-test is being read: an unset name is "" as in bash
     unset_tested: set[str] = field(default_factory=set)  # unset names if-tests read
     tested: set[str] = field(default_factory=set)  # names the decided if-tests read
+    sourced: list[str] = field(default_factory=list)  # files the script sources, not read
 
     def lookup(self, name: str) -> str | None:
         self.used.add(name)
@@ -473,6 +476,9 @@ def _read(text: str, st: _State, blocks: list[_Block], found: list) -> None:
         command = [w for w in command if w != "" and not re.fullmatch(r"\d*[<>]+&?\S*", w)]
         if not command:
             continue
+        if command[0] in (".", "source"):  # another file's settings: not followed (it may run anything)
+            st.sourced.append(" ".join(command[1:2]) or command[0])
+            continue
         if command[0] == "unset":
             for n in command[1:]:
                 st.scalars.pop(n, None)
@@ -511,6 +517,9 @@ def read_script(text: str, env: Mapping[str, str] | None = None) -> ScriptComman
     from_env = sorted(n for n in st.from_env & (used | st.tested) if n not in _QUIET_ENV)
     if from_env:
         notes.append("from the environment: " + ", ".join(f"{n}={st.env[n]}" for n in from_env))
+    if st.sourced:
+        notes.append("not read: the file(s) the script sources (" + ", ".join(st.sourced) + "); pass what they "
+                     "set as flags after --, or in the environment")
     unset = sorted(st.unset_tested)
     if unset:
         notes.append("if-tests read as in this environment, where " + ", ".join(unset) + (" is" if len(unset) == 1

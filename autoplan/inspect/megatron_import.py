@@ -50,6 +50,7 @@ _READ = {
     "--moe-ffn-hidden-size", "--moe-layer-freq", "--moe-token-dispatcher-type", "--moe-expert-capacity-factor",
     "--moe-pad-expert-input-to-capacity", "--quick-geglu", "--no-gradient-accumulation-fusion",
     "--window-attn-skip-freq",  # said with --window-size (_EFFECTS)
+    "--activations-checkpoint-method", "--activations-checkpoint-num-layers", "--DDP-impl",
 }
 # Flags that change what Megatron runs in ways the cost model does not price: each gets a note saying which way the
 # price is off, instead of a place in the "not read" list.
@@ -67,6 +68,10 @@ _EFFECTS = {
     "--no-bias-swiglu-fusion": "the SwiGLU pointwise priced as one fused kernel: less memory traffic than runs",
     "--no-rope-fusion": "RoPE priced as a fused kernel: less memory traffic than runs",
     "--qk-layernorm": "the query and key norms are not priced: less pointwise work than runs",
+    "--distribute-checkpointed-activations": "the checkpointed layer inputs split over the tp ranks are priced "
+                                             "whole on each: more activation memory than runs",
+    "--distribute-saved-activations": "the checkpointed layer inputs split over the tp ranks are priced whole on "
+                                      "each: more activation memory than runs",
 }
 # Flags that change the model into one autoplan cannot describe: refused, with what to do.
 _REFUSED = {  # flag: (what is not expressible, why it matters, what to do)
@@ -284,7 +289,11 @@ def _recompute(r: _Reader, vp: int, notes: list[str]) -> dict[str, object]:
     --checkpoint-activations) as autoplan's recompute and recompute_layers (a pipeline rank's layers)."""
     if r.has("--checkpoint-activations"):  # Megatron-LM before 2023-04: every layer, uniform
         return {"recompute": "full"}
+    # Megatron-LM 2021-08 to 2022-05 (c1e0689d92 to the selective-recompute rename): a method alone turned full
+    # recomputation on (the SC21 scripts, examples/academic_paper_scripts/sc21, pass only the method)
+    old_method = r.value("--activations-checkpoint-method")
     granularity = r.value("--recompute-granularity") or ("selective" if r.has("--recompute-activations") else None)
+    granularity = granularity or ("full" if old_method else None)
     if granularity is None:
         return {}
     if granularity == "selective":
@@ -295,8 +304,8 @@ def _recompute(r: _Reader, vp: int, notes: list[str]) -> dict[str, object]:
         return {"recompute": "selective"}
     if granularity != "full":
         raise ConfigError("unknown --recompute-granularity", f"got {granularity}", "use full or selective")
-    method = r.value("--recompute-method") or "uniform"
-    n = r.int("--recompute-num-layers", 1)
+    method = r.value("--recompute-method") or old_method or "uniform"
+    n = r.int("--recompute-num-layers", r.int("--activations-checkpoint-num-layers", 1))
     if method == "uniform":
         if n > 1:
             notes.append(f"--recompute-method uniform --recompute-num-layers {n}: every layer recomputes, priced "
@@ -399,6 +408,8 @@ def _stack_knobs(r: _Reader, dtype: str) -> dict[str, object]:
         "align_grad_reduce": not r.has("--no-align-grad-reduce"),
         "loss_fusion": r.has("--cross-entropy-loss-fusion"),
     }
+    if r.value("--DDP-impl") == "torch":  # Megatron-LM 2021-22: torch DDP all-reduces its buckets in the backward
+        knobs["overlap_grad_reduce"] = True
     if r.has("--no-gradient-accumulation-fusion"):  # the weight-gradient GEMMs write 16-bit grads, added apart
         knobs["grad_accum_fused"] = False
     # Megatron-LM overlaps pipeline p2p under the interleaved schedule only: by default since 2023-10 (4eeff55d,

@@ -127,6 +127,12 @@ def test_a_command_inside_bash_c_and_a_heredoc_is_found():
     assert w[0] == "python" and _flag(w, "--num-layers") == "4" and _flag(w, "--vocab-size") == "1000"
 
 
+def test_a_sourced_file_is_said_not_followed():
+    script = ". `pwd`/CONFIG.sh\nsource ./env.sh\npython pretrain_gpt.py --num-layers 4 --seq-length 128\n"
+    note = " ".join(read_script(script, env={}).notes)
+    assert "not read: the file(s) the script sources (`pwd`/CONFIG.sh, ./env.sh)" in note
+
+
 def test_a_script_without_a_training_command_is_a_clear_error():
     with pytest.raises(ConfigError, match="no training command in the script"):
         read_script("echo hello\nNUM_LAYERS=4\n")

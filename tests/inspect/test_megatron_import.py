@@ -350,3 +350,15 @@ def test_no_gradient_accumulation_fusion_is_read():
     run = read_megatron(command_tokens(_SHAPE + "--no-gradient-accumulation-fusion"))
     assert run.stack_set["grad_accum_fused"] is False
     assert "grad_accum_fused" not in read_megatron(command_tokens(_SHAPE)).stack_set
+
+
+def test_megatron_2021_flags_of_the_sc21_scripts():
+    """examples/academic_paper_scripts/sc21/run_table_1.sh passes --activations-checkpoint-method uniform alone
+    (2021-08 to 2022-05: the method turned full recomputation on) and --DDP-impl torch up to 18B (torch DDP
+    all-reduces its buckets during the backward). Until session 36 both were read as changing nothing."""
+    run = read_megatron(command_tokens(_SHAPE + "--activations-checkpoint-method uniform --DDP-impl torch"))
+    assert run.parallel.recompute == "full" and run.stack_set["overlap_grad_reduce"] is True
+    run = read_megatron(command_tokens(_SHAPE + "--pipeline-model-parallel-size 2 --activations-checkpoint-method "
+                                       "block --activations-checkpoint-num-layers 3 --DDP-impl local"))
+    assert (run.parallel.recompute, run.parallel.recompute_layers) == ("full", 3)
+    assert run.stack_set["overlap_grad_reduce"] is False and not run.unpriced
