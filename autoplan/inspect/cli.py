@@ -227,6 +227,10 @@ def cmd_from_megatron(args: argparse.Namespace) -> int:
     run = read_megatron(tokens, resolve_model(args.model)[0] if args.model else None)
     if script is not None:
         run.notes[:0] = [f"--script {args.script}: {n}" for n in script.notes]
+        if run.gpus is None and script.gpus is not None:
+            run.gpus = script.gpus
+            run.notes.insert(0, f"--script {args.script}: {script.gpus} processes, as srun starts them (its own "
+                                "options, else the #SBATCH lines)")
     return _estimate_read(args, run, "from_megatron", "the command", "no torchrun --nnodes/--nproc-per-node",
                           "pass --gpus N (Megatron's world size)")
 

@@ -38,6 +38,7 @@ class ScriptCommand:
 
     words: list[str]
     notes: list[str] = field(default_factory=list)
+    gpus: int | None = None  # Slurm's task count where srun starts one process per GPU (srun / #SBATCH options)
 
 
 @dataclass
@@ -53,6 +54,8 @@ class _State:
     unset_tested: set[str] = field(default_factory=set)  # unset names if-tests read
     tested: set[str] = field(default_factory=set)  # names the decided if-tests read
     sourced: list[str] = field(default_factory=list)  # files the script sources, not read
+    args_used: bool = False  # the script reads its own arguments ($@, $*, $#): taken as none
+    flagless: list[str] = field(default_factory=list)  # a .py command met without --flags (they did not expand)
 
     def lookup(self, name: str) -> str | None:
         self.used.add(name)
@@ -142,6 +145,9 @@ def _braced(inner: str, st: _State, quoted: bool) -> str | list[str] | None:
         elems = st.elements(m.group(1))
         k = int(m.group(2))
         return elems[k] if elems is not None and k < len(elems) else ""
+    if inner in ("@", "*", "#"):
+        st.args_used = True
+        return "0" if inner == "#" else ""
     m = re.fullmatch(r"([A-Za-z_]\w*|\d+)(?:(:?)([-=+])(.*))?", inner, re.S)
     if not m:
         return None
@@ -232,6 +238,11 @@ def _expand(text: str, st: _State, quoted: bool = False, join: bool = False) -> 
             value = _braced(text[i + 2:end], st, double)
             i = end + 1
         else:
+            if text[i + 1] in "@*#":  # the script's own arguments: none (flags after -- are appended instead)
+                st.args_used = True
+                out.append("0" if text[i + 1] == "#" else "")
+                i += 2
+                continue
             m = _NAME.match(text, i + 1) or re.compile(r"\d").match(text, i + 1)
             if not m:
                 out.append(c)
@@ -491,11 +502,13 @@ def _read(text: str, st: _State, blocks: list[_Block], found: list) -> None:
         if shell is not None and "-c" in command[shell:] and command.index("-c", shell) + 1 < len(command):
             before = len(found)  # `bash -c "STRING"` (an srun or a container's shell): STRING is a script
             _read(command[command.index("-c", shell) + 1], st, blocks, found)
-            found[before:] = [(w, u | used) for w, u in found[before:]]
+            found[before:] = [(command[:shell] + w, u | used) for w, u in found[before:]]  # srun ... stays
             continue
         script_at = next((j for j, w in enumerate(command) if w.endswith(".py")), None)
         if script_at is not None and any(w.startswith("--") for w in command[script_at + 1:]):
             found.append((command, used))
+        elif script_at is not None:
+            st.flagless.append(" ".join(command))
 
 
 def read_script(text: str, env: Mapping[str, str] | None = None) -> ScriptCommand:
@@ -504,6 +517,10 @@ def read_script(text: str, env: Mapping[str, str] | None = None) -> ScriptComman
     st = _State(env=dict(env or {}))
     found: list[tuple[list[str], set[str]]] = []
     _read(text, st, [], found)
+    if not found and st.flagless:
+        raise ConfigError("the script's training command has no --flags here", st.flagless[-1], "set what holds "
+                          "them in the environment (VAR=\"--num-layers ...\" autoplan from-megatron --script ...), "
+                          "or pass the flags after --")
     if not found:
         raise ConfigError("no training command in the script", "no statement runs a .py file with --flags "
                           "(torchrun ... pretrain_gpt.py --num-layers ...)", "pass the flags after -- instead")
@@ -517,6 +534,8 @@ def read_script(text: str, env: Mapping[str, str] | None = None) -> ScriptComman
     from_env = sorted(n for n in st.from_env & (used | st.tested) if n not in _QUIET_ENV)
     if from_env:
         notes.append("from the environment: " + ", ".join(f"{n}={st.env[n]}" for n in from_env))
+    if st.args_used:
+        notes.append("the script's own arguments ($@) read as none: flags after -- are appended to its command")
     if st.sourced:
         notes.append("not read: the file(s) the script sources (" + ", ".join(st.sourced) + "); pass what they "
                      "set as flags after --, or in the environment")
@@ -524,4 +543,42 @@ def read_script(text: str, env: Mapping[str, str] | None = None) -> ScriptComman
     if unset:
         notes.append("if-tests read as in this environment, where " + ", ".join(unset) + (" is" if len(unset) == 1
                      else " are") + " unset; set them to read the script as it runs elsewhere")
-    return ScriptCommand(words=words, notes=notes)
+    return ScriptCommand(words=words, notes=notes, gpus=_slurm_tasks(text, words, st.env))
+
+
+_SLURM_OPTS = {"-N": "nodes", "--nodes": "nodes", "-n": "ntasks", "--ntasks": "ntasks",
+               "--ntasks-per-node": "ntasks-per-node"}
+
+
+def _slurm_options(words: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k, w in enumerate(words):
+        name, eq, value = w.partition("=")
+        if not eq and k + 1 < len(words):
+            value = words[k + 1]
+        if name in _SLURM_OPTS and re.fullmatch(r"\d+", value or ""):
+            out[_SLURM_OPTS[name]] = int(value)
+    return out
+
+
+def _slurm_tasks(text: str, words: list[str], env: Mapping[str, str]) -> int | None:
+    """The number of processes srun starts, where it starts the training script itself (no torchrun under it:
+    one process per GPU): srun's -n / -N x --ntasks-per-node, else the script's #SBATCH lines', the node count
+    else from the allocation's environment (SLURM_NNODES); None where the node count is not written down."""
+    if "srun" not in words or any(w in ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+                                  for w in words):
+        return None
+    directives: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("#SBATCH"):
+            directives += shlex.split(line[len("#SBATCH"):], comments=True)
+    at = words.index("srun")
+    end = next((j for j, w in enumerate(words) if w.endswith(".py")), len(words))
+    opts = {**_slurm_options(directives), **_slurm_options(words[at + 1:end])}
+    if "ntasks" in opts:
+        return opts["ntasks"]
+    nodes = opts.get("nodes") or next((int(env[k]) for k in ("SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+                                        if str(env.get(k, "")).isdigit()), None)
+    if "ntasks-per-node" in opts and nodes is not None:
+        return nodes * opts["ntasks-per-node"]
+    return None

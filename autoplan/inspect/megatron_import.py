@@ -163,7 +163,11 @@ def _flags(words: list[str]) -> dict[str, list[str]]:
 
 
 def _launcher_gpus(words: list[str]) -> int | None:
-    """torchrun's world size, where its --nnodes (default 1) and --nproc-per-node are plain integers."""
+    """torchrun's world size, where its --nnodes (default 1) and --nproc-per-node are plain integers; 1 where the
+    training script is started by a bare `python` (one process: Megatron's world size without a launcher)."""
+    plain = [w for w in words if not re.fullmatch(r"[A-Za-z_]\w*=.*|-u|-O|-B", w)]
+    if plain and all(re.fullmatch(r"(\S*/)?python[0-9.]*", w) for w in plain):
+        return 1
     f: dict[str, str] = {}
     for i, w in enumerate(words):
         if w.startswith("--"):

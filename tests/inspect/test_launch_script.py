@@ -124,7 +124,8 @@ def test_a_command_inside_bash_c_and_a_heredoc_is_found():
               'CMD="cd /workspace; export PYTHONPATH=/workspace; python /workspace/pretrain_gpt.py ${ARGS[@]}"\n'
               'sbatch <<EOF\nsrun --container-image=img bash -x -c "${CMD}" 2>&1 | tee out.log\nEOF\n')
     w = read_script(script, env={}).words
-    assert w[0] == "python" and _flag(w, "--num-layers") == "4" and _flag(w, "--vocab-size") == "1000"
+    assert w[:2] == ["srun", "--container-image=img"] and "python" in w  # srun stays the launcher
+    assert _flag(w, "--num-layers") == "4" and _flag(w, "--vocab-size") == "1000"
 
 
 def test_a_sourced_file_is_said_not_followed():
@@ -151,3 +152,50 @@ def test_the_cli_reads_the_script_and_says_what_it_assumed(tmp_path, capsys, mon
     assert "--script" in captured.err and "NUM_NODES=4" in captured.err
     assert main(["from-megatron", "--cluster", "dgx-h100", "--script", str(tmp_path / "missing.sh")]) == 2
     assert "cannot read the launch script" in capsys.readouterr().err
+
+
+# The shape of NVIDIA's SC21 reproduction scripts (examples/academic_paper_scripts/sc21): the flags come through the
+# environment from the submitting script (CONFIG.sh exports MEGATRON_PARAMS), the nodes from `sbatch --nodes`, the
+# tasks per node from an #SBATCH line, and srun starts one process per GPU through `sh -c`.
+SRUN = """#!/bin/bash
+#SBATCH -t 0:30:00 --exclusive --ntasks-per-node=8
+HERE=`pwd`
+CMD="python -u ${CODE_DIR}/pretrain_gpt.py ${MEGATRON_PARAMS}"
+srun -l --container-image "img" --output=${HERE}/logs/%x_%j.log sh -c "${CMD}"
+"""
+SC21_18B = ("--activations-checkpoint-method uniform --tensor-model-parallel-size 8 --pipeline-model-parallel-size 1 "
+            "--micro-batch-size 8 --global-batch-size 1024 --num-layers 40 --hidden-size 6144 --num-attention-heads 48 "
+            "--DDP-impl torch --seq-length 2048 --max-position-embeddings 2048 --fp16 --vocab-file gpt2-vocab.json "
+            "--loss-scale 8192")
+
+
+def test_an_srun_script_prices_as_the_fidelity_row_of_the_same_run(tmp_path, capsys, monkeypatch):
+    """SC21's 18B run read from its launch script through `from-megatron --stack megatron-2021` is the fidelity
+    benchmark's row for it, to the digit: the benchmark prices what a user's own command prices."""
+    from benchmarks.fidelity import DEFAULT_REF, evaluate
+
+    path = tmp_path / "SRUN.sh"
+    path.write_text(SRUN)
+    monkeypatch.setenv("MEGATRON_PARAMS", SC21_18B)
+    monkeypatch.setenv("SLURM_NNODES", "32")
+    assert main(["from-megatron", "--cluster", "dgx-a100-80g", "--stack", "megatron-2021", "--script", str(path),
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert "256 processes, as srun starts them" in captured.err
+    assert out["from_megatron"]["parallel"] == "tp=8,pp=1,cp=1,ep=1,vp=1,mbs=8,sp=0,zero=0,recompute=full,schedule=1f1b"
+    if not DEFAULT_REF.exists():
+        pytest.skip("shared/reference not present")
+    row = next(r for r in evaluate(DEFAULT_REF) if r["model"] == "GPT-18.4B")
+    assert out["step_time_s"] == pytest.approx(row["predicted_step_s"], rel=1e-9)
+    # without the flags in the environment the command has none: said, with what to set
+    monkeypatch.delenv("MEGATRON_PARAMS")
+    assert main(["from-megatron", "--cluster", "dgx-a100-80g", "--script", str(path)]) == 2
+    assert "the script's training command has no --flags here" in capsys.readouterr().err
+
+
+def test_a_bare_python_launch_is_one_process():
+    words = read_script("python pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+                        "--seq-length 128 --vocab-size 100 $@\n", env={}).words
+    run = read_megatron(words)
+    assert run.gpus == 1
