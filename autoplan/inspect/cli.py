@@ -252,6 +252,28 @@ def cmd_from_nemo(args: argparse.Namespace) -> int:
                           "pass --gpus N")
 
 
+def cmd_from_torchtitan(args: argparse.Namespace) -> int:
+    """Estimate a torchtitan job config as it stands: its sections read as torchtitan 0.2 reads them
+    (`titan_import.read_titan`), then `autoplan estimate` with them on the torchtitan stack."""
+    from ..cost_models.errors import ConfigError
+    from ..workload import resolve_model
+    from .titan_import import load_titan, read_titan
+
+    if args.gpus is None or args.gpus < 1:
+        raise ConfigError("--gpus must be a positive world size", f"got {args.gpus}", "pass --gpus N")
+    cfg = load_titan(args.config, args.set)
+    given = resolve_model(args.model)[0] if args.model else None
+    run, preset = read_titan(cfg, args.gpus, given.num_layers if given else None)
+    if args.model is None:
+        if preset is None:
+            model = cfg.get("model") or {}
+            raise ConfigError("the torchtitan model has no autoplan preset",
+                              f"[model] name {model.get('name', 'llama3')!r}, flavor "
+                              f"{model.get('flavor', 'debugmodel')!r}", "pass --model PRESET or FILE with its shape")
+        args.model = preset
+    return _estimate_read(args, run, "from_torchtitan", "the config", "", "pass --gpus N")
+
+
 def _estimate_read(args: argparse.Namespace, run, key: str, source: str, no_gpus: str, gpus_fix: str) -> int:
     """`autoplan estimate` of what a Megatron command line or a NeMo config (`source`) says (`run`, a MegatronRun),
     printing the equivalent estimate command, the notes and what is not priced; the JSON gains `key`. `no_gpus`
@@ -336,10 +358,11 @@ def _search_instead(ns: argparse.Namespace) -> dict:
             best.prediction.memory_gib["peak"], "speedup": speed, "summary": summary}
 
 
-def _add_read_args(p: argparse.ArgumentParser, what: str) -> None:
-    """The options `from-megatron` and `from-nemo` share; `what` names their input in the help."""
-    p.add_argument("--stack", default="megatron-core", metavar="NAME",
-                   help=f"software stack to price {what} on (default megatron-core; `autoplan stacks`)")
+def _add_read_args(p: argparse.ArgumentParser, what: str, stack: str = "megatron-core") -> None:
+    """The options `from-megatron`, `from-nemo` and `from-torchtitan` share; `what` names their input in the
+    help, `stack` the default stack."""
+    p.add_argument("--stack", default=stack, metavar="NAME",
+                   help=f"software stack to price {what} on (default {stack}; `autoplan stacks`)")
     p.add_argument("--stack-set", default=None, metavar="KEY=VAL,...",
                    help=f"override stack knobs beyond those read from {what}")
     p.add_argument("--model-out", metavar="FILE", help=f"write the model spec read from {what} to FILE")
@@ -416,6 +439,20 @@ def register(sub) -> None:
                         "--set model.optim.grad_sync_dtype=bf16 (repeatable)")
     _add_read_args(p, "the config")
     p.set_defaults(func=cmd_from_nemo, model=None)  # (the config gives the shape: no --model)
+
+    p = sub.add_parser("from-torchtitan", help="estimate a torchtitan job config as it stands (a 0.1-0.2 "
+                       "train_configs/*.toml): autoplan from-torchtitan CONFIG --cluster C --gpus N")
+    p.add_argument("config", help="the torchtitan TOML (0.3's Python configs are never run: refused)")
+    p.add_argument("--cluster", required=True, help="cluster preset or YAML file (the config does not say)")
+    p.add_argument("--gpus", type=int, required=True, help="world size (torchrun's nodes x NGPU; the config does "
+                   "not say, and data_parallel_shard_degree = -1 takes the rest of it)")
+    p.add_argument("--model", default=None, help="model preset or spec file, where [model] names no autoplan "
+                   "preset (the llama3 8B / 70B / 405B flavours have one)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key first, as torchtitan's command line does: --set "
+                        "parallelism.tensor_parallel_degree=8 (repeatable)")
+    _add_read_args(p, "the config", stack="torchtitan")
+    p.set_defaults(func=cmd_from_torchtitan)
 
     p = sub.add_parser("scaling", help="the best plan at each GPU count", conflict_handler="resolve")
     add_workload_args(p)

@@ -487,7 +487,9 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
         par.update(data_parallel_replicate_degree=dp, data_parallel_shard_degree=1)
     else:
         par.update(data_parallel_replicate_degree=1, data_parallel_shard_degree=dp)
-        par["fsdp_reshard_after_forward"] = "default" if cfg.zero >= 3 else "never"
+        # "default" reshards after the forward only without pipelining (parallelize.py at v0.2.2: `not
+        # pp_enabled`): a ZeRO-3 plan with pp > 1 says "always"
+        par["fsdp_reshard_after_forward"] = ("always" if cfg.pp > 1 else "default") if cfg.zero >= 3 else "never"
         if cfg.zero < 3:
             warnings.append(f"zero={cfg.zero}: torchtitan's FSDP2 also shards the weights (like ZeRO-3, with "
                             "reshard_after_forward='never' they stay gathered between forward and backward)")
@@ -497,12 +499,11 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
             par["enable_sequence_parallel"] = bool(cfg.sp)
         elif not cfg.sp:
             warnings.append("torchtitan 0.2 always uses sequence parallelism with TP; the plan has sp=0")
-        if tr.tp_comm_overlap:
-            if version == "0.2":
-                par["enable_async_tensor_parallel"] = True
-            else:
-                warnings.append("tp_comm_overlap: torchtitan 0.3's async TP is a torch.compile option "
-                                "(compile.enable_async_tensor_parallel with compile.enable); not set here")
+        if tr.tp_comm_overlap and tr.kernels != "fused":
+            warnings.append("tp_comm_overlap: torchtitan runs async TP only under torch.compile (maybe_enable_async_tp "
+                            "refuses it otherwise), and the plan priced eager kernels (kernels=torch): not set")
+        elif tr.tp_comm_overlap and version == "0.2":
+            par["enable_async_tensor_parallel"] = True
     par["pipeline_parallel_degree"] = cfg.pp
     if cfg.pp > 1:
         par["pipeline_parallel_schedule"] = _TITAN_SCHEDULE[cfg.schedule]
@@ -517,8 +518,13 @@ def torchtitan_settings(plan: Plan, version: str = "0.3") -> tuple[dict[str, dic
     if m.moe is not None:
         par["expert_parallel_degree"] = cfg.ep
     ac = _titan_recompute(plan, warnings, version)
+    # torch.compile is what fuses the elementwise ops the plan priced fused (the torchtitan stack's kernels=fused);
+    # under 0.3 async TP is one of its options (CompileConfig.enable_async_tensor_parallel)
+    comp: dict[str, object] = {"enable": tr.kernels == "fused", "components": ["model", "loss"]}
+    if version == "0.3" and tr.tp_comm_overlap and cfg.tp > 1 and tr.kernels == "fused":
+        comp["enable_async_tensor_parallel"] = True
     sections = {"model": {"module": module, "config": config_fn, "flavor": flavor}, "training": training,
-                "parallelism": par, "activation_checkpoint": _titan_ac_section(ac, plan, version)}
+                "parallelism": par, "activation_checkpoint": _titan_ac_section(ac, plan, version), "compile": comp}
     return sections, warnings
 
 
@@ -583,6 +589,8 @@ def _titan_python(plan: Plan, sections: dict[str, dict], module_name: str, notes
         lines.append("    config.training.disable_cuda_graphs = True  # torchtitan: CUDA graphs do not support PP")
     for k, v in sections["parallelism"].items():
         lines.append(f"    config.parallelism.{k} = {v!r}")
+    for k, v in sections["compile"].items():
+        lines.append(f"    config.compile.{k} = {v!r}")
     lines.append("    config.activation_checkpoint = " +
                  {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}[ac])
     lines += ["    return config", ""]
@@ -609,7 +617,7 @@ def export_torchtitan(plan: Plan, version: str = "0.3") -> dict:
                                    f"{cl.gpu.name}"},
             "model": {"name": mdl["module"], "flavor": mdl["flavor"]},
             "training": sections["training"], "parallelism": sections["parallelism"],
-            "activation_checkpoint": sections["activation_checkpoint"]}
+            "activation_checkpoint": sections["activation_checkpoint"], "compile": sections["compile"]}
     header = "".join(f"# {c}\n" for c in [*_titan_comments(plan, notes),
                                           f"launch: {torchrun} --job.config_file <this file>"])
     out.update(toml=header + "\n" + tomli_w.dumps(body), command=f"{torchrun} --job.config_file <this file>")
