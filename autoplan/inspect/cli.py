@@ -225,6 +225,11 @@ def cmd_from_megatron(args: argparse.Namespace) -> int:
     from ..workload import resolve_model
 
     run = read_megatron(tokens, resolve_model(args.model)[0] if args.model else None)
+    if args.stack is None:
+        args.stack = run.stack or "megatron-core"
+        if run.stack:
+            run.notes.insert(0, f"--deepspeed: Megatron-DeepSpeed, priced on the {run.stack} stack (--stack chooses "
+                                "another)")
     if script is not None:
         run.notes[:0] = [f"--script {args.script}: {n}" for n in script.notes]
         if run.gpus is None and script.gpus is not None:
@@ -358,11 +363,11 @@ def _search_instead(ns: argparse.Namespace) -> dict:
             best.prediction.memory_gib["peak"], "speedup": speed, "summary": summary}
 
 
-def _add_read_args(p: argparse.ArgumentParser, what: str, stack: str = "megatron-core") -> None:
+def _add_read_args(p: argparse.ArgumentParser, what: str, stack: str | None = "megatron-core") -> None:
     """The options `from-megatron`, `from-nemo` and `from-torchtitan` share; `what` names their input in the
-    help, `stack` the default stack."""
+    help, `stack` the default stack (None: the command's software decides, megatron-core otherwise)."""
     p.add_argument("--stack", default=stack, metavar="NAME",
-                   help=f"software stack to price {what} on (default {stack}; `autoplan stacks`)")
+                   help=f"software stack to price {what} on (default {stack or 'megatron-core, or megatron-deepspeed where the flags say --deepspeed'}; `autoplan stacks`)")
     p.add_argument("--stack-set", default=None, metavar="KEY=VAL,...",
                    help=f"override stack knobs beyond those read from {what}")
     p.add_argument("--model-out", metavar="FILE", help=f"write the model spec read from {what} to FILE")
@@ -423,7 +428,7 @@ def register(sub) -> None:
                    help="model preset or spec file, when the flags give no shape (--num-layers, ...)")
     p.add_argument("--script", metavar="FILE", help="read the command from a launch script (torchrun ... pretrain_gpt.py "
                    "--flags; comments and line continuations allowed)")
-    _add_read_args(p, "the flags")
+    _add_read_args(p, "the flags", stack=None)
     p.set_defaults(func=cmd_from_megatron)
 
     p = sub.add_parser("from-nemo", help="estimate a NeMo training config as it stands (a NeMo-Framework-Launcher "

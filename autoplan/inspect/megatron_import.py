@@ -51,6 +51,7 @@ _READ = {
     "--moe-pad-expert-input-to-capacity", "--quick-geglu", "--no-gradient-accumulation-fusion",
     "--window-attn-skip-freq",  # said with --window-size (_EFFECTS)
     "--activations-checkpoint-method", "--activations-checkpoint-num-layers", "--DDP-impl",
+    "--deepspeed", "--deepspeed-config", "--zero-stage", "--pp-partition-method",
 }
 # Flags that change what Megatron runs in ways the cost model does not price: each gets a note saying which way the
 # price is off, instead of a place in the "not read" list.
@@ -105,6 +106,7 @@ class MegatronRun:
     gpus: int | None = None  # torchrun's --nnodes x --nproc-per-node, where the command has them
     notes: list[str] = field(default_factory=list)
     unpriced: list[str] = field(default_factory=list)  # flags not read: priced as if absent
+    stack: str | None = None  # the stack the command's own software implies (--deepspeed: megatron-deepspeed)
 
 
 # The Megatron flag that sets each field built from the flags: a value the field refuses names its flag.
@@ -396,7 +398,60 @@ def _capacity_note(r: _Reader, notes: list[str]) -> None:
                      "the balanced load; priced at the balanced load (less expert work than runs)")
 
 
+def _deepspeed_config(r: _Reader, notes: list[str]) -> None:
+    """Megatron-DeepSpeed (--deepspeed): the DeepSpeed JSON's batch, ZeRO stage and precision fill the flags the
+    command leaves out, as DeepSpeed's engine takes them (train_micro_batch_size_per_gpu, train_batch_size,
+    zero_optimization.stage, bf16 / fp16 .enabled); --zero-stage is Megatron-DeepSpeed's own flag for the stage."""
+    import json
+    from pathlib import Path
+
+    path = r.value("--deepspeed-config")
+    if path is None:
+        notes.append("--deepspeed without --deepspeed_config: the flags alone are read")
+        return
+    try:
+        ds = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        notes.append(f"--deepspeed_config {path} not read ({getattr(e, 'strerror', None) or e}): the flags alone are "
+                     "read; run from the folder the path is relative to")
+        return
+    if not isinstance(ds, dict):
+        raise ConfigError("the DeepSpeed config is not a JSON object", f"{path}", "pass DeepSpeed's JSON config")
+    fill = {"--micro-batch-size": ds.get("train_micro_batch_size_per_gpu"),
+            "--global-batch-size": ds.get("train_batch_size"),
+            "--zero-stage": (ds.get("zero_optimization") or {}).get("stage")}
+    for flag, value in fill.items():
+        if isinstance(value, int) and not isinstance(value, bool) and not r.has(flag):
+            r.f[flag] = [str(value)]
+            notes.append(f"{flag} {value} from --deepspeed_config {path}")
+    for key, flag in (("bf16", "--bf16"), ("fp16", "--fp16")):
+        if (ds.get(key) or {}).get("enabled") is True and not (r.has("--bf16") or r.has("--fp16")):
+            r.f[flag] = []
+            notes.append(f"{flag} from --deepspeed_config {path}")
+
+
+def _deepspeed_partition(r: _Reader, layers: int | None, pp: int, notes: list[str]) -> str | None:
+    """Megatron-DeepSpeed's --pp-partition-method (GPTModelPipe's PipelineModule partition_method, default
+    'type:transformer': the blocks split evenly). 'type:transformer|embedding' (BLOOM's) counts the input embedding
+    and the tied output embedding as one layer each, so the end stages hold one block fewer where the split is
+    even; other methods (parameters, uniform, an uneven split) are said, priced as even stages."""
+    method = r.value("--pp-partition-method")
+    if method is None or pp == 1 or layers is None or method == "type:transformer":
+        return None
+    units = layers + 2
+    if method.startswith("type:") and "embedding" in method.split(":", 1)[1].split("|") and units % pp == 0:
+        per = units // pp
+        from autoplan.cost_models.layout import normalize
+
+        return normalize(f"Et*{per - 1}|" + "".join(f"t*{per}|" for _ in range(pp - 2)) + f"t*{per - 1}L")
+    notes.append(f"--pp-partition-method {method}: DeepSpeed balances the stages its own way; priced as even "
+                 "transformer stages (write --layout to price its split)")
+    return None
+
+
 def _zero(r: _Reader) -> int:
+    if r.has("--deepspeed"):  # DeepSpeed's ZeRO (its pipeline engine takes stages 0 and 1)
+        return r.int("--zero-stage", 0)
     if r.has("--use-megatron-fsdp") or r.has("--use-torch-fsdp2"):
         strategy = r.value("--data-parallel-sharding-strategy") or "optim_grads_params"
         return {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}[strategy]
@@ -481,6 +536,8 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
     for flag, (what, why, fix) in _REFUSED.items():
         if r.has(flag):
             raise ConfigError(f"{flag}: {what}", why, fix)
+    if r.has("--deepspeed"):
+        _deepspeed_config(r, notes)
     tp = r.int("--tensor-model-parallel-size", 1)
     pp = r.int("--pipeline-model-parallel-size", 1)
     seq = r.int("--seq-length")
@@ -516,6 +573,8 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
 
         layout = uneven(layers, pp, vp, first, last)
     layout = _end_stage_layout(r, layers, pp, vp, layout, first is not None or last is not None)
+    if layout is None and r.has("--deepspeed"):
+        layout = _deepspeed_partition(r, layers, pp, notes)
     dtype = "fp8" if r.has("--fp8-format") else "bf16" if r.has("--bf16") else "fp16" if r.has("--fp16") else "fp32"
     parallel = _built(
         ParallelConfig, tp=tp, pp=pp, cp=r.int("--context-parallel-size", 1),
@@ -546,8 +605,11 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
     unpriced = sorted(k for k in flags if k not in _READ and (k not in _EFFECTS or moot.get(k, False))
                       and k not in _SCRIPT_DEFAULTS.get(script, {}))
     knobs = {**_stack_knobs(r, dtype), **_optimizer_state(r, dtype, notes)}
+    if r.has("--deepspeed"):  # DeepSpeed's engine, not Megatron's DDP and optimizer: the megatron-deepspeed stack's
+        for k in ("overlap_grad_reduce", "overlap_param_gather", "align_grad_reduce", "grad_reduce_dtype"):
+            knobs.pop(k, None)
     if layout is not None:  # the Megatron that takes these flags runs uneven stages, whichever --stack is chosen
         knobs["uneven_stages"] = True
     return MegatronRun(parallel=parallel, seq_len=seq, dtype=dtype, stack_set=knobs,
                        global_batch=r.int("--global-batch-size"), model=shaped, gpus=_launcher_gpus(launcher),
-                       notes=notes, unpriced=unpriced)
+                       notes=notes, unpriced=unpriced, stack="megatron-deepspeed" if r.has("--deepspeed") else None)

@@ -362,3 +362,44 @@ def test_megatron_2021_flags_of_the_sc21_scripts():
                                        "block --activations-checkpoint-num-layers 3 --DDP-impl local"))
     assert (run.parallel.recompute, run.parallel.recompute_layers) == ("full", 3)
     assert run.stack_set["overlap_grad_reduce"] is False and not run.unpriced
+
+
+def test_megatron_deepspeed_commands_price_on_deepspeeds_stack(tmp_path, capsys):
+    """Megatron-DeepSpeed (BLOOM's and MT-NLG's software): --deepspeed runs DeepSpeed's engine, whose JSON gives
+    the micro-batch, the batch, the ZeRO stage and the precision where the flags do not; --zero-stage is its flag
+    for the stage. Until session 36 all of it was read as changing nothing, on Megatron-Core's stack."""
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "train_batch_size": 2048,
+                              "zero_optimization": {"stage": 0}, "bf16": {"enabled": True}}))
+    flags = ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --vocab-size 50304 "
+             "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --checkpoint-activations "
+             f"--deepspeed --deepspeed_config {ds} --zero-stage 1")
+    run = read_megatron(command_tokens(flags))
+    assert run.stack == "megatron-deepspeed" and run.dtype == "bf16" and run.parallel.mbs == 2
+    assert run.global_batch == 2048 and run.parallel.zero == 1  # the flag over the JSON's stage
+    assert "overlap_grad_reduce" not in run.stack_set and not run.unpriced
+    assert any("--micro-batch-size 2 from --deepspeed_config" in n for n in run.notes)
+    assert main(["from-megatron", "--cluster", "dgx-a100-80g", "--gpus", "64", "--json", "--",
+                 *command_tokens(flags)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["from_megatron"]["stack"] == "megatron-deepspeed"
+    # --stack still chooses; a missing JSON is said, not guessed
+    assert main(["from-megatron", "--cluster", "dgx-a100-80g", "--gpus", "64", "--stack", "megatron-core",
+                 "--json", "--", *command_tokens(flags.replace(str(ds), str(tmp_path / "gone.json"))),
+                 "--micro-batch-size", "1", "--global-batch-size", "512"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["from_megatron"]["stack"] == "megatron-core"
+    assert any("gone.json not read" in n for n in out["from_megatron"]["notes"])
+
+
+def test_deepspeeds_partition_by_type_counts_the_embeddings():
+    """BLOOM's 'type:transformer|embedding' on 70 blocks over pp=12: 72 units of 6, the end stages 5 blocks each
+    (the fidelity row's layout)."""
+    flags = ("--num-layers 70 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --vocab-size 50304 "
+             "--pipeline-model-parallel-size 12 --deepspeed --pp-partition-method type:transformer|embedding")
+    run = read_megatron(command_tokens(flags.replace("type:transformer|embedding", "'type:transformer|embedding'")))
+    assert counts(run.parallel.layout) == [5] + [6] * 10 + [5]
+    assert run.stack_set["uneven_stages"] is True
+    uneven = read_megatron(command_tokens(flags.replace("70", "71").replace("type:transformer|embedding",
+                                                                           "'type:transformer|embedding'")))
+    assert uneven.parallel.layout is None and any("balances the stages its own way" in n for n in uneven.notes)
