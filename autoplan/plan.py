@@ -24,6 +24,7 @@ SCHEMA_VERSION = 1
 _LATER_FIELDS: dict[str, tuple[str, ...]] = {
     "plan": ("stack", "runtime_semantics", "model_source", "profiles"),
     "model": ("rope_theta",),
+    "model.moe": ("pad_to_capacity",),
     "parallel": ("layout",),
     "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                  "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "runtime_memory",
@@ -34,7 +35,7 @@ _LATER_FIELDS: dict[str, tuple[str, ...]] = {
     "cluster.gpu.calibration": ("dtensor_param_us", "fused_call_us", "pipeline_action_us"),
 }
 # LayerProfile fields added after plans recorded profiles (false / 0 when unset)
-_LATER_PROFILE_FIELDS = ("param_tensors", "saves_after_last_gemm")
+_LATER_PROFILE_FIELDS = ("param_tensors", "saves_after_last_gemm", "moe_capacity")
 # Later training fields whose default changed after plans were written with the old one: the value that leaves them
 # out of the hash stays the old default, so those plans keep their hash (p2p_scatter_gather: true until session 21).
 _HASH_NEUTRAL: dict[str, object] = {"p2p_scatter_gather": True}
@@ -157,21 +158,29 @@ class Plan(_Frozen):
         for part, names in _LATER_FIELDS.items():
             obj = self
             for attr in () if part == "plan" else part.split("."):
-                obj = getattr(obj, attr)
+                obj = getattr(obj, attr) if obj is not None else None
+            if obj is None:  # an optional part the plan has none of (a dense model's moe)
+                continue
             unset = {n for n in names
                      if getattr(obj, n) == _HASH_NEUTRAL.get(n, type(obj).model_fields[n].get_default(
                          call_default_factory=True))}
             if part == "plan":
                 exclude.update(dict.fromkeys(unset, True))
-            elif unset:  # nested: {"cluster": {"gpu": {"calibration": {...}}}}
+            elif unset:  # nested: {"cluster": {"gpu": {"calibration": {...}}}}, "model" beside "model.moe"
                 where = exclude
                 *outer, last = part.split(".")
                 for attr in outer:
+                    if isinstance(where.get(attr), set):
+                        where[attr] = dict.fromkeys(where[attr], True)
                     where = where.setdefault(attr, {})
-                where[last] = unset
+                if isinstance(where.get(last), dict):
+                    where[last].update(dict.fromkeys(unset, True))
+                else:
+                    where[last] = unset
         # the same for fields added to LayerProfile after `profiles` (plans of session 15 recorded profiles
         # without a tensor count; saves_after_last_gemm came in session 23): left out of the hash while unset
-        unrecorded = {i: {n for n in _LATER_PROFILE_FIELDS if not getattr(p, n)}
+        unrecorded = {i: {n for n in _LATER_PROFILE_FIELDS
+                          if not getattr(p, n) or getattr(p, n) == type(p).model_fields[n].get_default()}
                       for i, p in enumerate(self.profiles or ())}
         unrecorded = {i: names for i, names in unrecorded.items() if names}
         if unrecorded:

@@ -92,7 +92,7 @@ def ep_routed_bytes(p: LayerProfile, ctx: Context) -> tuple[float, float]:
     """Bytes of one MoE layer's (dispatch, combine) all-to-all per micro-batch, forward or backward (the
     backward sends each gradient back the same way): the dispatched tokens are the norm's output
     (`residual_bytes`), the combined ones the experts' matmul outputs."""
-    routed = ctx.tokens * p.moe_top_k * p.hidden
+    routed = ctx.tokens * p.routed_per_token * p.hidden
     return routed * ctx.residual_bytes, routed * ctx.act_bytes
 
 
@@ -628,11 +628,11 @@ def runtime_saved_extra(p: LayerProfile, ctx: Context) -> tuple[float, float]:
     if p.act_kind == "swiglu" and ctx.training.kernels == "torch":
         per_token += p.act_elems / (1 if p.moe_top_k else ctx.tp)
     if p.moe_top_k:
-        per_token += p.moe_top_k * p.hidden
+        per_token += p.routed_per_token * p.hidden
     extra = ctx.tokens * per_token * ctx.act_bytes
     if p.moe_top_k and ctx.tp > 1:
         # 2-byte units as in profile._block: fc1 outputs, fc2 input, dispatched tokens, router probabilities
-        k, gated = p.moe_top_k, p.act_kind == "swiglu"
+        k, gated = p.routed_per_token, p.act_kind == "swiglu"
         moe_act = 2 * p.act_elems * (2 if gated else 1) + 2 * p.act_elems + 2 * p.hidden * k + 4 * p.moe_experts
         extra += ctx.tokens * moe_act * (1 - 1 / ctx.tp) * ctx.act_bytes / 2.0
     return extra + _norm_composite(p, ctx) + _sp_gathered(p, ctx), _core_saved(p, ctx)

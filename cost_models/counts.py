@@ -336,8 +336,8 @@ def _block_backward(p: LayerProfile, ctx: Context, training: TrainingSpec,
     if w2 is None:
         return tmp, 0.0
     if p.moe_top_k:
-        rows = ctx.tokens * p.moe_top_k * ctx.ep / p.moe_experts
-        routed = ctx.tokens * p.moe_top_k * p.hidden * e
+        rows = ctx.tokens * p.routed_per_token * ctx.ep / p.moe_experts
+        routed = ctx.tokens * p.routed_per_token * p.hidden * e
         return tmp + routed + 8 * rows * w2.k * e, routed + 3 * rows * w2.k * e
     if ctx.sp and ctx.tp > 1:
         # sequence parallelism: w2 (RowwiseParallel, its output reduce-scattered over the sequence) needs its
@@ -365,7 +365,7 @@ def _moe_dispatch_transients(p: LayerProfile, ctx: Context) -> float:
     the routed copies and the experts' outputs."""
     if not p.moe_top_k:
         return 0.0
-    return (5 if ctx.ep > 1 else 2) * ctx.tokens * p.moe_top_k * p.hidden * ctx.act_bytes
+    return (5 if ctx.ep > 1 else 2) * ctx.tokens * p.routed_per_token * p.hidden * ctx.act_bytes
 
 
 def pipeline_act(stages: list[StageCost], profiles: list[LayerProfile], ctx: Context, cfg: ParallelConfig,

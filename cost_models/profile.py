@@ -90,6 +90,8 @@ class LayerProfile(_Frozen):
     tp_allreduces: int = Field(default=0, description="h-wide activation all-reduces per forward (2 per block).")
     moe_top_k: int = Field(default=0, description="Experts per token (0 = dense).")
     moe_experts: int = Field(default=0, description="Experts in the layer.")
+    moe_capacity: float = Field(default=1.0, description="Rows each expert processes relative to the balanced load "
+                                "(MoESpec.routed_scale: the capacity factor where inputs are padded to it).")
     logits_per_token: int = Field(default=0, description="Vocabulary size of the logits (head only).")
     logits_gathered: bool = Field(
         default=False, description="Head only: the forward transforms the vocabulary-parallel head's logits "
@@ -106,6 +108,11 @@ class LayerProfile(_Frozen):
                                                                           description="MLP activation op.")
     act_elems: float = Field(default=0.0, description="Activation output elements per token (TP region).")
     rope_elems: float = Field(default=0.0, description="Elements of q and k rotated per token (TP region).")
+
+    @property
+    def routed_per_token(self) -> float:
+        """Expert rows (dispatched tokens) per input token: top_k, times the capacity where inputs are padded."""
+        return self.moe_top_k * self.moe_capacity
 
     def vocab_split(self, tp: int) -> int:
         """Over how many ranks the logits reach the loss split: tp for a vocabulary-parallel head whose logits the
@@ -161,7 +168,8 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
     ]
     top_k = model.moe.top_k if moe else 0
     n_exp = model.moe.num_experts if moe else 0
-    mlp_kw = dict(expert=True, tokens_per_token=float(top_k), count=n_exp) if moe else {}
+    cap = model.moe.routed_scale if moe else 1.0  # padded expert inputs: capacity x the balanced rows
+    mlp_kw = dict(expert=True, tokens_per_token=float(top_k) * cap, count=n_exp) if moe else {}
     if gated:
         gemms += [Gemm(name="w1", n=ffn, k=h, tp="col", **mlp_kw), Gemm(name="w3", n=ffn, k=h, tp="col", **mlp_kw)]
     else:
@@ -170,7 +178,7 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
     if moe:
         gemms.insert(4, Gemm(name="router", n=n_exp, k=h, tp="replicated"))
     qkv_out = (a + 2 * kv) * d
-    mult = max(top_k, 1)
+    mult = max(top_k, 1) * cap
     ffn_tot = ffn * mult * (2 if gated else 1)  # fc1 output elements per token
     # Parameters outside GEMMs: two norms (weight, +bias for LayerNorm); biases of col layers are sharded,
     # biases of row layers replicated.
@@ -189,13 +197,13 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
     if model.position == "rope":
         ew_tp += 2 * (a + kv) * d
     if moe:
-        ew_tp += 2 * h * top_k  # dispatch and combine permutations
+        ew_tp += 2 * h * top_k * cap  # dispatch and combine permutations
     # Saved activations (Korthikanti et al. 2022, sec. 4.1, generalised to GQA, SwiGLU and no-dropout):
     # norm inputs 2*2h, QKV input 2h, MLP input 2h, dropout masks 1 byte each: replicated across TP w/o SP.
     act_seq = 2 * 2 * h + 2 * h + 2 * h + (2 * h if dropout else 0)
     act_tp = 2 * qkv_out + 2 * a * d + 2 * ffn_tot * 1 + 2 * ffn * mult  # Q,K,V; proj input; fc1 out; fc2 in
     if moe:
-        act_tp += 2 * h * top_k + 4 * n_exp  # dispatched tokens, router probabilities (fp32)
+        act_tp += 2 * h * top_k * cap + 4 * n_exp  # dispatched tokens, router probabilities (fp32)
     # Unfused attention stores softmax output (2 bytes), dropout mask (1) and dropout output (2) per score.
     scores = a * (2 + (3 if dropout else 0))
     return LayerProfile(
@@ -210,7 +218,7 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
         kernels_fwd=len(gemms) + 6 + (2 if model.position == "rope" else 0) + (1 if model.position == "alibi" else 0)
         + (4 if moe else 0),
         act_tp=act_tp, act_seq=act_seq, act_scores_per_seq=scores, act_input=2 * h,
-        tp_allreduces=2, moe_top_k=top_k, moe_experts=n_exp,
+        tp_allreduces=2, moe_top_k=top_k, moe_experts=n_exp, moe_capacity=cap,
         saves_after_last_gemm=dropout,  # the hidden dropout after w2 keeps its mask (autoplan.zoo.model.Block)
         norm_kind=model.norm, norm_elems=2 * h, act_kind=model.activation, act_elems=ffn * mult,
         rope_elems=(a + kv) * d if model.position == "rope" else 0,

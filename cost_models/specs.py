@@ -56,10 +56,20 @@ class MoESpec(_Frozen):
     every_n_layers: int = Field(default=1, ge=1, description="Every n-th layer is MoE; the others stay dense.")
     capacity_factor: float = Field(
         default=1.0, gt=0, description="Tokens an expert accepts relative to a perfectly balanced load. autoplan "
-        "prices routing under a balanced load, dropless: a capacity of at least that load (>= 1) changes nothing, "
-        "and one below it, which drops tokens, is refused. (An expert input padded to its capacity, Megatron's "
-        "--moe-pad-expert-input-to-capacity, is not priced: the reader says so.)"
+        "prices routing under a balanced load, dropless: a capacity of at least that load (>= 1) changes nothing "
+        "unless the experts' inputs are padded to it (pad_to_capacity), and one below it, which drops tokens, is "
+        "refused."
     )
+    pad_to_capacity: bool = Field(
+        default=False, description="Every expert's input padded to its capacity (Megatron's "
+        "--moe-pad-expert-input-to-capacity): each expert computes, and the all-to-alls move, capacity_factor x "
+        "the balanced load. Megatron-style stacks only: autoplan's runtime routes dropless without padding."
+    )
+
+    @property
+    def routed_scale(self) -> float:
+        """Rows each expert processes relative to the balanced load: the capacity where inputs are padded to it."""
+        return self.capacity_factor if self.pad_to_capacity else 1.0
 
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
@@ -1035,6 +1045,13 @@ def check_config(
             "KV heads must divide by tp",
             f"{model.name} has {model.kv_heads} KV heads, tp={tp}",
             f"use tp<= {model.kv_heads} dividing it",
+        )
+    if model.moe is not None and model.moe.routed_scale != 1.0 and train.runtime_memory:
+        raise ConfigError(
+            "autoplan's runtime routes experts dropless without padding",
+            f"moe.pad_to_capacity with capacity_factor={model.moe.capacity_factor:g} on the stack of autoplan's "
+            "own runtime", "price Megatron's padded dispatch on its stack (--stack megatron-core), or drop "
+            "pad_to_capacity",
         )
     if model.ffn % tp:
         raise ConfigError(

@@ -164,6 +164,11 @@ def check_stack(plan) -> list[str]:
         return [f"plan {plan.short_hash} prices autoplan's fused kernels, which its model ({what}) does not run: "
                 "the model keeps its own modules and runs torch's ops; re-plan it (estimate and search price "
                 "torch's kernels for it)"]
+    moe = plan.model.moe
+    if moe is not None and moe.routed_scale != 1.0:
+        return [f"plan {plan.short_hash} prices experts padded to capacity {moe.capacity_factor:g} "
+                "(moe.pad_to_capacity), which autoplan's runtime does not run (it routes dropless, unpadded): "
+                "re-plan without pad_to_capacity to run it here, or `autoplan export` it for Megatron"]
     base = DEFAULT_STACK if plan.stack is None else plan.stack.split("+", 1)[0]
     if base != DEFAULT_STACK:
         return [f"plan {plan.short_hash} is priced for the {base} stack, not for autoplan's runtime, which is what "

@@ -161,6 +161,8 @@ def _megatron_model(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]
             f.append(("--moe-ffn-hidden-size", m.moe.expert_ffn_hidden_size))
         if m.moe.every_n_layers > 1:
             f.append(("--moe-layer-freq", m.moe.every_n_layers))
+        if m.moe.pad_to_capacity and m.moe.capacity_factor > 1:
+            f += [("--moe-expert-capacity-factor", m.moe.capacity_factor), ("--moe-pad-expert-input-to-capacity", None)]
         # The cost model prices expert routing as all-to-all (cost_models/comm.py); Megatron's default differs.
         f.append(("--moe-token-dispatcher-type", "alltoall"))
     if numerics is not None:  # the config's own flags replace any the shape implied (e.g. --moe-layer-freq)

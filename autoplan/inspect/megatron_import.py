@@ -275,9 +275,12 @@ def _model(r: _Reader, tp: int, seq: int, notes: list[str]) -> ModelSpec | None:
         if freq is not None and not freq.isdigit():
             raise ConfigError("--moe-layer-freq as a pattern is not expressible", f"got {freq}",
                               "write every n-th layer as an integer n (autoplan's every_n_layers)")
+        cf = r.float("--moe-expert-capacity-factor", None)
+        pad_experts = cf is not None and cf > 1 and r.has("--moe-pad-expert-input-to-capacity")
         moe = _built(MoESpec, num_experts=experts, top_k=r.int("--moe-router-topk", 2),
                       expert_ffn_hidden_size=r.int("--moe-ffn-hidden-size"),
-                      every_n_layers=int(freq) if freq else 1)
+                      every_n_layers=int(freq) if freq else 1,
+                      **({"capacity_factor": cf, "pad_to_capacity": True} if pad_experts else {}))
     return _built(
         ModelSpec, name="megatron-args", num_layers=layers, hidden_size=h, num_attention_heads=heads, num_kv_heads=kv,
         head_dim=r.int("--kv-channels"), ffn_hidden_size=ffn, vocab_size=padded,
@@ -385,8 +388,8 @@ def _standalone_embedding(layers: int | None, pp: int, vp: int, layout: str | No
 def _capacity_note(r: _Reader, notes: list[str]) -> None:
     """--moe-expert-capacity-factor (absent: dropless, Megatron-Core's default): autoplan prices routing under a
     balanced load, where a capacity of at least that load drops nothing (MoESpec.capacity_factor). Below it
-    tokens are dropped; padded to it (--moe-pad-expert-input-to-capacity) every expert computes cf x the balanced
-    load: neither is priced, and the note says so."""
+    tokens are dropped (not priced: the note says so); padded to it (--moe-pad-expert-input-to-capacity) every expert
+    computes cf x the balanced load (priced: MoESpec.pad_to_capacity, which the note names)."""
     cf = r.float("--moe-expert-capacity-factor", None)
     if cf is None:
         return
@@ -394,8 +397,8 @@ def _capacity_note(r: _Reader, notes: list[str]) -> None:
         notes.append(f"--moe-expert-capacity-factor {cf:g} drops tokens over the capacity: priced dropless (more "
                      "expert work than runs)")
     elif cf > 1 and r.has("--moe-pad-expert-input-to-capacity"):
-        notes.append(f"--moe-pad-expert-input-to-capacity at capacity factor {cf:g}: each expert computes {cf:g} x "
-                     "the balanced load; priced at the balanced load (less expert work than runs)")
+        notes.append(f"--moe-pad-expert-input-to-capacity at capacity factor {cf:g}: each expert computes, and the "
+                     f"all-to-alls move, {cf:g} x the balanced load (moe.pad_to_capacity)")
 
 
 def _deepspeed_config(r: _Reader, notes: list[str]) -> None:

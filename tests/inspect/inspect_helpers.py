@@ -39,14 +39,15 @@ def megatron_parser() -> argparse.ArgumentParser:
                  "--pipeline-model-parallel-layout", "--fp8-format", "--ckpt-format", "--attention-backend",
                  "--moe-token-dispatcher-type", "--data-parallel-sharding-strategy"):
         ap.add_argument(flag)
-    for flag in ("--hidden-dropout", "--attention-dropout"):
+    for flag in ("--hidden-dropout", "--attention-dropout", "--moe-expert-capacity-factor"):
         ap.add_argument(flag, type=float)
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--bf16", "--fp16", "--use-flash-attn",
                  "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap", "--swiglu",
                  "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--group-query-attention",
                  "--accumulate-allreduce-grads-in-fp32", "--use-torch-fsdp2", "--squared-relu",
                  "--grad-reduce-in-bf16", "--use-megatron-fsdp", "--no-align-grad-reduce", "--no-overlap-p2p-communication",
-                 "--cross-entropy-loss-fusion", "--no-gradient-accumulation-fusion"):
+                 "--cross-entropy-loss-fusion", "--no-gradient-accumulation-fusion",
+                 "--moe-pad-expert-input-to-capacity"):
         ap.add_argument(flag, action="store_true")
     return ap
 

@@ -403,3 +403,23 @@ def test_deepspeeds_partition_by_type_counts_the_embeddings():
     uneven = read_megatron(command_tokens(flags.replace("70", "71").replace("type:transformer|embedding",
                                                                            "'type:transformer|embedding'")))
     assert uneven.parallel.layout is None and any("balances the stages its own way" in n for n in uneven.notes)
+
+
+def test_experts_padded_to_capacity_export_and_read_back(capsys):
+    """A plan priced with Megatron's padded dispatch exports --moe-expert-capacity-factor and
+    --moe-pad-expert-input-to-capacity, and reads back to the same padded experts and prediction."""
+    mix = load_model("mixtral-8x7b")
+    model = mix.model_copy(update={"moe": mix.moe.model_copy(update={"capacity_factor": 1.25,
+                                                                      "pad_to_capacity": True})})
+    cluster = load_cluster("dgx-h100", gpus=64)
+    tr = apply_stack(TrainingSpec(global_batch_size=256, seq_length=4096, dtype="bf16"), "megatron-core", {})
+    plan = plan_from_estimate(model, cluster, tr, estimate_config(model, cluster, tr,
+                                                                  "tp=2,pp=4,ep=8,mbs=1,sp=1,zero=1,recompute=full"))
+    d = export_megatron(plan)
+    assert d["flags"]["--moe-expert-capacity-factor"] == 1.25 and d["flags"]["--moe-pad-expert-input-to-capacity"]
+    run = read_megatron(command_tokens(d["command"]))
+    assert (run.model.moe.capacity_factor, run.model.moe.pad_to_capacity) == (1.25, True)
+    assert any("1.25 x the balanced load" in n for n in run.notes)
+    assert main(["from-megatron", "--cluster", "dgx-h100", "--json", "--", *command_tokens(d["command"])]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step_time_s"] == pytest.approx(plan.prediction.step_time_s, rel=0.01)

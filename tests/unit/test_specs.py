@@ -238,3 +238,40 @@ def test_rope_theta_from_presets_spec_files_and_hf_configs(tmp_path):
     assert model_from_hf_config(dict(HF["gpt2"], rope_theta=5.0)).rope_theta == 10000.0  # learned positions
     with pytest.raises(SpecError, match="rope_theta must be a number"):
         model_from_hf_config(dict(HF["llama"], rope_theta="big"))
+
+
+def test_experts_padded_to_capacity_price_capacity_times_the_balanced_rows():
+    """Megatron's --moe-pad-expert-input-to-capacity: every expert computes capacity_factor x the balanced load
+    and the all-to-alls carry the padding. Priced exactly that: expert FLOPs and routed bytes x cf, nothing else;
+    refused on the stack of autoplan's runtime, which routes dropless and unpadded (one program)."""
+    import pytest
+
+    from autoplan.cost_models.errors import ConfigError
+    from autoplan.cost_models.profile import profile_from_spec
+    from autoplan.cost_models.specs import ModelSpec, MoESpec, TrainingSpec
+    from autoplan.cost_models.stacks import apply_stack
+    from autoplan.estimate_api import estimate_config
+    from autoplan.specs import load_cluster
+
+    base = dict(name="m", num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32000,
+                max_seq_length=2048, activation="swiglu", norm="rmsnorm", position="rope")
+    plain = ModelSpec(**base, moe=MoESpec(num_experts=8, top_k=2, capacity_factor=1.5))
+    padded = ModelSpec(**base, moe=MoESpec(num_experts=8, top_k=2, capacity_factor=1.5, pad_to_capacity=True))
+    bp, bq = (next(p for p in profile_from_spec(m) if p.kind == "block") for m in (plain, padded))
+    experts = [g for g in bp.gemms if g.expert]
+    assert experts and all(gq.flops_per_token == pytest.approx(1.5 * gp.flops_per_token)
+                           for gp, gq in zip(bp.gemms, bq.gemms, strict=True) if gp.expert)
+    assert all(gq.flops_per_token == gp.flops_per_token for gp, gq in zip(bp.gemms, bq.gemms, strict=True)
+               if not gp.expert)  # attention and the router untouched
+    assert bq.routed_per_token == 3.0 and bp.routed_per_token == 2.0
+    cluster = load_cluster("dgx-h100", gpus=16)
+    tr = apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048), "megatron-core", {})
+    cfg = "tp=1,pp=1,ep=8,mbs=1,zero=1"
+    slow, fast = (estimate_config(m, cluster, tr, cfg) for m in (padded, plain))
+    assert slow.step_time_s > fast.step_time_s
+    # tp = cp = 1: the exposed collectives of the layers are the experts' all-to-alls, 1.5x the bytes
+    assert slow.breakdown["tp_cp_ep_comm"] > 1.2 * fast.breakdown["tp_cp_ep_comm"] > 0
+    assert MoESpec(num_experts=8, capacity_factor=1.0, pad_to_capacity=True).routed_scale == 1.0  # nothing to pad
+    with pytest.raises(ConfigError, match="routes experts dropless without padding"):
+        estimate_config(padded, cluster, apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048),
+                                                     "autoplan", {}), cfg)
