@@ -240,6 +240,10 @@ def read_titan(cfg: dict, gpus: int, num_layers: int | None = None) -> tuple[Meg
     for c in converters:
         if c not in ("float8", "quantize.linear.float8"):
             notes.append(f"model converter {c!r} is not priced")
+    f8 = ((cfg.get("quantize") or {}).get("linear") or {}).get("float8") or cfg.get("float8") or {}
+    if dtype == "fp8" and f8.get("enable_fsdp_float8_all_gather"):
+        notes.append("enable_fsdp_float8_all_gather: FSDP2 gathers the Float8 linears' weights in fp8, priced as "
+                     "16-bit gathers (more gather traffic than runs)")
     compiled = bool(comp.get("enable", tr.get("compile", False))) and "model" in comp.get("components", ["model"])
     knobs: dict[str, object] = {"kernels": "fused" if compiled else "torch",
                                 "tp_comm_overlap": bool(par.get("enable_async_tensor_parallel", False)) and tp > 1,

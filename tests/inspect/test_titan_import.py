@@ -118,6 +118,10 @@ def test_defaults_and_torchtitans_own_rules(tmp_path):
     run, _ = read_titan(load_titan(path, ["parallelism.tensor_parallel_degree=8",
                                           "activation_checkpoint.selective_ac_option=op"]), 64)
     assert (run.parallel.tp, run.parallel.dp, run.parallel.recompute) == (8, 8, "selective")
+    # Float8 through the converter, and its fp8 weight gathers said (not priced)
+    run, _ = read_titan(load_titan(path, ['model.converters=["float8"]',
+                                          "quantize.linear={float8 = {enable_fsdp_float8_all_gather = true}}"]), 64)
+    assert run.dtype == "fp8" and any("enable_fsdp_float8_all_gather" in n for n in run.notes)
 
 
 def test_the_fidelity_row_comes_out_as_the_benchmark_prices_it(tmp_path, capsys):
