@@ -402,7 +402,12 @@ def _control(stmt: str, st: _State, blocks: list[_Block]) -> str:
         if word == "else" and blocks:
             top = blocks[-1]
             top.active = None if top.taken is None else not top.taken
-        elif word in ("case", "for", "while", "until", "select"):
+        elif word in ("while", "until"):  # a loop whose test is decided false (true for until) never runs
+            r = _condition(rest, st)
+            runs = None if r is None else (r if word == "while" else not r)
+            blocks.append(_Block(active=False if runs is False else None, taken=None))
+            return ""
+        elif word in ("case", "for", "select"):
             blocks.append(_Block(active=None, taken=None))
             return ""
         elif word in ("fi", "esac", "done"):

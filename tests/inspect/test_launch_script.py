@@ -128,6 +128,16 @@ def test_a_command_inside_bash_c_and_a_heredoc_is_found():
     assert _flag(w, "--num-layers") == "4" and _flag(w, "--vocab-size") == "1000"
 
 
+def test_an_argument_loop_does_not_run_without_arguments():
+    """`while [[ $# -gt 0 ]]; do case $1 in ...` (Megatron-LM's gpt-oss example): the script has no arguments
+    here, so the loop never runs and its assignments are not read as if they had."""
+    script = ('CKPT=ckpt\nwhile [[ $# -gt 0 ]]; do\n  case $1 in\n    --ckpt)\n      CKPT="$2"\n      shift 2\n'
+              '      ;;\n  esac\ndone\npython pretrain_gpt.py --num-layers 2 --save $CKPT\n')
+    cmd = read_script(script, env={})
+    assert _flag(cmd.words, "--save") == "ckpt"
+    assert not any("branch" in n for n in cmd.notes)
+
+
 def test_a_sourced_file_is_said_not_followed():
     script = ". `pwd`/CONFIG.sh\nsource ./env.sh\npython pretrain_gpt.py --num-layers 4 --seq-length 128\n"
     note = " ".join(read_script(script, env={}).notes)
