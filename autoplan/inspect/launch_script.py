@@ -570,14 +570,15 @@ def _slurm_tasks(text: str, words: list[str], env: Mapping[str, str]) -> int | N
     """The number of processes srun starts, where it starts the training script itself (no torchrun under it:
     one process per GPU): srun's -n / -N x --ntasks-per-node, else the script's #SBATCH lines', the node count
     else from the allocation's environment (SLURM_NNODES); None where the node count is not written down."""
-    if "srun" not in words or any(w in ("torchrun", "torch.distributed.run", "torch.distributed.launch")
-                                  for w in words):
+    names = [w.rsplit("/", 1)[-1] for w in words]
+    if "srun" not in names or any(w in ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+                                  for w in names):
         return None
     directives: list[str] = []
     for line in text.splitlines():
         if line.startswith("#SBATCH"):
             directives += shlex.split(line[len("#SBATCH"):], comments=True)
-    at = words.index("srun")
+    at = names.index("srun")
     end = next((j for j, w in enumerate(words) if w.endswith(".py")), len(words))
     opts = {**_slurm_options(directives), **_slurm_options(words[at + 1:end])}
     if "ntasks" in opts:

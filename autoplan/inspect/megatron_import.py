@@ -420,15 +420,22 @@ def _deepspeed_config(r: _Reader, notes: list[str]) -> None:
         return
     if not isinstance(ds, dict):
         raise ConfigError("the DeepSpeed config is not a JSON object", f"{path}", "pass DeepSpeed's JSON config")
+    def table(key: str) -> dict:
+        v = ds.get(key) or {}
+        if not isinstance(v, dict):
+            raise ConfigError(f"the DeepSpeed config's {key} is not an object", f"{path}: {key} = {v!r}",
+                              f'write "{key}": {{...}} as DeepSpeed takes it')
+        return v
+
     fill = {"--micro-batch-size": ds.get("train_micro_batch_size_per_gpu"),
             "--global-batch-size": ds.get("train_batch_size"),
-            "--zero-stage": (ds.get("zero_optimization") or {}).get("stage")}
+            "--zero-stage": table("zero_optimization").get("stage")}
     for flag, value in fill.items():
         if isinstance(value, int) and not isinstance(value, bool) and not r.has(flag):
             r.f[flag] = [str(value)]
             notes.append(f"{flag} {value} from --deepspeed_config {path}")
     for key, flag in (("bf16", "--bf16"), ("fp16", "--fp16")):
-        if (ds.get(key) or {}).get("enabled") is True and not (r.has("--bf16") or r.has("--fp16")):
+        if table(key).get("enabled") is True and not (r.has("--bf16") or r.has("--fp16")):
             r.f[flag] = []
             notes.append(f"{flag} from --deepspeed_config {path}")
 

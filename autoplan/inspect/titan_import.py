@@ -84,6 +84,15 @@ def load_titan(path: str | Path, sets: list[str] | None = None) -> dict:
     return cfg
 
 
+def _table(cfg: dict, name: str) -> dict:
+    """Section `name` of the config ({} where absent); one that is not a table is refused naming it."""
+    sec = cfg.get(name, {})
+    if not isinstance(sec, dict):
+        raise ConfigError(f"[{name}] must be a table in a torchtitan config", f"{name} = {sec!r}",
+                          f"write it as a [{name}] section")
+    return sec
+
+
 def _int(sec: dict, key: str, default: int, where: str) -> int:
     v = sec.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int):
@@ -149,15 +158,15 @@ def read_titan(cfg: dict, gpus: int, num_layers: int | None = None) -> tuple[Meg
     """A torchtitan job config on `gpus` GPUs in autoplan's terms, and the model preset its [model] names (None:
     no preset; `num_layers`, from --model, places the pipeline stages then)."""
     notes: list[str] = []
-    model = cfg.get("model") or {}
+    model = _table(cfg, "model")
     name, flavor = model.get("name", "llama3"), str(model.get("flavor", "debugmodel"))
     preset = _PRESETS.get((name, flavor))
     if preset is not None:
         from autoplan.specs import load_model
 
         num_layers = num_layers or load_model(preset).num_layers
-    tr, par = cfg.get("training") or {}, cfg.get("parallelism") or {}
-    ac, comp = cfg.get("activation_checkpoint") or {}, cfg.get("compile") or {}
+    tr, par = _table(cfg, "training"), _table(cfg, "parallelism")
+    ac, comp = _table(cfg, "activation_checkpoint"), _table(cfg, "compile")
     rep = _int(par, "data_parallel_replicate_degree", 1, "parallelism")
     tp = _int(par, "tensor_parallel_degree", 1, "parallelism")
     pp = _int(par, "pipeline_parallel_degree", 1, "parallelism")

@@ -204,6 +204,11 @@ def test_an_srun_script_prices_as_the_fidelity_row_of_the_same_run(tmp_path, cap
     assert "the script's training command has no --flags here" in capsys.readouterr().err
 
 
+def test_srun_by_its_path_counts_its_tasks():
+    script = "#SBATCH --nodes=4 --ntasks-per-node=8\n/usr/bin/srun python pretrain_gpt.py --num-layers 2\n"
+    assert read_script(script, env={}).gpus == 32
+
+
 def test_a_bare_python_launch_is_one_process():
     words = read_script("python pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
                         "--seq-length 128 --vocab-size 100 $@\n", env={}).words

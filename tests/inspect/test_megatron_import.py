@@ -390,6 +390,9 @@ def test_megatron_deepspeed_commands_price_on_deepspeeds_stack(tmp_path, capsys)
     out = json.loads(capsys.readouterr().out)
     assert out["from_megatron"]["stack"] == "megatron-core"
     assert any("gone.json not read" in n for n in out["from_megatron"]["notes"])
+    ds.write_text(json.dumps({"bf16": True}))  # not DeepSpeed's form: refused naming the key, not a traceback
+    with pytest.raises(ConfigError, match="the DeepSpeed config's bf16 is not an object"):
+        read_megatron(command_tokens(flags))
 
 
 def test_deepspeeds_partition_by_type_counts_the_embeddings():

@@ -153,6 +153,7 @@ def test_the_fidelity_row_comes_out_as_the_benchmark_prices_it(tmp_path, capsys)
     ('[model]\nname = "llama3"\nflavor = "8B"\n', ["tensor_parallel_degree=8"], "SECTION.KEY=VALUE"),
     ('[model\nname = ', [], "not valid TOML"),
     ('title = "x"\n', [], "not a torchtitan job config"),
+    ('model = "llama3"\n[parallelism]\ntensor_parallel_degree = 2\n', [], "must be a table in a torchtitan config"),
 ])
 def test_what_cannot_be_read_is_refused_in_one_line(text, sets, needle, tmp_path, capsys):
     path = tmp_path / "job.toml"
