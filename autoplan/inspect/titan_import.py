@@ -33,11 +33,11 @@ else:  # pragma: no cover - Python 3.10 (pyproject: tomli there)
 _PRESETS = {("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b", ("llama3", "405B"): "llama3-405b"}
 _SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved"}
 _SINGLE_STAGE = {"1F1B", "GPipe"}  # torch's PipelineScheduleSingle subclasses among those read
-# What is read, per section; every other key is listed as not read (priced as if absent)
+# What is read, per section; every other key is listed as not read (priced as if absent), but for _QUIET_KEYS
 _READ = {
-    "model": {"name", "flavor", "converters", "hf_assets_path", "tokenizer_path"},
+    "model": {"name", "flavor", "converters"},
     "training": {"local_batch_size", "batch_size", "global_batch_size", "seq_len", "mixed_precision_param",
-                 "mixed_precision_reduce", "steps", "dataset", "dataset_path", "max_norm", "compile"},
+                 "mixed_precision_reduce", "compile"},
     "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
                     "tensor_parallel_degree", "enable_async_tensor_parallel", "pipeline_parallel_degree",
                     "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size",
@@ -47,6 +47,9 @@ _READ = {
     "activation_checkpoint": {"mode", "selective_ac_option", "early_stop"},
     "compile": {"enable", "components", "backend"},
 }
+# Keys of read sections that change nothing a step's cost is made of (paths, data, the run's length, clipping)
+_QUIET_KEYS = {"model": {"hf_assets_path", "tokenizer_path"},
+               "training": {"steps", "dataset", "dataset_path", "max_norm"}}
 # Sections that change nothing a step's cost is made of (logging, checkpoints, data, the optimizer's numerics)
 _QUIET = {"job", "profiling", "metrics", "optimizer", "lr_scheduler", "checkpoint", "validation", "comm",
           "fault_tolerance", "experimental", "memory_estimation", "debug", "dataloader"}
@@ -274,7 +277,7 @@ def read_titan(cfg: dict, gpus: int, num_layers: int | None = None) -> tuple[Meg
     if tp > 1:
         notes.append("sequence parallelism with tp: torchtitan 0.2 always shards the norms' sequence with TP")
     unpriced = sorted(f"{s}.{k}" for s, sec in cfg.items() if isinstance(sec, dict) and s in _READ
-                      for k in sec if k not in _READ[s])
+                      for k in sec if k not in _READ[s] and k not in _QUIET_KEYS.get(s, ()))
     unpriced += sorted(s for s in cfg if s not in _READ and s not in _QUIET and s not in ("float8", "quantize"))
     if preset is None:
         notes.append(f"model {name} {flavor}: no autoplan preset (the llama3 8B / 70B / 405B flavours have one)")
