@@ -374,6 +374,20 @@ def _titan_stage_layout(plan: Plan, head: str) -> dict[str, object]:
     return {"module_fqns_per_model_part": _titan_stage_layout_explicit(plan, head)}
 
 
+def titan_sac_counts(n: int, chunks: list[tuple[int, int]]) -> list[int]:
+    """The blocks torchtitan 0.2's layer-selective AC (`selective_ac_option = "n"`) checkpoints in each model chunk,
+    `chunks` being (pipeline rank, blocks) in stage order: one counter per process runs across a rank's chunks and
+    checkpoints the blocks it reaches at multiples of n (activation_checkpoint.py at v0.2.2, `_layer_sac_count %
+    ac_freq == 0`), so a chunk after c blocks on its rank holding b checkpoints floor((c + b) / n) - floor(c / n)."""
+    seen: dict[int, int] = {}
+    out = []
+    for rank, b in chunks:
+        c = seen.get(rank, 0)
+        out.append((c + b) // n - c // n)
+        seen[rank] = c + b
+    return out
+
+
 def titan_layer_sac(plan: Plan) -> int | None:
     """The n of torchtitan 0.2's layer-selective AC (`selective_ac_option = "n"`) that checkpoints as many blocks
     of each stage as the plan recomputes in full, the others plain; None where no n does. torchtitan counts the
@@ -386,14 +400,10 @@ def titan_layer_sac(plan: Plan) -> int | None:
         return None
     if all(s.recompute_layers >= s.num_layers for s in stages):
         return None  # every block: mode full
+    ordered = sorted(stages, key=lambda s: s.index)
+    want = [min(s.recompute_layers, s.num_layers) for s in ordered]
     for n in range(2, max(s.num_layers for s in stages) + 2):
-        seen: dict[int, int] = {}
-        ok = True
-        for s in sorted(stages, key=lambda s: s.index):
-            c = seen.get(s.pp_rank, 0)
-            ok = ok and (c + s.num_layers) // n - c // n == min(s.recompute_layers, s.num_layers)
-            seen[s.pp_rank] = c + s.num_layers
-        if ok:
+        if titan_sac_counts(n, [(s.pp_rank, s.num_layers) for s in ordered]) == want:
             return n
     return None
 

@@ -175,13 +175,13 @@ def _quote_in_double(value: str) -> str:
     return re.sub(r'(["\\$`])', r"\\\1", value)
 
 
-def _expand(text: str, st: _State, quoted: bool = False, join: bool = False) -> tuple[str, bool]:
+def _expand(text: str, st: _State, join: bool = False) -> tuple[str, bool]:
     """`text` with its expansions substituted, as text shlex can split into bash's words; and whether something
-    stayed as written (a command substitution, a positional parameter, an unknown form). `quoted`: the text is
-    inside double quotes already; `join`: an assignment's value, where "${A[@]}" is one word, as in bash."""
+    stayed as written (a command substitution, a positional parameter, an unknown form). `join`: an assignment's
+    value, where "${A[@]}" is one word, as in bash."""
     out: list[str] = []
     kept = False
-    i, single, double = 0, False, quoted
+    i, single, double = 0, False, False
     while i < len(text):
         c = text[i]
         if single:

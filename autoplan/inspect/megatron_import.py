@@ -450,10 +450,9 @@ def _deepspeed_partition(r: _Reader, layers: int | None, pp: int, notes: list[st
         return None
     units = layers + 2
     if method.startswith("type:") and "embedding" in method.split(":", 1)[1].split("|") and units % pp == 0:
-        per = units // pp
-        from autoplan.cost_models.layout import normalize
+        from autoplan.cost_models.layout import uneven
 
-        return normalize(f"Et*{per - 1}|" + "".join(f"t*{per}|" for _ in range(pp - 2)) + f"t*{per - 1}L")
+        return uneven(layers, pp, 1, units // pp - 1, units // pp - 1)  # the end ranks hold an embedding each
     notes.append(f"--pp-partition-method {method}: DeepSpeed balances the stages its own way; priced as even "
                  "transformer stages (write --layout to price its split)")
     return None

@@ -141,15 +141,14 @@ def _layout(parts: list[list[str]], num_layers: int) -> str:
 
 
 def _layer_sac(n: int, parts: list[list[str]], pp: int) -> int:
-    """torchtitan 0.2's layer-selective AC checkpoints the blocks a per-process counter reaches at multiples of n,
-    across a rank's chunks in stage order: each rank's count must be the same to be one recompute_layers."""
+    """The blocks torchtitan 0.2's layer-selective AC checkpoints on each pipeline rank (`export.titan_sac_counts`,
+    stage k on rank k mod pp): each rank's count must be the same to be one recompute_layers."""
+    from .export import titan_sac_counts
+
+    chunks = [(k % pp, sum(1 for m in p if m.startswith("layers."))) for k, p in enumerate(parts)]
     per_rank: dict[int, int] = {}
-    seen: dict[int, int] = {}
-    for k, p in enumerate(parts):
-        rank, b = k % pp, sum(1 for m in p if m.startswith("layers."))
-        c = seen.get(rank, 0)
-        per_rank[rank] = per_rank.get(rank, 0) + (c + b) // n - c // n
-        seen[rank] = c + b
+    for (rank, _), count in zip(chunks, titan_sac_counts(n, chunks), strict=True):
+        per_rank[rank] = per_rank.get(rank, 0) + count
     if len(set(per_rank.values())) != 1:
         raise ConfigError("layer-selective AC checkpoints a different number of blocks on each pipeline rank",
                           f"selective_ac_option {n}: " + ", ".join(f"rank {r}: {v}" for r, v in per_rank.items()),
