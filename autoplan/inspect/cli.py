@@ -217,14 +217,16 @@ def cmd_from_megatron(args: argparse.Namespace) -> int:
     from .launch_script import read_script
     from .megatron_import import read_megatron
 
-    script = read_script(_script_text(args.script), os.environ) if args.script else None
+    script = read_script(_script_text(args.script), os.environ, path=args.script, cwd=os.getcwd()) \
+        if args.script else None
     tokens = [*(script.words if script else []), *(getattr(args, "extra_args", None) or [])]
     if not tokens:
         raise ConfigError("no Megatron flags given", "nothing after -- and no --script",
                           "pass the flags after --, or the launch script with --script FILE")
     from ..workload import resolve_model
 
-    run = read_megatron(tokens, resolve_model(args.model)[0] if args.model else None)
+    run = read_megatron(tokens, resolve_model(args.model)[0] if args.model else None,
+                        files=script.files if script else None)
     if args.stack is None:
         args.stack = run.stack or "megatron-core"
         if run.stack:

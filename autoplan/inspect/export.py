@@ -149,6 +149,9 @@ def _megatron_model(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]
         f.append(("--position-embedding-type", "rope"))
         if numerics is None:  # a zoo model: its spec's rotary base (a config's comes with its numerics)
             f.append(rotary_base_flag(m.rope_theta, warnings))
+    elif m.position == "alibi":
+        warnings.append("ALiBi positions: Megatron-LM has none (Megatron-DeepSpeed's --position-embedding-type alibi "
+                        "does); the command runs learned absolute positions, a little more memory and no bias add")
     if not m.tie_embeddings:
         f.append(("--untie-embeddings-and-output-weights", None))
     if numerics is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -51,7 +52,7 @@ _READ = {
     "--moe-pad-expert-input-to-capacity", "--quick-geglu", "--no-gradient-accumulation-fusion",
     "--window-attn-skip-freq",  # said with --window-size (_EFFECTS)
     "--activations-checkpoint-method", "--activations-checkpoint-num-layers", "--DDP-impl",
-    "--deepspeed", "--deepspeed-config", "--zero-stage", "--pp-partition-method",
+    "--deepspeed", "--deepspeed-config", "--zero-stage", "--pp-partition-method", "--pad-vocab-size-to",
 }
 # Flags that change what Megatron runs in ways the cost model does not price: each gets a note saying which way the
 # price is off, instead of a place in the "not read" list.
@@ -248,19 +249,32 @@ def _model(r: _Reader, tp: int, seq: int, notes: list[str]) -> ModelSpec | None:
     tokenizer = r.value("--tokenizer-type")
     if vocab is None and tokenizer in _TOKENIZER_VOCAB:
         vocab = _TOKENIZER_VOCAB[tokenizer]
-    if vocab is None:
+    # Megatron-DeepSpeed's --pad-vocab-size-to N (bigscience-workshop/Megatron-DeepSpeed, megatron/tokenizer/
+    # tokenizer.py `_vocab_size_with_padding`: "after = args.pad_vocab_size_to", refused below the tokenizer's size):
+    # the embedding's rows, whatever the tokenizer's files hold (BLOOM: 250880)
+    pad_to = r.int("--pad-vocab-size-to")
+    if vocab is None and pad_to is None:
         raise ConfigError("the vocabulary size is not in the flags", "Megatron reads it from the tokenizer's files",
                           "add --vocab-size N (the tokenizer's size, e.g. 128256 for Llama 3, 32000 for Llama 2)")
-    multiple = r.int("--make-vocab-size-divisible-by", _MAKE_VOCAB_DIVISIBLE_BY) * tp
-    padded = int(math.ceil(vocab / multiple) * multiple)  # vocab_size_with_padding
-    if padded != vocab:
-        notes.append(f"vocabulary {vocab} padded to {padded} (a multiple of "
-                     f"{multiple // tp} x tp, as Megatron pads it)")
+    if pad_to is not None:
+        if vocab is not None and pad_to < vocab:
+            raise ConfigError("--pad-vocab-size-to is below the vocabulary", f"{pad_to} < {vocab}",
+                              f"pad to at least {vocab}, as Megatron-DeepSpeed requires")
+        padded = pad_to
+        notes.append(f"vocabulary {pad_to}: --pad-vocab-size-to (Megatron-DeepSpeed pads the tokenizer's to it)")
+    else:
+        multiple = r.int("--make-vocab-size-divisible-by", _MAKE_VOCAB_DIVISIBLE_BY) * tp
+        padded = int(math.ceil(vocab / multiple) * multiple)  # vocab_size_with_padding
+        if padded != vocab:
+            notes.append(f"vocabulary {vocab} padded to {padded} (a multiple of "
+                         f"{multiple // tp} x tp, as Megatron pads it)")
     kv = r.int("--num-query-groups") if r.has("--group-query-attention") else None
-    position = {"rope": "rope", "learned_absolute": "learned", None: "learned"}.get(r.value("--position-embedding-type"))
+    # alibi: Megatron-DeepSpeed's (bigscience-workshop fork, PositionEmbeddingType.alibi; BLOOM)
+    position = {"rope": "rope", "learned_absolute": "learned", "alibi": "alibi",
+                None: "learned"}.get(r.value("--position-embedding-type"))
     if position is None:
         raise ConfigError("unsupported --position-embedding-type", f"got {r.value('--position-embedding-type')}",
-                          "autoplan prices rope and learned_absolute positions")
+                          "autoplan prices rope, learned_absolute and (Megatron-DeepSpeed's) alibi positions")
     norm = r.value("--normalization") or "LayerNorm"
     if norm not in ("LayerNorm", "RMSNorm"):
         raise ConfigError("unsupported --normalization", f"got {norm}", "autoplan prices LayerNorm and RMSNorm")
@@ -401,19 +415,26 @@ def _capacity_note(r: _Reader, notes: list[str]) -> None:
                      f"all-to-alls move, {cf:g} x the balanced load (moe.pad_to_capacity)")
 
 
-def _deepspeed_config(r: _Reader, notes: list[str]) -> None:
+def _deepspeed_config(r: _Reader, notes: list[str], files: Mapping[str, str]) -> None:
     """Megatron-DeepSpeed (--deepspeed): the DeepSpeed JSON's batch, ZeRO stage and precision fill the flags the
     command leaves out, as DeepSpeed's engine takes them (train_micro_batch_size_per_gpu, train_batch_size,
-    zero_optimization.stage, bf16 / fp16 .enabled); --zero-stage is Megatron-DeepSpeed's own flag for the stage."""
+    zero_optimization.stage, bf16 / fp16 .enabled); --zero-stage is Megatron-DeepSpeed's own flag for the stage.
+    A file the launch script writes (`files`, a here-document) is read as the script leaves it."""
     import json
     from pathlib import Path
 
-    path = r.value("--deepspeed-config")
+    written = r.f.get("--deepspeed-config") or []
+    # a path the script both writes and passes is the same file whatever its unexpanded parts ($SLURM_JOB_ID) hold
+    path = written[0] if len(written) == 1 and written[0] in files else r.value("--deepspeed-config")
     if path is None:
         notes.append("--deepspeed without --deepspeed_config: the flags alone are read")
         return
     try:
-        ds = json.loads(Path(path).read_text())
+        if path in files:
+            notes.append(f"--deepspeed_config {path}: as the script writes it (a here-document)")
+            ds = json.loads(files[path])
+        else:
+            ds = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         notes.append(f"--deepspeed_config {path} not read ({getattr(e, 'strerror', None) or e}): the flags alone are "
                      "read; run from the folder the path is relative to")
@@ -458,9 +479,18 @@ def _deepspeed_partition(r: _Reader, layers: int | None, pp: int, notes: list[st
     return None
 
 
-def _zero(r: _Reader) -> int:
+def _zero(r: _Reader, notes: list[str]) -> int:
     if r.has("--deepspeed"):  # DeepSpeed's ZeRO (its pipeline engine takes stages 0 and 1)
-        return r.int("--zero-stage", 0)
+        stage = r.int("--zero-stage", 0)
+        if stage == 0 and r.has("--bf16"):
+            # DeepSpeed's engine runs bf16 without ZeRO through BF16_Optimizer (runtime/engine.py
+            # `_configure_bf16_optimizer`), which keeps the fp32 master and Adam states partitioned over the
+            # data-parallel group and all-gathers the bf16 weights after its step (runtime/bf16_optimizer.py): ZeRO-1
+            # in autoplan's terms (BLOOM's "bf16 must use z0! it implements its own zero stage 1 equivalent")
+            notes.append("--zero-stage 0 with bf16: DeepSpeed's BF16_Optimizer shards the fp32 master and Adam "
+                         "states over data parallelism itself, priced as zero=1")
+            return 1
+        return stage
     if r.has("--use-megatron-fsdp") or r.has("--use-torch-fsdp2"):
         strategy = r.value("--data-parallel-sharding-strategy") or "optim_grads_params"
         return {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}[strategy]
@@ -529,9 +559,11 @@ def _optimizer_state(r: _Reader, dtype: str, notes: list[str]) -> dict[str, obje
     return knobs
 
 
-def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> MegatronRun:
+def read_megatron(tokens: list[str], model: ModelSpec | None = None,
+                 files: Mapping[str, str] | None = None) -> MegatronRun:
     """A Megatron-LM command line (the launcher's words included or not) in autoplan's terms; `model` is the
-    model when the flags give no shape (its layer count places virtual and uneven stages)."""
+    model when the flags give no shape (its layer count places virtual and uneven stages); `files`: what the
+    launch script writes before the command runs (`ScriptCommand.files`), read instead of the disk's."""
     launcher, words = _split_launcher(tokens)
     flags = _flags(words)
     r = _Reader(flags)
@@ -546,7 +578,7 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
         if r.has(flag):
             raise ConfigError(f"{flag}: {what}", why, fix)
     if r.has("--deepspeed"):
-        _deepspeed_config(r, notes)
+        _deepspeed_config(r, notes, files or {})
     tp = r.int("--tensor-model-parallel-size", 1)
     pp = r.int("--pipeline-model-parallel-size", 1)
     seq = r.int("--seq-length")
@@ -588,7 +620,7 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None) -> Megatron
     parallel = _built(
         ParallelConfig, tp=tp, pp=pp, cp=r.int("--context-parallel-size", 1),
         ep=r.int("--expert-model-parallel-size", 1), vp=vp,
-        mbs=r.int("--micro-batch-size", 1), sp=r.has("--sequence-parallel") and tp > 1, zero=_zero(r),
+        mbs=r.int("--micro-batch-size", 1), sp=r.has("--sequence-parallel") and tp > 1, zero=_zero(r, notes),
         schedule="interleaved" if vp > 1 else "1f1b", layout=layout, **_recompute(r, vp, notes),
     )
     if not r.has("--micro-batch-size"):

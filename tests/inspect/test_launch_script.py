@@ -5,6 +5,7 @@ what only running the script could tell."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -138,10 +139,49 @@ def test_an_argument_loop_does_not_run_without_arguments():
     assert not any("branch" in n for n in cmd.notes)
 
 
-def test_a_sourced_file_is_said_not_followed():
-    script = ". `pwd`/CONFIG.sh\nsource ./env.sh\npython pretrain_gpt.py --num-layers 4 --seq-length 128\n"
-    note = " ".join(read_script(script, env={}).notes)
-    assert "not read: the file(s) the script sources (`pwd`/CONFIG.sh, ./env.sh)" in note
+def test_a_sourced_file_is_read_not_run_and_one_that_cannot_be_found_is_said(tmp_path):
+    """`.` / `source` read the file into the same shell (its variables are the script's), from the directory the
+    script runs in; a name only running could give (`$(cmd)`, an unset variable), or no such file, is said."""
+    (tmp_path / "CONFIG.sh").write_text("LAYERS=12\nexport PARAMS=\"--num-layers $LAYERS --seq-length 128\"\n"
+                                        "return\nLAYERS=99\n")  # `return` ends a sourced file
+    (tmp_path / "loop.sh").write_text(". ./loop.sh\nHIDDEN=256\n")  # sources itself: read once
+    script = (". `pwd`/CONFIG.sh\nsource ./loop.sh\nsource ./env.sh\nsource $SITE/env.sh\n"
+              "python pretrain_gpt.py $PARAMS --hidden-size $HIDDEN\n")
+    cmd = read_script(script, env={}, path=str(tmp_path / "run.sh"), cwd=str(tmp_path))
+    assert _flag(cmd.words, "--num-layers") == "12" and _flag(cmd.words, "--hidden-size") == "256"
+    note = " ".join(cmd.notes)
+    assert f"read, not run: {tmp_path}/CONFIG.sh; {tmp_path}/loop.sh" in note
+    assert "not read:" in note and "./env.sh" in note and "$SITE/env.sh" in note and "loop.sh (sourced again" in note
+    # without a directory `pwd` is not known, and nothing is read
+    unknown = read_script(script.replace("$PARAMS", "--num-layers 2 --seq-length 8"), env={})
+    assert "`pwd`/CONFIG.sh" in " ".join(unknown.notes) and _flag(unknown.words, "--hidden-size") == "$HIDDEN"
+    # run from elsewhere: bash would miss CONFIG.sh; the one beside the script is read, and that is said
+    elsewhere = read_script(script, env={}, path=str(tmp_path / "run.sh"), cwd="/nonexistent/dir")
+    assert _flag(elsewhere.words, "--num-layers") == "12"
+    assert "beside run.sh; bash would open it from /nonexistent/dir" in " ".join(elsewhere.notes)
+
+
+def test_bash_ends_comments_scripts_and_continuations_as_bash_does():
+    """A comment ending in a backslash does not continue (BLOOM's script has one just before its command); `exit`
+    where it runs ends the script; a line continuation inside double quotes joins the lines."""
+    script = ('A="--num-layers 2 \\\n  --seq-length 128"\n#  --old-flag \\\nB="--hidden-size 64"\n'
+              'python pretrain_gpt.py $A $B\nexit 0\npython pretrain_gpt.py --num-layers 99\n')
+    words = read_script(script, env={}).words
+    assert _flag(words, "--num-layers") == "2" and _flag(words, "--hidden-size") == "64"
+    assert "--old-flag" not in words
+    # an exit inside a branch autoplan cannot decide does not end the reading
+    undecided = "if [ -f /x ]; then exit 1; fi\npython pretrain_gpt.py --num-layers 3\n"
+    assert _flag(read_script(undecided, env={}).words, "--num-layers") == "3"
+
+
+def test_path_commands_are_computed_not_run(tmp_path):
+    script = ('HERE=$(cd "$(dirname "$0")" && pwd)\nNAME=$(basename $HERE)\nOUT=`realpath ../out`\n'
+              'TS=$(date +%s)\npython $HERE/train.py --save $OUT/$NAME --load "$TS"\n')
+    cmd = read_script(script, env={}, path=str(tmp_path / "sub" / "run.sh"), cwd=str(tmp_path / "sub"))
+    assert cmd.words[1] == f"{tmp_path}/sub/train.py"
+    assert _flag(cmd.words, "--save") == f"{tmp_path}/out/sub"
+    assert _flag(cmd.words, "--load") == "$(date +%s)"  # any other command stays as written
+    assert any(n.startswith("computed, not run: `basename`, `cd`, `dirname`") for n in cmd.notes)
 
 
 def test_a_script_without_a_training_command_is_a_clear_error():
@@ -214,3 +254,176 @@ def test_a_bare_python_launch_is_one_process():
                         "--seq-length 128 --vocab-size 100 $@\n", env={}).words
     run = read_megatron(words)
     assert run.gpus == 1
+
+
+# NVIDIA's SC21 reproduction set as a whole (examples/academic_paper_scripts/sc21): the run script picks a size in an
+# if-chain and sources CONFIG.sh (which exports the flags) and SBATCH.sh (which submits SRUN.sh with --nodes and an
+# --export list, then exits the run script); SRUN.sh's #SBATCH line gives the tasks per node.
+SC21_RUN = """#!/bin/bash
+MODEL_SIZE=${MODEL_SIZE:-1.7B}
+if [ ${MODEL_SIZE} == "1.7B" ]; then
+    TP=1; PP=1; MBS=16; GBS=512; NLS=24; HS=2304; NAH=24; DDP=torch; NNODES=4
+    EXTRA="--activations-checkpoint-method uniform "
+elif [ ${MODEL_SIZE} == "18B" ]; then
+    TP=8; PP=1; MBS=8; GBS=1024; NLS=40; HS=6144; NAH=48; DDP=torch; NNODES=32
+    EXTRA="--activations-checkpoint-method uniform "
+else
+    echo "unknown size"; exit 1
+fi
+export JOB_NAME=table_1_${MODEL_SIZE}
+. `pwd`/CONFIG.sh
+. `pwd`/SBATCH.sh
+echo never reached
+python pretrain_gpt.py --num-layers 1
+"""
+SC21_CONFIG = """export CODE_DIR=/opt/megatron
+VOCAB=gpt2-vocab.json
+export MEGATRON_PARAMS=" ${EXTRA} --tensor-model-parallel-size ${TP} --pipeline-model-parallel-size ${PP} \\
+    --micro-batch-size ${MBS} --global-batch-size ${GBS} --num-layers ${NLS} --hidden-size ${HS} \\
+    --num-attention-heads ${NAH} --DDP-impl ${DDP} --seq-length 2048 --max-position-embeddings 2048 \\
+    --vocab-file ${VOCAB} --fp16 --loss-scale 8192 "
+"""
+SC21_SBATCH = """sbatch -p ${PARTITION} --job-name=${JOB_NAME} --nodes=${NNODES} --export=CODE_DIR,MEGATRON_PARAMS SRUN.sh
+exit 0
+"""
+
+
+def _sc21_files(tmp_path):
+    for name, text in (("run.sh", SC21_RUN), ("CONFIG.sh", SC21_CONFIG), ("SBATCH.sh", SC21_SBATCH),
+                       ("SRUN.sh", SRUN.replace("${CODE_DIR}", "${CODE_DIR}"))):
+        (tmp_path / name).write_text(text)
+
+
+def test_the_sc21_set_reads_through_source_and_sbatch_as_its_fidelity_row(tmp_path, capsys, monkeypatch):
+    """The run script alone gives the 18B run: the flags from the sourced CONFIG.sh, the batch script sbatch
+    submits read in the environment its --export list passes, 32 nodes x 8 tasks from sbatch's --nodes and SRUN.sh's
+    #SBATCH line; it prices as the fidelity row of the same run, to the digit."""
+    from benchmarks.fidelity import DEFAULT_REF, evaluate
+
+    _sc21_files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MODEL_SIZE", "18B")
+    monkeypatch.delenv("SLURM_NNODES", raising=False)
+    monkeypatch.delenv("MEGATRON_PARAMS", raising=False)
+    assert main(["from-megatron", "--cluster", "dgx-a100-80g", "--stack", "megatron-2021", "--script", "run.sh",
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert "256 processes, as srun starts them" in captured.err
+    assert "SLURM_NNODES=32: the job's node count (sbatch --nodes)" in captured.err
+    assert f"{tmp_path}/SRUN.sh (the batch script sbatch submits" in captured.err
+    assert "from the environment: MODEL_SIZE=18B" in captured.err
+    assert out["from_megatron"]["parallel"] == "tp=8,pp=1,cp=1,ep=1,vp=1,mbs=8,sp=0,zero=0,recompute=full,schedule=1f1b"
+    if DEFAULT_REF.exists():
+        row = next(r for r in evaluate(DEFAULT_REF) if r["model"] == "GPT-18.4B")
+        assert out["step_time_s"] == pytest.approx(row["predicted_step_s"], rel=1e-9)
+    # the default size, and the script's `exit 0` (in the sourced SBATCH.sh) ends the reading before the last line
+    monkeypatch.delenv("MODEL_SIZE")
+    cmd = read_script(SC21_RUN, env={}, path=str(tmp_path / "run.sh"), cwd=str(tmp_path))
+    assert cmd.gpus == 32 and _flag(cmd.words, "--num-layers") == "24"
+
+
+def test_sbatch_passes_only_what_it_exports(tmp_path):
+    """A batch script runs in another shell: it sees the submitting script's exported variables (sbatch's
+    --export=ALL, the default), only the listed ones under a list, and none of its unexported ones."""
+    (tmp_path / "job.sh").write_text("#SBATCH --ntasks-per-node=4\nsrun python pretrain_gpt.py --num-layers "
+                                     "$LAYERS --hidden-size $HIDDEN\n")
+    base = "export LAYERS=6\nHIDDEN=128\n"
+    cmd = read_script(base + "sbatch -N 2 job.sh\n", env={}, path=str(tmp_path / "submit.sh"), cwd=str(tmp_path))
+    assert _flag(cmd.words, "--num-layers") == "6" and _flag(cmd.words, "--hidden-size") == "$HIDDEN"
+    assert cmd.gpus == 8  # sbatch's -N over the #SBATCH line's tasks per node
+    listed = read_script(base + "sbatch --nodes 2 --export=HIDDEN,EXTRA=1 job.sh\n", env={}, cwd=str(tmp_path))
+    assert _flag(listed.words, "--num-layers") == "$LAYERS"  # exported, but not in the list
+    assert _flag(listed.words, "--hidden-size") == "$HIDDEN"  # listed, but never exported: sbatch cannot see it
+    # a batch script in a here-document, and one that cannot be found
+    inline = read_script(base + "sbatch --nodes=3 <<EOF\n#!/bin/bash\n#SBATCH --ntasks-per-node=8\nsrun python "
+                         "train.py --num-layers \\$LAYERS --seq-length 64\nEOF\n", env={})
+    assert _flag(inline.words, "--num-layers") == "6" and inline.gpus == 24
+    missing = read_script(base + "sbatch job2.sh\npython pretrain_gpt.py --num-layers 2\n", env={}, cwd=str(tmp_path))
+    assert any("job2.sh (the batch script sbatch submits)" in n for n in missing.notes)
+
+
+# The shape of BigScience's BLOOM launch script (train/tr11-176B-ml/tr11-176B-ml.slurm): an sbatch script whose
+# node count Slurm gives it, the flags in double-quoted strings (a quoted partition method inside), the DeepSpeed JSON
+# written by a here-document to a name holding $SLURM_JOB_ID, and the command run by srun through `bash -c`.
+BLOOM = r"""#!/bin/bash
+#SBATCH --nodes=48
+#SBATCH --ntasks-per-node=1          # one launcher per node
+set -x -e
+source $WORK/start-env
+cd $WORK/Megatron-DeepSpeed
+MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)
+GPUS_PER_NODE=8
+NNODES=$SLURM_NNODES
+MICRO_BATCH_SIZE=2
+GLOBAL_BATCH_SIZE=2048
+GPT_ARGS=" \
+    --pp-partition-method 'type:transformer|embedding' \
+    --num-layers 70 --hidden-size 14336 --num-attention-heads 112 \
+    --seq-length 2048 --max-position-embeddings 2048 \
+    --micro-batch-size $MICRO_BATCH_SIZE --global-batch-size $GLOBAL_BATCH_SIZE \
+    --tokenizer-type PretrainedFromHF --embed-layernorm --bf16 \
+    --position-embedding-type alibi --checkpoint-activations --pad-vocab-size-to 250880 \
+    "
+ZERO_STAGE=0
+config_json="./ds_config.$SLURM_JOB_ID.json"
+cat <<EOT > $config_json
+{
+  "train_micro_batch_size_per_gpu": $MICRO_BATCH_SIZE,
+  "train_batch_size": $GLOBAL_BATCH_SIZE,
+  "zero_optimization": {"stage": $ZERO_STAGE},
+  "bf16": {"enabled": true}
+}
+EOT
+DEEPSPEED_ARGS=" --deepspeed --deepspeed_config ${config_json} --zero-stage ${ZERO_STAGE} "
+export LAUNCHER="python -u -m torch.distributed.run --nproc_per_node $GPUS_PER_NODE --nnodes $NNODES \
+    --rdzv_endpoint $MASTER_ADDR:6000"
+#    --universal-checkpoint \
+export CMD=" `pwd`/pretrain_gpt.py --tensor-model-parallel-size 4 --pipeline-model-parallel-size 12 \
+    $GPT_ARGS $DEEPSPEED_ARGS "
+srun --wait=60 --jobid $SLURM_JOB_ID bash -c "$LAUNCHER --node_rank \$SLURM_PROCID $CMD" 2>&1 | tee -a log.txt
+"""
+
+
+def test_a_deepspeed_config_written_by_the_script_is_read_as_it_writes_it(tmp_path, capsys, monkeypatch):
+    """BLOOM's script read as it stands prices as BLOOM's fidelity row, to the digit: 48 nodes from its #SBATCH
+    line (as Slurm sets SLURM_NNODES), the batch and ZeRO stage from the JSON its here-document writes, the
+    vocabulary from --pad-vocab-size-to, ALiBi, and stage 0 with bf16 as DeepSpeed's own sharded optimizer."""
+    from benchmarks.fidelity import evaluate_heldout
+
+    path = tmp_path / "train.slurm"
+    path.write_text(BLOOM)
+    monkeypatch.chdir(tmp_path)
+    for name in ("SLURM_NNODES", "SLURM_JOB_ID", "WORK"):
+        monkeypatch.delenv(name, raising=False)
+    cmd = read_script(BLOOM, env={}, path=str(path), cwd=str(tmp_path))
+    config = json.loads(cmd.files["./ds_config.$SLURM_JOB_ID.json"])
+    assert config == {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 2048, "zero_optimization": {"stage": 0},
+                      "bf16": {"enabled": True}}
+    assert _flag(cmd.words, "--pp-partition-method") == "type:transformer|embedding"
+    cluster = str(Path(__file__).resolve().parents[2] / "benchmarks" / "published" / "jean-zay.yaml")
+    assert main(["from-megatron", "--cluster", cluster, "--script", str(path), "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert "SLURM_NNODES=48: the job's node count (#SBATCH --nodes)" in captured.err
+    assert "as the script writes it (a here-document)" in captured.err
+    assert "priced as zero=1" in captured.err
+    row = next(r for r in evaluate_heldout() if r["model"] == "BLOOM 176B")
+    assert out["from_megatron"]["parallel"] == row["config"].replace(",dp=8", "")
+    assert out["step_time_s"] == pytest.approx(row["predicted_step_s"], rel=1e-9)
+    assert out["memory_gib"]["peak"] == pytest.approx(row["peak_memory_gib"], rel=1e-9)
+
+
+def test_the_scripts_nvidia_ships_read(monkeypatch, tmp_path):
+    """Opt-in, against a Megatron-LM checkout (MEGATRON_LM): SC21's run_table_1.sh as NVIDIA ships it, run from its
+    folder, is the 1.7B run on 4 nodes x 8 GPUs."""
+    import os
+
+    root = os.environ.get("MEGATRON_LM")
+    folder = Path(root or "/nonexistent") / "examples" / "academic_paper_scripts" / "sc21"
+    if not (folder / "run_table_1.sh").exists():
+        pytest.skip("set MEGATRON_LM to a Megatron-LM checkout")
+    cmd = read_script((folder / "run_table_1.sh").read_text(), env={}, path=str(folder / "run_table_1.sh"),
+                      cwd=str(folder))
+    run = read_megatron(cmd.words)
+    assert cmd.gpus == 32 and run.parallel.tp == 1 and run.parallel.mbs == 16 and run.global_batch == 512

@@ -395,6 +395,26 @@ def test_megatron_deepspeed_commands_price_on_deepspeeds_stack(tmp_path, capsys)
         read_megatron(command_tokens(flags))
 
 
+def test_megatron_deepspeeds_own_flags_for_bloom():
+    """BLOOM's Megatron-DeepSpeed flags: --pad-vocab-size-to gives the embedding's rows (the tokenizer's files are
+    not needed), ALiBi positions, and --zero-stage 0 under bf16 runs DeepSpeed's BF16_Optimizer, which shards the
+    fp32 master and Adam states itself (zero=1); under fp16 stage 0 is unsharded."""
+    flags = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --tokenizer-type "
+             "PretrainedFromHF --pad-vocab-size-to 250880 --position-embedding-type alibi --deepspeed --zero-stage 0 ")
+    run = read_megatron(command_tokens(flags + "--bf16"))
+    assert run.model.vocab_size == 250880 and run.model.position == "alibi" and run.parallel.zero == 1
+    assert any("BF16_Optimizer" in n for n in run.notes) and not run.unpriced
+    assert read_megatron(command_tokens(flags + "--fp16")).parallel.zero == 0
+    with pytest.raises(ConfigError, match="--pad-vocab-size-to is below the vocabulary"):
+        read_megatron(command_tokens(flags.replace("--tokenizer-type PretrainedFromHF", "--vocab-size 300000")))
+    # exported back to Megatron-LM, which has no ALiBi: said, not written as a flag its parser refuses
+    cluster = load_cluster("dgx-a100-80g", gpus=8)
+    tr = apply_stack(TrainingSpec(global_batch_size=16, seq_length=2048, dtype="bf16"), "megatron-core", {})
+    plan = plan_from_estimate(run.model, cluster, tr, estimate_config(run.model, cluster, tr, "tp=2,pp=1,mbs=1"))
+    d = export_megatron(plan)
+    assert "--position-embedding-type" not in d["flags"] and any("ALiBi" in w for w in d["warnings"])
+
+
 def test_deepspeeds_partition_by_type_counts_the_embeddings():
     """BLOOM's 'type:transformer|embedding' on 70 blocks over pp=12: 72 units of 6, the end stages 5 blocks each
     (the fidelity row's layout)."""
