@@ -95,6 +95,7 @@ class _State:
     passed: set[str] = field(default_factory=set)  # names a submitting script passed in (not the user's env)
     context: _Context | None = None  # the file being read, for the commands met in it
     allocation_notes: list[str] = field(default_factory=list)  # Slurm variables set from the allocation
+    function_next: bool = False  # a function's name was read: the `{` that follows opens its body
     args_used: bool = False  # the script reads its own arguments ($@, $*, $#): taken as none
     flagless: list[str] = field(default_factory=list)  # a .py command met without --flags (they did not expand)
 
@@ -135,6 +136,8 @@ def _closing(text: str, i: int, open_: str, close: str) -> int:
                 quote = ""
         elif c in "'\"":
             quote = c
+        elif c == _KEEP:
+            i = max(text.find(_KEPT, i), i)
         elif c == "\\":
             i += 1
         elif text.startswith(open_, i):
@@ -213,9 +216,27 @@ def _braced(inner: str, st: _State, quoted: bool) -> str | list[str] | None:
     return value
 
 
+# What the reading leaves as written is marked, so that it stays one opaque piece wherever its value goes next (a
+# variable expanded unquoted, `eval`, `bash -c "$CMD"`): bash would have the command's output there, one word and no
+# shell syntax. read_script takes the marks off what it returns.
+_KEEP, _KEPT = "\x02", "\x03"
+_MARKED = re.compile("\x02[^\x03]*\x03")
+
+
 def _as_written(raw: str, double: bool) -> str:
-    """A shell word left as written (nothing is run to know it), kept one word for the reader to name."""
-    return raw if double else shlex.quote(raw)
+    """A shell word left as written (nothing is run to know it), marked and kept one word for the reader to name."""
+    marked = raw if raw.startswith(_KEEP) else _KEEP + raw + _KEPT
+    return marked if double else shlex.quote(marked)
+
+
+def _unquoted(value: str) -> str:
+    """A value where it is expanded unquoted: split at its spaces as bash splits it, but not inside what the
+    reading left as written."""
+    return _MARKED.sub(lambda m: shlex.quote(m.group(0)), value)
+
+
+def _unmark(text: str) -> str:
+    return text.replace(_KEEP, "").replace(_KEPT, "")
 
 
 def _quote_in_double(value: str) -> str:
@@ -267,6 +288,12 @@ def _expand(text: str, st: _State, join: bool = False, heredoc: bool = False) ->
     i, single, double = 0, False, False
     while i < len(text):
         c = text[i]
+        if c == _KEEP and not single:  # left as written by an earlier reading: one opaque piece
+            end = text.find(_KEPT, i)
+            end = len(text) - 1 if end < 0 else end
+            out.append(_as_written(text[i:end + 1], double or heredoc))
+            kept, i = True, end + 1
+            continue
         if single:
             out.append(c)
             single = c != "'"
@@ -354,9 +381,9 @@ def _expand(text: str, st: _State, join: bool = False, heredoc: bool = False) ->
             out.append(_quote_in_double(" ".join(value)))
         elif isinstance(value, list):
             quoted_words = " ".join(shlex.quote(w) for w in value)
-            out.append(f'"{quoted_words}"' if double else " ".join(value))
+            out.append(f'"{quoted_words}"' if double else " ".join(_unquoted(w) for w in value))
         else:
-            out.append(_quote_in_double(value) if double else value)
+            out.append(_quote_in_double(value) if double else _unquoted(value))
     return "".join(out), kept
 
 
@@ -394,6 +421,12 @@ def _statements(text: str) -> list[tuple[str, list[tuple[str, bool]]]]:
                 cur, docs = [], []
             else:
                 cur.append("\n")
+            continue
+        if c == _KEEP:  # left as written by an earlier reading: opaque, whatever it holds
+            end = text.find(_KEPT, i)
+            end = len(text) - 1 if end < 0 else end
+            cur.append(text[i:end + 1])
+            i = end + 1
             continue
         if c == "\\" and text.startswith("\n", i + 1) and quote != "'":  # a line continuation: both go
             i += 2
@@ -505,11 +538,16 @@ def _condition(text: str, st: _State) -> bool | None:
 
 @dataclass
 class _Block:
-    """One open if / case / loop: whether the statements now read run (None: not known) and whether an earlier
-    branch of the same if was taken."""
+    """One open if / case / loop / `{ }` group: whether the statements now read run (None: not known) and whether an
+    earlier branch of the same if was taken; `brace`: closed by `}` (a function's body, `cmd || { ...; }`)."""
 
     active: bool | None
     taken: bool | None
+    brace: bool = False
+
+
+_FUNCTION = re.compile(r"(?:function\s+)?[A-Za-z_][\w.-]*\s*\(\)\s*(\{?)|function\s+[A-Za-z_][\w.-]*\s*(\{?)")
+_OR_GROUP = re.compile(r"(\|\||&&)\s*\{(?=\s|$)")
 
 
 def _control(stmt: str, st: _State, blocks: list[_Block]) -> str:
@@ -544,7 +582,13 @@ def _control(stmt: str, st: _State, blocks: list[_Block]) -> str:
         elif word in ("fi", "esac", "done"):
             if blocks:
                 blocks.pop()
-        elif word not in ("then", "do", "{", "}", "!"):
+        elif word == "{":  # a group: runs as the statement before it decides (a function's body: undecided)
+            blocks.append(_Block(active=None if st.function_next else True, taken=None, brace=True))
+            st.function_next = False
+        elif word == "}":
+            if blocks and blocks[-1].brace:
+                blocks.pop()
+        elif word not in ("then", "do", "!"):
             return stmt
         stmt = rest
     return ""
@@ -757,120 +801,142 @@ def _read(text: str, st: _State, blocks: list[_Block], found: list) -> None:
     for stmt, docs in _statements(text):
         st.used = set()
         stmt = _control(stmt, st, blocks)
-        if not stmt or re.fullmatch(r"[^\s()]+\)", stmt) or re.match(r"(function\s+)?\w+\s*\(\)", stmt):
-            continue  # a case pattern or a function's name
-        if any(b.active is False for b in blocks):
-            continue
-        depth = sum(b.active is None for b in blocks)
-        exporting = re.match(r"(export|declare\s+-\w*x\w*|typeset\s+-\w*x\w*)\s", stmt) is not None
-        m = _ASSIGN.fullmatch(stmt)
-        if m and m.group(3).startswith("(") and m.group(3).rstrip().endswith(")"):
-            inner = m.group(3).strip()[1:-1]
-            words = _words(_expand(inner, st)[0])
-            if words is not None:
-                _assign(m.group(1), words, m.group(2) == "+", st, depth)
-            continue
-        if m:
-            value = _words(_expand(m.group(3), st, join=True)[0])
-            if value is not None and len(value) <= 1:
-                _assign(m.group(1), value[0] if value else "", m.group(2) == "+", st, depth)
-                if exporting:
-                    st.exported.add(m.group(1))
-                continue
-        words = _words(_expand(stmt, st)[0])
-        if not words:
-            continue
-        if words[0] in ("export", "declare", "typeset", "local", "readonly"):
-            words = [w for w in words[1:] if not w.startswith("-")]
+        fn = _FUNCTION.match(stmt) if stmt else None
+        if fn:  # a function's body runs only where it is called: read as a branch autoplan cannot decide
+            if fn.group(1) or fn.group(2):
+                blocks.append(_Block(active=None, taken=None, brace=True))
+            else:
+                st.function_next = True
+            stmt = _control(stmt[fn.end():].strip(), st, blocks)  # `f() { body; }` on one line
+        if not stmt or re.fullmatch(r"[^\s()]+\)", stmt):
+            continue  # a case pattern
+        group = _OR_GROUP.search(stmt)
+        if group:  # `cmd || { ...`: cmd runs; the group as cmd's status decides, not known here
+            _statement(stmt[:group.start()].strip(), docs, st, blocks, found)
+            blocks.append(_Block(active=None, taken=None, brace=True))
+            stmt, docs = _control(stmt[group.end():].strip(), st, blocks), []
+            st.used = set()
+        if stmt:
+            _statement(stmt, docs, st, blocks, found)
+
+
+def _statement(stmt: str, docs: list[tuple[str, bool]], st: _State, blocks: list[_Block], found: list) -> None:
+    """Read one simple statement (its control words applied): an assignment, or a command."""
+    if any(b.active is False for b in blocks):
+        return
+    depth = sum(b.active is None for b in blocks)
+    exporting = re.match(r"(export|declare\s+-\w*x\w*|typeset\s+-\w*x\w*)\s", stmt) is not None
+    m = _ASSIGN.fullmatch(stmt)
+    if m and m.group(3).startswith("(") and m.group(3).rstrip().endswith(")"):
+        inner = m.group(3).strip()[1:-1]
+        words = _words(_expand(inner, st)[0])
+        if words is not None:
+            _assign(m.group(1), words, m.group(2) == "+", st, depth)
+        return
+    if m:
+        value = _words(_expand(m.group(3), st, join=True)[0])
+        if value is not None and len(value) <= 1:
+            _assign(m.group(1), value[0] if value else "", m.group(2) == "+", st, depth)
             if exporting:
-                st.exported |= {w.partition("=")[0].rstrip("+") for w in words if _NAME.fullmatch(
-                    w.partition("=")[0].rstrip("+"))}
-        k = 0
-        while k < len(words) and re.match(r"[A-Za-z_]\w*\+?=", words[k]):
-            k += 1
-        if k == len(words):  # assignments only (a prefix before a command sets the command's environment alone)
-            for w in words:
-                name, _, value = w.partition("=")
-                _assign(name.rstrip("+"), value, name.endswith("+"), st, depth)
-            continue
-        command = words[k:]
-        for j, w in enumerate(command):  # the command ends at a pipe or a list operator
-            if w in ("|", "||", "&&", "&"):
-                command = command[:j]
-                break
-        command, out_file, append = _redirects([w for w in command if w != ""])
-        if not command:
-            continue
-        name = command[0].rsplit("/", 1)[-1]
-        if name in ("exit", "return"):
-            if depth == 0 and name == "exit":
-                raise _Exit
-            if depth == 0 and len(st.reading) > 1:
-                raise _Return
-            continue
-        if name == "cd":
-            target = command[1] if len(command) > 1 else st.lookup("HOME")
-            st.cwd = None if target is None or "$" in target or "`" in target or target == "-" \
-                else _joined(st, target)
-            continue
-        if name in (".", "source"):  # another file's settings: read into this shell, never run
-            if len(command) > 1:
-                path, how = _locate(command[1], st)
-                if path is None:
-                    st.sourced.append(command[1])
-                else:
-                    _follow(path, how, st, blocks, found)
-            continue
-        if docs and name in ("cat", "tee"):  # a file the script writes: kept for the reader that opens it
-            body = _heredoc_text(docs, st)
-            for path in [*([out_file] if out_file else []),
-                         *(w for w in command[1:] if name == "tee" and not w.startswith("-"))]:
-                st.files[path] = (st.files.get(path, "") if append or name == "tee" and "-a" in command else "") + body
-            continue
-        if name == "sbatch":
-            opts, script, wrap = _sbatch_args(command[1:])
-            if wrap is not None:
-                _submit(wrap, "sbatch --wrap", opts, st, found)
-            elif script is not None:
-                path, how = _locate(script, st)
+                st.exported.add(m.group(1))
+            return
+    words = _words(_expand(stmt, st)[0])
+    if not words:
+        return
+    if words[0] in ("export", "declare", "typeset", "local", "readonly"):
+        words = [w for w in words[1:] if not w.startswith("-")]
+        if exporting:
+            st.exported |= {w.partition("=")[0].rstrip("+") for w in words if _NAME.fullmatch(
+                w.partition("=")[0].rstrip("+"))}
+    k = 0
+    while k < len(words) and re.match(r"[A-Za-z_]\w*\+?=", words[k]):
+        k += 1
+    if k == len(words):  # assignments only (a prefix before a command sets the command's environment alone)
+        for w in words:
+            name, _, value = w.partition("=")
+            _assign(name.rstrip("+"), value, name.endswith("+"), st, depth)
+        return
+    command = words[k:]
+    for j, w in enumerate(command):  # the command ends at a pipe or a list operator
+        if w in ("|", "||", "&&", "&"):
+            command = command[:j]
+            break
+    command, out_file, append = _redirects([w for w in command if w != ""])
+    if not command:
+        return
+    name = command[0].rsplit("/", 1)[-1]
+    if name in ("exit", "return"):
+        if depth == 0 and name == "exit":
+            raise _Exit
+        if depth == 0 and len(st.reading) > 1:
+            raise _Return
+        return
+    if name == "cd":
+        target = command[1] if len(command) > 1 else st.lookup("HOME")
+        st.cwd = None if target is None or "$" in target or "`" in target or target == "-" \
+            else _joined(st, target)
+        return
+    if name in (".", "source"):  # another file's settings: read into this shell, never run
+        if len(command) > 1:
+            path, how = _locate(command[1], st)
+            if path is None:
+                st.sourced.append(command[1])
+            else:
+                _follow(path, how, st, blocks, found)
+        return
+    if docs and name in ("cat", "tee"):  # a file the script writes: kept for the reader that opens it
+        body = _heredoc_text(docs, st)
+        for path in [*([out_file] if out_file else []),
+                     *(w for w in command[1:] if name == "tee" and not w.startswith("-"))]:
+            st.files[path] = (st.files.get(path, "") if append or name == "tee" and "-a" in command else "") + body
+        return
+    if name == "sbatch":
+        opts, script, wrap = _sbatch_args(command[1:])
+        if wrap is not None:
+            _submit(wrap, "sbatch --wrap", opts, st, found)
+        elif script is not None:
+            path, how = _locate(script, st)
+            try:
+                batch = Path(path).read_text() if path else None
+            except (OSError, UnicodeDecodeError):
+                batch = None
+            if batch is None:
+                st.sourced.append(f"{script} (the batch script sbatch submits)")
+            else:
+                st.reading.append(path)
                 try:
-                    batch = Path(path).read_text() if path else None
-                except (OSError, UnicodeDecodeError):
-                    batch = None
-                if batch is None:
-                    st.sourced.append(f"{script} (the batch script sbatch submits)")
-                else:
-                    st.reading.append(path)
-                    try:
-                        _submit(batch, path + (f" ({how})" if how else ""), opts, st, found)
-                    finally:
-                        st.reading.pop()
-            elif docs:
-                _submit(_heredoc_text(docs, st), "sbatch's here-document", opts, st, found)
-            continue
-        if command[0] == "unset":
-            for n in command[1:]:
-                st.scalars.pop(n, None)
-                st.arrays.pop(n, None)
-            continue
-        used = set(st.used)
-        for n in st.used:
-            used |= st.feeds.get(n, set())
-        if docs and name in ("bash", "sh") and len(command) == 1:  # `bash <<EOF`: the here-document is a script
-            _read(_heredoc_text(docs, st), st, blocks, found)
-            continue
-        shell = next((j for j, w in enumerate(command) if w in ("bash", "sh")), None)
-        if shell is not None and "-c" in command[shell:] and command.index("-c", shell) + 1 < len(command):
-            before = len(found)  # `bash -c "STRING"` (an srun or a container's shell): STRING is a script
-            with contextlib.suppress(_Exit):
-                _read(command[command.index("-c", shell) + 1], st, blocks, found)
-            found[before:] = [(command[:shell] + w, u | used, c) for w, u, c in found[before:]]  # srun ... stays
-            continue
-        script_at = next((j for j, w in enumerate(command) if w.endswith(".py")), None)
-        if script_at is not None and any(w.startswith("--") for w in command[script_at + 1:]):
-            found.append((command, used, st.context))
-        elif script_at is not None:
-            st.flagless.append(" ".join(command))
+                    _submit(batch, path + (f" ({how})" if how else ""), opts, st, found)
+                finally:
+                    st.reading.pop()
+        elif docs:
+            _submit(_heredoc_text(docs, st), "sbatch's here-document", opts, st, found)
+        return
+    if name == "eval":  # its words joined are shell code: read (never run) as a statement of this shell
+        _read(" ".join(command[1:]), st, blocks, found)
+        return
+    if command[0] == "unset":
+        for n in command[1:]:
+            st.scalars.pop(n, None)
+            st.arrays.pop(n, None)
+        return
+    used = set(st.used)
+    for n in st.used:
+        used |= st.feeds.get(n, set())
+    if docs and name in ("bash", "sh") and len(command) == 1:  # `bash <<EOF`: the here-document is a script
+        _read(_heredoc_text(docs, st), st, blocks, found)
+        return
+    shell = next((j for j, w in enumerate(command) if w in ("bash", "sh")), None)
+    if shell is not None and "-c" in command[shell:] and command.index("-c", shell) + 1 < len(command):
+        before = len(found)  # `bash -c "STRING"` (an srun or a container's shell): STRING is a script
+        with contextlib.suppress(_Exit):
+            _read(command[command.index("-c", shell) + 1], st, blocks, found)
+        found[before:] = [(command[:shell] + w, u | used, c) for w, u, c in found[before:]]  # srun ... stays
+        return
+    script_at = next((j for j, w in enumerate(command) if w.endswith(".py")), None)
+    if script_at is not None and any(w.startswith("--") for w in command[script_at + 1:]):
+        found.append((command, used, st.context))
+    elif script_at is not None:
+        st.flagless.append(" ".join(command))
 
 
 def read_script(text: str, env: Mapping[str, str] | None = None, path: str | None = None,
@@ -888,9 +954,9 @@ def read_script(text: str, env: Mapping[str, str] | None = None, path: str | Non
     with contextlib.suppress(_Exit):
         _read(text, st, [], found)
     if not found and st.flagless:
-        raise ConfigError("the script's training command has no --flags here", st.flagless[-1], "set what holds "
-                          "them in the environment (VAR=\"--num-layers ...\" autoplan from-megatron --script ...), "
-                          "or pass the flags after --")
+        raise ConfigError("the script's training command has no --flags here", _unmark(st.flagless[-1]),
+                          "set what holds them in the environment (VAR=\"--num-layers ...\" autoplan from-megatron "
+                          "--script ...), or pass the flags after --")
     if not found:
         raise ConfigError("no training command in the script", "no statement runs a .py file with --flags "
                           "(torchrun ... pretrain_gpt.py --num-layers ...)", "pass the flags after -- instead")
@@ -922,7 +988,9 @@ def read_script(text: str, env: Mapping[str, str] | None = None, path: str | Non
     if unset:
         notes.append("if-tests read as in this environment, where " + ", ".join(unset) + (" is" if len(unset) == 1
                      else " are") + " unset; set them to read the script as it runs elsewhere")
-    return ScriptCommand(words=words, notes=notes, gpus=_slurm_tasks(ctx, words), files=dict(st.files))
+    words = [_unmark(w) for w in words]
+    return ScriptCommand(words=words, notes=[_unmark(n) for n in notes], gpus=_slurm_tasks(ctx, words),
+                         files={_unmark(k): _unmark(v) for k, v in st.files.items()})
 
 
 _SLURM_OPTS = {"-N": "nodes", "--nodes": "nodes", "-n": "ntasks", "--ntasks": "ntasks",

@@ -53,6 +53,8 @@ _READ = {
     "--window-attn-skip-freq",  # said with --window-size (_EFFECTS)
     "--activations-checkpoint-method", "--activations-checkpoint-num-layers", "--DDP-impl",
     "--deepspeed", "--deepspeed-config", "--zero-stage", "--pp-partition-method", "--pad-vocab-size-to",
+    "--mlp-type", "--topk", "--expert-interval", "--moe-train-capacity-factor", "--disable-moe-token-dropping",
+    "--moe-expert-parallel-size",
 }
 # Flags that change what Megatron runs in ways the cost model does not price: each gets a note saying which way the
 # price is off, instead of a place in the "not read" list.
@@ -283,8 +285,17 @@ def _model(r: _Reader, tp: int, seq: int, notes: list[str]) -> ModelSpec | None:
         notes.append(f"dropout: hidden {hidden_do:g}, attention {attn_do:g}; autoplan has one rate, priced at "
                      f"{max(hidden_do, attn_do):g}")
     moe = None
+    counts = r.f.get("--num-experts") or []
+    if len(set(counts)) > 1:  # Megatron-DeepSpeed's --num-experts is nargs='+': pyramid MoE (PR-MoE)
+        raise ConfigError("--num-experts gives a count per layer group (Megatron-DeepSpeed's pyramid MoE)",
+                          f"got {' '.join(counts)}", "autoplan prices one expert count on every MoE layer: pass "
+                          "--num-experts N after -- to price that model instead")
+    if len(counts) > 1:
+        r.f["--num-experts"] = counts[:1]
     experts = r.int("--num-experts")
-    if experts is not None and experts > 1:
+    if experts is not None and experts > 1 and r.has("--deepspeed"):
+        moe = _built(MoESpec, num_experts=experts, **_deepspeed_moe(r, notes))
+    elif experts is not None and experts > 1:
         freq = r.value("--moe-layer-freq")
         if freq is not None and not freq.isdigit():
             raise ConfigError("--moe-layer-freq as a pattern is not expressible", f"got {freq}",
@@ -305,6 +316,29 @@ def _model(r: _Reader, tp: int, seq: int, notes: list[str]) -> ModelSpec | None:
         rope_theta=r.float("--rotary-base", _ROTARY_BASE) if position == "rope" else _ROTARY_BASE,
         bias=not r.has("--disable-bias-linear"), dropout=max(hidden_do, attn_do), moe=moe,
     )
+
+
+def _deepspeed_moe(r: _Reader, notes: list[str]) -> dict[str, object]:
+    """DeepSpeed-MoE as Megatron-DeepSpeed runs it (megatron/arguments.py, deepspeed/moe/sharded_moe.py): experts
+    on every --expert-interval-th layer (default 2; `layer_num % expert_interval == 0`, autoplan's every_n_layers),
+    --topk gating (default 1), and each expert's input a dense [experts, capacity, hidden] tensor whose capacity is
+    --moe-train-capacity-factor (default 1.0) x k x the balanced load: padded to capacity, tokens over it dropped;
+    with --disable-moe-token-dropping the capacity is the busiest expert's load."""
+    if (r.value("--mlp-type") or "standard") != "standard":
+        raise ConfigError(f"--mlp-type {r.value('--mlp-type')} (Residual MoE) is not expressible",
+                          "a dense MLP runs beside the experts and their outputs are mixed",
+                          "drop the flag to price the standard MoE of the same experts")
+    cf = r.float("--moe-train-capacity-factor", 1.0)
+    out: dict[str, object] = {"top_k": r.int("--topk", 1), "every_n_layers": r.int("--expert-interval", 2)}
+    if r.has("--disable-moe-token-dropping"):
+        notes.append("--disable-moe-token-dropping: DeepSpeed pads every expert to the busiest one's load; priced "
+                     "at the balanced load (less expert work than runs where the load is uneven)")
+    elif cf > 1:
+        out.update(capacity_factor=cf, pad_to_capacity=True)
+    elif cf < 1:
+        notes.append(f"--moe-train-capacity-factor {cf:g} drops tokens over the capacity: priced dropless at the "
+                     "balanced load (more expert work than runs)")
+    return out
 
 
 def _recompute(r: _Reader, vp: int, notes: list[str]) -> dict[str, object]:
@@ -619,7 +653,7 @@ def read_megatron(tokens: list[str], model: ModelSpec | None = None,
     dtype = "fp8" if r.has("--fp8-format") else "bf16" if r.has("--bf16") else "fp16" if r.has("--fp16") else "fp32"
     parallel = _built(
         ParallelConfig, tp=tp, pp=pp, cp=r.int("--context-parallel-size", 1),
-        ep=r.int("--expert-model-parallel-size", 1), vp=vp,
+        ep=r.int("--moe-expert-parallel-size" if r.has("--deepspeed") else "--expert-model-parallel-size", 1), vp=vp,
         mbs=r.int("--micro-batch-size", 1), sp=r.has("--sequence-parallel") and tp > 1, zero=_zero(r, notes),
         schedule="interleaved" if vp > 1 else "1f1b", layout=layout, **_recompute(r, vp, notes),
     )

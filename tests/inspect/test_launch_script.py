@@ -169,9 +169,16 @@ def test_bash_ends_comments_scripts_and_continuations_as_bash_does():
     words = read_script(script, env={}).words
     assert _flag(words, "--num-layers") == "2" and _flag(words, "--hidden-size") == "64"
     assert "--old-flag" not in words
-    # an exit inside a branch autoplan cannot decide does not end the reading
-    undecided = "if [ -f /x ]; then exit 1; fi\npython pretrain_gpt.py --num-layers 3\n"
-    assert _flag(read_script(undecided, env={}).words, "--num-layers") == "3"
+    # an exit inside a branch autoplan cannot decide does not end the reading: an if on a file, a function's body
+    # (it runs where called), a group after || or && (Megatron-LM's DeepSeek-V3 FSDP script: `mkdir ... || {`)
+    for undecided in ("if [ -f /x ]; then exit 1; fi\n", "usage() { echo use; exit 1; }\n",
+                      "function die {\n  exit 1\n}\n", "die()\n{\n  exit 2\n}\n", "mkdir -p logs || {\n  exit 1\n}\n",
+                      "mkdir x || { echo no; exit 1; }\n"):
+        assert _flag(read_script(undecided + "python t.py --num-layers 3\n", env={}).words, "--num-layers") == "3"
+    # a command before `|| {` still runs; a plain group runs
+    assert read_script("torchrun t.py --num-layers 4 || { echo failed; exit 1; }\n", env={}).words[0] == "torchrun"
+    with pytest.raises(ConfigError, match="no training command"):
+        read_script("{ echo stop; exit 0; }\npython t.py --num-layers 9\n", env={})
 
 
 def test_path_commands_are_computed_not_run(tmp_path):
@@ -181,6 +188,20 @@ def test_path_commands_are_computed_not_run(tmp_path):
     assert cmd.words[1] == f"{tmp_path}/sub/train.py"
     assert _flag(cmd.words, "--save") == f"{tmp_path}/out/sub"
     assert _flag(cmd.words, "--load") == "$(date +%s)"  # any other command stays as written
+    # a value that is one such construct stays one word where it is expanded unquoted (bash gives one word too)
+    words = read_script("N=$(nvidia-smi -L | wc -l)\nB=$(( 512 / ${N} ))\npython t.py --micro-batch-size $B "
+                        "--nnodes $N\n", env={}).words
+    assert _flag(words, "--micro-batch-size") == "$(( 512 / ${N} ))"
+    assert _flag(words, "--nnodes") == "$(nvidia-smi -L | wc -l)"
+    # ... through any later reading, too: `eval $CMD` (Megatron-DeepSpeed's examples) and `bash -c "$CMD"`
+    script = ('N=$(nvidia-smi -L | wc -l)\nNAME="run-$N-x"\nCMD="python t.py --save $NAME --num-layers 2"\n'
+              'eval ${CMD} &> out.log\n')
+    for text in (script, script.replace("eval ${CMD}", 'srun bash -c "$CMD"')):
+        run = read_script(text, env={}).words
+        assert _flag(run, "--save") == "run-$(nvidia-smi -L | wc -l)-x" and _flag(run, "--num-layers") == "2"
+    with pytest.raises(ConfigError, match="--micro-batch-size is .*command substitution"):
+        read_megatron(words + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                               "--seq-length", "8", "--vocab-size", "100"])
     assert any(n.startswith("computed, not run: `basename`, `cd`, `dirname`") for n in cmd.notes)
 
 

@@ -415,6 +415,29 @@ def test_megatron_deepspeeds_own_flags_for_bloom():
     assert "--position-embedding-type" not in d["flags"] and any("ALiBi" in w for w in d["warnings"])
 
 
+def test_deepspeed_moe_reads_as_megatron_deepspeed_runs_it():
+    """DeepSpeed-MoE's flags (Megatron-DeepSpeed's examples_deepspeed/MoE): experts every --expert-interval-th
+    layer (default 2), --topk (default 1), expert parallelism --moe-expert-parallel-size, and every expert's input
+    padded to --moe-train-capacity-factor x the balanced load. Until session 37 these were read as Megatron-Core's:
+    experts on every layer, top-2, ep=1."""
+    flags = ("--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 2048 --vocab-size 50304 "
+             "--micro-batch-size 4 --global-batch-size 256 --deepspeed --num-experts 64 --moe-expert-parallel-size 8 ")
+    run = read_megatron(command_tokens(flags))
+    moe = run.model.moe
+    assert (moe.num_experts, moe.top_k, moe.every_n_layers, moe.pad_to_capacity) == (64, 1, 2, False)
+    assert run.parallel.ep == 8 and not run.unpriced
+    run = read_megatron(command_tokens(flags + "--topk 2 --expert-interval 1 --moe-train-capacity-factor 1.25"))
+    assert (run.model.moe.top_k, run.model.moe.every_n_layers) == (2, 1)
+    assert (run.model.moe.capacity_factor, run.model.moe.pad_to_capacity) == (1.25, True)
+    dropless = read_megatron(command_tokens(flags + "--disable-moe-token-dropping --moe-train-capacity-factor 2"))
+    assert not dropless.model.moe.pad_to_capacity and any("busiest" in n for n in dropless.notes)
+    with pytest.raises(ConfigError, match="Residual MoE"):
+        read_megatron(command_tokens(flags + "--mlp-type residual"))
+    with pytest.raises(ConfigError, match="pyramid MoE"):
+        read_megatron(command_tokens(flags.replace("--num-experts 64", "--num-experts 32 32 64")))
+    assert read_megatron(command_tokens(flags.replace("--num-experts 64", "--num-experts 64 64"))).model.moe
+
+
 def test_deepspeeds_partition_by_type_counts_the_embeddings():
     """BLOOM's 'type:transformer|embedding' on 70 blocks over pp=12: 72 units of 6, the end stages 5 blocks each
     (the fidelity row's layout)."""
