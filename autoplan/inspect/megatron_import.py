@@ -459,6 +459,10 @@ def _deepspeed_config(r: _Reader, notes: list[str], files: Mapping[str, str]) ->
 
     written = r.f.get("--deepspeed-config") or []
     # a path the script both writes and passes is the same file whatever its unexpanded parts ($SLURM_JOB_ID) hold
+    if len(written) == 1 and written[0] not in files and ("$" in written[0] or "`" in written[0]):
+        notes.append(f"--deepspeed_config {written[0]} not read (its name holds {_unknown(written[0])}): the flags "
+                     "alone are read; pass --deepspeed-config FILE after -- to read it")
+        return
     path = written[0] if len(written) == 1 and written[0] in files else r.value("--deepspeed-config")
     if path is None:
         notes.append("--deepspeed without --deepspeed_config: the flags alone are read")

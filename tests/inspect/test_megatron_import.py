@@ -390,6 +390,9 @@ def test_megatron_deepspeed_commands_price_on_deepspeeds_stack(tmp_path, capsys)
     out = json.loads(capsys.readouterr().out)
     assert out["from_megatron"]["stack"] == "megatron-core"
     assert any("gone.json not read" in n for n in out["from_megatron"]["notes"])
+    # a name only running could give (Megatron-DeepSpeed's examples build it from $(nvidia-smi ... | wc -l)): said
+    run = read_megatron(command_tokens(flags.replace(str(ds), "'ds_$(nvidia-smi -L | wc -l).json'")))
+    assert run.parallel.mbs == 1 and any("not read (its name holds a command substitution" in n for n in run.notes)
     ds.write_text(json.dumps({"bf16": True}))  # not DeepSpeed's form: refused naming the key, not a traceback
     with pytest.raises(ConfigError, match="the DeepSpeed config's bf16 is not an object"):
         read_megatron(command_tokens(flags))
