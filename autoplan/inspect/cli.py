@@ -428,8 +428,10 @@ def register(sub) -> None:
                    help="world size (default: torchrun's --nnodes x --nproc-per-node in the command)")
     p.add_argument("--model", default=None,
                    help="model preset or spec file, when the flags give no shape (--num-layers, ...)")
-    p.add_argument("--script", metavar="FILE", help="read the command from a launch script (torchrun ... pretrain_gpt.py "
-                   "--flags; comments and line continuations allowed)")
+    p.add_argument("--script", metavar="FILE", help="read the command from a launch script, never running it: its "
+                   "variables, arrays and string if-tests expanded as bash would in this environment and directory, "
+                   "sourced files and the batch script sbatch submits followed, a DeepSpeed JSON its here-document "
+                   "writes read; run it from where the job is launched")
     _add_read_args(p, "the flags", stack=None)
     p.set_defaults(func=cmd_from_megatron)
 
