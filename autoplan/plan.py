@@ -29,7 +29,7 @@ _LATER_FIELDS: dict[str, tuple[str, ...]] = {
     "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                  "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "runtime_memory",
                  "sp_grads_coalesced", "selective_policy", "checkpoint_early_stop", "cp_attention",
-                 "optimizer_dtype", "master_weights", "loss_fusion", "align_grad_reduce", "flexible_rounds", "zero_stages",
+                 "optimizer_dtype", "master_weights", "loss_fusion", "align_grad_reduce", "flexible_rounds", "short_1f1b", "zero_stages",
                  "schedules", "seq_splits", "recompute_modes", "recompute_per_stage",
                  "uneven_stages", "partial_recompute"),
     "cluster.gpu.calibration": ("dtensor_param_us", "fused_call_us", "pipeline_action_us"),

@@ -475,6 +475,11 @@ class TrainingSpec(_Frozen):
         "than pp when pp does not divide m (pipeline.microbatch_group: torch.distributed.pipelining's "
         "Interleaved1F1B; Megatron-Core >= 0.10's --microbatch-group-size-per-virtual-pipeline-stage); false = "
         "m must be a multiple of pp (Megatron-LM before Megatron-Core 0.10).")
+    short_1f1b: bool = Field(
+        default=False, description="The 1F1B schedule runs with fewer micro-batches than pipeline stages, the "
+        "pipeline never full (Megatron's forward_backward_pipelining_without_interleaving: `num_warmup_microbatches "
+        "= min(pipeline_parallel_size - rank - 1, num_microbatches)`; DeepSpeed's TrainSchedule); false = m >= pp "
+        "required (torch.distributed.pipelining's Schedule1F1B refuses fewer micro-batches than stages).")
     zero_stages: str = Field(
         default=ALL_ZERO_STAGES, pattern=r"^01?2?3?$",
         description="The ZeRO stages the stack runs, as digits in order, 0 (no sharding) always among them (`zero` "
@@ -1110,11 +1115,12 @@ def check_config(
         )
     check_stack_runs(cfg, train, sizes)
     n_micro = train.global_batch_size // (dp * cfg.mbs)
-    if pp > 1 and cfg.schedule == "1f1b" and n_micro < pp:
+    if pp > 1 and cfg.schedule == "1f1b" and n_micro < pp and not train.short_1f1b:
         raise ConfigError(
-            "the 1F1B schedule needs at least pp micro-batches per step",
+            "the 1F1B schedule of this stack needs at least pp micro-batches per step",
             f"{n_micro} micro-batches per step, pp={pp}",
-            "raise the global batch, lower mbs or dp, or use schedule=gpipe",
+            "raise the global batch, lower mbs or dp, or use schedule=gpipe (Megatron's and DeepSpeed's 1F1B run "
+            "fewer: --stack-set short_1f1b=true prices such a run)",
         )
     if cfg.schedule == "interleaved" and not interleaved_rounds_fit(pp, n_micro, train.flexible_rounds):
         if not train.flexible_rounds:

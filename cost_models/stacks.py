@@ -25,7 +25,8 @@ DEFAULT_STACK = "autoplan"
 STACK_KNOBS = ("dtype", "grad_reduce_dtype", "flash_attention", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                "grad_accum_cast_copy", "optimizer_separate_passes", "optimizer_dtype", "master_weights", "loss_fusion",
-               "align_grad_reduce", "flexible_rounds", "zero_stages", "schedules", "seq_splits", "recompute_modes",
+               "align_grad_reduce", "flexible_rounds", "short_1f1b", "zero_stages", "schedules", "seq_splits",
+               "recompute_modes",
                "recompute_per_stage", "partial_recompute", "uneven_stages", "grad_sync_all_reduce",
                "sp_grads_coalesced", "runtime_memory", "autocast_fp32_params", "selective_policy", "kernels",
                "checkpoint_early_stop", "cp_attention")
@@ -42,7 +43,7 @@ KNOB_ALIASES = {"flash": "flash_attention", "overlap_grad": "overlap_grad_reduce
 _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overlap": True, "grad_accum_fused": True,
            "grad_accum_cast_copy": False, "optimizer_separate_passes": False, "optimizer_dtype": "fp32",
            "master_weights": None,
-           "loss_fusion": False, "align_grad_reduce": False, "flexible_rounds": True,
+           "loss_fusion": False, "align_grad_reduce": False, "flexible_rounds": True, "short_1f1b": False,
            "zero_stages": ALL_ZERO_STAGES, "schedules": ALL_SCHEDULES, "seq_splits": ALL_SEQ_SPLITS,
            "recompute_modes": ALL_RECOMPUTE_MODES,
            # one recomputation setting for every stage, except on autoplan's runtime (TrainingSpec.recompute_per_stage)
@@ -60,6 +61,8 @@ _COMMON = {"tp_bwd_comm_overlap": False, "p2p_scatter_gather": True, "p2p_overla
 # Megatron's pipeline schedules (megatron/core/pipeline_parallel/schedules.py get_forward_backward_func): 1F1B
 # (forward_backward_pipelining_without_interleaving) and the interleaved one; no GPipe.
 _MEGATRON_SCHEDULES = "1f1b+interleaved"
+# Megatron's and DeepSpeed's 1F1B run fewer micro-batches than stages (TrainingSpec.short_1f1b): SC21's figure-14
+# and -17 scripts run a global batch of 1 per pipeline (examples/academic_paper_scripts/sc21)
 
 
 class Stack(BaseModel):
@@ -119,7 +122,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                "optimizer_separate_passes": True, "flexible_rounds": False,
                # no distributed optimizer yet: it arrived in 2022 ("working on Float16DistributedOptimizer",
                # 329fe582, 2022-02-10; megatron/optimizer/distrib_optimizer.py from 28b63ec7, 2022-03-09)
-               "zero_stages": "0", "schedules": _MEGATRON_SCHEDULES,
+               "zero_stages": "0", "schedules": _MEGATRON_SCHEDULES, "short_1f1b": True,
                # sequence parallelism came to Megatron-LM in 2022-03 ("column parallel linear with sequence
                # parallelism", 02bb1f5c, 2022-03-02), context parallelism in 2023-08 (80590f98, 2023-08-09)
                "seq_splits": "none",
@@ -154,7 +157,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                "kernels": "megatron", "grad_reduce_dtype": "fp32", "p2p_overlap": False,
                "optimizer_separate_passes": True, "flexible_rounds": False,
                # --use-distributed-optimizer (ZeRO-1: 2022-03, above); no ZeRO-2 or -3
-               "zero_stages": "01", "schedules": _MEGATRON_SCHEDULES,
+               "zero_stages": "01", "schedules": _MEGATRON_SCHEDULES, "short_1f1b": True,
                "seq_splits": "sp",  # no context parallelism before 2023-08 (above)
                "uneven_stages": False},  # even stages only until 2024-09 (above)
         # optimizer_separate_passes (megatron-2021 too): Megatron-LM's Float16OptimizerWithFloat16Params zeroes
@@ -189,7 +192,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                # ZeRO: the distributed optimizer (1; it reduce-scatters gradients but keeps the whole gradient
                # buffer, megatron/core/distributed/param_and_grad_buffer.py, so there is no ZeRO-2) and
                # Megatron-FSDP's optim_grads_params (3, --use-megatron-fsdp, the export's form)
-               "zero_stages": "013", "schedules": _MEGATRON_SCHEDULES,
+               "zero_stages": "013", "schedules": _MEGATRON_SCHEDULES, "short_1f1b": True,
                },
         assumes="bf16; TE fused (flash) attention and fused kernels; --overlap-grad-reduce, --overlap-param-gather "
                 "(distributed optimizer), --tp-comm-overlap (userbuffers; without it, TE's backward still reduces "
@@ -210,7 +213,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
                "zero_stages": "01",
                # its PipelineEngine runs one schedule, TrainSchedule (deepspeed/runtime/pipe/schedule.py): 1F1B
                # without virtual stages
-               "schedules": "1f1b",
+               "schedules": "1f1b", "short_1f1b": True,
                # the 2021-22 Megatron layers it ran (MT-NLG, BLOOM) predate sequence and context parallelism
                "seq_splits": "none",
                # ... and selective recomputation: --checkpoint-activations recomputes every layer (BLOOM's

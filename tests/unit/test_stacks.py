@@ -360,6 +360,39 @@ def test_older_megatron_stacks_keep_whole_rounds_of_pp(capsys):
     assert "flexible_rounds=true" in err and "Traceback" not in err
 
 
+def test_megatron_and_deepspeed_run_1f1b_with_fewer_micro_batches_than_stages(capsys):
+    """Four micro-batches on pp=8: torch.distributed.pipelining's Schedule1F1B (autoplan's and torchtitan's
+    stacks) refuses it, Megatron's and DeepSpeed's 1F1B run it with the pipeline never full (SC21's figure-14/17
+    scripts): priced there as the simulated schedule, the fill and drain of (pp-1) stage times whatever m is."""
+    from autoplan.api import make_plan
+    from autoplan.cost_models.errors import ConfigError
+    from autoplan.specs import load_cluster, load_model
+
+    model, cluster = load_model("gpt3-175b"), load_cluster("dgx-a100-80g", gpus=64)
+    cfg = "tp=8,pp=8,mbs=1"
+    for stack in ("autoplan", "torchtitan"):
+        tr = apply_stack(TrainingSpec(global_batch_size=4, seq_length=2048), stack, {})
+        with pytest.raises(ConfigError, match="short_1f1b=true"):
+            make_plan(model, cluster, tr, cfg)
+    steps = {}
+    for stack in ("megatron-2021", "megatron-2022", "megatron-core", "megatron-deepspeed"):
+        for m in (1, 4, 8, 16):
+            tr = apply_stack(TrainingSpec(global_batch_size=m, seq_length=2048), stack, {})
+            pred = make_plan(model, cluster, tr, cfg).prediction
+            steps[stack, m] = pred.step_time_s
+            assert pred.breakdown["bubble"] > 0
+        one, four, eight = steps[stack, 1], steps[stack, 4], steps[stack, 8]
+        # each micro-batch past the first adds one stage's f + b; the fill and drain stay: (T8 - T4) / 4 is that
+        # stage time, and T1 holds the whole chain of 8 stages of it
+        per_stage = (eight - four) / 4
+        assert one == pytest.approx(8 * per_stage, rel=0.1)
+        assert four - one == pytest.approx(3 * per_stage, rel=0.1)
+        assert steps[stack, 16] - eight == pytest.approx(8 * per_stage, rel=0.02)
+    assert main(["estimate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--gpus", "64", "--global-batch",
+                 "4", "--seq-len", "2048", "--parallel", cfg]) != 0
+    assert "short_1f1b=true" in capsys.readouterr().err
+
+
 def test_each_stack_plans_only_the_zero_stages_it_runs(capsys):
     """Megatron-Core has no ZeRO-2 (its distributed optimizer keeps the whole gradient buffer), DeepSpeed's
     pipeline engine refuses ZeRO-2/3, Megatron-LM 2021 had no distributed optimizer: estimate refuses those with
