@@ -54,6 +54,12 @@ class MoESpec(_Frozen):
         default=None, gt=0, description="Hidden size of one expert's FFN (defaults to the dense ffn_hidden_size)."
     )
     every_n_layers: int = Field(default=1, ge=1, description="Every n-th layer is MoE; the others stay dense.")
+    first_layer: int | None = Field(
+        default=None, ge=0, description="The first MoE layer (0-based); then every every_n_layers-th. None = "
+        "every_n_layers - 1, layers n-1, 2n-1, ... (Hugging Face's decoder_sparse_step, DeepSpeed's "
+        "expert_interval); 0 = layers 0, n, 2n, ... (Megatron-Core's --moe-layer-freq N: `1 if (i % "
+        "moe_layer_freq == 0)`, megatron/core/models/gpt/gpt_layer_specs.py)."
+    )
     capacity_factor: float = Field(
         default=1.0, gt=0, description="Tokens an expert accepts relative to a perfectly balanced load. autoplan "
         "prices routing under a balanced load, dropless: a capacity of at least that load (>= 1) changes nothing "
@@ -141,6 +147,13 @@ class ModelSpec(_Frozen):
                 f"{self.name}: hidden={self.hidden_size}, heads={self.num_attention_heads}",
                 "set head_dim explicitly or fix the sizes",
             )
+        if self.moe is not None and self.num_moe_layers == 0:
+            raise SpecError(
+                "the MoE layers fall outside the model",
+                f"{self.name}: {self.num_layers} layers, moe.first_layer={self.moe.first_layer}, "
+                f"every_n_layers={self.moe.every_n_layers}",
+                "choose a first MoE layer and period inside the layers, or drop moe",
+            )
         return self
 
     # Derived sizes, used everywhere; keep them here so there is one definition.
@@ -165,8 +178,12 @@ class ModelSpec(_Frozen):
         return self.moe is not None
 
     def is_moe_layer(self, i: int) -> bool:
-        """Layer i (0-based) is a MoE layer (Megatron/Mixtral convention: layers n-1, 2n-1, ... for every_n)."""
-        return self.moe is not None and (i + 1) % self.moe.every_n_layers == 0
+        """Layer i (0-based) is a MoE layer: every every_n_layers-th from moe.first_layer (by default n - 1)."""
+        if self.moe is None:
+            return False
+        n = self.moe.every_n_layers
+        first = n - 1 if self.moe.first_layer is None else self.moe.first_layer
+        return i >= first and (i - first) % n == 0
 
     @property
     def num_moe_layers(self) -> int:

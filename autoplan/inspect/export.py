@@ -15,6 +15,7 @@ from ..cost_models.pipeline import microbatch_group
 from ..plan import Plan
 from .export_numerics import (
     SQUARED_RELU_WARNING,
+    layer_pattern,
     megatron_model_numerics,
     rotary_base_flag,
     titan_model_notes,
@@ -162,8 +163,12 @@ def _megatron_model(plan: Plan, warnings: list[str]) -> list[tuple[str, object]]
         f += [("--num-experts", m.moe.num_experts), ("--moe-router-topk", m.moe.top_k)]
         if m.moe.expert_ffn_hidden_size:
             f.append(("--moe-ffn-hidden-size", m.moe.expert_ffn_hidden_size))
-        if m.moe.every_n_layers > 1:
-            f.append(("--moe-layer-freq", m.moe.every_n_layers))
+        bits = [int(m.is_moe_layer(i)) for i in range(m.num_layers)]
+        if bits == [int(i % m.moe.every_n_layers == 0) for i in range(m.num_layers)]:  # Megatron's int N
+            if m.moe.every_n_layers > 1:
+                f.append(("--moe-layer-freq", m.moe.every_n_layers))
+        else:  # another first MoE layer (Hugging Face's and DeepSpeed's n-1): the per-layer list
+            f.append(("--moe-layer-freq", layer_pattern(bits)))
         if m.moe.pad_to_capacity and m.moe.capacity_factor > 1:
             f += [("--moe-expert-capacity-factor", m.moe.capacity_factor), ("--moe-pad-expert-input-to-capacity", None)]
         # The cost model prices expert routing as all-to-all (cost_models/comm.py); Megatron's default differs.

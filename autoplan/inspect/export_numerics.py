@@ -53,7 +53,7 @@ def plan_arch(plan: Plan, warnings: list[str], framework: str):
     return arch
 
 
-def _pattern(bits: list[int]) -> str:
+def layer_pattern(bits: list[int]) -> str:
     """A per-layer 0/1 list as the shortest Python list expression Megatron's *_freq arguments evaluate."""
     n = len(bits)
     for period in range(1, n + 1):
@@ -135,7 +135,7 @@ def _megatron_window(arch) -> list[Flag]:
     # (left, right) window counts the keys before it: left = window - 1, right = 0
     f: list[Flag] = [("--window-size", f"({arch.sliding_window - 1},0)")]
     if not all(sliding):  # Megatron's list form: 1 = sliding-window layer, 0 = full attention
-        f.append(("--window-attn-skip-freq", _pattern([int(x) for x in sliding])))
+        f.append(("--window-attn-skip-freq", layer_pattern([int(x) for x in sliding])))
     return f
 
 
@@ -194,7 +194,7 @@ def _megatron_moe(arch) -> list[Flag]:
     if moe.shared_ffn:
         f += [("--moe-shared-expert-intermediate-size", moe.shared_ffn), ("--moe-shared-expert-gate", None)]
     if not all(moe.sparse_layers):  # 1 = MoE layer, 0 = dense
-        f.append(("--moe-layer-freq", _pattern([int(x) for x in moe.sparse_layers])))
+        f.append(("--moe-layer-freq", layer_pattern([int(x) for x in moe.sparse_layers])))
     return f
 
 

@@ -118,6 +118,7 @@ _FLAG_OF = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_a
             "ffn_hidden_size": "--ffn-hidden-size", "vocab_size": "--vocab-size", "max_seq_length":
             "--max-position-embeddings", "num_experts": "--num-experts", "top_k": "--moe-router-topk",
             "expert_ffn_hidden_size": "--moe-ffn-hidden-size", "every_n_layers": "--moe-layer-freq",
+            "first_layer": "--moe-layer-freq",
             "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size", "cp":
             "--context-parallel-size", "ep": "--expert-model-parallel-size", "vp":
             "--num-virtual-stages-per-pipeline-rank", "mbs": "--micro-batch-size", "recompute_layers":
@@ -296,15 +297,11 @@ def _model(r: _Reader, tp: int, seq: int, notes: list[str]) -> ModelSpec | None:
     if experts is not None and experts > 1 and r.has("--deepspeed"):
         moe = _built(MoESpec, num_experts=experts, **_deepspeed_moe(r, notes))
     elif experts is not None and experts > 1:
-        freq = r.value("--moe-layer-freq")
-        if freq is not None and not freq.isdigit():
-            raise ConfigError("--moe-layer-freq as a pattern is not expressible", f"got {freq}",
-                              "write every n-th layer as an integer n (autoplan's every_n_layers)")
         cf = r.float("--moe-expert-capacity-factor", None)
         pad_experts = cf is not None and cf > 1 and r.has("--moe-pad-expert-input-to-capacity")
         moe = _built(MoESpec, num_experts=experts, top_k=r.int("--moe-router-topk", 2),
                       expert_ffn_hidden_size=r.int("--moe-ffn-hidden-size"),
-                      every_n_layers=int(freq) if freq else 1,
+                      **_moe_layers(r.value("--moe-layer-freq"), layers),
                       **({"capacity_factor": cf, "pad_to_capacity": True} if pad_experts else {}))
     return _built(
         ModelSpec, name="megatron-args", num_layers=layers, hidden_size=h, num_attention_heads=heads, num_kv_heads=kv,
@@ -316,6 +313,58 @@ def _model(r: _Reader, tp: int, seq: int, notes: list[str]) -> ModelSpec | None:
         rope_theta=r.float("--rotary-base", _ROTARY_BASE) if position == "rope" else _ROTARY_BASE,
         bias=not r.has("--disable-bias-linear"), dropout=max(hidden_do, attn_do), moe=moe,
     )
+
+
+def _moe_layers(freq: str | None, layers: int) -> dict[str, int]:
+    """Megatron-Core's --moe-layer-freq as every_n_layers and first_layer: an integer N puts experts on layers 0, N,
+    2N, ... (`1 if (i % moe_layer_freq == 0)`, megatron/core/models/gpt/gpt_layer_specs.py); a Python list
+    expression of 0/1 per layer (arguments.py moe_freq_type, e.g. "([0]*3+[1]*1)*3") is read where it is one MoE
+    layer every n from some first one."""
+    if freq is None or freq == "1":
+        return {}
+    if freq.isdigit():
+        return {"every_n_layers": int(freq), "first_layer": 0}
+    bits = _list_expression(freq)
+    ones = [i for i, b in enumerate(bits or []) if b]
+    if bits is None or len(bits) != layers or not ones:
+        raise ConfigError("--moe-layer-freq is not a 0/1 list of one entry per layer", f"got {freq} for {layers} "
+                          "layers", "write N (one MoE layer every N, from layer 0) or a list expression such as "
+                          "\"([0]*3+[1])*4\" of --num-layers entries")
+    n = ones[1] - ones[0] if len(ones) > 1 else layers
+    if any(bool(b) != (i >= ones[0] and (i - ones[0]) % n == 0) for i, b in enumerate(bits)):
+        raise ConfigError("--moe-layer-freq as an irregular pattern is not expressible", f"got {freq}",
+                          "autoplan prices one MoE layer every n layers from a first one: write such a pattern")
+    return {"every_n_layers": n, "first_layer": ones[0]}
+
+
+def _list_expression(text: str) -> list[int] | None:
+    """The value of a list expression of ints with + and * (Megatron's pattern arguments), computed without
+    running it; None for anything else."""
+    import ast
+
+    def ev(node: ast.AST):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.List):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(a, list) and isinstance(b, list):
+                return a + b
+            if isinstance(node.op, ast.Mult) and isinstance(a, list) != isinstance(b, list):
+                k = b if isinstance(a, list) else a
+                if 0 <= k <= 100_000:
+                    return a * k if isinstance(a, list) else b * k
+        raise ValueError(node)
+    try:
+        value = ev(ast.parse(text.strip(), mode="eval"))
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    if not isinstance(value, list) or not all(isinstance(x, int) and x in (0, 1) for x in value):
+        return None
+    return value
 
 
 def _deepspeed_moe(r: _Reader, notes: list[str]) -> dict[str, object]:

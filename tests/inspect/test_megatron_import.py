@@ -10,9 +10,9 @@ import pytest
 
 from autoplan.api import plan_from_estimate
 from autoplan.cli import main
-from autoplan.cost_models.errors import ConfigError
+from autoplan.cost_models.errors import ConfigError, SpecError
 from autoplan.cost_models.layout import counts
-from autoplan.cost_models.specs import ModelSpec, TrainingSpec
+from autoplan.cost_models.specs import ModelSpec, MoESpec, TrainingSpec
 from autoplan.cost_models.stacks import apply_stack
 from autoplan.estimate_api import estimate_config
 from autoplan.inspect import export_megatron
@@ -452,6 +452,43 @@ def test_deepspeeds_partition_by_type_counts_the_embeddings():
     uneven = read_megatron(command_tokens(flags.replace("70", "71").replace("type:transformer|embedding",
                                                                            "'type:transformer|embedding'")))
     assert uneven.parallel.layout is None and any("balances the stages its own way" in n for n in uneven.notes)
+
+
+def test_megatron_cores_moe_layer_freq_starts_at_layer_zero():
+    """--moe-layer-freq N puts Megatron-Core's experts on layers 0, N, 2N (gpt_layer_specs.py: `1 if (i %
+    moe_layer_freq == 0)`), where Hugging Face's decoder_sparse_step and DeepSpeed's expert_interval start at N - 1:
+    on 5 layers that is 3 MoE layers, not 2. A list pattern of one MoE layer every n from some first layer reads;
+    the export writes back the layers the plan priced (an int where Megatron's int means them, else the list)."""
+    flags = ("--num-layers 5 --hidden-size 256 --num-attention-heads 4 --seq-length 128 --vocab-size 1000 "
+             "--num-experts 4 --moe-layer-freq ")
+    model = read_megatron(command_tokens(flags + "2")).model
+    assert [model.is_moe_layer(i) for i in range(5)] == [True, False, True, False, True]
+    pattern = read_megatron(command_tokens(flags.replace("--num-layers 5", "--num-layers 12") +
+                                           "'([0]*3+[1]*1)*3'")).model
+    assert [i for i in range(12) if pattern.is_moe_layer(i)] == [3, 7, 11]
+    dense_first = read_megatron(command_tokens(flags + "'[0]+[1]*4'")).model  # DeepSeek's dense first layer
+    assert [dense_first.is_moe_layer(i) for i in range(5)] == [False, True, True, True, True]
+    for bad, match in (("'([1]*2+[0])*2'", "not a 0/1 list of one entry per layer"),
+                       ("'[1,1,0,1,0]'", "irregular pattern"), ("'__import__(\"os\")'", "not a 0/1 list")):
+        with pytest.raises(ConfigError, match=match):
+            read_megatron(command_tokens(flags + bad))
+    # exported as priced, and read back to the same layers and prediction
+    cluster = load_cluster("dgx-h100", gpus=8)
+    tr = apply_stack(TrainingSpec(global_batch_size=16, seq_length=128), "megatron-core", {})
+    hf_style = ModelSpec(name="m", num_layers=6, hidden_size=256, num_attention_heads=4, vocab_size=1024,
+                         max_seq_length=128, moe=MoESpec(num_experts=4, every_n_layers=2))  # layers 1, 3, 5
+    for spec, written in ((hf_style, "[0,1]*3"),
+                          (hf_style.model_copy(update={"moe": hf_style.moe.model_copy(update={"first_layer": 0})}),
+                           2)):
+        plan = plan_from_estimate(spec, cluster, tr, estimate_config(spec, cluster, tr, "tp=1,pp=1,mbs=1"))
+        d = export_megatron(plan)
+        assert d["flags"]["--moe-layer-freq"] == written
+        back = read_megatron(command_tokens(d["command"])).model
+        assert [back.is_moe_layer(i) for i in range(6)] == [spec.is_moe_layer(i) for i in range(6)]
+    with pytest.raises(SpecError, match="MoE layers fall outside the model"):
+        ModelSpec(
+            name="m", num_layers=6, hidden_size=256, num_attention_heads=4, vocab_size=1024, max_seq_length=128,
+            moe=MoESpec(num_experts=4, every_n_layers=2, first_layer=9))
 
 
 def test_experts_padded_to_capacity_export_and_read_back(capsys):
