@@ -92,6 +92,18 @@ class MoESpec(_Frozen):
         return self
 
 
+def moe_layer_spacing(sparse: list[bool] | tuple[bool, ...]) -> dict[str, int | None] | None:
+    """MoESpec's every_n_layers and first_layer for a per-layer MoE pattern that is one MoE layer every n from a
+    first one (first_layer None where it is n - 1, the default); None for any other pattern, or none at all."""
+    ones = [i for i, b in enumerate(sparse) if b]
+    if not ones:
+        return None
+    n = ones[1] - ones[0] if len(ones) > 1 else len(sparse) - ones[0]
+    if any(bool(b) != (i >= ones[0] and (i - ones[0]) % n == 0) for i, b in enumerate(sparse)):
+        return None
+    return {"every_n_layers": n, "first_layer": None if ones[0] == n - 1 else ones[0]}
+
+
 class ModelSpec(_Frozen):
     """A decoder-only transformer, described by the fields of DESIGN.md's model spec."""
 

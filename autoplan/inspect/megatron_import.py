@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from autoplan.cost_models.errors import ConfigError
-from autoplan.cost_models.specs import ModelSpec, MoESpec, ParallelConfig
+from autoplan.cost_models.specs import ModelSpec, MoESpec, ParallelConfig, moe_layer_spacing
 
 # Megatron's own defaults (megatron/training/arguments.py) where a flag is absent
 _MAKE_VOCAB_DIVISIBLE_BY = 128  # --make-vocab-size-divisible-by
@@ -325,16 +325,15 @@ def _moe_layers(freq: str | None, layers: int) -> dict[str, int]:
     if freq.isdigit():
         return {"every_n_layers": int(freq), "first_layer": 0}
     bits = _list_expression(freq)
-    ones = [i for i, b in enumerate(bits or []) if b]
-    if bits is None or len(bits) != layers or not ones:
+    if bits is None or len(bits) != layers or not any(bits):
         raise ConfigError("--moe-layer-freq is not a 0/1 list of one entry per layer", f"got {freq} for {layers} "
                           "layers", "write N (one MoE layer every N, from layer 0) or a list expression such as "
                           "\"([0]*3+[1])*4\" of --num-layers entries")
-    n = ones[1] - ones[0] if len(ones) > 1 else layers
-    if any(bool(b) != (i >= ones[0] and (i - ones[0]) % n == 0) for i, b in enumerate(bits)):
+    spacing = moe_layer_spacing([bool(b) for b in bits])
+    if spacing is None:
         raise ConfigError("--moe-layer-freq as an irregular pattern is not expressible", f"got {freq}",
                           "autoplan prices one MoE layer every n layers from a first one: write such a pattern")
-    return {"every_n_layers": n, "first_layer": ones[0]}
+    return spacing
 
 
 def _list_expression(text: str) -> list[int] | None:

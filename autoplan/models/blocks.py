@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoplan.cost_models.specs import ModelSpec, MoESpec
+from autoplan.cost_models.specs import ModelSpec, MoESpec, moe_layer_spacing
 from autoplan.zoo.model import MoE as _ZooMoE
 from autoplan.zoo.model import run_experts
 
@@ -335,8 +335,12 @@ def spec_of(arch: Arch, name: str | None = None) -> ModelSpec:
     moe = None
     if arch.moe is not None:
         n_sparse = sum(arch.moe.sparse_layers)
+        # the model's own MoE layers where they are regular (Qwen2-MoE's decoder_sparse_step, a dense first layer);
+        # else as many, evenly spaced
+        spacing = moe_layer_spacing(arch.moe.sparse_layers) or {
+            "every_n_layers": max(1, arch.num_layers // max(1, n_sparse))}
         moe = MoESpec(num_experts=arch.moe.num_experts, top_k=arch.moe.top_k, expert_ffn_hidden_size=arch.moe.expert_ffn,
-                      every_n_layers=max(1, arch.num_layers // max(1, n_sparse)))
+                      **spacing)
     return ModelSpec(
         name=name or str(arch.hf_config.get("_name_or_path") or arch.family), num_layers=arch.num_layers,
         hidden_size=arch.hidden_size, num_attention_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,

@@ -275,3 +275,23 @@ def test_experts_padded_to_capacity_price_capacity_times_the_balanced_rows():
     with pytest.raises(ConfigError, match="routes experts dropless without padding"):
         estimate_config(padded, cluster, apply_stack(TrainingSpec(global_batch_size=64, seq_length=2048),
                                                      "autoplan", {}), cfg)
+
+
+def test_a_models_own_moe_layers_are_the_priced_ones():
+    """MoE layers as one every n from a first one: moe_layer_spacing reads a per-layer pattern into every_n_layers
+    and first_layer (None where the first is n - 1), and a Hugging Face model's spec prices the layers the model
+    has: the test Qwen2-MoE (3 layers, mlp_only_layers=[1]) has its experts on layers 0 and 2, where the spec put
+    them on all three until session 37 (every_n_layers = 3 // 2)."""
+    from autoplan import models
+    from autoplan.cost_models.specs import moe_layer_spacing
+    from autoplan.models.blocks import spec_of
+    from tests.models.hf_configs import CONFIGS
+
+    assert moe_layer_spacing([False, True, False, True]) == {"every_n_layers": 2, "first_layer": None}
+    assert moe_layer_spacing([True, False, True, False, True]) == {"every_n_layers": 2, "first_layer": 0}
+    assert moe_layer_spacing([False, True, True, True]) == {"every_n_layers": 1, "first_layer": 1}
+    assert moe_layer_spacing([True, True, False, True]) is None and moe_layer_spacing([False, False]) is None
+    arch = models.arch_from_hf(CONFIGS["qwen2_moe"])
+    spec = spec_of(arch)
+    assert [spec.is_moe_layer(i) for i in range(arch.num_layers)] == [bool(b) for b in arch.moe.sparse_layers]
+    assert spec.num_moe_layers == sum(arch.moe.sparse_layers) == 2
