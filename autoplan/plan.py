@@ -24,7 +24,7 @@ SCHEMA_VERSION = 1
 _LATER_FIELDS: dict[str, tuple[str, ...]] = {
     "plan": ("stack", "runtime_semantics", "model_source", "profiles"),
     "model": ("rope_theta",),
-    "model.moe": ("pad_to_capacity", "first_layer"),
+    "model.moe": ("pad_to_capacity", "first_layer", "layers"),
     "parallel": ("layout",),
     "training": ("tp_bwd_comm_overlap", "p2p_scatter_gather", "p2p_overlap", "grad_accum_fused",
                  "grad_accum_cast_copy", "optimizer_separate_passes", "grad_sync_all_reduce", "runtime_memory",

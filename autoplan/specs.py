@@ -24,6 +24,7 @@ from autoplan.cost_models.specs import (
     ParallelConfig,
     TrainingSpec,
     check_config,
+    moe_layer_spacing,
 )
 
 from .models.arch import hf_rope_theta, spec_activation
@@ -187,9 +188,18 @@ def model_from_hf_config(cfg: dict[str, Any], name: str = "hf-model") -> ModelSp
     moe = None
     n_exp = _hf_get(cfg, "num_local_experts", "num_experts")
     if n_exp and _hf_int(cfg, n_exp, "num_local_experts") > 1:
+        # Qwen2-MoE's sparse layers: every decoder_sparse_step-th (`(layer_idx + 1) % decoder_sparse_step == 0`,
+        # transformers' Qwen2MoeDecoderLayer) outside mlp_only_layers
+        n_layers = _hf_int(cfg, layers, "num_hidden_layers")
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        spacing = moe_layer_spacing([i not in dense and (i + 1) % step == 0 for i in range(n_layers)])
+        if spacing is None:
+            raise SpecError("the config has experts but no MoE layer", f"{name}: decoder_sparse_step={step}, "
+                            f"mlp_only_layers={sorted(dense)}", "check the config's MoE keys")
         moe = MoESpec(num_experts=_hf_int(cfg, n_exp, "num_local_experts"),
                       top_k=_hf_int(cfg, _hf_get(cfg, "num_experts_per_tok", "top_k", default=2), "num_experts_per_tok"),
-                      expert_ffn_hidden_size=_hf_get(cfg, "moe_intermediate_size", default=ffn))
+                      expert_ffn_hidden_size=_hf_get(cfg, "moe_intermediate_size", default=ffn), **spacing)
     data = dict(
         name=str(name), num_layers=_hf_int(cfg, layers, "num_hidden_layers"),
         hidden_size=_hf_int(cfg, hidden, "hidden_size"), num_attention_heads=_hf_int(cfg, heads, "num_attention_heads"),

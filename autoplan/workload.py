@@ -84,11 +84,9 @@ def spec_from_profiles(profiles: list[LayerProfile], name: str, seq: int | None 
     gated = len({g.n for g in mlp_cols}) == 1 and len(mlp_cols) >= 2
     moe = None
     moe_block = next((b for b in blocks if b.moe_experts), None)
-    if moe_block is not None:
-        every = len(blocks) // max(1, sum(1 for b in blocks if b.moe_experts))
-        spacing = moe_layer_spacing([bool(b.moe_experts) for b in blocks]) or {"every_n_layers": max(1, every)}
+    if moe_block is not None:  # the captured blocks' own MoE layers
         moe = MoESpec(num_experts=moe_block.moe_experts, top_k=moe_block.moe_top_k, expert_ffn_hidden_size=ffn,
-                      **spacing)
+                      **moe_layer_spacing([bool(b.moe_experts) for b in blocks]))
     return ModelSpec(
         name=name, num_layers=len(blocks), hidden_size=b0.hidden, num_attention_heads=heads, num_kv_heads=kv,
         head_dim=dhead, ffn_hidden_size=ffn, vocab_size=head.logits_per_token if head and head.logits_per_token else 1,

@@ -60,6 +60,10 @@ class MoESpec(_Frozen):
         "expert_interval); 0 = layers 0, n, 2n, ... (Megatron-Core's --moe-layer-freq N: `1 if (i % "
         "moe_layer_freq == 0)`, megatron/core/models/gpt/gpt_layer_specs.py)."
     )
+    layers: tuple[int, ...] | None = Field(
+        default=None, description="The MoE layers (0-based) where they are not one every n from a first one "
+        "(Qwen2-MoE's mlp_only_layers, a Megatron --moe-layer-freq list); replaces every_n_layers and first_layer."
+    )
     capacity_factor: float = Field(
         default=1.0, gt=0, description="Tokens an expert accepts relative to a perfectly balanced load. autoplan "
         "prices routing under a balanced load, dropless: a capacity of at least that load (>= 1) changes nothing "
@@ -79,6 +83,10 @@ class MoESpec(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
+        if self.layers is not None and (not self.layers or list(self.layers) != sorted(set(self.layers))
+                                        or self.layers[0] < 0):
+            raise SpecError("moe.layers must list layer indices once each, in order", f"layers={self.layers}",
+                            "write the MoE layers' 0-based indices, ascending")
         if self.capacity_factor < 1:
             raise SpecError("moe.capacity_factor below 1 drops tokens, which autoplan does not price",
                             f"capacity_factor={self.capacity_factor:g}",
@@ -92,15 +100,16 @@ class MoESpec(_Frozen):
         return self
 
 
-def moe_layer_spacing(sparse: list[bool] | tuple[bool, ...]) -> dict[str, int | None] | None:
-    """MoESpec's every_n_layers and first_layer for a per-layer MoE pattern that is one MoE layer every n from a
-    first one (first_layer None where it is n - 1, the default); None for any other pattern, or none at all."""
+def moe_layer_spacing(sparse: list[bool] | tuple[bool, ...]) -> dict[str, object] | None:
+    """The MoESpec fields that place a per-layer MoE pattern: every_n_layers and first_layer where it is one MoE
+    layer every n from a first one (first_layer None where that is n - 1, the default), else the layers
+    themselves; None where no layer is MoE."""
     ones = [i for i, b in enumerate(sparse) if b]
     if not ones:
         return None
     n = ones[1] - ones[0] if len(ones) > 1 else len(sparse) - ones[0]
     if any(bool(b) != (i >= ones[0] and (i - ones[0]) % n == 0) for i, b in enumerate(sparse)):
-        return None
+        return {"layers": tuple(ones)}
     return {"every_n_layers": n, "first_layer": None if ones[0] == n - 1 else ones[0]}
 
 
@@ -159,11 +168,11 @@ class ModelSpec(_Frozen):
                 f"{self.name}: hidden={self.hidden_size}, heads={self.num_attention_heads}",
                 "set head_dim explicitly or fix the sizes",
             )
-        if self.moe is not None and self.num_moe_layers == 0:
+        if self.moe is not None and (self.num_moe_layers == 0 or (self.moe.layers or (0,))[-1] >= self.num_layers):
             raise SpecError(
                 "the MoE layers fall outside the model",
                 f"{self.name}: {self.num_layers} layers, moe.first_layer={self.moe.first_layer}, "
-                f"every_n_layers={self.moe.every_n_layers}",
+                f"every_n_layers={self.moe.every_n_layers}, layers={self.moe.layers}",
                 "choose a first MoE layer and period inside the layers, or drop moe",
             )
         return self
@@ -193,6 +202,8 @@ class ModelSpec(_Frozen):
         """Layer i (0-based) is a MoE layer: every every_n_layers-th from moe.first_layer (by default n - 1)."""
         if self.moe is None:
             return False
+        if self.moe.layers is not None:
+            return i in self.moe.layers
         n = self.moe.every_n_layers
         first = n - 1 if self.moe.first_layer is None else self.moe.first_layer
         return i >= first and (i - first) % n == 0

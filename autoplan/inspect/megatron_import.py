@@ -316,10 +316,9 @@ def _model(r: _Reader, tp: int, seq: int, notes: list[str]) -> ModelSpec | None:
 
 
 def _moe_layers(freq: str | None, layers: int) -> dict[str, int]:
-    """Megatron-Core's --moe-layer-freq as every_n_layers and first_layer: an integer N puts experts on layers 0, N,
-    2N, ... (`1 if (i % moe_layer_freq == 0)`, megatron/core/models/gpt/gpt_layer_specs.py); a Python list
-    expression of 0/1 per layer (arguments.py moe_freq_type, e.g. "([0]*3+[1]*1)*3") is read where it is one MoE
-    layer every n from some first one."""
+    """Megatron-Core's --moe-layer-freq as MoESpec's placement: an integer N puts experts on layers 0, N, 2N, ...
+    (`1 if (i % moe_layer_freq == 0)`, megatron/core/models/gpt/gpt_layer_specs.py); a Python list expression of
+    0/1 per layer (arguments.py moe_freq_type, e.g. "([0]*3+[1]*1)*3"), computed without running it."""
     if freq is None or freq == "1":
         return {}
     if freq.isdigit():
@@ -329,11 +328,7 @@ def _moe_layers(freq: str | None, layers: int) -> dict[str, int]:
         raise ConfigError("--moe-layer-freq is not a 0/1 list of one entry per layer", f"got {freq} for {layers} "
                           "layers", "write N (one MoE layer every N, from layer 0) or a list expression such as "
                           "\"([0]*3+[1])*4\" of --num-layers entries")
-    spacing = moe_layer_spacing([bool(b) for b in bits])
-    if spacing is None:
-        raise ConfigError("--moe-layer-freq as an irregular pattern is not expressible", f"got {freq}",
-                          "autoplan prices one MoE layer every n layers from a first one: write such a pattern")
-    return spacing
+    return moe_layer_spacing([bool(b) for b in bits]) or {}
 
 
 def _list_expression(text: str) -> list[int] | None:

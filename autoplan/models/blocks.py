@@ -333,12 +333,9 @@ class CausalLM(nn.Module):
 def spec_of(arch: Arch, name: str | None = None) -> ModelSpec:
     """The planner's summary of an Arch (sizes for the cost model and for validating a plan)."""
     moe = None
-    if arch.moe is not None:
-        n_sparse = sum(arch.moe.sparse_layers)
-        # the model's own MoE layers where they are regular (Qwen2-MoE's decoder_sparse_step, a dense first layer);
-        # else as many, evenly spaced
-        spacing = moe_layer_spacing(arch.moe.sparse_layers) or {
-            "every_n_layers": max(1, arch.num_layers // max(1, n_sparse))}
+    # the model's own MoE layers (Qwen2-MoE's decoder_sparse_step and mlp_only_layers, a dense first layer)
+    spacing = moe_layer_spacing(arch.moe.sparse_layers) if arch.moe is not None else None
+    if spacing is not None:
         moe = MoESpec(num_experts=arch.moe.num_experts, top_k=arch.moe.top_k, expert_ffn_hidden_size=arch.moe.expert_ffn,
                       **spacing)
     return ModelSpec(

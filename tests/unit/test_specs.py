@@ -283,15 +283,25 @@ def test_a_models_own_moe_layers_are_the_priced_ones():
     has: the test Qwen2-MoE (3 layers, mlp_only_layers=[1]) has its experts on layers 0 and 2, where the spec put
     them on all three until session 37 (every_n_layers = 3 // 2)."""
     from autoplan import models
-    from autoplan.cost_models.specs import moe_layer_spacing
+    from autoplan.cost_models.specs import MoESpec, moe_layer_spacing
     from autoplan.models.blocks import spec_of
     from tests.models.hf_configs import CONFIGS
 
     assert moe_layer_spacing([False, True, False, True]) == {"every_n_layers": 2, "first_layer": None}
     assert moe_layer_spacing([True, False, True, False, True]) == {"every_n_layers": 2, "first_layer": 0}
     assert moe_layer_spacing([False, True, True, True]) == {"every_n_layers": 1, "first_layer": 1}
-    assert moe_layer_spacing([True, True, False, True]) is None and moe_layer_spacing([False, False]) is None
+    assert moe_layer_spacing([True, True, False, True]) == {"layers": (0, 1, 3)}  # irregular: the layers
+    assert moe_layer_spacing([False, False]) is None
     arch = models.arch_from_hf(CONFIGS["qwen2_moe"])
     spec = spec_of(arch)
     assert [spec.is_moe_layer(i) for i in range(arch.num_layers)] == [bool(b) for b in arch.moe.sparse_layers]
     assert spec.num_moe_layers == sum(arch.moe.sparse_layers) == 2
+    irregular = models.arch_from_hf(dict(CONFIGS["qwen2_moe"], num_hidden_layers=5, mlp_only_layers=[1, 2]))
+    spec = spec_of(irregular)
+    assert spec.moe.layers == (0, 3, 4) and [spec.is_moe_layer(i) for i in range(5)] == list(
+        irregular.moe.sparse_layers)
+    with pytest.raises(SpecError, match="layer indices once each"):
+        MoESpec(num_experts=4, layers=(3, 1))
+    with pytest.raises(SpecError, match="fall outside the model"):
+        spec.model_copy(update={"moe": None}).model_validate(
+            {**spec.model_dump(), "moe": {"num_experts": 4, "layers": (1, 7)}})
