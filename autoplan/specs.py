@@ -191,7 +191,7 @@ def model_from_hf_config(cfg: dict[str, Any], name: str = "hf-model") -> ModelSp
         # Qwen2-MoE's sparse layers: every decoder_sparse_step-th (`(layer_idx + 1) % decoder_sparse_step == 0`,
         # transformers' Qwen2MoeDecoderLayer) outside mlp_only_layers
         n_layers = _hf_int(cfg, layers, "num_hidden_layers")
-        step = int(cfg.get("decoder_sparse_step") or 1)
+        step = _hf_int(cfg, cfg.get("decoder_sparse_step") or 1, "decoder_sparse_step")
         dense = set(cfg.get("mlp_only_layers") or [])
         spacing = moe_layer_spacing([i not in dense and (i + 1) % step == 0 for i in range(n_layers)])
         if spacing is None:

@@ -96,6 +96,7 @@ class _State:
     context: _Context | None = None  # the file being read, for the commands met in it
     allocation_notes: list[str] = field(default_factory=list)  # Slurm variables set from the allocation
     function_next: bool = False  # a function's name was read: the `{` that follows opens its body
+    shells: int = 0  # the submitting shells above this one (sbatch), for _MAX_DEPTH
     args_used: bool = False  # the script reads its own arguments ($@, $*, $#): taken as none
     flagless: list[str] = field(default_factory=list)  # a .py command met without --flags (they did not expand)
 
@@ -387,7 +388,7 @@ def _expand(text: str, st: _State, join: bool = False, heredoc: bool = False) ->
     return "".join(out), kept
 
 
-_HEREDOC = re.compile(r"<<(-?)[ \t]*(['\"]?)([A-Za-z0-9_.-]+)\2")
+_HEREDOC = re.compile(r"<<(-?)[ \t]*(\\?)(['\"]?)([A-Za-z0-9_.-]+)\3")
 
 
 def _statements(text: str) -> list[tuple[str, list[tuple[str, bool]]]]:
@@ -450,8 +451,8 @@ def _statements(text: str) -> list[tuple[str, list[tuple[str, bool]]]]:
             continue
         elif c == "<" and text.startswith("<<", i) and not text.startswith("<<<", i) and _HEREDOC.match(text, i):
             m = _HEREDOC.match(text, i)
-            pending.append((m.group(1) == "-", bool(m.group(2)), m.group(3)))
-            cur.append(f"<<{m.group(3)}")
+            pending.append((m.group(1) == "-", bool(m.group(2) or m.group(3)), m.group(4)))  # \EOF, 'EOF': quoted
+            cur.append(f"<<{m.group(4)}")
             i = m.end()
             continue
         elif c == "(":
@@ -673,7 +674,7 @@ def _locate(target: str, st: _State) -> tuple[str | None, str]:
 
 def _follow(path: str, how: str, st: _State, blocks: list[_Block], found: list) -> None:
     """Read a sourced file into the same shell: its variables are the script's."""
-    if path in st.reading or len(st.reading) >= _MAX_DEPTH:
+    if path in st.reading or st.shells + len(st.reading) >= _MAX_DEPTH:
         st.sourced.append(f"{path} (sourced again while it is read)")
         return
     try:
@@ -735,11 +736,12 @@ def _allocation(text: str, options: list[str], env: Mapping[str, str]) -> tuple[
                 "Slurm sets it"
 
 
-def _submit(text: str, label: str, options: list[str], st: _State, found: list) -> None:
-    """Read a batch script `sbatch` submits: another shell, in the environment sbatch passes it (--export: ALL,
-    the default, is the submitting shell's environment with its exported variables; a list, only those; NONE,
-    nothing) and its allocation's node count."""
-    if len(st.reading) >= _MAX_DEPTH:
+def _submit(text: str, label: str, path: str | None, options: list[str], st: _State, found: list) -> None:
+    """Read a batch script `sbatch` submits (`path`: its file, None for a --wrap command or a here-document):
+    another shell, in the environment sbatch passes it (--export: ALL, the default, is the submitting shell's
+    environment with its exported variables; a list, only those; NONE, nothing), its allocation's node count, and
+    the directory sbatch runs it in (the submitting one, SLURM_SUBMIT_DIR, or --chdir)."""
+    if st.shells + len(st.reading) >= _MAX_DEPTH:
         st.sourced.append(f"{label} (submitted too deep)")
         return
     visible = dict(st.env)
@@ -766,8 +768,13 @@ def _submit(text: str, label: str, options: list[str], st: _State, found: list) 
             if name in from_script:
                 passed.add(name)
     env, note = _allocation(text, options, env)
-    child = _State(env=env, cwd=st.cwd, reading=[*st.reading, label], passed=passed | ({"SLURM_NNODES",
-                   "SLURM_JOB_NUM_NODES"} if note else set()))
+    if st.cwd is not None:
+        env.setdefault("SLURM_SUBMIT_DIR", st.cwd)
+    chdir = next((options[k + 1] for k, w in enumerate(options[:-1]) if w in ("-D", "--chdir")),
+                 next((w.partition("=")[2] for w in options if w.startswith("--chdir=")), None))
+    child = _State(env=env, cwd=st.cwd if chdir is None else _joined(st, chdir), reading=[path] if path else [],
+                   shells=st.shells + len(st.reading) + 1,
+                   passed=passed | {"SLURM_SUBMIT_DIR"} | ({"SLURM_NNODES", "SLURM_JOB_NUM_NODES"} if note else set()))
     child.context = _Context(text, env, options)
     before = len(found)
     with contextlib.suppress(_Exit):
@@ -893,7 +900,7 @@ def _statement(stmt: str, docs: list[tuple[str, bool]], st: _State, blocks: list
     if name == "sbatch":
         opts, script, wrap = _sbatch_args(command[1:])
         if wrap is not None:
-            _submit(wrap, "sbatch --wrap", opts, st, found)
+            _submit(wrap, "sbatch --wrap", None, opts, st, found)
         elif script is not None:
             path, how = _locate(script, st)
             try:
@@ -903,13 +910,9 @@ def _statement(stmt: str, docs: list[tuple[str, bool]], st: _State, blocks: list
             if batch is None:
                 st.sourced.append(f"{script} (the batch script sbatch submits)")
             else:
-                st.reading.append(path)
-                try:
-                    _submit(batch, path + (f" ({how})" if how else ""), opts, st, found)
-                finally:
-                    st.reading.pop()
+                _submit(batch, path + (f" ({how})" if how else ""), path, opts, st, found)
         elif docs:
-            _submit(_heredoc_text(docs, st), "sbatch's here-document", opts, st, found)
+            _submit(_heredoc_text(docs, st), "sbatch's here-document", None, opts, st, found)
         return
     if name == "eval":  # its words joined are shell code: read (never run) as a statement of this shell
         _read(" ".join(command[1:]), st, blocks, found)

@@ -315,7 +315,7 @@ def _model(r: _Reader, tp: int, seq: int, notes: list[str]) -> ModelSpec | None:
     )
 
 
-def _moe_layers(freq: str | None, layers: int) -> dict[str, int]:
+def _moe_layers(freq: str | None, layers: int) -> dict[str, object]:
     """Megatron-Core's --moe-layer-freq as MoESpec's placement: an integer N puts experts on layers 0, N, 2N, ...
     (`1 if (i % moe_layer_freq == 0)`, megatron/core/models/gpt/gpt_layer_specs.py); a Python list expression of
     0/1 per layer (arguments.py moe_freq_type, e.g. "([0]*3+[1]*1)*3"), computed without running it."""

@@ -362,6 +362,15 @@ def test_sbatch_passes_only_what_it_exports(tmp_path):
     assert _flag(inline.words, "--num-layers") == "6" and inline.gpus == 24
     missing = read_script(base + "sbatch job2.sh\npython pretrain_gpt.py --num-layers 2\n", env={}, cwd=str(tmp_path))
     assert any("job2.sh (the batch script sbatch submits)" in n for n in missing.notes)
+    # the batch script's own $0, the directory sbatch ran in (SLURM_SUBMIT_DIR) and --chdir's
+    (tmp_path / "job3.sh").write_text("srun python t.py --num-layers 2 --save $SLURM_SUBMIT_DIR/ckpt --load "
+                                      "$(dirname $0) --data `pwd`/data\n")
+    words = read_script("sbatch -D /scratch job3.sh\n", env={}, path=str(tmp_path / "s.sh"), cwd=str(tmp_path)).words
+    assert _flag(words, "--save") == f"{tmp_path}/ckpt" and _flag(words, "--load") == str(tmp_path)
+    assert _flag(words, "--data") == "/scratch/data"
+    # a quoted delimiter (\EOF, 'EOF') keeps the here-document as written
+    quoted = read_script("X=5\ncat <<\\EOF > a.json\n$X\nEOF\npython t.py --num-layers 2\n", env={})
+    assert quoted.files == {"a.json": "$X\n"}
 
 
 # The shape of BigScience's BLOOM launch script (train/tr11-176B-ml/tr11-176B-ml.slurm): an sbatch script whose
