@@ -279,6 +279,15 @@ def _computed(inner: str, st: _State) -> str | None:
     return out
 
 
+def _substitution(raw: str, inner: str, st: _State, double: bool, heredoc: bool) -> tuple[str, bool]:
+    """A command substitution (`raw`, running `inner`) as `_expand` writes it, and whether it stayed as written: a
+    path command's output (`_computed`), else the text marked as left unknown."""
+    value = _computed(inner, st)
+    if value is None:
+        return _as_written(raw, double or heredoc), True
+    return (value if heredoc else _quote_in_double(value) if double else shlex.quote(value)), False
+
+
 def _expand(text: str, st: _State, join: bool = False, heredoc: bool = False) -> tuple[str, bool]:
     """`text` with its expansions substituted, as text shlex can split into bash's words; and whether something
     stayed as written (a command substitution, a positional parameter, an unknown form). `join`: an assignment's
@@ -317,13 +326,9 @@ def _expand(text: str, st: _State, join: bool = False, heredoc: bool = False) ->
         if c == "`":
             end = text.find("`", i + 1)
             end = len(text) - 1 if end < 0 else end
-            value = _computed(text[i + 1:end], st)
-            if value is None:
-                out.append(_as_written(text[i:end + 1], double or heredoc))
-                kept = True
-            else:
-                out.append(value if heredoc else _quote_in_double(value) if double else shlex.quote(value))
-            i = end + 1
+            piece, unknown = _substitution(text[i:end + 1], text[i + 1:end], st, double, heredoc)
+            out.append(piece)
+            kept, i = kept or unknown, end + 1
             continue
         if c != "$" or i + 1 >= len(text):
             out.append(c)
@@ -333,7 +338,7 @@ def _expand(text: str, st: _State, join: bool = False, heredoc: bool = False) ->
             end = _closing(text, i + 3, "(", ")")
             value = _arith(text[i + 3:end], st) if end >= 0 and text.startswith("))", end) else None
             if value is None:
-                out.append(_as_written(text[i:(end + 2 if end >= 0 else len(text))], double))
+                out.append(_as_written(text[i:(end + 2 if end >= 0 else len(text))], double or heredoc))
                 kept, i = True, (end + 2 if end >= 0 else len(text))
             else:
                 out.append(str(value))
@@ -342,13 +347,9 @@ def _expand(text: str, st: _State, join: bool = False, heredoc: bool = False) ->
         if text.startswith("$(", i):
             end = _closing(text, i + 2, "(", ")")
             end = len(text) - 1 if end < 0 else end
-            value = _computed(text[i + 2:end], st)
-            if value is None:
-                out.append(_as_written(text[i:end + 1], double or heredoc))
-                kept = True
-            else:
-                out.append(value if heredoc else _quote_in_double(value) if double else shlex.quote(value))
-            i = end + 1
+            piece, unknown = _substitution(text[i:end + 1], text[i + 2:end], st, double, heredoc)
+            out.append(piece)
+            kept, i = kept or unknown, end + 1
             continue
         if text.startswith("${", i):
             end = _closing(text, i + 2, "{", "}")
