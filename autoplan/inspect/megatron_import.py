@@ -169,8 +169,9 @@ def _flags(words: list[str]) -> dict[str, list[str]]:
 
 
 def _launcher_gpus(words: list[str]) -> int | None:
-    """torchrun's world size, where its --nnodes (default 1) and --nproc-per-node are plain integers; 1 where the
-    training script is started by a bare `python` (one process: Megatron's world size without a launcher)."""
+    """torchrun's world size, where its --nnodes (default 1) and --nproc-per-node are plain integers (DeepSpeed's
+    launcher: --num_nodes and --num_gpus, both written); 1 where the training script is started by a bare `python`
+    (one process: Megatron's world size without a launcher)."""
     plain = [w for w in words if not re.fullmatch(r"[A-Za-z_]\w*=.*|-u|-O|-B", w)]
     if plain and all(re.fullmatch(r"(\S*/)?python[0-9.]*", w) for w in plain):
         return 1
@@ -180,7 +181,12 @@ def _launcher_gpus(words: list[str]) -> int | None:
             name, eq, value = w.partition("=")
             if eq or i + 1 < len(words):
                 f[name.replace("_", "-")] = value if eq else words[i + 1]
-    nodes, procs = f.get("--nnodes", "1"), f.get("--nproc-per-node", "")
+    if any(w.rsplit("/", 1)[-1] == "deepspeed" for w in words):
+        # DeepSpeed's launcher (deepspeed/launcher/runner.py): --num_nodes x --num_gpus; without them it takes the
+        # hostfile's nodes and every GPU on each, which only the cluster knows
+        nodes, procs = f.get("--num-nodes", ""), f.get("--num-gpus", "")
+    else:
+        nodes, procs = f.get("--nnodes", "1"), f.get("--nproc-per-node", "")
     return int(nodes) * int(procs) if nodes.isdigit() and procs.isdigit() else None
 
 

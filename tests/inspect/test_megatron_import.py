@@ -434,6 +434,9 @@ def test_deepspeed_moe_reads_as_megatron_deepspeed_runs_it():
     assert (run.model.moe.capacity_factor, run.model.moe.pad_to_capacity) == (1.25, True)
     dropless = read_megatron(command_tokens(flags + "--disable-moe-token-dropping --moe-train-capacity-factor 2"))
     assert not dropless.model.moe.pad_to_capacity and any("busiest" in n for n in dropless.notes)
+    # DeepSpeed's launcher gives the world size where it writes both counts (else its hostfile's, not known here)
+    assert read_megatron(command_tokens("deepspeed --num_nodes 2 --num_gpus 8 pretrain_gpt.py " + flags)).gpus == 16
+    assert read_megatron(command_tokens("deepspeed --hostfile hf pretrain_gpt.py " + flags)).gpus is None
     with pytest.raises(ConfigError, match="Residual MoE"):
         read_megatron(command_tokens(flags + "--mlp-type residual"))
     with pytest.raises(ConfigError, match="pyramid MoE"):
