@@ -296,6 +296,9 @@ def _estimate_read(args: argparse.Namespace, run, key: str, source: str, no_gpus
         raise ConfigError(f"the number of GPUs is not in {source}", no_gpus, gpus_fix)
     cfg = run.parallel
     notes = list(run.notes)
+    if cfg.zero and gpus == cfg.tp * cfg.pp:  # dp x cp = 1: Megatron and DeepSpeed run their sharded optimizers there
+        notes.append(f"zero={cfg.zero} over one data-parallel rank shards nothing: priced as zero=0")
+        cfg = cfg.model_copy(update={"zero": 0})
     batch = run.global_batch
     if batch is None:  # Megatron's default: one micro-batch per data-parallel rank
         dp = gpus // (cfg.tp * cfg.pp * cfg.cp)

@@ -398,7 +398,7 @@ def test_megatron_deepspeed_commands_price_on_deepspeeds_stack(tmp_path, capsys)
         read_megatron(command_tokens(flags))
 
 
-def test_megatron_deepspeeds_own_flags_for_bloom():
+def test_megatron_deepspeeds_own_flags_for_bloom(capsys):
     """BLOOM's Megatron-DeepSpeed flags: --pad-vocab-size-to gives the embedding's rows (the tokenizer's files are
     not needed), ALiBi positions, and --zero-stage 0 under bf16 runs DeepSpeed's BF16_Optimizer, which shards the
     fp32 master and Adam states itself (zero=1); under fp16 stage 0 is unsharded."""
@@ -408,6 +408,12 @@ def test_megatron_deepspeeds_own_flags_for_bloom():
     assert run.model.vocab_size == 250880 and run.model.position == "alibi" and run.parallel.zero == 1
     assert any("BF16_Optimizer" in n for n in run.notes) and not run.unpriced
     assert read_megatron(command_tokens(flags + "--fp16")).parallel.zero == 0
+    # over one data-parallel rank the sharding is a no-op that Megatron and DeepSpeed run: priced as zero=0
+    assert main(["from-megatron", "--cluster", "dgx-a100-80g", "--gpus", "2", "--json", "--",
+                 *command_tokens(flags + "--bf16 --tensor-model-parallel-size 2 --global-batch-size 4")]) == 0
+    captured = capsys.readouterr()
+    assert ",zero=0," in json.loads(captured.out)["from_megatron"]["parallel"]
+    assert "zero=1 over one data-parallel rank shards nothing" in captured.err
     with pytest.raises(ConfigError, match="--pad-vocab-size-to is below the vocabulary"):
         read_megatron(command_tokens(flags.replace("--tokenizer-type PretrainedFromHF", "--vocab-size 300000")))
     # exported back to Megatron-LM, which has no ALiBi: said, not written as a flag its parser refuses
