@@ -169,7 +169,8 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
     top_k = model.moe.top_k if moe else 0
     n_exp = model.moe.num_experts if moe else 0
     cap = model.moe.routed_scale if moe else 1.0  # padded expert inputs: capacity x the balanced rows
-    mlp_kw = dict(expert=True, tokens_per_token=float(top_k) * cap, count=n_exp) if moe else {}
+    routed = top_k * cap  # expert rows per token (LayerProfile.routed_per_token)
+    mlp_kw = dict(expert=True, tokens_per_token=float(routed), count=n_exp) if moe else {}
     if gated:
         gemms += [Gemm(name="w1", n=ffn, k=h, tp="col", **mlp_kw), Gemm(name="w3", n=ffn, k=h, tp="col", **mlp_kw)]
     else:
@@ -178,7 +179,7 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
     if moe:
         gemms.insert(4, Gemm(name="router", n=n_exp, k=h, tp="replicated"))
     qkv_out = (a + 2 * kv) * d
-    mult = max(top_k, 1) * cap
+    mult = max(routed, 1)
     ffn_tot = ffn * mult * (2 if gated else 1)  # fc1 output elements per token
     # Parameters outside GEMMs: two norms (weight, +bias for LayerNorm); biases of col layers are sharded,
     # biases of row layers replicated.
@@ -197,13 +198,13 @@ def _block(model: ModelSpec, i: int, dropout: bool) -> LayerProfile:
     if model.position == "rope":
         ew_tp += 2 * (a + kv) * d
     if moe:
-        ew_tp += 2 * h * top_k * cap  # dispatch and combine permutations
+        ew_tp += 2 * h * routed  # dispatch and combine permutations
     # Saved activations (Korthikanti et al. 2022, sec. 4.1, generalised to GQA, SwiGLU and no-dropout):
     # norm inputs 2*2h, QKV input 2h, MLP input 2h, dropout masks 1 byte each: replicated across TP w/o SP.
     act_seq = 2 * 2 * h + 2 * h + 2 * h + (2 * h if dropout else 0)
     act_tp = 2 * qkv_out + 2 * a * d + 2 * ffn_tot * 1 + 2 * ffn * mult  # Q,K,V; proj input; fc1 out; fc2 in
     if moe:
-        act_tp += 2 * h * top_k * cap + 4 * n_exp  # dispatched tokens, router probabilities (fp32)
+        act_tp += 2 * h * routed + 4 * n_exp  # dispatched tokens, router probabilities (fp32)
     # Unfused attention stores softmax output (2 bytes), dropout mask (1) and dropout output (2) per score.
     scores = a * (2 + (3 if dropout else 0))
     return LayerProfile(

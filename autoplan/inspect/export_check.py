@@ -273,15 +273,16 @@ _CORE_EXPR_FIELDS = {"--window-size": "window_size", "--window-attn-skip-freq": 
 
 
 def _literal(value: object) -> object:
-    """A tuple or "[bits]*k" list flag as the value Megatron's argument types produce (without eval)."""
+    """A tuple or a per-layer list expression flag as the value Megatron's argument types produce (without eval)."""
     import ast
-    import re
+
+    from .export_numerics import pattern_bits
 
     if not isinstance(value, str):
         return value
-    m = re.fullmatch(r"(\[[0-9,\s]*\])\*(\d+)", value.strip())
-    if m:
-        return list(ast.literal_eval(m.group(1))) * int(m.group(2))
+    bits = pattern_bits(value)
+    if bits is not None:
+        return bits
     out = ast.literal_eval(value)
     return list(out) if isinstance(out, list) else out
 

@@ -63,6 +63,36 @@ def layer_pattern(bits: list[int]) -> str:
     raise AssertionError("unreachable: the whole list is its own period")
 
 
+def pattern_bits(text: str) -> list[int] | None:
+    """A per-layer 0/1 list from a list expression of ints with + and * (Megatron's pattern arguments,
+    "([0]*3+[1])*4"; `layer_pattern`'s inverse), computed without running it; None for anything else."""
+    import ast
+
+    def ev(node: ast.AST):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.List):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(a, list) and isinstance(b, list):
+                return a + b
+            if isinstance(node.op, ast.Mult) and isinstance(a, list) != isinstance(b, list):
+                k = b if isinstance(a, list) else a
+                if 0 <= k <= 100_000:
+                    return a * k if isinstance(a, list) else b * k
+        raise ValueError(node)
+    try:
+        value = ev(ast.parse(text.strip(), mode="eval"))
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    if not isinstance(value, list) or not all(isinstance(x, int) and x in (0, 1) for x in value):
+        return None
+    return value
+
+
 def rotary_base_flag(theta: float, warnings: list[str]) -> Flag:
     """Megatron's --rotary-base (an int, default 10000) for a rotary base; a warning where it must round."""
     if theta != int(theta):

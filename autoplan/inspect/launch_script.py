@@ -673,14 +673,21 @@ def _locate(target: str, st: _State) -> tuple[str | None, str]:
     return None, ""
 
 
+def _file_text(path: str) -> str | None:
+    """A file the script reads (sources, submits), or None where it cannot be read as text."""
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def _follow(path: str, how: str, st: _State, blocks: list[_Block], found: list) -> None:
     """Read a sourced file into the same shell: its variables are the script's."""
     if path in st.reading or st.shells + len(st.reading) >= _MAX_DEPTH:
         st.sourced.append(f"{path} (sourced again while it is read)")
         return
-    try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError):
+    text = _file_text(path)
+    if text is None:
         st.sourced.append(path)
         return
     st.followed.append(f"{path} ({how})" if how else path)
@@ -904,10 +911,7 @@ def _statement(stmt: str, docs: list[tuple[str, bool]], st: _State, blocks: list
             _submit(wrap, "sbatch --wrap", None, opts, st, found)
         elif script is not None:
             path, how = _locate(script, st)
-            try:
-                batch = Path(path).read_text() if path else None
-            except (OSError, UnicodeDecodeError):
-                batch = None
+            batch = _file_text(path) if path else None
             if batch is None:
                 st.sourced.append(f"{script} (the batch script sbatch submits)")
             else:

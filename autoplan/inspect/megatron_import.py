@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.specs import ModelSpec, MoESpec, ParallelConfig, moe_layer_spacing
+from autoplan.inspect.export_numerics import pattern_bits
 
 # Megatron's own defaults (megatron/training/arguments.py) where a flag is absent
 _MAKE_VOCAB_DIVISIBLE_BY = 128  # --make-vocab-size-divisible-by
@@ -329,42 +330,12 @@ def _moe_layers(freq: str | None, layers: int) -> dict[str, object]:
         return {}
     if freq.isdigit():
         return {"every_n_layers": int(freq), "first_layer": 0}
-    bits = _list_expression(freq)
+    bits = pattern_bits(freq)
     if bits is None or len(bits) != layers or not any(bits):
         raise ConfigError("--moe-layer-freq is not a 0/1 list of one entry per layer", f"got {freq} for {layers} "
                           "layers", "write N (one MoE layer every N, from layer 0) or a list expression such as "
                           "\"([0]*3+[1])*4\" of --num-layers entries")
     return moe_layer_spacing([bool(b) for b in bits]) or {}
-
-
-def _list_expression(text: str) -> list[int] | None:
-    """The value of a list expression of ints with + and * (Megatron's pattern arguments), computed without
-    running it; None for anything else."""
-    import ast
-
-    def ev(node: ast.AST):
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.List):
-            return [ev(e) for e in node.elts]
-        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
-            return node.value
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-            a, b = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Add) and isinstance(a, list) and isinstance(b, list):
-                return a + b
-            if isinstance(node.op, ast.Mult) and isinstance(a, list) != isinstance(b, list):
-                k = b if isinstance(a, list) else a
-                if 0 <= k <= 100_000:
-                    return a * k if isinstance(a, list) else b * k
-        raise ValueError(node)
-    try:
-        value = ev(ast.parse(text.strip(), mode="eval"))
-    except (SyntaxError, ValueError, RecursionError):
-        return None
-    if not isinstance(value, list) or not all(isinstance(x, int) and x in (0, 1) for x in value):
-        return None
-    return value
 
 
 def _deepspeed_moe(r: _Reader, notes: list[str]) -> dict[str, object]:
